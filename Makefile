@@ -1,0 +1,43 @@
+# Pin torch to the CPU build that these machines keep on disk; override with
+#   make install TORCH_SPEC="torch==2.5.1"   (or any pip requirement string)
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test lint typecheck bench bench-quick clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): $(PY) pyproject.toml Makefile
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q -e ".[dev,report,recipes]" "$(TORCH_SPEC)"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	OMP_NUM_THREADS=1 $(VENV)/bin/checkpointless demo --verify --out runs/demo
+
+lint: install
+	$(VENV)/bin/ruff check checkpointless tests bench examples
+	$(VENV)/bin/ruff format --check checkpointless tests bench examples
+
+typecheck: install
+	$(VENV)/bin/mypy
+
+test: install lint typecheck
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
+
+bench: install
+	OMP_NUM_THREADS=1 $(PY) bench/run_all.py
+
+bench-quick: install
+	OMP_NUM_THREADS=1 $(PY) bench/run_all.py --quick
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache
