@@ -1,0 +1,14 @@
+"""checkpointless: fault-tolerant distributed PyTorch training without checkpoints.
+
+The public face is small: a ``Session`` wraps a training loop; ``Stateful`` is
+the protocol for extra state to move; faults and configs are for launchers and
+tests.
+"""
+
+from checkpointless.config import JobConfig, RecoveryConfig
+from checkpointless.faults import FaultSpec, parse_fault
+from checkpointless.recovery import Session
+from checkpointless.state import Stateful
+
+__all__ = ["FaultSpec", "JobConfig", "RecoveryConfig", "Session", "Stateful", "parse_fault"]
+__version__ = "0.1.0"

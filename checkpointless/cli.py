@@ -1,0 +1,163 @@
+"""The ``checkpointless`` command line.
+
+User mistakes end with one line on stderr and exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import NoReturn
+
+from rich.console import Console
+
+from checkpointless.config import JobConfig, RecoveryConfig
+from checkpointless.faults import parse_faults, validate_schedule
+from checkpointless.launch import JobResult, Launcher, LaunchError
+
+
+class UsageError(Exception):
+    """A user mistake: reported as one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def _positive(name: str, value: int, minimum: int = 1) -> None:
+    if value < minimum:
+        raise UsageError(f"--{name} must be >= {minimum}, got {value}")
+
+
+def _add_job_args(p: argparse.ArgumentParser, *, workers: int, spares: int) -> None:
+    p.add_argument("--workers", type=int, default=workers, help="data-parallel workers (ranks)")
+    p.add_argument("--spares", type=int, default=spares, help="hot spare processes kept warm")
+    p.add_argument("--fault", action="append", default=None, metavar="SPEC",
+                   help="KIND:rank=R[,R]@step=S (kill|hang|exception), kill:spare@recovery, or none")  # fmt: skip
+    p.add_argument("--out", type=Path, default=None, help="write events.jsonl, report.json and logs here")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--port", type=int, default=0, help="control store port (0: any free port)")
+    p.add_argument(
+        "--hang-timeout", type=float, default=2.0, help="seconds without heartbeat before a hang is declared"
+    )
+
+
+def _job(args: argparse.Namespace, steps: int | None, default_faults: list[str]) -> JobConfig:
+    _positive("workers", args.workers)
+    _positive("spares", args.spares, 0)
+    if not 0 <= args.port < 65536:
+        raise UsageError(f"--port must be in 0..65535, got {args.port}")
+    try:
+        faults = parse_faults(args.fault if args.fault is not None else default_faults)
+        if steps is not None:
+            validate_schedule(faults, workers=args.workers, spares=args.spares, steps=steps)
+        recovery = RecoveryConfig(
+            hang_timeout_s=args.hang_timeout, heartbeat_interval_s=min(0.1, args.hang_timeout / 4)
+        )
+        return JobConfig(
+            workers=args.workers, spares=args.spares, seed=args.seed, faults=faults, recovery=recovery
+        )
+    except ValueError as e:
+        raise UsageError(str(e)) from e
+
+
+def _print_result(console: Console, result: JobResult, label: str) -> None:
+    from checkpointless.console import summary_table
+
+    r = result.report
+    console.print(
+        f"[bold]{label}[/bold]: {'ok' if result.ok else 'FAILED'}  steps {r['steps_completed']}  "
+        f"wall {r['wall_s']:.2f}s  step {r['step_time_s'] * 1000:.1f}ms  goodput {r['goodput']:.3f}  "
+        f"generations {r['generations']}",
+        highlight=False,
+    )
+    if r["faults"]:
+        console.print(summary_table(r))
+    if result.error:
+        console.print(f"[red]error:[/red] {result.error}")
+    console.print(f"final state sha256: {result.digest}", highlight=False)
+
+
+def cmd_demo(argv: list[str]) -> int:
+    from checkpointless.console import LiveProgress
+    from checkpointless.demo import DemoModel, default_faults, worker_command
+
+    p = _Parser(prog="checkpointless demo", description="Train a small GPT through real faults.")
+    _add_job_args(p, workers=2, spares=1)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--verify", action="store_true", help="also run fault-free and compare final state hashes")
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--quiet", action="store_true", help="no live progress")
+    args = p.parse_args(argv)
+    _positive("steps", args.steps)
+    job = _job(args, args.steps, default_faults(args.workers, args.steps))
+    spec = DemoModel(steps=args.steps, seed=args.seed, d_model=args.d_model, n_layer=args.layers)
+    if spec.global_batch % args.workers:
+        raise UsageError(f"--workers {args.workers} must divide the global batch of {spec.global_batch}")
+    console = Console(stderr=True)
+    console.print(
+        f"checkpointless demo: {args.workers} workers + {args.spares} spare(s), {args.steps} steps, "
+        f"faults: {', '.join(map(str, job.faults)) or 'none'}",
+        highlight=False,
+    )
+    progress = None if args.quiet else LiveProgress(args.steps, console)
+    result = Launcher(
+        job, worker_command(spec), total_steps=args.steps, port=args.port, out_dir=args.out, on_tick=progress
+    ).run()
+    _print_result(console, result, "faulted run" if job.faults else "run")
+    if not result.ok:
+        return 1
+    if args.verify:
+        clean = JobConfig(**{**asdict(job), "faults": [], "recovery": job.recovery})
+        ref_out = args.out / "reference" if args.out else None
+        ref = Launcher(
+            clean, worker_command(spec), total_steps=args.steps, port=args.port, out_dir=ref_out
+        ).run()
+        _print_result(console, ref, "fault-free reference")
+        same = ref.ok and ref.digest == result.digest
+        console.print(
+            "[green]bitwise identical to the fault-free run[/green]"
+            if same
+            else "[red]final states DIFFER[/red]"
+        )
+        return 0 if same else 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    commands = {"demo": cmd_demo}
+    try:
+        if not argv or argv[0] in ("-h", "--help"):
+            print("usage: checkpointless {demo,launch,run,report,simulate} ...", file=sys.stderr)
+            return 0 if argv else 2
+        cmd, rest = argv[0], argv[1:]
+        if cmd == "report":
+            from checkpointless.report_plot import main as report_main
+
+            return report_main(rest)
+        if cmd == "simulate":
+            from checkpointless.simulate import main as simulate_main
+
+            return simulate_main(rest)
+        if cmd not in commands:
+            raise UsageError(f"unknown command {cmd!r} (expected one of demo, launch, run, report, simulate)")
+        return commands[cmd](rest)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except LaunchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,74 @@
+"""Configuration dataclasses of the core, validated with errors that name the field."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+from checkpointless.faults import FaultSpec
+
+
+@dataclass(kw_only=True, slots=True)
+class RecoveryConfig:
+    """How failures are detected and how long recovery may wait."""
+
+    hang_timeout_s: float = 2.0
+    """A process with no heartbeat for this long is declared hung, killed and replaced."""
+    heartbeat_interval_s: float = 0.1
+    """How often each process reports to the coordinator."""
+    collective_timeout_s: float = 60.0
+    """Backstop for any single collective or group formation (normally never reached)."""
+    plan_timeout_s: float = 120.0
+    """How long a survivor waits for the coordinator's recovery plan."""
+    max_retries_per_step: int = 5
+    """Recoveries that may resume at the same step before the job is failed."""
+
+    def __post_init__(self) -> None:
+        if self.hang_timeout_s <= 0:
+            raise ValueError(f"hang_timeout_s must be > 0, got {self.hang_timeout_s}")
+        if not 0 < self.heartbeat_interval_s < self.hang_timeout_s:
+            raise ValueError(
+                f"heartbeat_interval_s must be in (0, hang_timeout_s={self.hang_timeout_s}), "
+                f"got {self.heartbeat_interval_s}"
+            )
+        if self.collective_timeout_s <= 0:
+            raise ValueError(f"collective_timeout_s must be > 0, got {self.collective_timeout_s}")
+        if self.plan_timeout_s <= 0:
+            raise ValueError(f"plan_timeout_s must be > 0, got {self.plan_timeout_s}")
+        if self.max_retries_per_step < 1:
+            raise ValueError(f"max_retries_per_step must be >= 1, got {self.max_retries_per_step}")
+
+
+@dataclass(kw_only=True, slots=True)
+class JobConfig:
+    """Shape of a job as the launcher runs it; passed to every process."""
+
+    workers: int
+    spares: int = 1
+    shards: int = 1
+    backend: str = "gloo"
+    seed: int = 0
+    faults: list[FaultSpec] = field(default_factory=list)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ValueError(f"workers must be >= 1, got {self.workers}")
+        if self.spares < 0:
+            raise ValueError(f"spares must be >= 0, got {self.spares}")
+        if self.shards < 1 or self.workers % self.shards:
+            raise ValueError(f"shards={self.shards} must divide workers={self.workers}")
+        if self.backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be gloo or nccl, got {self.backend!r}")
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["faults"] = [f.to_json() for f in self.faults]
+        return json.dumps(d)
+
+    @staticmethod
+    def from_json(text: str) -> JobConfig:
+        d = json.loads(text)
+        d["faults"] = [FaultSpec.from_json(f) for f in d["faults"]]
+        d["recovery"] = RecoveryConfig(**d["recovery"])
+        return JobConfig(**d)

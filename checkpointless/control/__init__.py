@@ -1,0 +1,1 @@
+"""Control plane: coordinator, worker-side client and the control-store wire format."""

@@ -1,0 +1,304 @@
+"""The coordinator: membership, failure detection and recovery plans.
+
+It runs in the launcher process (never in a worker, so any worker may die) and
+talks to the processes only through the control store. One ``tick`` reads every
+heartbeat and failure report, decides, and publishes; the launcher calls it in
+a loop.
+
+Detection, and who sees what:
+
+- process exit: the launcher's handle reports the process dead;
+- hang: a process whose heartbeat has not changed for ``hang_timeout_s`` is
+  killed (a stopped process cannot release its peers' collectives, DESIGN.md);
+- collective error / exception: a worker reports the failure of its generation;
+- no progress: once a generation has failed, a live member that neither dies
+  nor reports within the recovery deadline is killed and replaced.
+
+A plan for generation n+1 is published only once every member of generation n
+is accounted for (dead or reported), so the highest committed step is known
+exactly and no survivor is left behind in a dead group.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from torch.distributed import Store
+
+from checkpointless.config import JobConfig
+from checkpointless.control import keys
+from checkpointless.control.plan import Plan, PlanError, initial_plan, make_plan
+
+log = logging.getLogger(__name__)
+
+
+class JobFailed(RuntimeError):
+    """The job cannot continue; the message says why."""
+
+
+class ProcessHandle(Protocol):
+    """What the coordinator needs of a process the launcher started."""
+
+    name: str
+
+    def alive(self) -> bool: ...
+
+    def kill(self) -> None: ...
+
+
+@dataclass
+class _Proc:
+    handle: ProcessHandle
+    role: str  # worker | spare | gone
+    raw_hb: bytes = b""
+    hb: dict[str, Any] = field(default_factory=dict)
+    last_change: float = 0.0
+    killed: bool = False
+
+
+@dataclass
+class _Failure:
+    gen: int
+    started: float
+    dead: set[int] = field(default_factory=set)
+    reported: dict[int, int] = field(default_factory=dict)
+
+
+class Coordinator:
+    """Control plane of one job (see the module docstring for the protocol)."""
+
+    def __init__(
+        self,
+        store: Store,
+        job: JobConfig,
+        total_steps: int | None,
+        spawn_spare: Callable[[], ProcessHandle],
+        emit: Callable[[dict[str, Any]], None],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.store, self.job, self.total_steps = store, job, total_steps
+        self._spawn_spare, self._emit_cb, self._clock = spawn_spare, emit, clock
+        self.procs: dict[str, _Proc] = {}
+        self.plan: Plan | None = None
+        self._failure: _Failure | None = None
+        self._recovering: tuple[float, Plan] | None = None
+        self._retries: Counter[int] = Counter()
+        self._step_times: list[float] = []
+        self.digest: str | None = None
+        self.finished = False
+
+    # -- setup --------------------------------------------------------------------
+    def start(self, workers: list[ProcessHandle], spares: list[ProcessHandle]) -> None:
+        for h in workers:
+            self._add(h, "worker")
+        for h in spares:
+            self._add(h, "spare")
+        self.plan = initial_plan(self.job.workers, self.job.shards, [h.name for h in workers])
+        self.store.set(keys.plan(0), self.plan.to_json())
+        self.store.set(keys.LATEST_GEN, "0")
+        self._emit("generation_started", gen=0, members=self.plan.members, resume_step=0)
+
+    def _add(self, h: ProcessHandle, role: str) -> None:
+        self.procs[h.name] = _Proc(h, role, last_change=self._clock())
+
+    def _emit(self, kind: str, **fields: Any) -> None:
+        ev = {"t": time.time(), "kind": kind, "proc": "coordinator", **fields}
+        ev.setdefault("rank", None)
+        ev.setdefault("gen", self.plan.gen if self.plan else 0)
+        ev.setdefault("step", None)
+        self._emit_cb(ev)
+
+    # -- views --------------------------------------------------------------------
+    @property
+    def members(self) -> dict[int, str]:
+        assert self.plan is not None
+        return self.plan.members
+
+    def member_status(self) -> dict[int, dict[str, Any]]:
+        """Latest heartbeat of every rank (for progress display and metrics)."""
+        return {r: self.procs[p].hb for r, p in self.members.items() if p in self.procs}
+
+    def ready_spares(self) -> list[str]:
+        return [
+            n for n, p in self.procs.items()
+            if p.role == "spare" and not p.killed and p.hb.get("phase") == "spare" and p.handle.alive()
+        ]  # fmt: skip
+
+    def median_step_time(self) -> float:
+        return statistics.median(self._step_times[-50:]) if self._step_times else 0.0
+
+    # -- the loop -----------------------------------------------------------------
+    def tick(self) -> None:
+        """One round of observe, decide, publish. Raises ``JobFailed``."""
+        assert self.plan is not None
+        now = self._clock()
+        self._read_heartbeats(now)
+        self._check_processes(now)
+        self._check_reports()
+        if self._failure is not None:
+            self._try_recover(now)
+        elif self._recovering is not None:
+            self._check_recovered()
+        if self._failure is None and self._recovering is None:
+            self._check_done()
+
+    def _read_heartbeats(self, now: float) -> None:
+        for name, p in self.procs.items():
+            if p.role == "gone" or not self.store.check([keys.heartbeat(name)]):
+                continue
+            raw = self.store.get(keys.heartbeat(name))
+            if raw != p.raw_hb:
+                p.raw_hb, p.last_change = raw, now
+                hb = json.loads(raw)
+                if (
+                    p.role == "worker"
+                    and hb.get("step_time_s")
+                    and hb.get("committed") != p.hb.get("committed")
+                ):
+                    self._step_times.append(float(hb["step_time_s"]))
+                p.hb = hb
+
+    def _rank_of(self, name: str) -> int | None:
+        assert self.plan is not None
+        return self.plan.rank_of(name)
+
+    def _check_processes(self, now: float) -> None:
+        rc = self.job.recovery
+        for name, p in list(self.procs.items()):
+            if p.role == "gone":
+                continue
+            rank = self._rank_of(name) if p.role == "worker" else None
+            if not p.handle.alive():
+                if self.finished:
+                    p.role = "gone"
+                    continue
+                self._emit("process_exited", rank=rank, target=name, role=p.role)
+                if p.role == "worker" and rank is not None:
+                    self._emit("fault_detected", rank=rank, reason="process_exit", target=name)
+                    self._fail(now).dead.add(rank)
+                elif p.role == "spare" and not self.finished:
+                    self._add(self._spawn_spare(), "spare")  # refill the pool
+                p.role = "gone"
+                continue
+            if p.raw_hb and not p.killed and now - p.last_change > rc.hang_timeout_s:
+                self._emit("fault_detected", rank=rank, reason="heartbeat_timeout", target=name,
+                           silent_s=round(now - p.last_change, 3))  # fmt: skip
+                log.warning(
+                    "%s (rank %s): no heartbeat for %.1fs, killing it", name, rank, now - p.last_change
+                )
+                p.killed = True
+                p.handle.kill()
+
+    def _fail(self, now: float) -> _Failure:
+        assert self.plan is not None
+        if self._failure is None:
+            self._failure = _Failure(self.plan.gen, now)
+            self.store.set(keys.abort(self.plan.gen), "1")
+            self._recovering = None
+        return self._failure
+
+    def _check_reports(self) -> None:
+        assert self.plan is not None
+        gen = self.plan.gen
+        if int(self.store.add(keys.fail_count(gen), 0)) == 0:
+            return
+        failure = self._fail(self._clock())
+        for rank in self.members:
+            if rank in failure.reported or rank in failure.dead:
+                continue
+            if self.store.check([keys.fail(gen, rank)]):
+                d = json.loads(self.store.get(keys.fail(gen, rank)))
+                failure.reported[rank] = int(d["committed"])
+
+    def _try_recover(self, now: float) -> None:
+        assert self._failure is not None and self.plan is not None
+        f = self._failure
+        missing = [r for r in self.members if r not in f.dead and r not in f.reported]
+        if missing:
+            deadline = max(self.job.recovery.hang_timeout_s, 3 * self.median_step_time())
+            if now - f.started > deadline:
+                for r in missing:
+                    p = self.procs[self.members[r]]
+                    if not p.killed:
+                        self._emit("fault_detected", rank=r, reason="no_progress", target=p.handle.name)
+                        p.killed = True
+                        p.handle.kill()
+            return
+        committed = {r: c for r, c in f.reported.items() if r not in f.dead}
+        spares = self.ready_spares()
+        if len(f.dead) > len(spares):
+            starting = [n for n, p in self.procs.items() if p.role == "spare" and p.handle.alive()]
+            if len(f.dead) > len(starting):
+                raise JobFailed(
+                    f"generation {f.gen}: {len(f.dead)} rank(s) lost and {len(starting)} spare(s) left "
+                    "(elastic shrink without spares is not supported yet)"
+                )
+            return  # wait for spares that are still starting
+        try:
+            plan = make_plan(self.plan, committed, spares)
+        except PlanError as e:
+            raise JobFailed(f"generation {f.gen}: {e}") from e
+        self._retries[plan.resume_step] += 1
+        if self._retries[plan.resume_step] > self.job.recovery.max_retries_per_step:
+            raise JobFailed(
+                f"step {plan.resume_step} failed {self._retries[plan.resume_step]} times; giving up"
+            )
+        self._publish(plan, f)
+
+    def _publish(self, plan: Plan, f: _Failure) -> None:
+        self.store.set(keys.plan(plan.gen), plan.to_json())
+        self.store.set(keys.LATEST_GEN, str(plan.gen))
+        for rank, old in plan.replaced.items():
+            self.procs[old].role = "gone"
+            new = plan.members[rank]
+            self.procs[new].role = "worker"
+            self.store.set(keys.assign(new), str(plan.gen))
+        self.plan = plan
+        self._emit(
+            "generation_started", gen=plan.gen, members=plan.members, resume_step=plan.resume_step,
+            sources=plan.sources, replaced=plan.replaced, committed=f.reported,
+        )  # fmt: skip
+        for rank, old in plan.replaced.items():
+            self._emit("spare_assigned", rank=rank, gen=plan.gen, target=plan.members[rank], replaces=old)
+            self._add(self._spawn_spare(), "spare")
+        self._recovering = (f.started, plan)
+        self._failure = None
+
+    def _check_recovered(self) -> None:
+        assert self._recovering is not None
+        started, plan = self._recovering
+        for _rank, name in plan.members.items():
+            hb = self.procs[name].hb
+            if hb.get("gen") != plan.gen:
+                return
+            if hb.get("committed", -1) < plan.resume_step and hb.get("phase") != "done":
+                return
+        self._emit("recovery_done", gen=plan.gen, step=plan.resume_step, seconds=self._clock() - started)
+        self._recovering = None
+
+    def _check_done(self) -> None:
+        if self.finished:
+            return
+        done: dict[int, dict[str, Any]] = {}
+        for rank in self.members:
+            if not self.store.check([keys.done(rank)]):
+                return
+            done[rank] = json.loads(self.store.get(keys.done(rank)))
+            if done[rank]["proc"] != self.members[rank]:
+                return  # a report of a process that has since been replaced
+        if len({d["step"] for d in done.values()}) != 1:
+            return  # a rank is still re-executing a step after a late recovery
+        digests = {d["digest"] for d in done.values()}
+        if len(digests) != 1:
+            raise JobFailed(f"replicas diverged: {len(digests)} different final states across ranks")
+        self.digest = digests.pop()
+        self.finished = True
+        self.store.set(keys.JOB_STOP, "1")
+        self._emit("job_finished", ok=True, step=done[0]["step"], digest=self.digest)

@@ -1,0 +1,144 @@
+"""Recovery plans: who holds which rank in a generation, and who sends state to whom.
+
+``make_plan`` is a pure function of what the coordinator observed, so the whole
+decision can be tested without processes. Recovery is per (shard, replica
+group): a rank's state can only come from a survivor holding the same shard.
+DDP is the case of one shard.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+
+class PlanError(RuntimeError):
+    """No correct plan exists (no spare, or no live replica of some shard)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaMap:
+    """Layout of ``world_size`` ranks as ``replicas x shards`` (HSDP); shards=1 is DDP.
+
+    Rank r holds shard ``r % shards`` and is replica ``r // shards`` of it.
+    """
+
+    world_size: int
+    shards: int = 1
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        if self.shards < 1 or self.world_size % self.shards:
+            raise ValueError(f"shards={self.shards} must divide world_size={self.world_size}")
+
+    def shard_of(self, rank: int) -> int:
+        return rank % self.shards
+
+    def replica_group(self, rank: int) -> list[int]:
+        """Ranks holding bitwise identical copies of ``rank``'s state."""
+        return list(range(self.shard_of(rank), self.world_size, self.shards))
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """Membership and state movement of one generation.
+
+    ``resume_step`` is the first step every rank executes in this generation;
+    ``sources[r] = s`` means rank ``s`` sends its full state to rank ``r``
+    before training resumes.
+    """
+
+    gen: int
+    world_size: int
+    shards: int
+    members: dict[int, str]
+    resume_step: int
+    sources: dict[int, int] = field(default_factory=dict)
+    replaced: dict[int, str] = field(default_factory=dict)  # rank -> proc that left
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "gen": self.gen,
+                "world_size": self.world_size,
+                "shards": self.shards,
+                "members": {str(k): v for k, v in self.members.items()},
+                "resume_step": self.resume_step,
+                "sources": {str(k): v for k, v in self.sources.items()},
+                "replaced": {str(k): v for k, v in self.replaced.items()},
+            }
+        )
+
+    @staticmethod
+    def from_json(text: str | bytes) -> Plan:
+        d = json.loads(text)
+        return Plan(
+            gen=int(d["gen"]),
+            world_size=int(d["world_size"]),
+            shards=int(d["shards"]),
+            members={int(k): str(v) for k, v in d["members"].items()},
+            resume_step=int(d["resume_step"]),
+            sources={int(k): int(v) for k, v in d["sources"].items()},
+            replaced={int(k): str(v) for k, v in d["replaced"].items()},
+        )
+
+    def rank_of(self, proc: str) -> int | None:
+        for r, p in self.members.items():
+            if p == proc:
+                return r
+        return None
+
+
+def initial_plan(world_size: int, shards: int, procs: list[str]) -> Plan:
+    assert len(procs) == world_size
+    return Plan(gen=0, world_size=world_size, shards=shards, members=dict(enumerate(procs)), resume_step=0)
+
+
+def make_plan(prev: Plan, committed: dict[int, int], spares: list[str]) -> Plan:
+    """The next generation after a failure in ``prev``.
+
+    ``committed`` maps every surviving rank to its last committed step (-1 if
+    none); ranks of ``prev`` missing from it are dead and get a spare, taken in
+    order from ``spares``. Training resumes after the highest step that every
+    shard still holds on some survivor; each replacement and each lagging
+    survivor receives state from an up-to-date survivor of its own shard, the
+    load spread round-robin over the sources.
+    """
+    layout = ReplicaMap(prev.world_size, prev.shards)
+    dead = sorted(set(prev.members) - set(committed))
+    if len(dead) > len(spares):
+        raise PlanError(
+            f"{len(dead)} rank(s) lost ({', '.join(map(str, dead))}) but only {len(spares)} spare(s) ready"
+        )
+    best: dict[int, int] = {}
+    for shard in range(prev.shards):
+        alive = [r for r in layout.replica_group(shard) if r in committed]
+        if not alive:
+            raise PlanError(f"every replica of shard {shard} is lost: no live copy of its state")
+        best[shard] = max(committed[r] for r in alive)
+    resume = min(best.values()) + 1
+    ahead = [r for r, c in committed.items() if c >= resume]
+    if ahead:
+        raise PlanError(f"ranks {ahead} committed past step {resume - 1}, which another shard cannot reach")
+    members = dict(prev.members)
+    replaced: dict[int, str] = {}
+    for rank, proc in zip(dead, spares, strict=False):
+        replaced[rank] = members[rank]
+        members[rank] = proc
+    sources: dict[int, int] = {}
+    for shard in range(prev.shards):
+        group = layout.replica_group(shard)
+        up_to_date = [r for r in group if committed.get(r) == resume - 1]
+        receivers = [r for r in group if r in replaced or committed.get(r, -1) < resume - 1]
+        for i, r in enumerate(receivers):
+            sources[r] = up_to_date[i % len(up_to_date)]
+    return Plan(
+        gen=prev.gen + 1,
+        world_size=prev.world_size,
+        shards=prev.shards,
+        members=members,
+        resume_step=resume,
+        sources=sources,
+        replaced=replaced,
+    )

@@ -1,0 +1,175 @@
+"""Fault specifications and in-process fault injection.
+
+A fault is test infrastructure, not ad-hoc code (STYLE.md, 8): the schedule is
+parsed once, handed to every process of the job, and fired by the process that
+is hit, with a real signal (``SIGKILL``, ``SIGSTOP``) or a real exception, at a
+fixed point inside the training step (just before the gradient reduction, when
+the peers are already waiting in the collective: the worst moment).
+
+Grammar of a spec (``--fault`` on the command line)::
+
+    KIND:rank=R@step=S          KIND in kill | hang | exception
+    KIND:rank=R1,R2@step=S      several ranks at the same step
+    kill:spare@recovery         kill the spare that receives state in the next recovery
+    none                        no fault at all
+
+Every fault fires once: a replacement that re-executes the step is not hit again.
+Firing is claimed atomically in the control store, so exactly one process fires it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from dataclasses import dataclass
+from typing import Protocol
+
+KINDS = ("kill", "hang", "exception")
+
+_SPEC = re.compile(r"^(?P<kind>[a-z]+):rank=(?P<ranks>\d+(?:,\d+)*)@step=(?P<step>\d+)$")
+
+
+class InjectedFault(RuntimeError):
+    """The exception raised by an ``exception`` fault inside the training step."""
+
+
+@dataclass(frozen=True, slots=True)
+class FaultSpec:
+    """One scheduled fault.
+
+    ``ranks`` empty and ``at == "recovery"`` means the spare receiving state in
+    the next recovery is the target.
+    """
+
+    kind: str
+    ranks: tuple[int, ...]
+    step: int | None
+    at: str = "step"  # "step" or "recovery"
+
+    def __str__(self) -> str:
+        if self.at == "recovery":
+            return f"{self.kind}:spare@recovery"
+        return f"{self.kind}:rank={','.join(map(str, self.ranks))}@step={self.step}"
+
+    def to_json(self) -> dict[str, object]:
+        return {"kind": self.kind, "ranks": list(self.ranks), "step": self.step, "at": self.at}
+
+    @staticmethod
+    def from_json(d: dict[str, object]) -> FaultSpec:
+        ranks = d["ranks"]
+        step = d["step"]
+        assert isinstance(ranks, list)
+        return FaultSpec(
+            kind=str(d["kind"]),
+            ranks=tuple(int(r) for r in ranks),
+            step=None if step is None else int(str(step)),
+            at=str(d.get("at", "step")),
+        )
+
+
+def parse_fault(spec: str) -> FaultSpec:
+    """Parse one ``--fault`` value; raise ``ValueError`` naming what is wrong."""
+    text = spec.strip()
+    if text == "kill:spare@recovery":
+        return FaultSpec(kind="kill", ranks=(), step=None, at="recovery")
+    kind = text.split(":", 1)[0]
+    if kind not in KINDS:
+        raise ValueError(f"unknown fault kind {kind!r} in {spec!r} (expected one of {', '.join(KINDS)})")
+    m = _SPEC.match(text)
+    if m is None:
+        raise ValueError(
+            f"cannot parse fault {spec!r}: expected KIND:rank=R[,R...]@step=S or kill:spare@recovery"
+        )
+    ranks = tuple(int(r) for r in m["ranks"].split(","))
+    if len(set(ranks)) != len(ranks):
+        raise ValueError(f"fault {spec!r} names a rank twice")
+    return FaultSpec(kind=kind, ranks=ranks, step=int(m["step"]))
+
+
+def parse_faults(specs: list[str]) -> list[FaultSpec]:
+    """Parse every ``--fault``; ``["none"]`` is the empty schedule."""
+    if any(s.strip() == "none" for s in specs):
+        if len(specs) > 1:
+            raise ValueError("--fault none cannot be combined with other faults")
+        return []
+    return [parse_fault(s) for s in specs]
+
+
+def validate_schedule(faults: list[FaultSpec], *, workers: int, spares: int, steps: int) -> None:
+    """Check a schedule against the job's shape; raise ``ValueError`` naming the problem.
+
+    Without an elastic mode a job needs a spare for every rank that fails at once,
+    and at least one survivor to hold the state.
+    """
+    per_step: dict[int, set[int]] = {}  # ranks that need a replacement, by step
+    for f in faults:
+        if f.at == "recovery":
+            if spares < 1:
+                raise ValueError(f"fault {f}: there is no spare to kill (--spares 0)")
+            continue
+        assert f.step is not None
+        for r in f.ranks:
+            if not 0 <= r < workers:
+                raise ValueError(f"fault {f}: rank {r} is out of range for --workers {workers}")
+        if f.step >= steps:
+            raise ValueError(f"fault {f}: step {f.step} is beyond --steps {steps} (steps are 0..{steps - 1})")
+        if f.kind == "exception":
+            continue  # the rank stays alive and re-executes the step in place
+        ranks = per_step.setdefault(f.step, set())
+        if ranks & set(f.ranks):
+            raise ValueError(f"fault {f}: rank already faulted at step {f.step}")
+        ranks.update(f.ranks)
+    for step, ranks in per_step.items():
+        n_replaced = len(ranks)
+        if n_replaced > spares:
+            raise ValueError(
+                f"{n_replaced} ranks fail at step {step} but only {spares} spare(s) are configured "
+                "(elastic shrink without spares is not supported yet)"
+            )
+        if n_replaced >= workers:
+            raise ValueError(f"every rank fails at step {step}: no live replica would hold the state")
+
+
+class _Claimer(Protocol):
+    def claim(self, key: str) -> bool: ...
+
+
+class FaultInjector:
+    """Fires scheduled faults inside one process.
+
+    ``claim`` is an atomic "first one wins" on the control store, so a fault fires
+    exactly once per job, even though every process holds the whole schedule.
+    """
+
+    def __init__(self, faults: list[FaultSpec], claimer: _Claimer | None) -> None:
+        self._faults = list(enumerate(faults))
+        self._claimer = claimer
+
+    def _fire(self, index: int, fault: FaultSpec, on_fire: _OnFire | None, rank: int, step: int) -> None:
+        if self._claimer is None or not self._claimer.claim(f"fault/{index}/fired"):
+            return
+        if on_fire is not None:
+            on_fire(fault, rank, step)
+        if fault.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif fault.kind == "hang":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        else:
+            raise InjectedFault(f"injected fault {fault} on rank {rank}")
+
+    def at_step(self, rank: int, step: int, on_fire: _OnFire | None = None) -> None:
+        """Called by a worker inside step ``step``, before the gradient reduction."""
+        for i, f in self._faults:
+            if f.at == "step" and f.step == step and rank in f.ranks:
+                self._fire(i, f, on_fire, rank, step)
+
+    def at_recovery(self, rank: int, step: int, on_fire: _OnFire | None = None) -> None:
+        """Called by a replacement while it receives state."""
+        for i, f in self._faults:
+            if f.at == "recovery":
+                self._fire(i, f, on_fire, rank, step)
+
+
+class _OnFire(Protocol):
+    def __call__(self, fault: FaultSpec, rank: int, step: int) -> None: ...

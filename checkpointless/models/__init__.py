@@ -1,0 +1,1 @@
+"""Models of the top layer (the core never imports this package)."""

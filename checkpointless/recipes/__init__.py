@@ -1,0 +1,33 @@
+"""Training recipes: typed YAML configs, Hugging Face model builders and a dry-run estimator.
+
+``config`` has no heavy dependencies; ``models`` and ``dryrun`` import ``torch`` and,
+lazily, ``transformers`` (the ``recipes`` extra).
+"""
+
+from __future__ import annotations
+
+from checkpointless.recipes.config import (
+    DataConfig,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    RecipeConfig,
+    RecipeError,
+    TrainConfig,
+    apply_overrides,
+    load_recipe,
+    recipe_from_dict,
+)
+
+__all__ = [
+    "DataConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "ParallelConfig",
+    "RecipeConfig",
+    "RecipeError",
+    "TrainConfig",
+    "apply_overrides",
+    "load_recipe",
+    "recipe_from_dict",
+]

@@ -1,0 +1,729 @@
+"""Typed training recipes: YAML files loaded into validated dataclasses.
+
+A recipe is a YAML file with the sections ``model``, ``data``, ``optim``, ``parallel``
+and ``train`` plus a top-level ``name``. :func:`load_recipe` turns it into a
+:class:`RecipeConfig`, checking every key and type on the way and naming the dotted key
+(``optim.lr``) and the file in every error, so a typo never silently falls back to a
+default. ``--set``-style overrides (``"optim.lr=1e-3"``) are applied to the raw YAML
+before validation, so they go through exactly the same checks.
+
+Every dataclass validates its own values in ``__post_init__`` and raises
+:class:`RecipeError` (a :class:`ValueError`) naming the offending field, so configs built
+directly in Python are checked too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import types
+import typing
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+__all__ = [
+    "DataConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "ParallelConfig",
+    "RecipeConfig",
+    "RecipeError",
+    "TrainConfig",
+    "apply_overrides",
+    "load_recipe",
+    "recipe_from_dict",
+]
+
+Family = Literal["llama", "gpt_oss", "tiny_gpt"]
+Tokenizer = Literal["byte", "bpe"]
+Schedule = Literal["constant", "cosine"]
+DType = Literal["float32", "bfloat16"]
+LayerType = Literal["sliding_attention", "full_attention"]
+
+#: Size of the byte-level tokenizer's vocabulary (256 byte values; the model may reserve more ids).
+BYTE_VOCAB_SIZE = 256
+
+
+class RecipeError(ValueError):
+    """A recipe value is invalid.
+
+    ``key`` is the dotted key at fault (``optim.lr``; empty when the whole file is at
+    fault), ``message`` says what is wrong and ``source`` is the recipe file, if any. The
+    string form is ``"<source>: <key>: <message>"``.
+    """
+
+    def __init__(self, key: str, message: str, *, source: str = "", text: str | None = None) -> None:
+        self.key = key
+        self.message = message
+        self.source = source
+        body = text if text is not None else (f"{key}: {message}" if key else message)
+        super().__init__(f"{source}: {body}" if source else body)
+
+    def located(self, key: str, source: str) -> RecipeError:
+        """The same error re-keyed to the full dotted ``key`` and attributed to ``source``."""
+        return RecipeError(key, self.message, source=source)
+
+
+def _choice(key: str, value: object, choices: tuple[object, ...]) -> None:
+    if value not in choices:
+        raise RecipeError(key, f"must be one of {', '.join(map(repr, choices))}, got {value!r}")
+
+
+def _positive(key: str, value: float | None, *, allow_none: bool = False, allow_zero: bool = False) -> None:
+    if value is None:
+        if not allow_none:
+            raise RecipeError(key, "is required")
+        return
+    if value < 0 or (value == 0 and not allow_zero):
+        raise RecipeError(key, f"must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """Architecture of the causal language model (mapped onto a ``transformers`` config)."""
+
+    family: Family
+    """Model family: ``llama`` (LlamaForCausalLM), ``gpt_oss`` (GptOssForCausalLM, MoE) or
+    ``tiny_gpt`` (the project's plain-torch ``checkpointless.models.tiny_gpt.TinyGPT``)."""
+
+    vocab_size: int
+    """Number of token ids the embedding and LM head cover (>= the tokenizer's vocabulary)."""
+
+    hidden_size: int
+    """Width of the residual stream."""
+
+    intermediate_size: int
+    """Width of the MLP (per expert for ``gpt_oss``)."""
+
+    num_hidden_layers: int
+    """Number of decoder layers."""
+
+    num_attention_heads: int
+    """Number of query heads."""
+
+    num_key_value_heads: int | None = None
+    """Number of key/value heads (grouped-query attention); ``None`` means one per query head."""
+
+    head_dim: int | None = None
+    """Per-head width; ``None`` means ``hidden_size // num_attention_heads``."""
+
+    max_position_embeddings: int = 2048
+    """Longest sequence the positional encoding supports."""
+
+    tie_word_embeddings: bool = False
+    """Share the input embedding matrix with the LM head."""
+
+    num_local_experts: int | None = None
+    """``gpt_oss`` only: number of experts per MoE layer."""
+
+    num_experts_per_tok: int | None = None
+    """``gpt_oss`` only: experts each token is routed to (top-k)."""
+
+    sliding_window: int | None = None
+    """``gpt_oss`` only: window of the sliding-attention layers, in tokens."""
+
+    layer_types: list[LayerType] | None = None
+    """``gpt_oss`` only: per-layer attention kind; ``None`` alternates sliding / full."""
+
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Further keyword arguments passed verbatim to the ``transformers`` config class."""
+
+    def __post_init__(self) -> None:
+        _choice("family", self.family, typing.get_args(Family))
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers"):
+            _positive(name, getattr(self, name))
+        _positive("num_attention_heads", self.num_attention_heads)
+        _positive("max_position_embeddings", self.max_position_embeddings)
+        _positive("num_key_value_heads", self.num_key_value_heads, allow_none=True)
+        _positive("head_dim", self.head_dim, allow_none=True)
+        if self.head_dim is None and self.hidden_size % self.num_attention_heads:
+            raise RecipeError(
+                "hidden_size",
+                f"{self.hidden_size} is not divisible by num_attention_heads={self.num_attention_heads}"
+                " (set head_dim explicitly if that is intended)",
+            )
+        kv = self.kv_heads
+        if self.num_attention_heads % kv:
+            raise RecipeError(
+                "num_key_value_heads",
+                f"num_attention_heads={self.num_attention_heads} is not divisible by {kv}",
+            )
+        moe_fields = ("num_local_experts", "num_experts_per_tok", "sliding_window", "layer_types")
+        if self.family == "gpt_oss":
+            _positive("num_local_experts", self.num_local_experts)
+            _positive("num_experts_per_tok", self.num_experts_per_tok)
+            assert self.num_local_experts is not None and self.num_experts_per_tok is not None
+            if self.num_experts_per_tok > self.num_local_experts:
+                raise RecipeError(
+                    "num_experts_per_tok",
+                    f"{self.num_experts_per_tok} exceeds num_local_experts={self.num_local_experts}",
+                )
+            _positive("sliding_window", self.sliding_window, allow_none=True)
+            if self.layer_types is not None:
+                if len(self.layer_types) != self.num_hidden_layers:
+                    raise RecipeError(
+                        "layer_types",
+                        f"has {len(self.layer_types)} entries, expected num_hidden_layers={self.num_hidden_layers}",
+                    )
+                for i, kind in enumerate(self.layer_types):
+                    _choice(f"layer_types[{i}]", kind, typing.get_args(LayerType))
+                if "sliding_attention" in self.layer_types and self.sliding_window is None:
+                    raise RecipeError("sliding_window", "is required when layer_types has sliding_attention")
+        else:
+            for name in moe_fields:
+                if getattr(self, name) is not None:
+                    raise RecipeError(name, f"is only supported for family 'gpt_oss', not {self.family!r}")
+        if self.family == "tiny_gpt":
+            self._check_tiny_gpt()
+        if not isinstance(self.extra, Mapping):
+            raise RecipeError("extra", f"must be a mapping, got {type(self.extra).__name__}")
+        own = {f.name for f in dataclasses.fields(self)}
+        for key in self.extra:
+            if key in own:
+                raise RecipeError(f"extra.{key}", f"duplicates model.{key}; set it there instead")
+
+    def _check_tiny_gpt(self) -> None:
+        """``tiny_gpt`` is the project's own ``TinyGPT``: check what it cannot express."""
+        if self.kv_heads != self.num_attention_heads:
+            raise RecipeError("num_key_value_heads", "tiny_gpt has no grouped-query attention")
+        if self.head_dim is not None:
+            raise RecipeError("head_dim", "tiny_gpt derives it as hidden_size // num_attention_heads")
+        if self.intermediate_size != 4 * self.hidden_size:
+            raise RecipeError(
+                "intermediate_size", f"tiny_gpt's MLP is 4 x hidden_size = {4 * self.hidden_size}"
+            )
+        if self.tie_word_embeddings:
+            raise RecipeError("tie_word_embeddings", "tiny_gpt does not tie its embeddings")
+        for key in self.extra:
+            if key != "dropout":
+                raise RecipeError(f"extra.{key}", "tiny_gpt only accepts extra.dropout")
+
+    @property
+    def kv_heads(self) -> int:
+        """Effective number of key/value heads."""
+        return self.num_key_value_heads or self.num_attention_heads
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Where training text comes from and how it is cut into batches."""
+
+    source: str = "stdlib"
+    """``stdlib`` (the Python standard library's own source files, always present) or a
+    directory of text files."""
+
+    tokenizer: Tokenizer = "byte"
+    """``byte`` (one token per UTF-8 byte, vocabulary 256) or ``bpe`` (trained on the data)."""
+
+    vocab_size: int | None = None
+    """Vocabulary size of the ``bpe`` tokenizer (required for ``bpe``, unused for ``byte``)."""
+
+    seq_len: int = 128
+    """Tokens per training sequence."""
+
+    global_batch: int = 16
+    """Sequences per optimizer step summed over all workers."""
+
+    heldout_fraction: float = 0.05
+    """Fraction of the corpus held out for evaluation, in [0, 1)."""
+
+    eval_every: int = 0
+    """Evaluate every this many steps; 0 disables evaluation."""
+
+    eval_batches: int = 4
+    """Batches averaged per evaluation."""
+
+    def __post_init__(self) -> None:
+        if not self.source:
+            raise RecipeError("source", "must be 'stdlib' or a directory path")
+        _choice("tokenizer", self.tokenizer, typing.get_args(Tokenizer))
+        if self.tokenizer == "bpe":
+            _positive("vocab_size", self.vocab_size)
+            assert self.vocab_size is not None
+            if self.vocab_size <= BYTE_VOCAB_SIZE:
+                raise RecipeError("vocab_size", f"a bpe vocabulary needs > {BYTE_VOCAB_SIZE} ids")
+        elif self.vocab_size not in (None, BYTE_VOCAB_SIZE):
+            raise RecipeError(
+                "vocab_size", f"the byte tokenizer has {BYTE_VOCAB_SIZE} ids, got {self.vocab_size}"
+            )
+        _positive("seq_len", self.seq_len)
+        _positive("global_batch", self.global_batch)
+        if not 0.0 <= self.heldout_fraction < 1.0:
+            raise RecipeError("heldout_fraction", f"must be in [0, 1), got {self.heldout_fraction!r}")
+        _positive("eval_every", self.eval_every, allow_zero=True)
+        _positive("eval_batches", self.eval_batches)
+        if self.eval_every and self.heldout_fraction == 0.0:
+            raise RecipeError("heldout_fraction", "is 0 but eval_every > 0 needs held-out data")
+
+    @property
+    def tokenizer_vocab_size(self) -> int:
+        """Number of ids the tokenizer can emit."""
+        return BYTE_VOCAB_SIZE if self.tokenizer == "byte" else int(self.vocab_size or 0)
+
+    @property
+    def is_stdlib(self) -> bool:
+        """Whether the corpus is the bundled standard-library source."""
+        return self.source == "stdlib"
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    """AdamW and its learning-rate schedule."""
+
+    name: Literal["adamw"] = "adamw"
+    """Optimizer; only ``adamw`` is supported."""
+
+    lr: float = 3e-4
+    """Peak learning rate."""
+
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW moment decay rates, each in [0, 1)."""
+
+    weight_decay: float = 0.1
+    """Decoupled weight decay."""
+
+    eps: float = 1e-8
+    """AdamW denominator epsilon."""
+
+    warmup_steps: int = 0
+    """Linear warm-up steps from 0 to ``lr``."""
+
+    grad_clip: float | None = 1.0
+    """Clip the global gradient norm to this value; ``None`` disables clipping."""
+
+    schedule: Schedule = "cosine"
+    """After warm-up: ``constant`` or ``cosine`` decay to zero at the last step."""
+
+    def __post_init__(self) -> None:
+        _choice("name", self.name, ("adamw",))
+        _positive("lr", self.lr)
+        if len(self.betas) != 2:
+            raise RecipeError("betas", f"must have two entries, got {len(self.betas)}")
+        for i, beta in enumerate(self.betas):
+            if not 0.0 <= beta < 1.0:
+                raise RecipeError(f"betas[{i}]", f"must be in [0, 1), got {beta!r}")
+        _positive("weight_decay", self.weight_decay, allow_zero=True)
+        _positive("eps", self.eps)
+        _positive("warmup_steps", self.warmup_steps, allow_zero=True)
+        _positive("grad_clip", self.grad_clip, allow_none=True)
+        _choice("schedule", self.schedule, typing.get_args(Schedule))
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """How the job is laid out over processes.
+
+    ``workers`` ranks train; they form ``replicas = workers // shards`` copies of the
+    model state, each FSDP-sharded ``shards`` ways (``shards = 1`` is plain DDP). Every
+    worker consumes its own slice of the global batch. ``spares`` extra processes wait
+    idle and take over a failed worker's shard, copied from a healthy replica.
+    """
+
+    workers: int = 2
+    """Active training ranks."""
+
+    spares: int = 0
+    """Hot-spare ranks kept idle for recovery."""
+
+    shards: int = 1
+    """FSDP shard degree (ranks that split one copy of the state); 1 = DDP."""
+
+    dtype: DType = "float32"
+    """Parameter / compute dtype; ``bfloat16`` keeps fp32 master weights in the optimizer."""
+
+    def __post_init__(self) -> None:
+        _positive("workers", self.workers)
+        _positive("spares", self.spares, allow_zero=True)
+        _positive("shards", self.shards)
+        if self.workers % self.shards:
+            raise RecipeError("workers", f"workers={self.workers} is not divisible by shards={self.shards}")
+        _choice("dtype", self.dtype, typing.get_args(DType))
+
+    @property
+    def replicas(self) -> int:
+        """Number of full copies of the model state (``workers // shards``)."""
+        return self.workers // self.shards
+
+    @property
+    def world_size(self) -> int:
+        """All processes, workers plus spares."""
+        return self.workers + self.spares
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Length and bookkeeping of the run."""
+
+    steps: int = 100
+    """Optimizer steps to run."""
+
+    seed: int = 0
+    """Seed for model init and data order (identical on every rank)."""
+
+    log_every: int = 10
+    """Log training loss every this many steps."""
+
+    def __post_init__(self) -> None:
+        _positive("steps", self.steps)
+        _positive("seed", self.seed, allow_zero=True)
+        _positive("log_every", self.log_every)
+
+
+@dataclass(kw_only=True)
+class RecipeConfig:
+    """A complete training recipe."""
+
+    name: str
+    """Human-readable recipe name (used for run directories and logs)."""
+
+    model: ModelConfig
+    """Model architecture."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    """Corpus, tokenizer and batch shape."""
+
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and schedule."""
+
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Process layout."""
+
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Run length, seed, logging."""
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise RecipeError("name", "must be a non-empty string")
+        data, par, model = self.data, self.parallel, self.model
+        if data.global_batch % par.workers:
+            raise RecipeError(
+                "data.global_batch",
+                f"{data.global_batch} is not divisible by parallel.workers={par.workers} "
+                f"(every worker, across {par.replicas} replica(s) x {par.shards} shard(s), takes an equal slice)",
+            )
+        if data.seq_len > model.max_position_embeddings:
+            raise RecipeError(
+                "data.seq_len",
+                f"{data.seq_len} exceeds model.max_position_embeddings={model.max_position_embeddings}",
+            )
+        if data.tokenizer_vocab_size > model.vocab_size:
+            raise RecipeError(
+                "model.vocab_size",
+                f"{model.vocab_size} is smaller than the {data.tokenizer} tokenizer's "
+                f"{data.tokenizer_vocab_size} ids (data.tokenizer / data.vocab_size)",
+            )
+        if self.optim.warmup_steps > self.train.steps:
+            raise RecipeError(
+                "optim.warmup_steps", f"{self.optim.warmup_steps} exceeds train.steps={self.train.steps}"
+            )
+
+    @property
+    def micro_batch(self) -> int:
+        """Sequences each worker processes per step."""
+        return self.data.global_batch // self.parallel.workers
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens consumed per optimizer step across the job."""
+        return self.data.global_batch * self.data.seq_len
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-dict form (tuples as lists), suitable for ``yaml.safe_dump`` and round-tripping."""
+
+        def plain(obj: Any) -> Any:
+            if isinstance(obj, dict):
+                return {k: plain(v) for k, v in obj.items()}
+            if isinstance(obj, (list, tuple)):
+                return [plain(v) for v in obj]
+            return obj
+
+        return typing.cast(dict[str, Any], plain(dataclasses.asdict(self)))
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+class _Loader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that also reads exponent floats without a dot (``1e-3``) as floats.
+
+    PyYAML implements YAML 1.1, where ``1e-3`` is a *string*; YAML 1.2 (and every human)
+    reads it as a number. Everything else is plain ``safe_load``.
+    """
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def _safe_load(text: str) -> Any:
+    """``yaml.safe_load`` with YAML 1.2-style exponent floats (see :class:`_Loader`)."""
+    return yaml.load(text, Loader=_Loader)  # _Loader is a SafeLoader subclass
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    if dataclasses.is_dataclass(tp):
+        return "mapping"
+    if origin is not None:
+        args = ", ".join(_type_name(a) for a in typing.get_args(tp))
+        return f"{getattr(origin, '__name__', str(origin))}[{args}]"
+    return getattr(tp, "__name__", str(tp))
+
+
+class _TypeMismatch(Exception):
+    """Internal: a value does not fit a type."""
+
+
+def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
+    """Check ``value`` against the annotation ``tp`` and return it in canonical form."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, Mapping):
+            raise _TypeMismatch
+        return _build(typing.cast(type, tp), value, key, source)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None:
+            if type(None) in args:
+                return None
+            raise _TypeMismatch
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key, source)
+            except _TypeMismatch:
+                continue
+        raise _TypeMismatch
+    if origin is Literal:
+        if any(value == a and type(value) is type(a) for a in typing.get_args(tp)):
+            return value
+        raise _TypeMismatch
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise _TypeMismatch
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise _TypeMismatch
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise _TypeMismatch
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise _TypeMismatch
+    if origin is list:
+        if not isinstance(value, list):
+            raise _TypeMismatch
+        (item,) = typing.get_args(tp)
+        return [_coerce_item(v, item, f"{key}[{i}]", source) for i, v in enumerate(value)]
+    if origin is tuple:
+        items = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)) or len(value) != len(items):
+            raise _TypeMismatch
+        return tuple(
+            _coerce_item(v, t, f"{key}[{i}]", source)
+            for i, (v, t) in enumerate(zip(value, items, strict=True))
+        )
+    if origin is dict:
+        if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+            raise _TypeMismatch
+        return dict(value)
+    raise TypeError(f"unsupported annotation {tp!r} for {key}")
+
+
+def _coerce_item(value: Any, tp: Any, key: str, source: str) -> Any:
+    """Coerce a container element, reporting mismatches with the element's own key."""
+    try:
+        return _coerce(value, tp, key, source)
+    except _TypeMismatch:
+        raise RecipeError(key, _mismatch(tp, value), source=source) from None
+
+
+def _mismatch(tp: Any, value: Any) -> str:
+    return f"expected {_type_name(tp)}, got {type(value).__name__} ({value!r})"
+
+
+def _fields(cls: type) -> dict[str, dataclasses.Field[Any]]:
+    return {f.name: f for f in dataclasses.fields(cls) if f.init}
+
+
+def _build(cls: type, raw: Mapping[str, Any], prefix: str, source: str) -> Any:
+    """Build dataclass ``cls`` from mapping ``raw``; ``prefix`` is the dotted path so far."""
+    hints = typing.get_type_hints(cls)
+    fields = _fields(cls)
+
+    def dotted(name: str) -> str:
+        return f"{prefix}.{name}" if prefix else name
+
+    for key in raw:
+        if key not in fields:
+            full = dotted(str(key))
+            known = ", ".join(fields)
+            raise RecipeError(
+                full,
+                f"unknown key (known keys here: {known})",
+                source=source,
+                text=f"unknown key '{full}' (known keys here: {known})",
+            )
+    kwargs: dict[str, Any] = {}
+    for name, f in fields.items():
+        if name not in raw:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise RecipeError(dotted(name), "missing required key", source=source)
+            continue
+        try:
+            kwargs[name] = _coerce(raw[name], hints[name], dotted(name), source)
+        except _TypeMismatch:
+            raise RecipeError(dotted(name), _mismatch(hints[name], raw[name]), source=source) from None
+    try:
+        return cls(**kwargs)
+    except RecipeError as err:
+        if err.source:
+            raise  # already located by a nested section
+        raise err.located(dotted(err.key) if err.key else prefix, source) from None
+
+
+def _parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise RecipeError("", f"override {item!r} is not of the form key=value")
+    key, _, text = item.partition("=")
+    key = key.strip()
+    parts = key.split(".")
+    if not key or any(not p for p in parts):
+        raise RecipeError("", f"override {item!r} has an empty key")
+    try:
+        value = _safe_load(text) if text.strip() else None
+    except yaml.YAMLError as exc:
+        raise RecipeError(key, f"override value {text!r} is not valid YAML: {exc}") from None
+    return parts, value
+
+
+def apply_overrides(raw: dict[str, Any], overrides: Iterable[str], *, source: str = "") -> dict[str, Any]:
+    """Apply ``key=value`` overrides to a raw recipe mapping (in place) and return it.
+
+    Keys are dotted paths (``optim.lr``); values are parsed with ``yaml.safe_load``
+    (``"optim.betas=[0.9, 0.99]"``). Keys are checked against the config dataclasses, so
+    an override can only set a field that exists; below ``model.extra`` any key is allowed.
+    """
+    for item in overrides:
+        parts, value = _parse_override(item)
+        key = ".".join(parts)
+        cls: Any = RecipeConfig
+        node = raw
+        for depth, part in enumerate(parts):
+            last = depth == len(parts) - 1
+            if cls is not None:
+                fields = _fields(cls)
+                if part not in fields:
+                    raise RecipeError(
+                        key,
+                        "unknown key",
+                        source=source,
+                        text=f"override {item!r}: unknown key '{'.'.join(parts[: depth + 1])}'",
+                    )
+                hint = typing.get_type_hints(cls)[part]
+                if dataclasses.is_dataclass(hint):
+                    cls = hint
+                elif typing.get_origin(hint) is dict or hint is Any:
+                    cls = None  # free-form mapping (model.extra): any sub-key is fine
+                elif not last:
+                    raise RecipeError(
+                        key,
+                        "not a section",
+                        source=source,
+                        text=f"override {item!r}: '{'.'.join(parts[: depth + 1])}' is not a section",
+                    )
+            if last:
+                node[part] = value
+                break
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            elif not isinstance(child, dict):
+                raise RecipeError(
+                    ".".join(parts[: depth + 1]), "is not a mapping; cannot override below it", source=source
+                )
+            node = child
+    return raw
+
+
+def recipe_from_dict(
+    raw: Mapping[str, Any],
+    overrides: Iterable[str] = (),
+    *,
+    source: str = "",
+    check_data: bool = True,
+) -> RecipeConfig:
+    """Validate a raw mapping (as read from YAML) into a :class:`RecipeConfig`.
+
+    ``source`` names the origin in error messages. With ``check_data`` a directory
+    ``data.source`` must exist.
+    """
+    if not isinstance(raw, Mapping):
+        raise RecipeError("", f"top level must be a mapping, got {type(raw).__name__}", source=source)
+    data = apply_overrides(_deep_copy(dict(raw)), overrides, source=source)
+    recipe = typing.cast(RecipeConfig, _build(RecipeConfig, data, "", source))
+    if check_data and not recipe.data.is_stdlib:
+        path = Path(recipe.data.source).expanduser()
+        if not path.is_dir():
+            raise RecipeError(
+                "data.source",
+                f"data directory {str(path)!r} does not exist or is not a directory",
+                source=source,
+            )
+    return recipe
+
+
+def _deep_copy(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _deep_copy(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_deep_copy(v) for v in obj]
+    return obj
+
+
+def load_recipe(
+    path: str | Path,
+    overrides: Iterable[str] = (),
+    *,
+    check_data: bool = True,
+) -> RecipeConfig:
+    """Load, override and validate the YAML recipe at ``path``.
+
+    ``overrides`` are ``"dotted.key=value"`` strings applied before validation. With
+    ``check_data=False`` a directory ``data.source`` is not required to exist (for dry
+    runs of recipes meant for another machine). Every problem raises :class:`RecipeError`
+    (a :class:`ValueError`) naming the file and the dotted key.
+    """
+    path = Path(path)
+    source = str(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RecipeError("", f"cannot read recipe: {exc}", source=source) from None
+    try:
+        raw = _safe_load(text)
+    except yaml.YAMLError as exc:
+        raise RecipeError("", f"invalid YAML: {exc}", source=source) from None
+    if raw is None:
+        raise RecipeError("", "recipe is empty", source=source)
+    return recipe_from_dict(raw, overrides, source=source, check_data=check_data)

@@ -1,0 +1,206 @@
+"""Dry-run a recipe: parameter count, per-rank memory for the training state, recovery traffic.
+
+Nothing is allocated: the model is built on PyTorch's ``meta`` device, so a 120B-parameter
+recipe is sized in about a second on a laptop.
+
+Memory model (per rank, model state only; activations, temporary buffers and the
+communication buckets are not included):
+
+* ``float32``: params 4 B, grads 4 B, AdamW moments 2 x 4 B per parameter.
+* ``bfloat16``: params 2 B, grads 2 B, AdamW moments 2 x 4 B plus fp32 master weights 4 B.
+
+With FSDP shard degree ``shards`` every rank holds ``1 / shards`` of all of that;
+``replicas = workers / shards`` ranks hold each shard. During forward/backward FSDP also
+gathers one full decoder layer at a time (reported as the transient ``gathered layer``).
+
+Recovery: a spare that replaces a failed rank receives that rank's shard of the params and
+optimizer state (master weights and moments) from the rank holding the same shard in a
+healthy replica. Gradients are not moved: recovery happens at a step boundary, where they
+are recomputed. The bytes moved therefore depend only on the model and ``shards``, not on
+the number of workers. With a single replica there is no donor and the state is lost.
+
+Run as ``python -m checkpointless.recipes.dryrun RECIPE.yaml [--set key=value ...]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from checkpointless.recipes.config import RecipeConfig, load_recipe
+
+__all__ = ["dry_run", "format_dry_run", "main", "state_bytes_per_param"]
+
+GIB = 1024**3
+
+
+def state_bytes_per_param(dtype: str) -> dict[str, int]:
+    """Bytes per parameter of each part of the training state under ``dtype``.
+
+    Keys: ``params``, ``grads``, ``optimizer`` (AdamW moments, plus fp32 master weights
+    when the model runs in bf16).
+    """
+    if dtype == "float32":
+        return {"params": 4, "grads": 4, "optimizer": 8}
+    if dtype == "bfloat16":
+        return {"params": 2, "grads": 2, "optimizer": 8 + 4}
+    raise ValueError(f"parallel.dtype: unsupported dtype {dtype!r}")
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def dry_run(cfg: RecipeConfig) -> dict[str, Any]:
+    """Size the recipe without allocating it.
+
+    Returns a flat dict: parameter counts (``params``, ``active_params``,
+    ``embedding_params``, ``expert_params``, ``layer_params``), the layout (``workers``,
+    ``spares``, ``shards``, ``replicas``, ``world_size``, ``micro_batch``,
+    ``tokens_per_step``), per-rank bytes (``rank_params_bytes``, ``rank_grads_bytes``,
+    ``rank_optimizer_bytes``, ``rank_total_bytes``, ``gathered_layer_bytes``), totals
+    (``replica_state_bytes``: one full copy of params+grads+optimizer state;
+    ``cluster_state_bytes``: all replicas), recovery (``recovery_bytes``: what one failed
+    rank's replacement receives; ``recovery_donors``: healthy ranks holding that shard;
+    ``recoverable``) and ``approx_flops_per_step`` (6 x active params x tokens).
+    """
+    from checkpointless.recipes.models import parameter_breakdown
+
+    counts = parameter_breakdown(cfg.model)
+    par = cfg.parallel
+    per_param = state_bytes_per_param(par.dtype)
+    n = counts["total"]
+    shard_params = _ceil_div(n, par.shards)  # FSDP pads the flat parameter to a multiple of shards
+    rank = {part: shard_params * b for part, b in per_param.items()}
+    rank_total = sum(rank.values())
+    return {
+        "name": cfg.name,
+        "family": cfg.model.family,
+        "dtype": par.dtype,
+        "params": n,
+        "active_params": counts["active"],
+        "embedding_params": counts["embedding"],
+        "expert_params": counts["experts"],
+        "layer_params": counts["per_layer"],
+        "workers": par.workers,
+        "spares": par.spares,
+        "shards": par.shards,
+        "replicas": par.replicas,
+        "world_size": par.world_size,
+        "micro_batch": cfg.micro_batch,
+        "tokens_per_step": cfg.tokens_per_step,
+        "bytes_per_param": per_param,
+        "rank_params_bytes": rank["params"],
+        "rank_grads_bytes": rank["grads"],
+        "rank_optimizer_bytes": rank["optimizer"],
+        "rank_total_bytes": rank_total,
+        "gathered_layer_bytes": counts["per_layer"] * per_param["params"] if par.shards > 1 else 0,
+        "replica_state_bytes": rank_total * par.shards,
+        "cluster_state_bytes": rank_total * par.workers,
+        "recovery_bytes": rank["params"] + rank["optimizer"],
+        "recovery_donors": par.replicas - 1,
+        "recoverable": par.replicas > 1,
+        "approx_flops_per_step": 6 * counts["active"] * cfg.tokens_per_step,
+    }
+
+
+def _count(n: int) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(n)
+
+
+def _gib(b: int) -> str:
+    return f"{b / GIB:,.2f} GiB" if b >= GIB or b == 0 else f"{b / 1024**2:,.2f} MiB"
+
+
+def _flops(f: float) -> str:
+    for unit, scale in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9)):
+        if f >= scale:
+            return f"{f / scale:,.1f} {unit}"
+    return f"{f / 1e6:,.1f} MFLOP"
+
+
+def format_dry_run(report: dict[str, Any]) -> str:
+    """Render a :func:`dry_run` report as a human-readable table."""
+    bpp = report["bytes_per_param"]
+    rows: list[tuple[str, str]] = [
+        ("recipe", f"{report['name']} ({report['family']}, {report['dtype']})"),
+        ("parameters", f"{_count(report['params'])} ({report['params']:,})"),
+    ]
+    if report["expert_params"]:
+        rows.append(("  active per token", _count(report["active_params"])))
+        rows.append(("  in experts", _count(report["expert_params"])))
+    rows += [
+        ("  embeddings + head", _count(report["embedding_params"])),
+        (
+            "layout",
+            f"{report['workers']} workers = {report['replicas']} replicas x {report['shards']} shards"
+            f", + {report['spares']} spares",
+        ),
+        ("batch", f"{report['micro_batch']} seq/worker, {report['tokens_per_step']:,} tokens/step"),
+        ("compute", f"~{_flops(report['approx_flops_per_step'])}/step (6 x active x tokens)"),
+        ("per rank: params", f"{_gib(report['rank_params_bytes'])}  ({bpp['params']} B/param / shards)"),
+        ("per rank: grads", f"{_gib(report['rank_grads_bytes'])}  ({bpp['grads']} B/param / shards)"),
+        (
+            "per rank: AdamW state",
+            f"{_gib(report['rank_optimizer_bytes'])}  ({bpp['optimizer']} B/param / shards"
+            + (", incl. fp32 master)" if report["dtype"] == "bfloat16" else ")"),
+        ),
+        ("per rank: total", _gib(report["rank_total_bytes"])),
+    ]
+    if report["gathered_layer_bytes"]:
+        rows.append(
+            ("  + gathered layer", f"{_gib(report['gathered_layer_bytes'])} transient (FSDP all-gather)")
+        )
+    rows += [
+        ("one replica", _gib(report["replica_state_bytes"])),
+        ("whole cluster", _gib(report["cluster_state_bytes"])),
+        (
+            "recovery moves",
+            f"{_gib(report['recovery_bytes'])} per failed rank (params + AdamW shard)"
+            + (
+                f", from any of {report['recovery_donors']} donor(s)"
+                if report["recoverable"]
+                else "; NO healthy replica (replicas = 1): state would be lost"
+            ),
+        ),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI: print the dry-run table of one or more recipes."""
+    parser = argparse.ArgumentParser(
+        prog="python -m checkpointless.recipes.dryrun",
+        description="Size a training recipe without running it.",
+    )
+    parser.add_argument("recipes", nargs="+", help="recipe YAML files")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a recipe key",
+    )
+    args = parser.parse_args(argv)
+    for i, path in enumerate(args.recipes):
+        try:
+            # The data directory usually lives on the training cluster, not here.
+            cfg = load_recipe(path, args.overrides, check_data=False)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        if i:
+            print()
+        print(format_dry_run(dry_run(cfg)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,395 @@
+"""The training session: a re-executable step, failure handling and recovery.
+
+A user's loop keeps its shape::
+
+    session = checkpointless.Session(model, optimizer)
+    for step in session.steps(total_steps):
+        with session.attempt():
+            loss = model(*batch_for(step, session.dp_rank, session.dp_size))
+            loss.backward()
+            session.reduce_gradients()
+            optimizer.step()
+            optimizer.zero_grad()
+
+Semantics (torchft-style failure as state, STYLE.md 4):
+
+- ``attempt()`` runs one try of the current step. If anything in it raises (a
+  collective failed because a peer died, the user's code raised, an injected
+  fault), the exception is swallowed, the partial step is discarded and the
+  session recovers; ``steps()`` then yields the step to run next, which is the
+  failed step again, with the same data and the same RNG seeds.
+- The optimizer update must be the last thing in the ``with`` block: a step is
+  committed when the block exits normally.
+- Recovery: abort the broken group (so peers fail fast), report the last
+  committed step, wait for the coordinator's plan, join the next generation's
+  group, send or receive state as the plan says, resume.
+- Spares block in ``Session(...)`` until they are given a rank, then receive the
+  state and enter the loop at the step the job is at.
+
+Without a launcher (no ``CHECKPOINTLESS_STORE`` in the environment) the session
+runs as a single process with no fault tolerance, so the same script can be
+debugged with plain ``python train.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import random
+import threading
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch
+
+from checkpointless.comm import CollectiveError, Group
+from checkpointless.config import JobConfig
+from checkpointless.control import keys
+from checkpointless.control.client import (
+    ENV_CONFIG,
+    ENV_PROC,
+    ENV_ROLE,
+    ENV_STORE,
+    ControlClient,
+    JobStopped,
+    die_with_parent,
+)
+from checkpointless.control.plan import Plan
+from checkpointless.ddp import GradientReducer
+from checkpointless.faults import FaultInjector, FaultSpec
+from checkpointless.state import IntegrityError, Stateful, StateRegistry, digest_state, recv_state, send_state
+
+log = logging.getLogger(__name__)
+
+
+def step_seed(seed: int, step: int, rank: int) -> int:
+    """The RNG seed of one (step, rank): per-rank RNG is derived, never transferred."""
+    h = hashlib.sha256(f"{seed}/{step}/{rank}".encode()).digest()
+    return int.from_bytes(h[:8], "little") & (2**63 - 1)
+
+
+class _Progress:
+    """The session's own transferable state: step counter, data position, RNG states."""
+
+    def __init__(self, session: Session) -> None:
+        self._s = session
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "committed_step": self._s._committed,
+            "data_position": self._s._committed + 1,
+            "rng": {
+                "torch": torch.get_rng_state(),
+                "numpy": np.random.get_state(),
+                "python": random.getstate(),
+            },
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._s._committed = int(state["committed_step"])
+        self._s._next_step = int(state["data_position"])
+        torch.set_rng_state(state["rng"]["torch"])
+        np.random.set_state(state["rng"]["numpy"])
+        random.setstate(state["rng"]["python"])
+
+
+class Session:
+    """One process's membership in a fault-tolerant data-parallel job.
+
+    Args:
+        model: the module whose gradients are averaged and whose state is moved.
+        optimizer: its optimizer (state moved with it).
+        state: more ``Stateful`` objects to move (LR scheduler, data loader, ...);
+            they must be identical on every replica.
+        seed: base of the per-(step, rank) RNG seeds.
+        reseed_rng: reseed torch, numpy and ``random`` at the start of every
+            attempt from (seed, step, rank). This makes dropout and any other
+            randomness re-executable after a failure; turn it off only if the
+            step uses no randomness.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        state: dict[str, Stateful] | None = None,
+        seed: int = 0,
+        reseed_rng: bool = True,
+    ) -> None:
+        self.model, self.optimizer = model, optimizer
+        self.seed, self.reseed_rng = seed, reseed_rng
+        self._registry = StateRegistry()
+        self._registry.register("model", model)
+        if optimizer is not None:
+            self._registry.register("optimizer", optimizer)
+        for name, obj in (state or {}).items():
+            self._registry.register(name, obj)
+        self._registry.register("progress", _Progress(self))
+        self._reducer = GradientReducer(list(model.parameters()))
+        self._committed = -1
+        self._next_step = 0
+        self._attempted = False
+        self._metrics: dict[str, Any] = {}
+        self._local_failures = 0
+        self._group: Group | None = None
+        self.rank, self.world_size, self.generation = 0, 1, 0
+        self._client: ControlClient | None = None
+        self._faults: FaultInjector | None = None
+        if ENV_STORE not in os.environ:
+            self.job = JobConfig(workers=1, spares=0, seed=seed)
+            return
+        die_with_parent()
+        self.job = JobConfig.from_json(os.environ[ENV_CONFIG])
+        rc = self.job.recovery
+        self._client = ControlClient(
+            os.environ[ENV_STORE],
+            os.environ[ENV_PROC],
+            timeout=timedelta(seconds=rc.collective_timeout_s),
+            heartbeat_interval=rc.heartbeat_interval_s,
+        )
+        self._faults = FaultInjector(self.job.faults, self._client)
+        if os.environ.get(ENV_ROLE, "worker") == "spare":
+            self._client.update(phase="spare")
+            self._client.emit("spare_ready", sync=True)
+            try:
+                gen = self._client.wait_assignment()
+            except JobStopped:
+                self._client.close()
+                raise SystemExit(0) from None
+            self._enter(self._client.wait_plan(gen, self._plan_timeout))
+        else:
+            self._enter(self._client.wait_plan(0, self._plan_timeout))
+
+    # -- public properties --------------------------------------------------------
+    @property
+    def step(self) -> int:
+        """The step the next attempt executes."""
+        return self._next_step
+
+    @property
+    def dp_rank(self) -> int:
+        """Data-parallel rank: which slice of the global batch this rank reads."""
+        return self.rank // self.job.shards
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // self.job.shards
+
+    @property
+    def _plan_timeout(self) -> timedelta:
+        return timedelta(seconds=self.job.recovery.plan_timeout_s)
+
+    # -- the loop -----------------------------------------------------------------
+    def steps(self, total: int) -> Iterator[int]:
+        """Yield the step to execute until ``total`` steps are committed.
+
+        A failed step is yielded again after recovery; a replacement starts at
+        the step the job is at.
+        """
+        while self._next_step < total:
+            self._attempted = False
+            yield self._next_step
+            if not self._attempted:
+                raise RuntimeError(
+                    "the body of `for step in session.steps(n)` must use `with session.attempt():`"
+                )
+
+    @contextlib.contextmanager
+    def attempt(self) -> Iterator[None]:
+        """One try of the current step; commits on normal exit, recovers on any exception."""
+        step = self._next_step
+        self._attempted = True
+        self._metrics = {}
+        if self.reseed_rng:
+            s = step_seed(self.seed, step, self.rank)
+            torch.manual_seed(s)
+            np.random.seed(s % 2**32)
+            random.seed(s)
+        if self._client is not None:
+            self._client.update(phase="compute", step=step)
+        t0 = time.perf_counter()
+        try:
+            yield
+        except Exception as exc:
+            if self._client is None:
+                raise
+            self._on_failure(exc, step)
+            return
+        self._commit(step, time.perf_counter() - t0)
+
+    def reduce_gradients(self) -> None:
+        """Average gradients across data-parallel ranks. Every rank calls it once per attempt.
+
+        Raises ``CollectiveError`` if a peer failed; ``attempt`` handles it.
+        """
+        if self._faults is not None:
+            self._faults.at_step(self.rank, self._next_step, self._fault_fired)
+        if self._client is not None:
+            self._client.update(phase="reduce")
+        self._reducer.reduce(self._group)
+
+    def log(self, **metrics: Any) -> None:
+        """Attach metrics (``loss``, ``tokens``, ...) to this step's commit event."""
+        self._metrics.update(metrics)
+
+    def emit(self, kind: str, **fields: Any) -> None:
+        """Record a custom event (for example ``eval`` with ``heldout_loss``)."""
+        if self._client is not None:
+            self._client.emit(kind, rank=self.rank, gen=self.generation, step=self._committed, **fields)
+
+    def state_digest(self) -> str:
+        """SHA-256 of model, optimizer state and committed step (see ``digest_state``)."""
+        return digest_state(self.model, self.optimizer, self._committed)
+
+    def finish(self) -> str:
+        """Report the final state and stay available as a recovery source until the job ends.
+
+        Every rank must call it after the loop. Returns the final state digest.
+        """
+        digest = self.state_digest()
+        client = self._client
+        if client is None:
+            return digest
+        client.update(phase="done")
+        client.report_done(self.rank, digest, self._committed)
+        while True:
+            if client.is_set(keys.JOB_STOP):
+                break
+            if client.is_set(keys.abort(self.generation)):
+                self._recover("peer_failure")
+                digest = self.state_digest()
+                client.update(phase="done")
+                client.report_done(self.rank, digest, self._committed)
+                continue
+            time.sleep(0.02)
+        client.close()
+        return digest
+
+    # -- commit and failure ----------------------------------------------------
+    def _commit(self, step: int, seconds: float) -> None:
+        self._committed = step
+        self._next_step = step + 1
+        self._local_failures = 0
+        if self._client is not None:
+            m: dict[str, Any] = {
+                k: v for k, v in self._metrics.items() if isinstance(v, int | float | str | bool)
+            }
+            self._client.update(phase="idle", committed=step, step_time_s=seconds, **m)
+            self._client.emit(
+                "step_committed", rank=self.rank, gen=self.generation, step=step, step_time_s=seconds, **m
+            )
+
+    def _fault_fired(self, fault: FaultSpec, rank: int, step: int) -> None:
+        assert self._client is not None
+        self._client.emit(
+            "fault_injected", sync=True, rank=rank, gen=self.generation, step=step,
+            fault=fault.kind, ranks=list(fault.ranks) or [rank], target=fault.at,
+        )  # fmt: skip
+
+    def _on_failure(self, exc: Exception, step: int) -> None:
+        reason = "collective_error" if isinstance(exc, CollectiveError) else "exception"
+        if reason == "exception":
+            self._local_failures += 1
+            if self._local_failures > self.job.recovery.max_retries_per_step:
+                raise RuntimeError(f"step {step} raised {self._local_failures} times in a row") from exc
+        log.warning(
+            "[gen %d rank %d step %d] step failed (%s): %s", self.generation, self.rank, step, reason, exc
+        )
+        assert self._client is not None
+        self._client.emit(
+            "fault_detected", sync=True, rank=self.rank, gen=self.generation, step=step,
+            reason=reason, error=str(exc)[:300],
+        )  # fmt: skip
+        self._recover(reason)
+
+    def _recover(self, reason: str) -> None:
+        """Leave the broken generation and enter the next one (loops if that one fails too)."""
+        assert self._client is not None
+        while True:
+            if self._group is not None:
+                self._group.abort()
+                self._group = None
+            self._reducer.zero_()
+            self._client.update(phase="recovering")
+            self._client.report_failure(self.generation, self.rank, self._committed, reason)
+            plan = self._client.wait_plan(self.generation + 1, self._plan_timeout)
+            try:
+                self._enter(plan)
+                return
+            except (CollectiveError, IntegrityError, TimeoutError) as e:
+                reason = "collective_error"
+                log.warning("[gen %d rank %d] recovery failed: %s", plan.gen, self.rank, e)
+                self._client.emit(
+                    "fault_detected", sync=True, rank=self.rank, gen=plan.gen, step=self._committed + 1,
+                    reason=reason, error=str(e)[:300],
+                )  # fmt: skip
+
+    def _form_group(self, plan: Plan) -> Group:
+        """Build the generation's group in a helper thread, giving up if the coordinator aborts it."""
+        assert self._client is not None
+        client = self._client
+        result: dict[str, Any] = {}
+
+        def form() -> None:
+            try:
+                result["group"] = Group(
+                    client.store, plan.gen, self.rank, plan.world_size, backend=self.job.backend,
+                    timeout=timedelta(seconds=self.job.recovery.collective_timeout_s),
+                )  # fmt: skip
+            except Exception as e:
+                result["error"] = e
+
+        t = threading.Thread(target=form, name=f"form-gen-{plan.gen}", daemon=True)
+        t.start()
+        while t.is_alive():
+            t.join(timeout=0.01)
+            if t.is_alive() and client.is_set(keys.abort(plan.gen)):
+                raise CollectiveError(f"gen {plan.gen}: aborted by the coordinator during group formation")
+        if "error" in result:
+            err = result["error"]
+            raise err if isinstance(err, CollectiveError) else CollectiveError(str(err))
+        group: Group = result["group"]
+        return group
+
+    def _enter(self, plan: Plan) -> None:
+        """Join ``plan``'s generation: form its group and move state as it says."""
+        assert self._client is not None
+        client = self._client
+        rank = plan.rank_of(client.proc)
+        assert rank is not None, f"{client.proc} is not a member of generation {plan.gen}"
+        self.rank, self.world_size, self.generation = rank, plan.world_size, plan.gen
+        client.update(rank=rank, gen=plan.gen, phase="joining")
+        self._group = self._form_group(plan)
+        if rank in plan.sources:
+            src = plan.sources[rank]
+            client.emit("transfer_begun", rank=rank, gen=plan.gen, step=plan.resume_step, src=src)
+
+            def hook() -> None:
+                assert self._faults is not None
+                self._faults.at_recovery(rank, plan.resume_step, self._fault_fired)
+
+            state, stats = recv_state(self._group, src, between=hook)
+            self._registry.load_state_dict(state)
+            client.emit(
+                "transfer_ended", rank=rank, gen=plan.gen, step=plan.resume_step, src=src,
+                bytes=stats.bytes, seconds=stats.seconds, sha256_ok=True,
+            )  # fmt: skip
+        for dst in sorted(r for r, s in plan.sources.items() if s == rank):
+            stats = send_state(self._group, dst, self._registry.state_dict())
+            log.info(
+                "[gen %d rank %d] sent %d bytes to rank %d in %.3fs",
+                plan.gen,
+                rank,
+                stats.bytes,
+                dst,
+                stats.seconds,
+            )
+        assert self._committed == plan.resume_step - 1, (self._committed, plan.resume_step)
+        self._next_step = plan.resume_step
+        client.update(phase="idle", committed=self._committed)

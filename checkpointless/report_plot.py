@@ -1,0 +1,505 @@
+"""Render a finished (or crashed) run directory into ``timeline.png`` and ``summary.txt``.
+
+A run directory holds ``events.jsonl`` (one JSON event per line) and ``report.json`` (the job's
+final report). :func:`write_report` reads both and writes:
+
+* ``timeline.png``: top panel, committed step vs wall time per rank with a shaded span per fault
+  (injection to recovery); bottom panel, training loss (mean over ranks) and held-out loss vs step.
+* ``summary.txt``: a short plain-text summary, also returned.
+
+The reader is tolerant: unknown event kinds, missing optional fields and unparsable lines are
+skipped. ``main`` backs the CLI ``checkpointless report RUN_DIR``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["RunData", "format_summary", "load_run", "main", "write_report"]
+
+EVENTS_FILE = "events.jsonl"
+REPORT_FILE = "report.json"
+PNG_FILE = "timeline.png"
+SUMMARY_FILE = "summary.txt"
+
+
+# ---------------------------------------------------------------------------- loading
+
+
+@dataclass
+class RunData:
+    """Parsed contents of a run directory."""
+
+    run_dir: Path
+    events: list[dict[str, Any]]
+    report: dict[str, Any]
+    skipped_lines: int = 0
+    t0: float = 0.0
+
+
+def _num(x: Any) -> float | None:
+    """``x`` as a finite float, else None (bools are not numbers here)."""
+    if isinstance(x, bool) or not isinstance(x, int | float):
+        return None
+    v = float(x)
+    return v if math.isfinite(v) else None
+
+
+def _int(x: Any) -> int | None:
+    """``x`` as an int (accepting integral floats and digit strings), else None."""
+    if isinstance(x, bool):
+        return None
+    if isinstance(x, int):
+        return x
+    if isinstance(x, float) and x.is_integer():
+        return int(x)
+    if isinstance(x, str) and x.strip().lstrip("-").isdigit():
+        return int(x)
+    return None
+
+
+def _read_events(path: Path) -> tuple[list[dict[str, Any]], int]:
+    events: list[dict[str, Any]] = []
+    skipped = 0
+    with path.open("r", encoding="utf-8", errors="replace") as fh:
+        for line in fh:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                ev = json.loads(line)
+            except json.JSONDecodeError:
+                skipped += 1  # e.g. a line cut short by a crash
+                continue
+            if isinstance(ev, dict):
+                events.append(ev)
+            else:
+                skipped += 1
+    return events, skipped
+
+
+def load_run(run_dir: Path) -> RunData:
+    """Read ``events.jsonl`` and ``report.json`` from ``run_dir``.
+
+    Raises:
+        FileNotFoundError: the directory or one of the two files is missing.
+        ValueError: ``report.json`` is not a JSON object.
+    """
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"run directory not found: {run_dir}")
+    events_path, report_path = run_dir / EVENTS_FILE, run_dir / REPORT_FILE
+    for p in (events_path, report_path):
+        if not p.is_file():
+            raise FileNotFoundError(f"missing {p.name} in {run_dir}")
+    events, skipped = _read_events(events_path)
+    try:
+        report = json.loads(report_path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{report_path} is not valid JSON: {exc.msg} (line {exc.lineno})") from None
+    if not isinstance(report, dict):
+        raise ValueError(f"{report_path} does not hold a JSON object")
+    times = [t for t in (_num(e.get("t")) for e in events) if t is not None]
+    starts = [_num(e.get("t")) for e in events if e.get("kind") == "job_started"]
+    start_times = [t for t in starts if t is not None]
+    t0 = min(start_times) if start_times else (min(times) if times else 0.0)
+    return RunData(run_dir=run_dir, events=events, report=report, skipped_lines=skipped, t0=t0)
+
+
+# ---------------------------------------------------------------------------- derived series
+
+
+def _commits_by_rank(run: RunData) -> dict[int, list[tuple[float, int, int]]]:
+    """rank -> [(seconds since start, step, generation)] in file order (generation -1 if unknown)."""
+    out: dict[int, list[tuple[float, int, int]]] = defaultdict(list)
+    for ev in run.events:
+        if ev.get("kind") != "step_committed":
+            continue
+        t, rank, step = _num(ev.get("t")), _int(ev.get("rank")), _int(ev.get("step"))
+        if t is None or rank is None or step is None:
+            continue
+        gen = _int(ev.get("gen"))
+        out[rank].append((t - run.t0, step, -1 if gen is None else gen))
+    return dict(out)
+
+
+def _segments(pts: list[tuple[float, int, int]]) -> list[list[tuple[float, int, int]]]:
+    """Split one rank's commits where the generation changes (so rollbacks are not joined up)."""
+    segs: list[list[tuple[float, int, int]]] = []
+    for p in pts:
+        if not segs or segs[-1][-1][2] != p[2]:
+            segs.append([])
+        segs[-1].append(p)
+    return segs
+
+
+def _train_loss(run: RunData) -> list[tuple[int, float]]:
+    """(step, mean loss over ranks), using each rank's latest commit of a step (replays win)."""
+    latest: dict[tuple[int, int], float] = {}
+    for ev in run.events:
+        if ev.get("kind") != "step_committed":
+            continue
+        step, loss = _int(ev.get("step")), _num(ev.get("loss"))
+        if step is None or loss is None:
+            continue
+        rank = _int(ev.get("rank"))
+        latest[(step, -1 if rank is None else rank)] = loss
+    per_step: dict[int, list[float]] = defaultdict(list)
+    for (step, _), loss in latest.items():
+        per_step[step].append(loss)
+    return [(s, sum(v) / len(v)) for s, v in sorted(per_step.items())]
+
+
+def _heldout_loss(run: RunData) -> list[tuple[int, float]]:
+    """(step, held-out loss) from ``eval`` events; several evals of one step are averaged."""
+    per_step: dict[int, list[float]] = defaultdict(list)
+    for ev in run.events:
+        if ev.get("kind") != "eval":
+            continue
+        step, loss = _int(ev.get("step")), _num(ev.get("heldout_loss"))
+        if step is None or loss is None:
+            continue
+        per_step[step].append(loss)
+    return [(s, sum(v) / len(v)) for s, v in sorted(per_step.items())]
+
+
+@dataclass
+class _FaultSpan:
+    kind: str
+    ranks: list[int]
+    step: int | None
+    start: float  # seconds since job start
+    detected: float | None
+    end: float | None  # recovery_done, None if never recovered
+
+
+def _fault_spans(run: RunData) -> list[_FaultSpan]:
+    """One span per ``fault_injected``: injection to the first later ``recovery_done``."""
+    timed = [(t, ev) for ev in run.events if (t := _num(ev.get("t"))) is not None]
+    timed.sort(key=lambda p: p[0])
+    spans: list[_FaultSpan] = []
+    for i, (t, ev) in enumerate(timed):
+        if ev.get("kind") != "fault_injected":
+            continue
+        ranks_raw = ev.get("ranks")
+        if isinstance(ranks_raw, list):
+            ranks = [r for r in (_int(x) for x in ranks_raw) if r is not None]
+        else:
+            r = _int(ev.get("rank"))
+            ranks = [] if r is None else [r]
+        detected = end = None
+        for t2, ev2 in timed[i + 1 :]:
+            kind2 = ev2.get("kind")
+            if kind2 == "fault_detected" and detected is None:
+                detected = t2 - run.t0
+            elif kind2 == "recovery_done":
+                end = t2 - run.t0
+                break
+        spans.append(
+            _FaultSpan(
+                kind=str(ev.get("fault") or "fault"),
+                ranks=ranks,
+                step=_int(ev.get("step")),
+                start=t - run.t0,
+                detected=detected,
+                end=end,
+            )
+        )
+    return spans
+
+
+def _end_time(run: RunData) -> float:
+    times = [t for t in (_num(e.get("t")) for e in run.events) if t is not None]
+    return (max(times) - run.t0) if times else 0.0
+
+
+# ---------------------------------------------------------------------------- summary
+
+
+def _fmt_s(x: Any, digits: int = 2) -> str:
+    v = _num(x)
+    return "?" if v is None else f"{v:.{digits}f} s"
+
+
+def _fault_lines(run: RunData) -> list[str]:
+    faults = run.report.get("faults")
+    lines: list[str] = []
+    if isinstance(faults, list):
+        for i, f in enumerate(faults, 1):
+            if not isinstance(f, dict):
+                continue
+            ranks = f.get("ranks")
+            ranks_s = ",".join(str(r) for r in ranks) if isinstance(ranks, list) else "?"
+            lost = _int(f.get("lost_steps"))
+            replaced = f.get("replaced_by")
+            if isinstance(replaced, dict):
+                replaced_s = ", ".join(f"rank {k}->{v}" for k, v in replaced.items()) or "none"
+            elif isinstance(replaced, list):
+                replaced_s = ", ".join(str(r) for r in replaced) or "none"
+            else:
+                replaced_s = "none" if replaced in (None, "") else str(replaced)
+            lines.append(
+                f"  #{i} {f.get('kind', '?')} ranks [{ranks_s}] at step {f.get('step', '?')}: "
+                f"detection {_fmt_s(f.get('detection_s'))}, stall {_fmt_s(f.get('stall_s'))}, "
+                f"lost {'?' if lost is None else lost} steps, replaced by {replaced_s}"
+            )
+        return lines
+    # No fault list in the report: fall back to what the event log says.
+    for i, sp in enumerate(_fault_spans(run), 1):
+        stall = None if sp.end is None else sp.end - sp.start
+        det = None if sp.detected is None else sp.detected - sp.start
+        lines.append(
+            f"  #{i} {sp.kind} ranks [{','.join(map(str, sp.ranks))}] at step "
+            f"{'?' if sp.step is None else sp.step}: detection {_fmt_s(det)}, "
+            f"stall {_fmt_s(stall)} (from events)"
+        )
+    return lines
+
+
+def format_summary(run: RunData) -> str:
+    """A short plain-text summary of the run (ASCII only)."""
+    rep = run.report
+    steps = rep.get("steps_completed")
+    wall = rep.get("wall_s")
+    if _num(wall) is None and run.events:
+        wall = _end_time(run)
+    goodput = _num(rep.get("goodput"))
+    lines = [f"run: {run.run_dir}"]
+    lines.append(
+        f"steps completed: {steps if steps is not None else '?'}   wall: {_fmt_s(wall, 1)}   "
+        f"goodput: {'?' if goodput is None else f'{goodput:.3f}'}   "
+        f"median step: {_fmt_s(rep.get('step_time_s'), 3)}"
+    )
+    sha = rep.get("final_state_sha256")
+    lines.append(f"final state sha256: {sha[:16] + '...' if isinstance(sha, str) and sha else '?'}")
+    held = _heldout_loss(run)
+    if held:
+        (s0, l0), (s1, l1) = held[0], held[-1]
+        lines.append(f"held-out loss: {l0:.4f} (step {s0}) -> {l1:.4f} (step {s1}), {len(held)} evals")
+    else:
+        lines.append("held-out loss: no evals")
+    fault_lines = _fault_lines(run)
+    lines.append(f"faults: {len(fault_lines)}")
+    lines.extend(fault_lines)
+    injected = sum(1 for e in run.events if e.get("kind") == "fault_injected")
+    if injected != len(fault_lines) and isinstance(rep.get("faults"), list):
+        lines.append(
+            f"note: {EVENTS_FILE} has {injected} fault_injected event(s), {REPORT_FILE} lists {len(fault_lines)}"
+        )
+    finished = [e for e in run.events if e.get("kind") == "job_finished"]
+    if not finished:
+        lines.append("note: no job_finished event (run still going or crashed)")
+    elif finished[-1].get("ok") is False:
+        lines.append("note: job finished with ok=false")
+    if run.skipped_lines:
+        lines.append(f"note: skipped {run.skipped_lines} unparsable line(s) in {EVENTS_FILE}")
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------- plot
+
+
+def _plot(run: RunData, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    commits = _commits_by_rank(run)
+    spans = _fault_spans(run)
+    t_end = _end_time(run)
+    raw_faults = run.report.get("faults")
+    fault_info: list[Any] = raw_faults if isinstance(raw_faults, list) else []
+
+    fig, (ax_t, ax_l) = plt.subplots(
+        2, 1, figsize=(11, 7.5), gridspec_kw={"height_ratios": [3, 2]}, constrained_layout=True
+    )
+    try:
+        # ---- top: committed step vs wall time, per rank
+        cmap = plt.get_cmap("tab10" if len(commits) <= 10 else "tab20")
+        n_points = sum(len(v) for v in commits.values())
+        marker = "o" if n_points <= 600 else None
+        markers = "osD^v<>ph*"
+        for i, rank in enumerate(sorted(commits)):
+            # Synchronous ranks overlap exactly: earlier ranks are drawn larger, underneath.
+            size = max(6.0 - 0.6 * i, 2.5) if marker else 0.0
+            width = max(3.0 - 0.4 * i, 1.0)
+            for k, seg in enumerate(_segments(commits[rank])):
+                ax_t.plot(
+                    [p[0] for p in seg],
+                    [p[1] for p in seg],
+                    marker=markers[i % len(markers)] if marker else None,
+                    markersize=size,
+                    linewidth=width,
+                    color=cmap(i % cmap.N),
+                    alpha=0.9,
+                    zorder=2 + i,
+                    label=f"rank {rank}" if k == 0 else None,
+                )
+        for j, sp in enumerate(spans):
+            end = sp.end if sp.end is not None else t_end
+            ax_t.axvspan(
+                sp.start,
+                max(end, sp.start),
+                color="tab:red",
+                alpha=0.15,
+                hatch=None if sp.end is not None else "//",
+                label="fault -> recovered" if j == 0 else None,
+            )
+            ax_t.axvline(sp.start, color="tab:red", linewidth=1.2)
+            if sp.detected is not None:
+                ax_t.axvline(
+                    sp.detected,
+                    color="tab:red",
+                    linestyle="--",
+                    linewidth=0.9,
+                    label="detected" if j == 0 else None,
+                )
+            text = f"{sp.kind} r{','.join(map(str, sp.ranks))}" if sp.ranks else sp.kind
+            if sp.end is not None:
+                text += f"\nstall {sp.end - sp.start:.1f}s"
+            else:
+                text += "\nnot recovered"
+            if j < len(fault_info) and isinstance(fault_info[j], dict):
+                repl = fault_info[j].get("replaced_by")
+                if isinstance(repl, dict):
+                    repl = ",".join(map(str, repl.values()))
+                elif isinstance(repl, list):
+                    repl = ",".join(map(str, repl))
+                if repl not in (None, ""):
+                    text += f"\n-> {repl}"
+            ax_t.annotate(
+                text,
+                xy=(sp.start, 1.0),
+                xycoords=("data", "axes fraction"),
+                xytext=(3, -4 - 34 * (j % 2)),
+                textcoords="offset points",
+                va="top",
+                ha="left",
+                fontsize=8,
+                color="darkred",
+                bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": "none", "alpha": 0.8},
+            )
+        ax_t.set_xlabel("wall time since job start (s)")
+        ax_t.set_ylabel("committed step")
+        title = f"{run.run_dir.name}: committed steps per rank"
+        gp = _num(run.report.get("goodput"))
+        if gp is not None:
+            title += f"  (goodput {gp:.3f})"
+        ax_t.set_title(title)
+        ax_t.set_xlim(left=0, right=max(t_end, 1e-3) * 1.02)
+        ax_t.grid(True, alpha=0.3)
+        if commits or spans:
+            ax_t.legend(loc="lower right", fontsize=8, ncol=2 if len(commits) > 6 else 1)
+        if not commits:
+            ax_t.text(0.5, 0.5, "no step_committed events", transform=ax_t.transAxes, ha="center")
+
+        # ---- bottom: loss vs step
+        train, held = _train_loss(run), _heldout_loss(run)
+        if train:
+            ax_l.plot(
+                [s for s, _ in train],
+                [v for _, v in train],
+                color="tab:blue",
+                linewidth=1.2,
+                label="training loss (mean over ranks)",
+            )
+        if held:
+            ax_l.plot(
+                [s for s, _ in held],
+                [v for _, v in held],
+                color="tab:orange",
+                marker="o",
+                markersize=5,
+                linewidth=1.5,
+                label="held-out loss",
+            )
+        for j, sp in enumerate(spans):
+            if sp.step is not None:
+                ax_l.axvline(
+                    sp.step,
+                    color="tab:red",
+                    linewidth=0.9,
+                    alpha=0.6,
+                    linestyle=":",
+                    label="fault injected" if j == 0 else None,
+                )
+        ax_l.set_xlabel("step")
+        ax_l.set_ylabel("loss")
+        ax_l.set_title("loss")
+        ax_l.grid(True, alpha=0.3)
+        if train or held:
+            ax_l.legend(loc="upper right", fontsize=8)
+        else:
+            ax_l.text(0.5, 0.5, "no loss data", transform=ax_l.transAxes, ha="center")
+        fig.savefig(out, dpi=110)
+    finally:
+        plt.close(fig)
+
+
+# ---------------------------------------------------------------------------- API / CLI
+
+
+def write_report(run_dir: Path) -> str:
+    """Write ``timeline.png`` and ``summary.txt`` into ``run_dir``; return the summary text.
+
+    ``summary.txt`` is written before the plot, so it exists even if plotting fails
+    (e.g. matplotlib is not installed).
+
+    Raises:
+        FileNotFoundError: ``run_dir``, ``events.jsonl`` or ``report.json`` is missing.
+        ValueError: ``report.json`` is malformed.
+        ImportError: matplotlib is not installed (``pip install checkpointless[report]``).
+    """
+    run = load_run(Path(run_dir))
+    summary = format_summary(run)
+    (run.run_dir / SUMMARY_FILE).write_text(summary, encoding="utf-8")
+    _plot(run, run.run_dir / PNG_FILE)
+    return summary
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI entry for ``checkpointless report RUN_DIR``; returns the exit status.
+
+    ``argv`` holds the arguments after ``report`` (default: ``sys.argv[1:]``). A missing directory
+    or file, or a malformed report, prints one line to stderr and returns 2.
+    """
+    parser = argparse.ArgumentParser(
+        prog="checkpointless report",
+        description="Render RUN_DIR/events.jsonl and report.json into timeline.png and summary.txt.",
+    )
+    parser.add_argument("run_dir", type=Path, help="run directory written by a training job")
+    try:
+        args = parser.parse_args(list(argv) if argv is not None else None)
+    except SystemExit as exc:  # argparse already printed usage
+        return exc.code if isinstance(exc.code, int) else 2
+    try:
+        summary = write_report(args.run_dir)
+    except (FileNotFoundError, NotADirectoryError, ValueError) as exc:
+        print(f"checkpointless report: error: {exc}", file=sys.stderr)
+        return 2
+    except ImportError as exc:
+        print(
+            f"checkpointless report: error: matplotlib is needed for the plot "
+            f"(pip install 'checkpointless[report]'): {exc}",
+            file=sys.stderr,
+        )
+        return 1
+    except OSError as exc:
+        print(f"checkpointless report: error: {exc}", file=sys.stderr)
+        return 1
+    sys.stdout.write(summary)
+    print(f"wrote {args.run_dir / PNG_FILE} and {args.run_dir / SUMMARY_FILE}")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
