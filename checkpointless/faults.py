@@ -14,7 +14,8 @@ Grammar of a spec (``--fault`` on the command line)::
     none                        no fault at all
 
 Every fault fires once: a replacement that re-executes the step is not hit again.
-Firing is claimed atomically in the control store, so exactly one process fires it.
+Firing is claimed atomically in the control store per (fault, rank), so exactly one
+process fires it for each rank it names.
 """
 
 from __future__ import annotations
@@ -139,7 +140,8 @@ class FaultInjector:
     """Fires scheduled faults inside one process.
 
     ``claim`` is an atomic "first one wins" on the control store, so a fault fires
-    exactly once per job, even though every process holds the whole schedule.
+    once per named rank per job, even though every process holds the whole
+    schedule and a replacement re-executes the faulted step.
     """
 
     def __init__(self, faults: list[FaultSpec], claimer: _Claimer | None) -> None:
@@ -147,10 +149,10 @@ class FaultInjector:
         self._claimer = claimer
 
     def _fire(self, index: int, fault: FaultSpec, on_fire: _OnFire | None, rank: int, step: int) -> None:
-        if self._claimer is None or not self._claimer.claim(f"fault/{index}/fired"):
+        if self._claimer is None or not self._claimer.claim(f"fault/{index}/rank/{rank}/fired"):
             return
         if on_fire is not None:
-            on_fire(fault, rank, step)
+            on_fire(index, fault, rank, step)
         if fault.kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif fault.kind == "hang":
@@ -172,4 +174,4 @@ class FaultInjector:
 
 
 class _OnFire(Protocol):
-    def __call__(self, fault: FaultSpec, rank: int, step: int) -> None: ...
+    def __call__(self, index: int, fault: FaultSpec, rank: int, step: int) -> None: ...

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -58,6 +59,7 @@ class JobResult:
     error: str | None = None
     out_dir: Path | None = None
     logs: dict[str, Path] = field(default_factory=dict)
+    pids: dict[str, int] = field(default_factory=dict)
 
 
 def open_store(host: str, port: int) -> TCPStore:
@@ -167,9 +169,14 @@ class Launcher:
                 for ev in events:
                     f.write(json.dumps(ev) + "\n")
             (self.out_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+        if error is None and self._own_logdir:
+            shutil.rmtree(self._logdir, ignore_errors=True)
+        elif error is not None:
+            log.error("job failed: %s (process logs in %s)", error, self._logdir)
         return JobResult(
             ok=error is None, digest=coord.digest, report=report, events=events, error=error,
             out_dir=self.out_dir, logs={n: self._logdir / f"{n}.log" for n in self.children},
+            pids={n: c.popen.pid for n, c in self.children.items()},
         )  # fmt: skip
 
     def _wait_workers(self, coord: Coordinator, timeout_s: float = 30.0) -> None:

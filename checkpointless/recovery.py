@@ -285,10 +285,10 @@ class Session:
                 "step_committed", rank=self.rank, gen=self.generation, step=step, step_time_s=seconds, **m
             )
 
-    def _fault_fired(self, fault: FaultSpec, rank: int, step: int) -> None:
+    def _fault_fired(self, index: int, fault: FaultSpec, rank: int, step: int) -> None:
         assert self._client is not None
         self._client.emit(
-            "fault_injected", sync=True, rank=rank, gen=self.generation, step=step,
+            "fault_injected", sync=True, rank=rank, gen=self.generation, step=step, index=index,
             fault=fault.kind, ranks=list(fault.ranks) or [rank], target=fault.at,
         )  # fmt: skip
 

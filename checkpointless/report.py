@@ -102,7 +102,11 @@ def build_report(
         ]
         start = first - (first_time[0] if first_time else 0.0)
         wall = max(all_commits)[0] - start
-    faults = [_fault_summary(e, events, commits, step_time) for e in events if e["kind"] == "fault_injected"]
+    first_injection: dict[Any, dict[str, Any]] = {}
+    for e in events:  # a fault naming several ranks fires once in each of them
+        if e["kind"] == "fault_injected":
+            first_injection.setdefault(e.get("index", id(e)), e)
+    faults = [_fault_summary(e, events, commits, step_time) for e in first_injection.values()]
     recoveries = [float(e["seconds"]) for e in events if e["kind"] == "recovery_done"]
     evals = [(int(e["step"]), float(e["heldout_loss"])) for e in events if e["kind"] == "eval"]
     return {

@@ -375,3 +375,14 @@ def test_dry_run_tiny_matches_real_model_and_flags_single_replica() -> None:
     assert not report["recoverable"]
     assert main([str(TINY["llama"]), "--set", "optim.lr=1e-3"]) == 0
     assert main([str(TINY["llama"]), "--set", "optim.nope=1"]) == 2
+
+
+@pytest.mark.timeout(120)
+def test_exponent_floats_read_as_numbers(tmp_path: Path) -> None:
+    text = TINY["llama"].read_text(encoding="utf-8").replace("lr: 3.0e-3", "lr: 3e-3")
+    assert "lr: 3e-3" in text
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text, encoding="utf-8")
+    assert load_recipe(path).optim.lr == 3e-3
+    with pytest.raises(ValueError, match=r"optim\.lr: expected float, got str"):
+        load_recipe(path, ["optim.lr='3e-3'"])
