@@ -100,6 +100,7 @@ class Launcher:
         self.children: dict[str, _Child] = {}
         self._next_spare = 0
         self._events: list[dict[str, Any]] = []
+        self._own_logdir = out_dir is None
         self._logdir = (
             Path(out_dir / "logs") if out_dir else Path(tempfile.mkdtemp(prefix="checkpointless-logs-"))
         )
