@@ -129,10 +129,36 @@ def cmd_demo(argv: list[str]) -> int:
     return 0
 
 
+def cmd_launch(argv: list[str]) -> int:
+    from checkpointless.console import LiveProgress
+
+    if "--" not in argv:
+        raise UsageError("checkpointless launch: give the training command after --, e.g. -- python train.py")
+    split = argv.index("--")
+    own, command = argv[:split], argv[split + 1 :]
+    if not command:
+        raise UsageError("checkpointless launch: the training command after -- is empty")
+    p = _Parser(prog="checkpointless launch", description="Run any script that uses checkpointless.Session.")
+    _add_job_args(p, workers=2, spares=1)
+    p.add_argument("--steps", type=int, default=None, help="the script's step count (checks --fault steps)")
+    p.add_argument("--quiet", action="store_true")
+    args = p.parse_args(own)
+    job = _job(args, args.steps, [])
+    if command[0] in ("python", "python3"):
+        command = [sys.executable, *command[1:]]
+    console = Console(stderr=True)
+    progress = None if args.quiet else LiveProgress(args.steps, console)
+    result = Launcher(
+        job, command, total_steps=args.steps, port=args.port, out_dir=args.out, on_tick=progress
+    ).run()
+    _print_result(console, result, "run")
+    return 0 if result.ok else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    commands = {"demo": cmd_demo}
+    commands = {"demo": cmd_demo, "launch": cmd_launch}
     try:
         if not argv or argv[0] in ("-h", "--help"):
             print("usage: checkpointless {demo,launch,run,report,simulate} ...", file=sys.stderr)

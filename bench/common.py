@@ -1,0 +1,173 @@
+"""Shared helpers of the benchmarks: statistics, machine description, output paths, process hygiene.
+
+Every benchmark script is run as a script (``python bench/NAME.py``), so ``bench/`` is on
+``sys.path`` and the scripts import this module as ``common``.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO = BENCH_DIR.parent
+OUT = BENCH_DIR / "out"
+PYTHON = sys.executable
+
+# Every process of every benchmark runs with one intra-op thread (the Makefile sets it too).
+THREAD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def pin_threads() -> None:
+    """One intra-op thread in this process, as in every worker."""
+    import torch
+
+    os.environ.update(THREAD_ENV)
+    torch.set_num_threads(1)
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(THREAD_ENV)
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(BENCH_DIR), env.get("PYTHONPATH", "")) if p)
+    env.update(extra)
+    return env
+
+
+# -- statistics -----------------------------------------------------------------
+def percentile(xs: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (numpy's default), ``q`` in [0, 100]."""
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    if len(s) == 1:
+        return float(s[0])
+    pos = (len(s) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return float(s[lo] + (s[hi] - s[lo]) * (pos - lo))
+
+
+def summary(xs: Iterable[float | None]) -> dict[str, float | int]:
+    vals = [float(x) for x in xs if x is not None]
+    if not vals:
+        return {"n": 0}
+    return {
+        "n": len(vals),
+        "median": statistics.median(vals),
+        "p95": percentile(vals, 95),
+        "min": min(vals),
+        "max": max(vals),
+        "mean": statistics.fmean(vals),
+    }
+
+
+def fmt(x: Any, digits: int = 3) -> str:
+    if x is None:
+        return "–"
+    if isinstance(x, float):
+        if x != x:  # nan
+            return "–"
+        return f"{x:.{digits}f}"
+    return str(x)
+
+
+def md_table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    for row in rows:
+        lines.append("| " + " | ".join(fmt(c) if not isinstance(c, str) else c for c in row) + " |")
+    return "\n".join(lines)
+
+
+# -- output ---------------------------------------------------------------------
+def write_json(path: Path, obj: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=2, default=str) + "\n")
+
+
+def fresh_dir(path: Path) -> Path:
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+# -- machine ----------------------------------------------------------------------
+def _run_text(cmd: list[str]) -> str:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=10, check=False).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
+def load_average() -> list[float]:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return []
+
+
+def machine_info() -> dict[str, Any]:
+    import torch
+
+    lscpu = _run_text(["lscpu"])
+    keep = (
+        "Architecture",
+        "CPU(s):",
+        "Model name",
+        "Thread(s) per core",
+        "Core(s) per socket",
+        "Socket(s)",
+        "L2 cache",
+        "L3 cache",
+        "Hypervisor vendor",
+    )
+    lscpu_lines = [ln for ln in lscpu.splitlines() if ln.startswith(keep) and "NUMA" not in ln]
+    return {
+        "date": _dt.datetime.now(_dt.timezone.utc).astimezone().isoformat(timespec="seconds"),
+        "hostname": platform.node(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "nproc": _run_text(["nproc"]),
+        "lscpu": lscpu_lines,
+        "free": _run_text(["free", "-h"]),
+        "loadavg": load_average(),
+    }
+
+
+# -- processes --------------------------------------------------------------------
+def stop_process(p: subprocess.Popen[Any], timeout: float = 5.0) -> None:
+    """End a process this benchmark started: wait briefly, then SIGKILL (also wakes a stopped one)."""
+    if p.poll() is None:
+        try:
+            p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.send_signal(signal.SIGKILL)
+            p.wait(timeout=10)
+
+
+def wait_all(procs: Sequence[subprocess.Popen[Any]], timeout: float) -> list[int]:
+    """Wait for every process within ``timeout`` seconds in total; kill them all if one overruns."""
+    deadline = time.monotonic() + timeout
+    codes: list[int] = []
+    try:
+        for p in procs:
+            codes.append(p.wait(timeout=max(0.1, deadline - time.monotonic())))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+    return codes

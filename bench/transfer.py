@@ -1,0 +1,279 @@
+"""State-transfer throughput: ``send_state``/``recv_state`` between two processes over gloo on loopback.
+
+For each state size (10 MB, 100 MB, 1 GB; quick: 10 MB, 100 MB) two real processes form a
+``checkpointless.comm.Group`` on a ``TCPStore`` hosted by this process. Rank 0 sends, rank 1
+receives. Per repetition, after a barrier, the receiver times:
+
+- ``e2e``: ``recv_state`` from the first header byte to the verified state (the sender's
+  ``send_state`` includes hashing before the first byte leaves, so that is on the path too:
+  e2e is timed on the receiver from the barrier, which both ranks leave together);
+- ``wire``: the same tensors with plain ``Group.send``/``Group.recv`` (no metadata, no hash);
+- ``hash``: ``checkpointless.state._hash_tensors`` over the same tensors, timed in each process
+  (the protocol hashes on both sides, one after the other: source before sending, receiver after
+  receiving).
+
+The floor is a plain in-memory copy of the same bytes in one process (``clone()`` and ``copy_``
+into a preallocated buffer), single-threaded like every worker.
+
+Usage: ``python bench/transfer.py [--quick]`` (writes ``bench/out/transfer.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import common
+
+CHUNK_BYTES = 16 * 2**20  # the state is a dict of float32 tensors of at most 16 MiB (like a model's)
+MB = 10**6
+
+
+def make_state(nbytes: int, seed: int = 0) -> dict[str, Any]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    tensors = {f"t{i}": torch.rand(k, generator=g) for i, k in enumerate(_chunk_sizes(nbytes))}
+    return {"model": tensors, "progress": {"committed_step": 7}}
+
+
+def _chunk_sizes(nbytes: int) -> list[int]:
+    n_floats, per, sizes = nbytes // 4, CHUNK_BYTES // 4, []
+    while n_floats > 0:
+        sizes.append(min(per, n_floats))
+        n_floats -= sizes[-1]
+    return sizes
+
+
+def _tensors(state: dict[str, Any]) -> list[Any]:
+    return list(state["model"].values())
+
+
+# -- the two processes ------------------------------------------------------------------
+def worker(rank: int, port: int, sizes: list[int], reps: int, out: Path) -> None:
+    common.pin_threads()
+    import torch
+
+    from checkpointless.comm import Group
+    from checkpointless.control.client import connect
+    from checkpointless.state import _hash_tensors, recv_state, send_state
+
+    store = connect(f"127.0.0.1:{port}", timedelta(seconds=60))
+    group = Group(store, 0, rank, 2, timeout=timedelta(seconds=300))
+    results: list[dict[str, Any]] = []
+    for nbytes in sizes:
+        state = make_state(nbytes) if rank == 0 else None
+        tensors = _tensors(state) if state is not None else None
+        row: dict[str, Any] = {"bytes": nbytes, "e2e_s": [], "wire_s": [], "hash_s": [], "stats_s": []}
+        recv_shapes = _chunk_sizes(nbytes)  # the receiver's buffers for the raw-wire measurement
+        for _ in range(reps):
+            # end to end: the checkpointless protocol (hash, header, meta, tensors, hash check)
+            group.barrier()
+            t0 = time.perf_counter()
+            if rank == 0:
+                assert state is not None
+                stats = send_state(group, 1, state)
+            else:
+                received, stats = recv_state(group, 0)
+                assert received["progress"]["committed_step"] == 7
+                del received
+            group.barrier()
+            row["e2e_s"].append(time.perf_counter() - t0)
+            row["stats_s"].append(stats.seconds)
+            row["moved_bytes"] = stats.bytes
+            # raw wire: the same tensors, plain send/recv
+            group.barrier()
+            t0 = time.perf_counter()
+            if rank == 0:
+                assert tensors is not None
+                for t in tensors:
+                    group.send(t, 1)
+            else:
+                for k in recv_shapes:
+                    buf = torch.empty(k, dtype=torch.float32)
+                    group.recv(buf, 0)
+                    del buf
+            group.barrier()
+            row["wire_s"].append(time.perf_counter() - t0)
+            # hashing alone, in this process
+            if rank == 0:
+                assert tensors is not None
+                t0 = time.perf_counter()
+                _hash_tensors(tensors)
+                row["hash_s"].append(time.perf_counter() - t0)
+        if rank == 1:
+            # hash the receiver's kind of tensors (freshly allocated) once per rep too
+            fresh = _tensors(make_state(nbytes, seed=1))
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                _hash_tensors(fresh)
+                row["hash_s"].append(time.perf_counter() - t0)
+            del fresh
+        results.append(row)
+        del state, tensors
+    group.barrier()
+    common.write_json(out, results)
+
+
+def copy_floor(sizes: list[int], reps: int) -> list[dict[str, Any]]:
+    """Single-process, single-thread in-memory copy of the same tensors."""
+    common.pin_threads()
+    import torch
+
+    rows = []
+    for nbytes in sizes:
+        tensors = _tensors(make_state(nbytes))
+        dst = [torch.empty_like(t) for t in tensors]
+        clone_s, copy_s = [], []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            cl = [t.clone() for t in tensors]
+            clone_s.append(time.perf_counter() - t0)
+            del cl
+            t0 = time.perf_counter()
+            for d, t in zip(dst, tensors, strict=True):
+                d.copy_(t)
+            copy_s.append(time.perf_counter() - t0)
+        rows.append({"bytes": nbytes, "clone_s": clone_s, "copy_s": copy_s})
+        del tensors, dst
+    return rows
+
+
+# -- orchestration -----------------------------------------------------------------------
+def run(quick: bool, out_dir: Path) -> dict[str, Any]:
+    from checkpointless.launch import open_store
+
+    sizes = [10 * MB, 100 * MB] if quick else [10 * MB, 100 * MB, 1000 * MB]
+    reps = 3 if quick else 5
+    work = common.fresh_dir(out_dir / "transfer")
+    store = open_store("127.0.0.1", 0)
+    procs: list[subprocess.Popen[bytes]] = []
+    t_start = time.time()
+    try:
+        for rank in (0, 1):
+            cmd = [
+                common.PYTHON, str(Path(__file__).resolve()), "--worker", str(rank),
+                "--port", str(store.port), "--sizes", ",".join(map(str, sizes)), "--reps", str(reps),
+                "--out", str(work / f"rank{rank}.json"),
+            ]  # fmt: skip
+            log = open(work / f"rank{rank}.log", "wb")  # noqa: SIM115 (closed right after start)
+            procs.append(subprocess.Popen(cmd, env=common.child_env(), stdout=log, stderr=subprocess.STDOUT))
+            log.close()
+        codes = common.wait_all(procs, timeout=900)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+    if any(codes):
+        logs = "\n".join((work / f"rank{r}.log").read_text()[-2000:] for r in (0, 1))
+        raise RuntimeError(f"transfer workers failed with {codes}:\n{logs}")
+    sender = json.loads((work / "rank0.json").read_text())
+    receiver = json.loads((work / "rank1.json").read_text())
+    floor = copy_floor(sizes, reps)
+    rows = []
+    for s, r, f in zip(sender, receiver, floor, strict=True):
+        nbytes = r["moved_bytes"]
+        e2e = statistics.median(r["e2e_s"])
+        wire = statistics.median(r["wire_s"])
+        hash_src = statistics.median(s["hash_s"])
+        hash_dst = statistics.median(r["hash_s"])
+        clone = statistics.median(f["clone_s"])
+        copy = statistics.median(f["copy_s"])
+        rows.append(
+            {
+                "bytes": nbytes,
+                "reps": reps,
+                "e2e_s": e2e,
+                "e2e_gbps": nbytes / e2e / 1e9,
+                "wire_s": wire,
+                "wire_gbps": nbytes / wire / 1e9,
+                "hash_src_s": hash_src,
+                "hash_dst_s": hash_dst,
+                "hash_gbps": nbytes / hash_src / 1e9,
+                "hash_share": (hash_src + hash_dst) / e2e,
+                "other_s": max(0.0, e2e - wire - hash_src - hash_dst),
+                "clone_s": clone,
+                "clone_gbps": nbytes / clone / 1e9,
+                "copy_s": copy,
+                "copy_gbps": nbytes / copy / 1e9,
+                "e2e_over_copy": e2e / copy,
+                "raw": {"sender": s, "receiver": r, "floor": f},
+            }
+        )
+    return {"quick": quick, "sizes": sizes, "reps": reps, "wall_s": time.time() - t_start, "rows": rows}
+
+
+def markdown(res: dict[str, Any]) -> str:
+    rows = res["rows"]
+    t1 = common.md_table(
+        ["state", "send/recv_state GB/s", "raw gloo GB/s", "clone GB/s", "copy_ GB/s", "copy_ ÷ state"],
+        [
+            [
+                f"{r['bytes'] / MB:.0f} MB",
+                r["e2e_gbps"],
+                r["wire_gbps"],
+                r["clone_gbps"],
+                r["copy_gbps"],
+                f"{r['e2e_over_copy']:.1f}×",
+            ]
+            for r in rows
+        ],
+    )
+    t2 = common.md_table(
+        [
+            "state",
+            "end to end s",
+            "wire s",
+            "hash at source s",
+            "hash at receiver s",
+            "other s",
+            "hash share",
+        ],
+        [
+            [
+                f"{r['bytes'] / MB:.0f} MB",
+                r["e2e_s"],
+                r["wire_s"],
+                r["hash_src_s"],
+                r["hash_dst_s"],
+                r["other_s"],
+                f"{100 * r['hash_share']:.0f}%",
+            ]
+            for r in rows
+        ],
+    )
+    return (
+        f"Median of {res['reps']} repetitions per size. GB/s = 10^9 bytes per second of tensor payload.\n\n"
+        f"{t1}\n\nTime split of one transfer (medians; the protocol hashes the whole state at the source "
+        f"before sending and again at the receiver after receiving, serially):\n\n{t2}\n"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--worker", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--sizes", help=argparse.SUPPRESS)
+    p.add_argument("--reps", type=int, default=3, help=argparse.SUPPRESS)
+    p.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.worker is not None:
+        worker(a.worker, a.port, [int(s) for s in a.sizes.split(",")], a.reps, a.out)
+        return 0
+    res = run(a.quick, common.OUT)
+    common.write_json(common.OUT / "transfer.json", res)
+    print(markdown(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

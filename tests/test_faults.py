@@ -1,0 +1,58 @@
+"""The --fault grammar and schedule validation."""
+
+from __future__ import annotations
+
+import pytest
+
+from checkpointless.faults import FaultSpec, parse_fault, parse_faults, validate_schedule
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_parse_each_kind() -> None:
+    assert parse_fault("kill:rank=1@step=30") == FaultSpec("kill", (1,), 30)
+    assert parse_fault("hang:rank=0@step=0") == FaultSpec("hang", (0,), 0)
+    assert parse_fault("exception:rank=2,3@step=7") == FaultSpec("exception", (2, 3), 7)
+    assert parse_fault("kill:spare@recovery") == FaultSpec("kill", (), None, "recovery")
+    assert parse_faults(["none"]) == []
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("explode:rank=1@step=3", "unknown fault kind 'explode'"),
+        ("kill:rank=1", "cannot parse fault"),
+        ("kill:rank=1,1@step=2", "names a rank twice"),
+        ("kill:rank=a@step=2", "cannot parse"),
+    ],
+)
+def test_parse_errors_name_the_problem(spec: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_fault(spec)
+
+
+def test_round_trip_json() -> None:
+    for s in ["kill:rank=1@step=30", "kill:spare@recovery", "hang:rank=0,1@step=2"]:
+        f = parse_fault(s)
+        assert FaultSpec.from_json(f.to_json()) == f
+        assert str(f) == s
+
+
+@pytest.mark.parametrize(
+    ("specs", "workers", "spares", "steps", "message"),
+    [
+        (["kill:rank=2@step=1"], 2, 1, 10, "rank 2 is out of range"),
+        (["kill:rank=1@step=10"], 2, 1, 10, "beyond --steps 10"),
+        (["kill:rank=0,1@step=3"], 3, 1, 10, "only 1 spare"),
+        (["kill:rank=0,1@step=3"], 2, 2, 10, "every rank fails"),
+        (["kill:spare@recovery"], 2, 0, 10, "no spare"),
+        (["kill:rank=1@step=3", "hang:rank=1@step=3"], 2, 2, 10, "already faulted"),
+    ],
+)
+def test_schedule_errors(specs: list[str], workers: int, spares: int, steps: int, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        validate_schedule(parse_faults(specs), workers=workers, spares=spares, steps=steps)
+
+
+def test_exceptions_need_no_spare() -> None:
+    validate_schedule(parse_faults(["exception:rank=0,1@step=3"]), workers=2, spares=0, steps=10)
