@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -25,7 +26,7 @@ from torch.distributed import TCPStore
 
 from checkpointless.config import JobConfig
 from checkpointless.control import keys
-from checkpointless.control.client import ENV_CONFIG, ENV_PROC, ENV_ROLE, ENV_STORE
+from checkpointless.control.client import ENV_CONFIG, ENV_JOB_ID, ENV_PROC, ENV_ROLE, ENV_STORE
 from checkpointless.control.coordinator import Coordinator, JobFailed
 from checkpointless.report import build_report
 
@@ -88,14 +89,15 @@ class Launcher:
         port: int = 0,
         out_dir: Path | None = None,
         env: dict[str, str] | None = None,
-        on_tick: Callable[[Coordinator], None] | None = None,
+        on_tick: Callable[[Coordinator], None] | list[Callable[[Coordinator], None]] | None = None,
         timeout_s: float = 3600.0,
     ) -> None:
         self.job, self.command, self.total_steps = job, command, total_steps
         self.host, self.port = host, port
         self.out_dir = out_dir
         self.env = env or {}
-        self.on_tick = on_tick
+        self.on_tick = on_tick if isinstance(on_tick, list) else [on_tick] if on_tick else []
+        self.job_id = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.timeout_s = timeout_s
         self.children: dict[str, _Child] = {}
         self._next_spare = 0
@@ -114,6 +116,7 @@ class Launcher:
                 ENV_PROC: name,
                 ENV_ROLE: role,
                 ENV_CONFIG: self.job.to_json(),
+                ENV_JOB_ID: self.job_id,
                 "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
                 "PYTHONUNBUFFERED": "1",
             }
@@ -147,8 +150,8 @@ class Launcher:
             deadline = time.monotonic() + self.timeout_s
             while not coord.finished:
                 coord.tick()
-                if self.on_tick is not None:
-                    self.on_tick(coord)
+                for callback in self.on_tick:
+                    callback(coord)
                 if time.monotonic() > deadline:
                     raise JobFailed(f"job did not finish within {self.timeout_s:.0f}s")
                 time.sleep(0.01)
@@ -202,7 +205,15 @@ class Launcher:
                     events.append(json.loads(line))
         return events
 
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        """Launcher and coordinator events so far (process events are collected at the end)."""
+        return self._events
+
     def _cleanup(self) -> None:
+        from checkpointless.data.shm_cache import ShmBatchCache
+
+        ShmBatchCache(self.job_id, cleanup_on_exit=False).cleanup()  # the node-local batch cache
         try:
             self.store.set(keys.JOB_STOP, "1")
         except Exception:

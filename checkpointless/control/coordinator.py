@@ -216,6 +216,9 @@ class Coordinator:
             if self.store.check([keys.fail(gen, rank)]):
                 d = json.loads(self.store.get(keys.fail(gen, rank)))
                 failure.reported[rank] = int(d["committed"])
+                self._emit(
+                    "failure_reported", rank=rank, gen=gen, reason=d["reason"], committed=d["committed"]
+                )
 
     def _try_recover(self, now: float) -> None:
         assert self._failure is not None and self.plan is not None

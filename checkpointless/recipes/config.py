@@ -25,6 +25,8 @@ from typing import Any, Literal, Union
 
 import yaml
 
+from checkpointless.data.corpus import BYTE_VOCAB_SIZE  # 256 byte values + end-of-document
+
 __all__ = [
     "DataConfig",
     "ModelConfig",
@@ -43,9 +45,6 @@ Tokenizer = Literal["byte", "bpe"]
 Schedule = Literal["constant", "cosine"]
 DType = Literal["float32", "bfloat16"]
 LayerType = Literal["sliding_attention", "full_attention"]
-
-#: Size of the byte-level tokenizer's vocabulary (256 byte values; the model may reserve more ids).
-BYTE_VOCAB_SIZE = 256
 
 
 class RecipeError(ValueError):

@@ -1,0 +1,103 @@
+"""The training script of ``checkpointless run``: every worker and spare runs it.
+
+``python -m checkpointless.recipes.train RECIPE.yaml [--set key=value]...``; the
+launcher sets the environment that makes ``Session`` fault tolerant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+
+import torch
+
+from checkpointless.control.client import ENV_JOB_ID, ENV_STORE
+
+
+def lr_lambda(step: int, warmup: int, total: int, schedule: str) -> float:
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    progress = (step - warmup) / max(1, total - warmup)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    import checkpointless as cl
+    from checkpointless.data.corpus import TokenDataset
+    from checkpointless.data.shm_cache import CachedDataset, ShmBatchCache
+    from checkpointless.recipes.config import load_recipe
+    from checkpointless.recipes.models import build_model
+
+    p = argparse.ArgumentParser(prog="python -m checkpointless.recipes.train")
+    p.add_argument("recipe")
+    p.add_argument("--set", action="append", default=[], dest="overrides")
+    args = p.parse_args(argv)
+    cfg = load_recipe(args.recipe, args.overrides)
+    torch.set_num_threads(1)
+    dtype = torch.bfloat16 if cfg.parallel.dtype == "bfloat16" else torch.float32
+    model = build_model(cfg.model, seed=cfg.train.seed, dtype=dtype)
+    oc = cfg.optim
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=oc.lr, betas=oc.betas, eps=oc.eps, weight_decay=oc.weight_decay
+    )
+    steps = cfg.train.steps
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_lambda(s, oc.warmup_steps, steps, oc.schedule)
+    )
+
+    dc = cfg.data
+
+    def dataset() -> TokenDataset:  # opened lazily: a replacement first serves batches from the node cache
+        return TokenDataset(
+            None if dc.is_stdlib else dc.source,
+            seq_len=dc.seq_len,
+            global_batch=dc.global_batch,
+            seed=cfg.train.seed,
+            val_fraction=dc.heldout_fraction,
+            tokenizer=dc.tokenizer,
+            vocab_size=dc.tokenizer_vocab_size,
+        )
+
+    cache = ShmBatchCache(os.environ.get(ENV_JOB_ID, f"local-{os.getpid()}"), cleanup_on_exit=False)
+    data = CachedDataset(dataset, cache)
+
+    def heldout_loss() -> float:
+        model.eval()
+        with torch.no_grad():
+            losses = [
+                model(x, y).item()
+                for x, y in (data.batch(i, 0, 1, split="val") for i in range(dc.eval_batches))
+            ]
+        model.train()
+        return sum(losses) / len(losses)
+
+    session = cl.Session(model, optimizer, state={"scheduler": scheduler}, seed=cfg.train.seed)
+    if session.rank == 0 and session.step == 0 and dc.eval_every:
+        session.emit("eval", heldout_loss=heldout_loss())
+    for step in session.steps(steps):
+        with session.attempt():
+            data.prefetch(range(step + 1, min(steps, step + 3)), session.dp_rank, session.dp_size)
+            inputs, targets = data.batch(step, session.dp_rank, session.dp_size)
+            loss = model(inputs, targets)
+            loss.backward()
+            session.reduce_gradients()
+            if oc.grad_clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), oc.grad_clip)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=False)
+        session.log(loss=loss.item(), tokens=inputs.numel(), lr=scheduler.get_last_lr()[0])
+        if session.rank == 0 and dc.eval_every and ((step + 1) % dc.eval_every == 0 or step + 1 == steps):
+            session.emit("eval", heldout_loss=heldout_loss())
+    data.stop(timeout=5)
+    session.finish()
+    if session.rank == 0 and not os.environ.get(ENV_STORE):
+        cache.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
