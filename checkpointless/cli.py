@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import NoReturn
@@ -15,6 +16,7 @@ from typing import NoReturn
 from rich.console import Console
 
 from checkpointless.config import JobConfig, RecoveryConfig
+from checkpointless.control.coordinator import Coordinator
 from checkpointless.faults import parse_faults, validate_schedule
 from checkpointless.launch import JobResult, Launcher, LaunchError
 
@@ -197,7 +199,9 @@ def cmd_run(argv: list[str]) -> int:
         f"faults: {', '.join(map(str, job.faults)) or 'none'}",
         highlight=False,
     )
-    callbacks = [] if args.quiet else [LiveProgress(cfg.train.steps, console)]
+    callbacks: list[Callable[[Coordinator], None]] = (
+        [] if args.quiet else [LiveProgress(cfg.train.steps, console)]
+    )
     launcher = Launcher(job, command, total_steps=cfg.train.steps, port=args.port, out_dir=args.out)
     metrics = None
     if args.metrics_port is not None:

@@ -136,6 +136,7 @@ class Session:
         self._next_step = 0
         self._attempted = False
         self._metrics: dict[str, Any] = {}
+        self._pending_commit: dict[str, Any] | None = None
         self._local_failures = 0
         self._group: Group | None = None
         self.rank, self.world_size, self.generation = 0, 1, 0
@@ -205,6 +206,7 @@ class Session:
         """One try of the current step; commits on normal exit, recovers on any exception."""
         step = self._next_step
         self._attempted = True
+        self._flush_commit()
         self._metrics = {}
         if self.reseed_rng:
             s = step_seed(self.seed, step, self.rank)
@@ -235,8 +237,17 @@ class Session:
         self._reducer.reduce(self._group)
 
     def log(self, **metrics: Any) -> None:
-        """Attach metrics (``loss``, ``tokens``, ...) to this step's commit event."""
-        self._metrics.update(metrics)
+        """Attach metrics (``loss``, ``tokens``, ...) to the current step's commit event.
+
+        May be called inside the ``attempt`` block or right after it.
+        """
+        kept = {k: v for k, v in metrics.items() if isinstance(v, int | float | str | bool)}
+        if self._pending_commit is not None:
+            self._pending_commit.update(kept)
+            if self._client is not None:
+                self._client.update(**kept)
+        else:
+            self._metrics.update(kept)
 
     def emit(self, kind: str, **fields: Any) -> None:
         """Record a custom event (for example ``eval`` with ``heldout_loss``)."""
@@ -252,6 +263,7 @@ class Session:
 
         Every rank must call it after the loop. Returns the final state digest.
         """
+        self._flush_commit()
         digest = self.state_digest()
         client = self._client
         if client is None:
@@ -277,13 +289,17 @@ class Session:
         self._next_step = step + 1
         self._local_failures = 0
         if self._client is not None:
-            m: dict[str, Any] = {
-                k: v for k, v in self._metrics.items() if isinstance(v, int | float | str | bool)
-            }
-            self._client.update(phase="idle", committed=step, step_time_s=seconds, **m)
-            self._client.emit(
-                "step_committed", rank=self.rank, gen=self.generation, step=step, step_time_s=seconds, **m
-            )
+            self._client.update(phase="idle", committed=step, step_time_s=seconds, **self._metrics)
+            self._pending_commit = {
+                "t": time.time(), "rank": self.rank, "gen": self.generation, "step": step,
+                "step_time_s": seconds, **self._metrics,
+            }  # fmt: skip
+
+    def _flush_commit(self) -> None:
+        """Ship the last commit event, with what ``log`` added after the block."""
+        if self._pending_commit is not None and self._client is not None:
+            self._client.emit("step_committed", **self._pending_commit)
+        self._pending_commit = None
 
     def _fault_fired(self, index: int, fault: FaultSpec, rank: int, step: int) -> None:
         assert self._client is not None
@@ -311,6 +327,7 @@ class Session:
     def _recover(self, reason: str) -> None:
         """Leave the broken generation and enter the next one (loops if that one fails too)."""
         assert self._client is not None
+        self._flush_commit()
         while True:
             if self._group is not None:
                 self._group.abort()
