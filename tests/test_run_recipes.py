@@ -1,0 +1,108 @@
+"""`checkpointless run` on the tiny Hugging Face recipes, with a fault, real corpus, metrics scraped live."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = ["--set", "train.steps=12", "--set", "data.eval_every=6", "--set", "data.eval_batches=1",
+         "--set", "data.seq_len=32", "--set", "optim.warmup_steps=2"]  # fmt: skip
+
+
+def run_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "checkpointless.cli", "run", *args, "--quiet"],
+        capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("recipe", ["llama-tiny", "gpt-oss-tiny"])
+def test_recipe_with_kill_equals_fault_free(recipe: str, tmp_path: Path) -> None:
+    path = str(ROOT / "recipes" / f"{recipe}.yaml")
+    faulted = run_cli(path, *SMALL, "--fault", "kill:rank=1@step=5", "--out", str(tmp_path / "f"))
+    assert faulted.returncode == 0, faulted.stderr
+    clean = run_cli(path, *SMALL, "--spares", "0", "--out", str(tmp_path / "c"))
+    assert clean.returncode == 0, clean.stderr
+    rf = json.loads((tmp_path / "f" / "report.json").read_text())
+    rc = json.loads((tmp_path / "c" / "report.json").read_text())
+    assert rf["final_state_sha256"] == rc["final_state_sha256"]
+    assert rf["faults"][0]["lost_steps"] == 0 and rf["faults"][0]["replaced_by"] == "s0"
+    losses = [loss for _, loss in rf["heldout_loss"]]
+    assert len(losses) >= 2 and losses[-1] < losses[0]
+    assert (tmp_path / "f" / "timeline.png").stat().st_size > 10_000
+
+
+def test_metrics_scraped_during_a_run_with_a_fault(tmp_path: Path) -> None:
+    path = str(ROOT / "recipes" / "llama-tiny.yaml")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "checkpointless.cli", "run", path, *SMALL, "--set", "train.steps=40",
+         "--fault", "kill:rank=1@step=8", "--metrics-port", "0", "--out", str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+    )  # fmt: skip
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)  # type: ignore[union-attr]
+    reader.start()
+    try:
+        url = None
+        deadline = time.monotonic() + 120
+        while url is None and time.monotonic() < deadline:
+            m = re.search(r"(http://127\.0\.0\.1:\d+/metrics)", "".join(lines))
+            url = m.group(1) if m else None
+            time.sleep(0.1)
+        assert url, "".join(lines)
+        scraped: dict[str, float] = {}
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                text = urllib.request.urlopen(url, timeout=5).read().decode()
+            except OSError:
+                break
+            for line in text.splitlines():
+                if line.startswith("checkpointless_") and " " in line:
+                    name, value = line.rsplit(" ", 1)
+                    scraped[name] = float(value)
+            if (
+                scraped.get('checkpointless_faults_total{kind="crash"}', 0) >= 1
+                and scraped.get("checkpointless_last_committed_step", 0) > 10
+            ):
+                break
+            time.sleep(0.2)
+        assert scraped.get('checkpointless_faults_total{kind="crash"}') == 1.0, scraped
+        assert scraped["checkpointless_generation"] >= 1
+        assert scraped["checkpointless_recovery_seconds_count"] >= 1
+        assert 'checkpointless_step_time_seconds{rank="1"}' in scraped
+        assert proc.wait(timeout=200) == 0, "".join(lines)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_dry_run_of_full_size_recipes() -> None:
+    for name, params in (("llama3-70b", "70"), ("gpt-oss-120b", "11")):
+        r = run_cli(str(ROOT / "recipes" / f"{name}.yaml"), "--dry-run", timeout=60)
+        assert r.returncode == 0, r.stderr
+        assert params in r.stdout and "GiB" in r.stdout
+
+
+def test_recipe_errors_exit_2(tmp_path: Path) -> None:
+    path = str(ROOT / "recipes" / "llama-tiny.yaml")
+    for extra, needle in (
+        (["--set", "model.nope=1"], "model.nope"),
+        (["--set", "data.global_batch=15"], "global_batch"),
+        (["--set", "data.source=/no/such/dir"], "/no/such/dir"),
+    ):
+        r = run_cli(path, *extra, timeout=60)
+        assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr
+    r = run_cli(str(tmp_path / "missing.yaml"), timeout=60)
+    assert r.returncode == 2 and "missing.yaml" in r.stderr
