@@ -28,6 +28,7 @@ Usage: ``python bench/recovery_stall.py [--quick]`` (writes ``bench/out/recovery
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 import sys
