@@ -102,7 +102,8 @@ def analyse(events: list[dict[str, Any]], report: dict[str, Any]) -> list[dict[s
         te = _first(events, lambda e, g=new_gen: e["kind"] == "transfer_ended" and int(e["gen"]) == g)
         done = _first(events, lambda e, g=new_gen: e["kind"] == "recovery_done" and int(e["gen"]) == g)
         assigned = _first(
-            events, lambda e, t=t_inj: e["kind"] == "spare_assigned" and e["t"] >= t and e["rank"] in ranks
+            events,
+            lambda e, t=t_inj, rs=ranks: e["kind"] == "spare_assigned" and e["t"] >= t and e["rank"] in rs,
         )
         spare_ready_t = None
         if assigned is not None:
@@ -126,7 +127,7 @@ def analyse(events: list[dict[str, Any]], report: dict[str, Any]) -> list[dict[s
             worst[2] if worst else None,
         ]
         split: dict[str, float | None] = {}
-        for name, a, b in zip(PHASES, marks, marks[1:], strict=True):
+        for name, a, b in zip(PHASES, marks[:-1], marks[1:], strict=True):
             split[name] = None if a is None or b is None else b - a
         rows.append(
             {
@@ -203,7 +204,9 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
                 r["bytes"] / r["transfer_seconds"] / 1e9 for r in rows if r["bytes"] and r["transfer_seconds"]
             ),
             "split_median": {
-                p: statistics.median(v) if (v := [r["split"][p] for r in rows if r["split"][p] is not None]) else None
+                p: statistics.median(v)
+                if (v := [r["split"][p] for r in rows if r["split"][p] is not None])
+                else None
                 for p in PHASES
             },
             "spare_ready_before_every_fault": all(r["spare_ready_before_fault"] for r in rows),
@@ -218,7 +221,10 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
         "faults_per_job": per_job,
         "steps_per_job": total,
         "model": MODEL,
-        "recovery_config": {"hang_timeout_s": rc.hang_timeout_s, "heartbeat_interval_s": rc.heartbeat_interval_s},
+        "recovery_config": {
+            "hang_timeout_s": rc.hang_timeout_s,
+            "heartbeat_interval_s": rc.heartbeat_interval_s,
+        },
         "wall_s": time.time() - t_start,
         "reference_digest": ref["digest"],
         "all_digests_match": all(j["digest_matches_reference"] for j in jobs),

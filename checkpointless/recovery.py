@@ -137,6 +137,7 @@ class Session:
         self._attempted = False
         self._metrics: dict[str, Any] = {}
         self._pending_commit: dict[str, Any] | None = None
+        self._reexecute: int | None = None  # the step a recovery resumes at
         self._local_failures = 0
         self._group: Group | None = None
         self.rank, self.world_size, self.generation = 0, 1, 0
@@ -215,6 +216,9 @@ class Session:
             random.seed(s)
         if self._client is not None:
             self._client.update(phase="compute", step=step)
+            if step == self._reexecute:
+                self._client.emit("step_reexecuted", rank=self.rank, gen=self.generation, step=step)
+                self._reexecute = None
         t0 = time.perf_counter()
         try:
             yield
@@ -409,4 +413,5 @@ class Session:
             )
         assert self._committed == plan.resume_step - 1, (self._committed, plan.resume_step)
         self._next_step = plan.resume_step
+        self._reexecute = plan.resume_step if plan.gen > 0 else None
         client.update(phase="idle", committed=self._committed)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -92,3 +93,15 @@ def test_no_process_left_behind() -> None:
     for pid in result.pids.values():
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_stuck_step_with_live_heartbeat_is_detected_as_no_progress(tmp_path: Path) -> None:
+    script = str(Path(__file__).parent / "scripts" / "stuck_step.py")
+    faulted = run_job(
+        steps=8, command=[sys.executable, script, "8", str(tmp_path), "1@3"], out=tmp_path / "f"
+    )
+    assert faulted.ok, logs_of(faulted)
+    reasons = [e.get("reason") for e in _events(tmp_path / "f") if e["kind"] == "fault_detected"]
+    assert "no_progress" in reasons
+    clean = run_job(steps=8, spares=0, command=[sys.executable, script, "8", str(tmp_path)])
+    assert clean.ok and clean.digest == faulted.digest

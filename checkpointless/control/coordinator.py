@@ -60,6 +60,7 @@ class _Proc:
     raw_hb: bytes = b""
     hb: dict[str, Any] = field(default_factory=dict)
     last_change: float = 0.0
+    phase_since: float = 0.0  # when (phase, step) last changed
     killed: bool = False
 
 
@@ -141,6 +142,8 @@ class Coordinator:
         now = self._clock()
         self._read_heartbeats(now)
         self._check_processes(now)
+        if self._failure is None:
+            self._check_progress(now)
         self._check_reports()
         if self._failure is not None:
             self._try_recover(now)
@@ -193,6 +196,29 @@ class Coordinator:
                 log.warning(
                     "%s (rank %s): no heartbeat for %.1fs, killing it", name, rank, now - p.last_change
                 )
+                p.killed = True
+                p.handle.kill()
+
+    def _check_progress(self, now: float) -> None:
+        """A member stuck computing a step while a peer already waits in that step's reduction is hung.
+
+        Catches hangs that keep the heartbeat thread alive (a deadlock or endless
+        loop in the step). The allowance is ``hang_timeout_s`` or three normal
+        steps, whichever is longer.
+        """
+        limit = max(self.job.recovery.hang_timeout_s, 3 * self.median_step_time())
+        procs = [self.procs[n] for n in self.members.values() if n in self.procs]
+        waiting = {p.hb.get("step") for p in procs if p.hb.get("phase") == "reduce"}
+        for p in procs:
+            hb = p.hb
+            if p.killed or hb.get("phase") != "compute" or hb.get("step") not in waiting:
+                continue
+            if now - p.phase_since > limit:
+                rank = self._rank_of(p.handle.name)
+                self._emit("fault_detected", rank=rank, reason="no_progress", target=p.handle.name,
+                           step=hb.get("step"), silent_s=round(now - p.phase_since, 3))  # fmt: skip
+                log.warning("%s (rank %s): no progress in step %s for %.1fs, killing it",
+                            p.handle.name, rank, hb.get("step"), now - p.phase_since)  # fmt: skip
                 p.killed = True
                 p.handle.kill()
 
