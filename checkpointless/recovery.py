@@ -139,6 +139,7 @@ class Session:
         self._pending_commit: dict[str, Any] | None = None
         self._reexecute: int | None = None  # the step a recovery resumes at
         self._local_failures = 0
+        self._attempts = 0  # attempts started by this process (lets the coordinator see a new try)
         self._group: Group | None = None
         self.rank, self.world_size, self.generation = 0, 1, 0
         self._client: ControlClient | None = None
@@ -164,9 +165,16 @@ class Session:
             except JobStopped:
                 self._client.close()
                 raise SystemExit(0) from None
-            self._enter(self._client.wait_plan(gen, self._plan_timeout))
+            plan = self._client.wait_plan(gen, self._plan_timeout)
         else:
-            self._enter(self._client.wait_plan(0, self._plan_timeout))
+            plan = self._client.wait_plan(0, self._plan_timeout)
+        try:
+            self._enter(plan)
+        except (CollectiveError, IntegrityError, TimeoutError) as e:
+            # a peer failed while this process joined: it stays and recovers like any survivor
+            self._client.emit("fault_detected", sync=True, rank=self.rank, gen=plan.gen, step=plan.resume_step,
+                              reason="collective_error", error=str(e)[:300])  # fmt: skip
+            self._recover("collective_error")
 
     # -- public properties --------------------------------------------------------
     @property
@@ -214,8 +222,9 @@ class Session:
             torch.manual_seed(s)
             np.random.seed(s % 2**32)
             random.seed(s)
+        self._attempts += 1
         if self._client is not None:
-            self._client.update(phase="compute", step=step)
+            self._client.update(phase="compute", step=step, attempt=self._attempts)
             if step == self._reexecute:
                 self._client.emit("step_reexecuted", rank=self.rank, gen=self.generation, step=step)
                 self._reexecute = None

@@ -60,7 +60,7 @@ class _Proc:
     raw_hb: bytes = b""
     hb: dict[str, Any] = field(default_factory=dict)
     last_change: float = 0.0
-    phase_since: float = 0.0  # when (phase, step) last changed
+    phase_since: float = 0.0  # when (phase, attempt) last changed
     killed: bool = False
 
 
@@ -166,6 +166,8 @@ class Coordinator:
                     and hb.get("committed") != p.hb.get("committed")
                 ):
                     self._step_times.append(float(hb["step_time_s"]))
+                if (hb.get("phase"), hb.get("attempt")) != (p.hb.get("phase"), p.hb.get("attempt")):
+                    p.phase_since = now
                 p.hb = hb
 
     def _rank_of(self, name: str) -> int | None:
@@ -206,13 +208,17 @@ class Coordinator:
         loop in the step). The allowance is ``hang_timeout_s`` or three normal
         steps, whichever is longer.
         """
-        limit = max(self.job.recovery.hang_timeout_s, 3 * self.median_step_time())
-        procs = [self.procs[n] for n in self.members.values() if n in self.procs]
+        rc = self.job.recovery
+        limit = max(rc.hang_timeout_s, 3 * self.median_step_time())
+        gen = self.plan.gen if self.plan else 0
+        procs = [self.procs[n] for n in self.members.values() if self.procs[n].hb.get("gen") == gen]
         waiting = {p.hb.get("step") for p in procs if p.hb.get("phase") == "reduce"}
         for p in procs:
             hb = p.hb
             if p.killed or hb.get("phase") != "compute" or hb.get("step") not in waiting:
                 continue
+            if now - p.last_change > 3 * rc.heartbeat_interval_s:
+                continue  # a silent process is the heartbeat detector's case (a stopped process)
             if now - p.phase_since > limit:
                 rank = self._rank_of(p.handle.name)
                 self._emit("fault_detected", rank=rank, reason="no_progress", target=p.handle.name,
