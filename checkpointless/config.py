@@ -14,6 +14,9 @@ class RecoveryConfig:
 
     hang_timeout_s: float = 2.0
     """A process with no heartbeat for this long is declared hung, killed and replaced."""
+    progress_timeout_s: float = 2.0
+    """A process computing a step this long (or five normal steps, if longer) while a peer
+    already waits in that step's reduction is declared hung, killed and replaced."""
     heartbeat_interval_s: float = 0.1
     """How often each process reports to the coordinator."""
     collective_timeout_s: float = 60.0
@@ -26,6 +29,8 @@ class RecoveryConfig:
     def __post_init__(self) -> None:
         if self.hang_timeout_s <= 0:
             raise ValueError(f"hang_timeout_s must be > 0, got {self.hang_timeout_s}")
+        if self.progress_timeout_s <= 0:
+            raise ValueError(f"progress_timeout_s must be > 0, got {self.progress_timeout_s}")
         if not 0 < self.heartbeat_interval_s < self.hang_timeout_s:
             raise ValueError(
                 f"heartbeat_interval_s must be in (0, hang_timeout_s={self.hang_timeout_s}), "

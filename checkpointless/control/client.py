@@ -89,6 +89,8 @@ class ControlClient:
     def emit(self, kind: str, *, sync: bool = False, **fields: Any) -> None:
         """Record an event; ``sync`` ships it before returning (used before a fault fires)."""
         ev = {"t": time.time(), "kind": kind, "proc": self.proc, **fields}
+        for key, default in (("rank", "rank"), ("gen", "gen"), ("step", "committed")):
+            ev.setdefault(key, self._status.get(default))
         self._events.put(json.dumps(ev))
         if sync:
             self._flush()

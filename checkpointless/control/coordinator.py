@@ -205,11 +205,11 @@ class Coordinator:
         """A member stuck computing a step while a peer already waits in that step's reduction is hung.
 
         Catches hangs that keep the heartbeat thread alive (a deadlock or endless
-        loop in the step). The allowance is ``hang_timeout_s`` or three normal
+        loop in the step). The allowance is ``progress_timeout_s`` or five normal
         steps, whichever is longer.
         """
         rc = self.job.recovery
-        limit = max(rc.hang_timeout_s, 3 * self.median_step_time())
+        limit = max(rc.progress_timeout_s, 5 * self.median_step_time())
         gen = self.plan.gen if self.plan else 0
         procs = [self.procs[n] for n in self.members.values() if self.procs[n].hb.get("gen") == gen]
         waiting = {p.hb.get("step") for p in procs if p.hb.get("phase") == "reduce"}
