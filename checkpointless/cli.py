@@ -84,8 +84,44 @@ def _print_result(console: Console, result: JobResult, label: str) -> None:
     console.print(f"final state sha256: {result.digest}", highlight=False)
 
 
-def cmd_demo(argv: list[str]) -> int:
+def _launch(
+    job: JobConfig,
+    command: list[str],
+    args: argparse.Namespace,
+    console: Console,
+    *,
+    steps: int | None,
+    out: Path | None,
+    metrics_port: int | None = None,
+) -> JobResult:
+    """Run one job with the live progress line (unless --quiet) and, if asked, a metrics endpoint."""
     from checkpointless.console import LiveProgress
+
+    launcher = Launcher(job, command, total_steps=steps, port=args.port, out_dir=out)
+    callbacks: list[Callable[[Coordinator], None]] = []
+    if not args.quiet:
+        callbacks.append(LiveProgress(steps, console, events=launcher.events))
+    metrics = None
+    if metrics_port is not None:
+        from checkpointless.live_metrics import MetricsFeed
+        from checkpointless.metrics import JobMetrics
+
+        metrics = JobMetrics(metrics_port)
+        try:
+            metrics.start()
+        except (OSError, ValueError) as e:
+            raise UsageError(f"--metrics-port {metrics_port}: {e}") from e
+        console.print(f"metrics: http://127.0.0.1:{metrics.port}/metrics", highlight=False)
+        callbacks.append(MetricsFeed(metrics, launcher.events))
+    launcher.on_tick = callbacks
+    try:
+        return launcher.run()
+    finally:
+        if metrics is not None:
+            metrics.stop()
+
+
+def cmd_demo(argv: list[str]) -> int:
     from checkpointless.demo import DemoModel, default_faults, worker_command
 
     p = _Parser(prog="checkpointless demo", description="Train a small GPT through real faults.")
@@ -107,19 +143,15 @@ def cmd_demo(argv: list[str]) -> int:
         f"faults: {', '.join(map(str, job.faults)) or 'none'}",
         highlight=False,
     )
-    progress = None if args.quiet else LiveProgress(args.steps, console)
-    result = Launcher(
-        job, worker_command(spec), total_steps=args.steps, port=args.port, out_dir=args.out, on_tick=progress
-    ).run()
+    result = _launch(job, worker_command(spec), args, console, steps=args.steps, out=args.out)
     _print_result(console, result, "faulted run" if job.faults else "run")
     if not result.ok:
         return 1
     if args.verify:
         clean = JobConfig(**{**asdict(job), "faults": [], "recovery": job.recovery})
         ref_out = args.out / "reference" if args.out else None
-        ref = Launcher(
-            clean, worker_command(spec), total_steps=args.steps, port=args.port, out_dir=ref_out
-        ).run()
+        args.quiet = True
+        ref = _launch(clean, worker_command(spec), args, console, steps=args.steps, out=ref_out)
         _print_result(console, ref, "fault-free reference")
         same = ref.ok and ref.digest == result.digest
         console.print(
@@ -132,8 +164,6 @@ def cmd_demo(argv: list[str]) -> int:
 
 
 def cmd_launch(argv: list[str]) -> int:
-    from checkpointless.console import LiveProgress
-
     if "--" not in argv:
         raise UsageError("checkpointless launch: give the training command after --, e.g. -- python train.py")
     split = argv.index("--")
@@ -149,16 +179,12 @@ def cmd_launch(argv: list[str]) -> int:
     if command[0] in ("python", "python3"):
         command = [sys.executable, *command[1:]]
     console = Console(stderr=True)
-    progress = None if args.quiet else LiveProgress(args.steps, console)
-    result = Launcher(
-        job, command, total_steps=args.steps, port=args.port, out_dir=args.out, on_tick=progress
-    ).run()
+    result = _launch(job, command, args, console, steps=args.steps, out=args.out)
     _print_result(console, result, "run")
     return 0 if result.ok else 1
 
 
 def cmd_run(argv: list[str]) -> int:
-    from checkpointless.console import LiveProgress
     from checkpointless.recipes.config import load_recipe
     from checkpointless.recipes.dryrun import dry_run, format_dry_run
 
@@ -199,28 +225,9 @@ def cmd_run(argv: list[str]) -> int:
         f"faults: {', '.join(map(str, job.faults)) or 'none'}",
         highlight=False,
     )
-    callbacks: list[Callable[[Coordinator], None]] = (
-        [] if args.quiet else [LiveProgress(cfg.train.steps, console)]
+    result = _launch(
+        job, command, args, console, steps=cfg.train.steps, out=args.out, metrics_port=args.metrics_port
     )
-    launcher = Launcher(job, command, total_steps=cfg.train.steps, port=args.port, out_dir=args.out)
-    metrics = None
-    if args.metrics_port is not None:
-        from checkpointless.live_metrics import MetricsFeed
-        from checkpointless.metrics import JobMetrics
-
-        metrics = JobMetrics(args.metrics_port)
-        try:
-            metrics.start()
-        except (OSError, ValueError) as e:
-            raise UsageError(f"--metrics-port {args.metrics_port}: {e}") from e
-        console.print(f"metrics: http://127.0.0.1:{metrics.port}/metrics", highlight=False)
-        callbacks.append(MetricsFeed(metrics, launcher.events))
-    launcher.on_tick = callbacks
-    try:
-        result = launcher.run()
-    finally:
-        if metrics is not None:
-            metrics.stop()
     _print_result(console, result, cfg.name)
     if result.report["heldout_loss"]:
         first, last = result.report["heldout_loss"][0][1], result.report["heldout_loss"][-1][1]

@@ -12,15 +12,27 @@ from checkpointless.control.coordinator import Coordinator
 
 
 class LiveProgress:
-    """A progress line refreshed from the coordinator's view: step, loss, tokens/s, generation, faults."""
+    """A progress line refreshed from the coordinator's view.
 
-    def __init__(self, total_steps: int | None, console: Console | None = None, every_s: float = 1.0) -> None:
+    Shows step, loss, tokens/s, live goodput, faults so far, generation and ready spares.
+    ``events`` is the launcher's event list (``Launcher.events``), used to count faults.
+    """
+
+    def __init__(
+        self,
+        total_steps: int | None,
+        console: Console | None = None,
+        every_s: float = 1.0,
+        events: list[dict[str, Any]] | None = None,
+    ) -> None:
         self.total = total_steps
         self.console = console or Console(stderr=True)
         self.every_s = every_s
+        self.events = events
         self._last = 0.0
         self._last_step = -1
         self._last_t = time.monotonic()
+        self._first_commit_t: float | None = None
         self._tokens_per_s = 0.0
 
     def __call__(self, coord: Coordinator) -> None:
@@ -31,24 +43,39 @@ class LiveProgress:
         status = coord.member_status()
         hb0: dict[str, Any] = status.get(0, {})
         step = int(hb0.get("committed", -1))
+        if step >= 0 and self._first_commit_t is None:
+            self._first_commit_t = now
         if step > self._last_step >= 0 and now > self._last_t:
-            self._tokens_per_s = (
-                (step - self._last_step) * int(hb0.get("tokens", 0)) * len(status) / (now - self._last_t)
-            )
+            tokens = int(hb0.get("tokens", 0)) * len(status)
+            self._tokens_per_s = (step - self._last_step) * tokens / (now - self._last_t)
         if step != self._last_step:
             self._last_step, self._last_t = step, now
+        parts = [f"step {step + 1}" + (f"/{self.total}" if self.total else "")]
         loss = hb0.get("loss")
-        total = f"/{self.total}" if self.total else ""
-        phases = ",".join(sorted({str(h.get("phase", "?")) for h in status.values()}))
-        self.console.print(
-            f"[bold]step {step + 1}{total}[/bold]  loss {loss:.4f}  "
-            if isinstance(loss, float)
-            else f"step {step + 1}{total}  ",
-            f"tok/s {self._tokens_per_s:,.0f}  gen {coord.plan.gen if coord.plan else 0}  "
-            f"spares ready {len(coord.ready_spares())}  [{phases}]",
-            sep="",
-            highlight=False,
-        )
+        if isinstance(loss, float):
+            parts.append(f"loss {loss:.4f}")
+        parts.append(f"tok/s {self._tokens_per_s:,.0f}")
+        if self._first_commit_t is not None and now > self._first_commit_t and step > 0:
+            goodput = min(1.0, step * coord.median_step_time() / (now - self._first_commit_t))
+            parts.append(f"goodput {goodput:.2f}")
+        if self.events is not None:
+            parts.append(f"faults {count_faults(self.events)}")
+        parts.append(f"gen {coord.plan.gen if coord.plan else 0}")
+        parts.append(f"spares ready {len(coord.ready_spares())}")
+        self.console.print("  ".join(parts), highlight=False)
+
+
+def count_faults(events: list[dict[str, Any]]) -> int:
+    """Distinct faults the coordinator saw: failed processes, plus ranks whose step raised."""
+    failed = {
+        e.get("target") for e in events if e["kind"] == "fault_detected" and e.get("proc") == "coordinator"
+    }
+    raised = {
+        (e.get("gen"), e.get("rank"))
+        for e in events
+        if e["kind"] == "failure_reported" and e.get("reason") == "exception"
+    }
+    return len(failed) + len(raised)
 
 
 def summary_table(report: dict[str, Any]) -> Table:
