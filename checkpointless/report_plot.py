@@ -365,7 +365,7 @@ def _plot(run: RunData, out: Path) -> None:
                 )
             text = f"{sp.kind} r{','.join(map(str, sp.ranks))}" if sp.ranks else sp.kind
             if sp.end is not None:
-                text += f"\nstall {sp.end - sp.start:.1f}s"
+                text += f"\nrecovered in {sp.end - sp.start:.1f}s"
             else:
                 text += "\nnot recovered"
             if j < len(fault_info) and isinstance(fault_info[j], dict):
