@@ -73,6 +73,30 @@ class Group:
             self._broken = True
             raise CollectiveError(f"gen {self.gen}: allreduce failed: {e}") from e
 
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Any:
+        """Start sending ``tensor`` to ``dst``; finish with ``wait``. Messages match by tag."""
+        try:
+            return self.pg.send([tensor], dst, tag)
+        except Exception as e:
+            self._broken = True
+            raise CollectiveError(f"gen {self.gen}: send to rank {dst} failed: {e}") from e
+
+    def irecv(self, tensor: torch.Tensor, src: int, tag: int) -> Any:
+        """Start receiving into ``tensor`` from ``src``; finish with ``wait``."""
+        try:
+            return self.pg.recv([tensor], src, tag)
+        except Exception as e:
+            self._broken = True
+            raise CollectiveError(f"gen {self.gen}: recv from rank {src} failed: {e}") from e
+
+    def wait(self, work: Any) -> None:
+        """Wait for an ``isend``/``irecv``."""
+        try:
+            work.wait()
+        except Exception as e:
+            self._broken = True
+            raise CollectiveError(f"gen {self.gen}: point-to-point transfer failed: {e}") from e
+
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         try:
             self.pg.send([tensor], dst, 0).wait()

@@ -10,8 +10,10 @@ generation's group, source to receiver, in this order:
 
 1. an int64 header ``[len(meta)]``;
 2. ``meta``: the pickled skeleton of the state (tensors replaced by their
-   dtype, shape and index) and the SHA-256 of every tensor's bytes;
-3. every tensor, one message each, in skeleton order.
+   dtype, shape and index);
+3. every tensor, one message each (tag = index + 1), all posted at once;
+4. a trailer: the SHA-256 over the per-tensor SHA-256s in skeleton order,
+   which both sides compute in a thread pool while the tensors are on the wire.
 
 The receiver allocates, receives, checks the hash, then loads: nothing is read
 from or written to disk.
@@ -20,9 +22,11 @@ from or written to disk.
 from __future__ import annotations
 
 import hashlib
+import os
 import pickle
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -83,11 +87,31 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")  # type: ignore[arg-type]
 
 
+_POOL: ThreadPoolExecutor | None = None
+
+
+def _pool() -> ThreadPoolExecutor:
+    """Threads that hash tensors while the transfer runs (hashlib releases the GIL)."""
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(
+            max_workers=max(2, min(8, os.cpu_count() or 2)), thread_name_prefix="cl-hash"
+        )
+    return _POOL
+
+
+def _sha256(t: torch.Tensor) -> bytes:
+    return hashlib.sha256(_bytes_of(t)).digest()
+
+
+def _combine(digests: list[bytes]) -> str:
+    """The transfer digest: SHA-256 over the per-tensor SHA-256s, in skeleton order."""
+    return hashlib.sha256(b"".join(digests)).hexdigest()
+
+
 def _hash_tensors(tensors: list[torch.Tensor]) -> str:
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(_bytes_of(t.contiguous().cpu()))
-    return h.hexdigest()
+    """The transfer digest of ``tensors`` (what ``send_state`` sends as its trailer)."""
+    return _combine(list(_pool().map(_sha256, [t.contiguous() for t in tensors])))
 
 
 class StateRegistry:
@@ -124,21 +148,30 @@ class TransferStats:
     sha256: str
 
 
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype == torch.bool else t
+
+
 def send_state(group: Group, dst: int, state: dict[str, Any]) -> TransferStats:
-    """Send ``state`` to rank ``dst`` of ``group`` (``dst`` must call ``recv_state``)."""
+    """Send ``state`` to rank ``dst`` of ``group`` (``dst`` must call ``recv_state``).
+
+    All tensor messages are posted at once and hashed while they are on the
+    wire; the SHA-256 follows them as a trailer.
+    """
     t0 = time.perf_counter()
     tensors: list[torch.Tensor] = []
     skeleton = _flatten(state, tensors)
     tensors = [t.contiguous() for t in tensors]
-    digest = _hash_tensors(tensors)
-    meta = pickle.dumps({"skeleton": skeleton, "sha256": digest}, protocol=pickle.HIGHEST_PROTOCOL)
+    meta = pickle.dumps({"skeleton": skeleton}, protocol=pickle.HIGHEST_PROTOCOL)
     group.send(torch.tensor([len(meta)], dtype=torch.int64), dst)
     group.send(torch.frombuffer(bytearray(meta), dtype=torch.uint8), dst)
-    nbytes = 0
-    for t in tensors:
-        if t.numel():
-            group.send(t if t.dtype != torch.bool else t.view(torch.uint8), dst)
-            nbytes += t.numel() * t.element_size()
+    works = [group.isend(_wire(t), dst, tag=i + 1) for i, t in enumerate(tensors) if t.numel()]
+    hashes = [_pool().submit(_sha256, t) for t in tensors]
+    for w in works:
+        group.wait(w)
+    digest = _combine([f.result() for f in hashes])
+    group.send(torch.frombuffer(bytearray(bytes.fromhex(digest)), dtype=torch.uint8), dst)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
     return TransferStats(nbytes, time.perf_counter() - t0, digest)
 
 
@@ -170,17 +203,20 @@ def recv_state(
     refs = sorted(_refs(meta["skeleton"]), key=lambda r: r.index)
     if between is not None:
         between()
-    tensors: list[torch.Tensor] = []
-    nbytes = 0
-    for ref in refs:
-        t = torch.empty(ref.shape, dtype=ref.dtype)
-        if t.numel():
-            group.recv(t if t.dtype != torch.bool else t.view(torch.uint8), src)
-            nbytes += t.numel() * t.element_size()
-        tensors.append(t)
-    digest = _hash_tensors(tensors)
-    if digest != meta["sha256"]:
-        raise IntegrityError(f"state from rank {src}: sha256 {digest[:12]} != {meta['sha256'][:12]}")
+    tensors = [torch.empty(ref.shape, dtype=ref.dtype) for ref in refs]
+    works = {i: group.irecv(_wire(t), src, tag=i + 1) for i, t in enumerate(tensors) if t.numel()}
+    hashes = []
+    for i, t in enumerate(tensors):  # hash each tensor once it arrived, while the rest is on the wire
+        if i in works:
+            group.wait(works[i])
+        hashes.append(_pool().submit(_sha256, t))
+    trailer = torch.empty(32, dtype=torch.uint8)
+    group.recv(trailer, src)
+    expected = bytes(trailer.tolist()).hex()
+    digest = _combine([f.result() for f in hashes])
+    if digest != expected:
+        raise IntegrityError(f"state from rank {src}: sha256 {digest[:12]} != {expected[:12]}")
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
     return _unflatten(meta["skeleton"], tensors), TransferStats(nbytes, time.perf_counter() - t0, digest)
 
 
