@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import threading
 from collections.abc import Callable
 from datetime import timedelta
@@ -14,7 +15,14 @@ from torch.distributed import TCPStore
 from checkpointless.comm import CollectiveError, Group
 from checkpointless.ddp import GradientReducer
 from checkpointless.models.tiny_gpt import GPTConfig, TinyGPT
-from checkpointless.state import IntegrityError, StateRegistry, digest_state, recv_state, send_state
+from checkpointless.state import (
+    IntegrityError,
+    StateRegistry,
+    _flatten,
+    digest_state,
+    recv_state,
+    send_state,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -79,18 +87,13 @@ def test_send_recv_moves_model_and_optimizer_exactly() -> None:
 def test_corrupted_payload_is_refused() -> None:
     def fn(group: Group) -> Any:
         if group.rank == 0:
-            # a sender whose bytes do not match the hash it announces
-            tensors = {"w": torch.ones(4)}
-            import pickle
-
-            from checkpointless.state import _flatten
-
+            # a sender whose trailer does not match the bytes it sent
             flat: list[torch.Tensor] = []
-            skeleton = _flatten(tensors, flat)
-            meta = pickle.dumps({"skeleton": skeleton, "sha256": "0" * 64})
+            meta = pickle.dumps({"skeleton": _flatten({"w": torch.ones(4)}, flat)})
             group.send(torch.tensor([len(meta)], dtype=torch.int64), 1)
             group.send(torch.frombuffer(bytearray(meta), dtype=torch.uint8), 1)
-            group.send(flat[0], 1)
+            group.wait(group.isend(flat[0], 1, tag=1))
+            group.send(torch.zeros(32, dtype=torch.uint8), 1)
             return None
         return recv_state(group, 0)
 
