@@ -20,11 +20,11 @@ class GradientReducer:
         self.params = [p for p in params if p.requires_grad]
         self._buckets: list[torch.Tensor] = []
         self._views: list[torch.Tensor] = []
-        by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+        by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.nn.Parameter]] = {}
         for p in self.params:
-            by_dtype.setdefault(p.dtype, []).append(p)
+            by_dtype.setdefault((p.dtype, p.device), []).append(p)
         slots: dict[int, torch.Tensor] = {}
-        for dtype, params_of_dtype in by_dtype.items():
+        for (dtype, device), params_of_dtype in by_dtype.items():
             limit = max(1, bucket_bytes // torch.empty((), dtype=dtype).element_size())
             buckets: list[list[torch.nn.Parameter]] = [[]]
             for p in params_of_dtype:
@@ -32,7 +32,7 @@ class GradientReducer:
                     buckets.append([])
                 buckets[-1].append(p)
             for members in buckets:
-                buf = torch.zeros(sum(q.numel() for q in members), dtype=dtype)
+                buf = torch.zeros(sum(q.numel() for q in members), dtype=dtype, device=device)
                 off = 0
                 for q in members:
                     slots[id(q)] = buf[off : off + q.numel()].view_as(q)

@@ -51,13 +51,14 @@ class _TensorRef:
     index: int
     dtype: torch.dtype
     shape: tuple[int, ...]
+    on_accelerator: bool = False
 
 
 def _flatten(obj: Any, tensors: list[torch.Tensor]) -> Any:
     """Replace every tensor in a nested dict/list/tuple by a ``_TensorRef``."""
     if isinstance(obj, torch.Tensor):
         tensors.append(obj.detach())
-        return _TensorRef(len(tensors) - 1, obj.dtype, tuple(obj.shape))
+        return _TensorRef(len(tensors) - 1, obj.dtype, tuple(obj.shape), obj.device.type != "cpu")
     if isinstance(obj, dict):
         return {k: _flatten(v, tensors) for k, v in obj.items()}
     if isinstance(obj, list):
@@ -101,7 +102,7 @@ def _pool() -> ThreadPoolExecutor:
 
 
 def _sha256(t: torch.Tensor) -> bytes:
-    return hashlib.sha256(_bytes_of(t)).digest()
+    return hashlib.sha256(_bytes_of(t if t.device.type == "cpu" else t.cpu())).digest()
 
 
 def _combine(digests: list[bytes]) -> str:
@@ -203,7 +204,11 @@ def recv_state(
     refs = sorted(_refs(meta["skeleton"]), key=lambda r: r.index)
     if between is not None:
         between()
-    tensors = [torch.empty(ref.shape, dtype=ref.dtype) for ref in refs]
+    accel = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    tensors = [
+        torch.empty(ref.shape, dtype=ref.dtype, device=accel if ref.on_accelerator and accel else "cpu")
+        for ref in refs
+    ]
     works = {i: group.irecv(_wire(t), src, tag=i + 1) for i, t in enumerate(tensors) if t.numel()}
     hashes = []
     for i, t in enumerate(tensors):  # hash each tensor once it arrived, while the rest is on the wire
