@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint typecheck bench bench-quick clean
+.PHONY: install demo test lint typecheck bench bench-install bench-quick clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -33,10 +33,13 @@ typecheck: install
 test: install lint typecheck
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
 
-bench: install
+bench-install: install
+	$(PIP) install -q -e ".[bench]" "$(TORCH_SPEC)"
+
+bench: bench-install
 	OMP_NUM_THREADS=1 $(PY) bench/run_all.py
 
-bench-quick: install
+bench-quick: bench-install
 	OMP_NUM_THREADS=1 $(PY) bench/run_all.py --quick
 
 clean:

@@ -52,8 +52,14 @@ def test_torchft_survivor_continues_and_replacement_heals(tmp_path: Path) -> Non
         pytest.skip(why)
     res = torchft_ddp.run(TINY, tmp_path / "kill", steps=12, kill_step=6, timeout_s=120)
     assert res.ok, res.error
-    a = analyse(read_logs(res.run_dir), system="torchft", total_steps=12)
-    # the survivor kept committing without the dead group (whose batches of those steps are skipped);
-    # in a run this short it may finish before the restarted group rejoins, so no digest check here
+    recs = read_logs(res.run_dir)
+    a = analyse(recs, system="torchft", total_steps=12)
     assert a.faults and a.faults[0]["next_commit_s"] is not None
-    assert a.lineage["skipped"] >= 1
+    # the survivor kept committing without the dead group (in a run this short it may finish before the
+    # restarted group rejoins, which then trains alone from scratch: no digest check here)
+    alone = [
+        r
+        for r in recs
+        if r["ev"] == "commit" and r["rank"] == 0 and r["step"] >= 6 and r["participants"] == 1
+    ]
+    assert alone

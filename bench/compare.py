@@ -1,0 +1,706 @@
+"""checkpointless side by side with the alternatives: same model, data, world size (2) and fault.
+
+Systems (``bench/baselines/``):
+
+- ``checkpointless``: ``checkpointless.launch.Launcher`` + ``checkpointless.demo.worker_command``,
+  2 workers + 1 hot spare; the fault is its own ``kill:rank=1@step=S``;
+- ``torchrun``: ``python -m torch.distributed.run --max-restarts K`` on a DDP script that saves
+  with ``torch.distributed.checkpoint`` every N steps and resumes from the newest checkpoint;
+  N=50 and N tuned (Young/Daly ``N* = sqrt(2 * C * MTBF) / step`` from the measured checkpoint
+  cost C and the fault interval);
+- ``torchft``: torchft 0.2.0 DDP, one replica group per worker, a lighthouse, the dead group
+  restarted by the driver (skipped, with the reason, when torchft is missing);
+- ``plain_ddp``: DDP without fault tolerance, the steady-state reference.
+
+Every system writes the common JSONL log (``baselines.StepLog``); ``baselines.analyse`` computes
+every metric from it. Experiments:
+
+1. recovery: rank 1 SIGKILLed at step S after the forward pass (``reps`` jobs per system):
+   kill -> next surviving commit of another rank (torchrun: of the restarted processes),
+   kill -> every rank trains again, lost (redone) steps; medians and p95;
+2. exactness: each faulted job's final SHA-256 (``digest_state``: parameters, optimizer
+   state, step) against the same system's fault-free job, and the batch lineage: batch ids
+   (step, dp_rank) that no surviving update read (skipped) or that two read (repeated);
+3. goodput: a long run with rank 1 SIGKILLed from outside every ``interval`` seconds: useful
+   committed steps per second (and global batches per second) against the system's own
+   fault-free rate and plain DDP's.
+
+Usage: ``python bench/compare.py [--quick]`` -> ``bench/out/compare/{compare.json,compare.md,compare.png}``.
+The full mode takes about two hours on 2 cores (8 goodput jobs of 10 minutes; ``--goodput-s`` and
+``--reps`` shorten it); ``--quick`` about 9 minutes. ``--reanalyse`` recomputes the outputs from the
+logs of an earlier run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import statistics
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import baselines
+import common
+from baselines import plain_ddp, torchft_ddp, torchrun_dcp
+
+OUT = common.OUT / "compare"
+TORCHFT_EXTRA = 300
+
+
+@dataclass(frozen=True)
+class Plan:
+    reps: int
+    rec_steps: int
+    kill_step: int
+    goodput_s: float
+    intervals: tuple[float, ...]
+    fault_free_s: float | None  # None: fault-free rates from the recovery reference jobs
+    every_rec: int = 50
+
+
+QUICK = Plan(reps=2, rec_steps=100, kill_step=75, goodput_s=60.0, intervals=(30.0,), fault_free_s=None)
+FULL = Plan(
+    reps=10, rec_steps=100, kill_step=75, goodput_s=600.0, intervals=(30.0, 120.0), fault_free_s=120.0
+)
+
+
+def model_spec(steps: int) -> Any:
+    from checkpointless.demo import DemoModel
+
+    return DemoModel(steps=steps, eval_every=0)
+
+
+# -- checkpointless driver -------------------------------------------------------------
+def run_checkpointless(
+    spec: Any,
+    run_dir: Path,
+    *,
+    steps: int | None,
+    kill_step: int | None = None,
+    duration_s: float | None = None,
+    kill_every_s: float = 0.0,
+    timeout_s: float = 900.0,
+) -> baselines.RunResult:
+    """One Launcher job; its events are rewritten into the common log format."""
+    import shutil
+
+    from checkpointless.config import JobConfig
+    from checkpointless.control.coordinator import JobFailed
+    from checkpointless.demo import worker_command
+    from checkpointless.faults import parse_faults
+    from checkpointless.launch import Launcher
+
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    total = steps if steps is not None else 10**9
+    faults = [f"kill:rank=1@step={kill_step}"] if kill_step is not None else []
+    job = JobConfig(workers=baselines.WORLD, spares=1, faults=parse_faults(faults))
+    spec = replace(spec, steps=total)
+    killer = baselines.PeriodicKiller(run_dir, kill_every_s, rank=1)
+    holder: dict[str, Any] = {}
+
+    def on_tick(coord: Any) -> None:
+        if duration_s is None:
+            return
+        if killer.t0 is None:
+            if any(int(hb.get("committed", -1)) >= 0 for hb in coord.member_status().values()):
+                killer.t0 = time.time()
+            return
+        if time.time() >= killer.t0 + duration_s:
+            raise JobFailed("benchmark window over")
+
+        def find_pid() -> int | None:
+            name = coord.members.get(1)
+            child = holder["launcher"].children.get(name) if name else None
+            return child.popen.pid if child is not None and child.alive() else None
+
+        killer.tick(find_pid)
+
+    launcher = Launcher(
+        job, worker_command(spec), total_steps=total, out_dir=run_dir / "job",
+        env=dict(baselines.THREAD_ENV), on_tick=on_tick, timeout_s=timeout_s,
+    )  # fmt: skip
+    holder["launcher"] = launcher
+    t0 = time.time()
+    try:
+        res = launcher.run()
+    finally:
+        killer.close()
+    recs: list[dict[str, Any]] = [{"ev": "start", "t": t0, "rank": -1, "pid": "launcher"}]
+    for e in res.events:
+        if e["kind"] == "step_committed":
+            r, s = int(e["rank"]), int(e["step"])
+            recs.append(
+                {"ev": "commit", "t": e["t"], "rank": r, "pid": f"{e.get('proc')}/{e.get('gen')}", "step": s,
+                 "batch": [s, r, baselines.WORLD]}
+            )  # fmt: skip
+        elif e["kind"] == "fault_injected":
+            recs.append({"ev": "fault", "t": e["t"], "rank": int(e["rank"]), "pid": e.get("proc"),
+                         "step": e.get("step"), "how": "self"})  # fmt: skip
+    if res.digest and steps is not None:
+        recs.append({"ev": "final", "t": time.time(), "rank": 0, "pid": "coordinator", "digest": res.digest})
+    baselines.write_records(run_dir / "log-checkpointless.jsonl", recs)
+    ok = res.ok or (duration_s is not None and res.error == "benchmark window over")
+    faults_rep = res.report.get("faults", [])
+    return baselines.RunResult(
+        "checkpointless", run_dir, ok, time.time() - t0, None if ok else res.error,
+        {"kills": killer.kills, "report_faults": faults_rep, "step_time_s": res.report.get("step_time_s")},
+    )  # fmt: skip
+
+
+# -- experiments ---------------------------------------------------------------------
+def _runner(system: str) -> Any:
+    return {
+        "checkpointless": run_checkpointless,
+        "torchrun": torchrun_dcp.run,
+        "torchft": torchft_ddp.run,
+        "plain_ddp": plain_ddp.run,
+    }[system]
+
+
+def analyse_job(system: str, run_dir: Path, steps: int | None, duration_s: float | None) -> dict[str, Any]:
+    recs = baselines.read_logs(run_dir)
+    window = None
+    if duration_s:
+        first = min((float(r["t"]) for r in recs if r["ev"] == "commit"), default=None)
+        window = (first, first + float(duration_s)) if first is not None else None
+    return baselines.analyse(recs, system=system, total_steps=steps, window=window).to_json()
+
+
+def one(
+    system: str, name: str, out: Path, log: list[dict[str, Any]], label: str | None = None,
+    interval_s: float | None = None, **kw: Any,
+) -> dict[str, Any]:  # fmt: skip
+    """Run one job and analyse its common log."""
+    t0 = time.monotonic()
+    res = _runner(system)(kw.pop("spec"), out / name, **kw)
+    a = analyse_job(system, res.run_dir, kw.get("steps"), kw.get("duration_s"))
+    info = {
+        "name": name,
+        "system": system,
+        "label": label or system,
+        "interval_s": interval_s,
+        "steps": kw.get("steps"),
+        "duration_s": kw.get("duration_s"),
+        "ok": res.ok,
+        "error": res.error,
+        "wall_s": time.monotonic() - t0,
+        "extra": res.extra,
+        "analysis": a,
+        "loadavg_after": common.load_average(),
+    }
+    log.append(info)
+    f = a["faults"][0] if a["faults"] else {}
+    print(
+        f"  {name}: ok={res.ok} {res.error or ''} steps/s={common.fmt(a['steps_per_s'], 2)} "
+        f"faults={len(a['faults'])} next={common.fmt(f.get('next_commit_s'), 2)} "
+        f"all={common.fmt(f.get('all_ranks_s'), 2)} progress={common.fmt(f.get('progress_s'), 2)} "
+        f"lost={f.get('lost_steps')} skipped={a['lineage']['skipped']} "
+        f"digests={[d[:8] for d in a['final_digests']]} ({info['wall_s']:.0f}s)",
+        flush=True,
+    )
+    return info
+
+
+def young_daly(ckpt_s: float, mtbf_s: float, step_s: float) -> int:
+    return max(1, round(math.sqrt(2 * ckpt_s * mtbf_s) / step_s)) if step_s > 0 else 50
+
+
+def run(plan: Plan, systems: list[str], out: Path) -> dict[str, Any]:
+    out = common.fresh_dir(out)
+    jobs: list[dict[str, Any]] = []
+    skipped: dict[str, str] = {}
+    if "torchft" in systems and (why := torchft_ddp.available()) is not None:
+        skipped["torchft"] = why
+        systems = [s for s in systems if s != "torchft"]
+    t_start = time.time()
+    spec = model_spec(plan.rec_steps)
+    per_system_kw: dict[str, dict[str, Any]] = {
+        "checkpointless": {},
+        "torchrun": {"every": plan.every_rec, "max_restarts": 3},
+        "torchft": {},
+        "plain_ddp": {},
+    }
+    # torchft's survivor trains on alone: its jobs get TORCHFT_EXTRA more steps after the kill, else it
+    # finishes before the restarted group rejoins (which then trains from scratch, alone)
+    steps_of = {s: plan.rec_steps + (TORCHFT_EXTRA if s == "torchft" else 0) for s in systems}
+    # 1 + 2: fault-free reference and faulted jobs of rec_steps steps
+    refs: dict[str, dict[str, Any]] = {}
+    for system in systems:
+        kw = per_system_kw[system]
+        refs[system] = one(system, f"{system}-ref", out, jobs, spec=spec, steps=steps_of[system], **kw)
+        if system == "plain_ddp":
+            continue
+        for i in range(plan.reps):
+            one(system, f"{system}-kill-{i}", out, jobs, spec=spec, steps=steps_of[system],
+                kill_step=plan.kill_step, **kw)  # fmt: skip
+    # fault-free rates over a longer window (full mode; quick: the reference jobs' rates)
+    if plan.fault_free_s is not None:
+        for system in systems:
+            one(system, f"{system}-steady", out, jobs, spec=spec, steps=None, duration_s=plan.fault_free_s,
+                **per_system_kw[system])  # fmt: skip
+    # torchrun: checkpoint cost and step time from its reference job -> tuned N
+    tuned: dict[str, int] = {}
+    if "torchrun" in systems:
+        ckpt = [float(r["seconds"]) for r in baselines.read_logs(out / "torchrun-ref") if r["ev"] == "ckpt"]
+        ckpt_s = statistics.median(ckpt) if ckpt else 0.1
+        step_s = refs["torchrun"]["analysis"]["step_time_s"]
+        for interval in plan.intervals:
+            tuned[str(interval)] = young_daly(ckpt_s, interval, step_s)
+        tuned_info = {"ckpt_s": ckpt_s, "step_s": step_s, "n_by_interval": tuned}
+    else:
+        tuned_info = {}
+    # 3: goodput under periodic faults
+    for interval in plan.intervals:
+        variants: list[tuple[str, str, dict[str, Any]]] = []
+        for system in systems:
+            if system == "plain_ddp":
+                continue
+            if system == "torchrun":
+                n_star = tuned[str(interval)]
+                k = int(plan.goodput_s / interval) + 5
+                variants.append(
+                    (system, f"torchrun N={n_star} (tuned)", {"every": n_star, "max_restarts": k})
+                )
+                if n_star != 50:
+                    variants.append((system, "torchrun N=50", {"every": 50, "max_restarts": k}))
+            elif system == "torchft":
+                variants.append((system, system, {"max_restarts": int(plan.goodput_s / interval) + 5}))
+            else:
+                variants.append((system, system, {}))
+        for system, label, kw in variants:
+            name = f"goodput-{int(interval)}s-{label.split(' (')[0].replace(' ', '').replace('=', '')}"
+            one(system, name, out, jobs, label=label, interval_s=interval, spec=spec, steps=None,
+                duration_s=plan.goodput_s, kill_every_s=interval, timeout_s=plan.goodput_s + 300, **kw)  # fmt: skip
+    res: dict[str, Any] = {
+        "quick": plan.reps == QUICK.reps and plan.goodput_s == QUICK.goodput_s,
+        "plan": plan.__dict__,
+        "model": json.loads(baselines.spec_to_json(spec)),
+        "systems": systems,
+        "not_run": skipped,
+        "machine": common.machine_info(),
+        "cpu_count": os.cpu_count(),
+        "wall_s": time.time() - t_start,
+        "torchrun_tuning": tuned_info,
+        "jobs": jobs,
+    }
+    summarize(res)
+    return res
+
+
+def summarize(res: dict[str, Any]) -> None:
+    """(Re)compute the summary sections of ``res`` from its jobs' analyses, in place."""
+    jobs = {j["name"]: j for j in res["jobs"]}
+    systems = res["systems"]
+    refs = {s: jobs[f"{s}-ref"] for s in systems if f"{s}-ref" in jobs}
+    rates: dict[str, float | None] = {}
+    for s in systems:
+        src = jobs.get(f"{s}-steady") or refs.get(s)
+        rates[s] = src["analysis"]["steps_per_s"] if src else None
+    res["fault_free_steps_per_s"] = rates
+    res["step_time_s"] = {s: j["analysis"]["step_time_s"] for s, j in refs.items()}
+    recovery: dict[str, Any] = {}
+    exact: dict[str, Any] = {}
+    for s in systems:
+        infos = [j for n, j in jobs.items() if n.startswith(f"{s}-kill-")]
+        if not infos:
+            continue
+        faults = [f for i in infos for f in i["analysis"]["faults"]]
+        recovery[s] = {
+            "n": len(faults),
+            **{
+                k: common.summary(f.get(k) for f in faults)
+                for k in ("next_commit_s", "all_ranks_s", "progress_s")
+            },
+            "lost_steps": common.summary(f["lost_steps"] for f in faults),
+        }
+        ref_d = refs[s]["analysis"]["final_digests"] if s in refs else []
+        exact[s] = {
+            "reference_digest": ref_d[0] if len(ref_d) == 1 else ref_d,
+            "reference_skipped": refs[s]["analysis"]["lineage"]["skipped"] if s in refs else None,
+            "jobs": [
+                {
+                    "job": i["name"],
+                    "ok": i["ok"],
+                    "digests": i["analysis"]["final_digests"],
+                    "matches": len(ref_d) == 1 and i["analysis"]["final_digests"] == ref_d,
+                    "skipped": i["analysis"]["lineage"]["skipped"],
+                    "repeated": i["analysis"]["lineage"]["repeated"],
+                    "redone": i["analysis"]["lineage"]["redone"],
+                    "complete": i["analysis"]["lineage"]["complete"],
+                }
+                for i in infos
+            ],
+        }
+    res["recovery"], res["exactness"] = recovery, exact
+    ddp = rates.get("plain_ddp")
+    goodput = []
+    for j in res["jobs"]:
+        if not j["name"].startswith("goodput-"):
+            continue
+        a, own = j["analysis"], rates.get(j["system"])
+        sps, bps = a["steps_per_s"], a["samples_per_s"]
+        goodput.append(
+            {
+                "interval_s": j.get("interval_s"),
+                "label": j.get("label", j["system"]),
+                "system": j["system"],
+                "job": j["name"],
+                "ok": j["ok"],
+                "kills": j["extra"].get("kills"),
+                "steps_per_s": sps,
+                "batches_per_s": bps,
+                "vs_own_fault_free": sps / own if own and sps else None,
+                "pre_fault_steps_per_s": a.get("pre_fault_steps_per_s"),
+                "vs_own_pre_fault": sps / a["pre_fault_steps_per_s"]
+                if a.get("pre_fault_steps_per_s") and sps
+                else None,
+                "vs_plain_ddp": sps / ddp if ddp and sps else None,
+                "batches_vs_plain_ddp": bps / ddp if ddp and bps else None,
+                "skipped_batches": a["lineage"]["skipped"],
+                "redone_commits": a["lineage"]["redone"],
+                "recovered_before_next_kill": sum(f["all_ranks_s"] is not None for f in a["faults"]),
+            }
+        )
+    res["goodput"] = goodput
+
+
+def reanalyse(res: dict[str, Any], out: Path) -> dict[str, Any]:
+    """Recompute every job's analysis from the logs under ``out`` (after changing ``baselines.analyse``)."""
+    plan = res["plan"]
+    res.setdefault("cpu_count", os.cpu_count())
+    labels = {g["job"]: (g["label"], g["interval_s"]) for g in res.get("goodput", [])}
+    for j in res["jobs"]:
+        name = j["name"]
+        if "steps" in j:
+            steps, duration = j["steps"], j["duration_s"]
+        elif name.startswith("goodput-"):
+            steps, duration = None, plan["goodput_s"]
+        elif name.endswith("-steady"):
+            steps, duration = None, plan["fault_free_s"]
+        else:
+            steps, duration = plan["rec_steps"] + (TORCHFT_EXTRA if j["system"] == "torchft" else 0), None
+        j["steps"], j["duration_s"] = steps, duration
+        if name in labels:
+            j["label"], j["interval_s"] = labels[name]
+        j["analysis"] = analyse_job(j["system"], out / name, steps, duration)
+    summarize(res)
+    return res
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    """Committed step (rank 0, every commit incl. later rolled-back ones) vs time from the kill."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    kill_step = results["plan"]["kill_step"]
+    x_max = 5.0
+    for job in results["jobs"]:
+        name = job["name"]
+        if not (name.endswith("-kill-0") or name == "plain_ddp-ref"):
+            continue
+        a = job["analysis"]
+        curve = a["curve"]
+        if not curve:
+            continue
+        if a["faults"]:
+            t0 = a["faults"][0]["t"]
+        else:  # plain DDP: align its step kill_step with the others' kill
+            t0 = next((t for t, s in curve if s >= kill_step), curve[0][0])
+        xs: list[float] = []
+        ys: list[float] = []
+        for (t, step), prev in zip(curve, [None, *curve[:-1]], strict=True):
+            if prev is not None and step < prev[1]:  # rolled back (restart from a checkpoint): break the line
+                xs.append(float("nan"))
+                ys.append(float("nan"))
+            xs.append(t - t0)
+            ys.append(step)
+        ax.plot(xs, ys, ".-", ms=2, lw=1, label=job["system"])
+        x_max = max(
+            x_max, next((x for x, y in zip(xs, ys, strict=True) if y >= results["plan"]["rec_steps"] - 1), 0)
+        )
+    ax.axvline(0, color="grey", ls="--", lw=0.8)
+    ax.set_xlim(-4, x_max + 1)
+    ax.set_ylim(0, results["plan"]["rec_steps"] + 5)
+    ax.set_xlabel(f"seconds from the SIGKILL of rank 1 at step {kill_step}")
+    ax.set_ylabel("committed step (rank 0)")
+    ax.set_title("Same model, data, world size 2, same fault")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _ms(s: dict[str, Any], digits: int = 2) -> str:
+    if not s or not s.get("n"):
+        return "–"
+    return f"{s['median']:.{digits}f} / {s['p95']:.{digits}f}"
+
+
+def markdown(results: dict[str, Any]) -> str:
+    """The comparison as a markdown section (tables + a short reading)."""
+    r = results
+    plan = r["plan"]
+    lines = [
+        f"Model {json.dumps(r['model'])}, data-parallel world size 2 (gloo, CPU, 1 thread per process), "
+        f"{'quick' if r['quick'] else 'full'} mode, {r.get('cpu_count')} cores "
+        f"(load after: {r['jobs'][-1]['loadavg_after'] if r['jobs'] else '–'}). "
+        f"Fault: rank 1 SIGKILLed at step {plan['kill_step']} of {plan['rec_steps']} (torchft: +{TORCHFT_EXTRA} steps so the restarted group can rejoin; after the forward pass), "
+        f"{plan['reps']} jobs per system. torchrun checkpoints every {plan['every_rec']} steps in these jobs.",
+        "",
+    ]
+    if r["not_run"]:
+        for s, why in r["not_run"].items():
+            lines.append(f"**{s} not run**: `{why}`\n")
+    lines.append("**Recovery** (median / p95; seconds from the kill):\n")
+    rows = []
+    for s, v in r["recovery"].items():
+        rows.append(
+            [s, v["n"], _ms(v["next_commit_s"]), _ms(v["all_ranks_s"]), _ms(v.get("progress_s", {})),
+             _ms(v["lost_steps"], 0)]
+        )  # fmt: skip
+    lines.append(
+        common.md_table(
+            [
+                "system",
+                "faults",
+                "kill → next commit (survivor; torchrun: restarted)",
+                "kill → all ranks train",
+                "kill → new progress (a step beyond the kill)",
+                "lost (redone) steps",
+            ],
+            rows,
+        )
+    )
+    lines.append("")
+    lines.append("**Steady state** (fault-free, steps/s over the reference job; step = one global batch):\n")
+    ddp = r["fault_free_steps_per_s"].get("plain_ddp")
+    lines.append(
+        common.md_table(
+            ["system", "steps/s", "median step s", "vs plain DDP"],
+            [
+                [s, v, r["step_time_s"].get(s), (v / ddp) if v and ddp else None]
+                for s, v in r["fault_free_steps_per_s"].items()
+            ],
+        )
+    )
+    lines.append("")
+    if r["torchrun_tuning"]:
+        t = r["torchrun_tuning"]
+        lines.append(
+            f"torchrun's tuned checkpoint interval (Young/Daly, N* = sqrt(2·C·MTBF)/step): C = {t['ckpt_s']:.3f} s "
+            f"per DCP save, step {t['step_s']:.3f} s → N* = {t['n_by_interval']} by fault interval (s).\n"
+        )
+    lines.append(
+        f"**Goodput under faults** ({plan['goodput_s']:.0f} s window from the first commit, rank 1 SIGKILLed "
+        f"from outside every interval):\n"
+    )
+    lines.append(
+        common.md_table(
+            [
+                "interval s",
+                "system",
+                "kills",
+                "useful steps/s",
+                "vs own fault-free",
+                "vs own rate before the first kill (same job)",
+                "vs plain DDP",
+                "global batches/s vs plain DDP",
+                "skipped batches",
+                "redone commits",
+                "kills recovered from before the next",
+            ],
+            [
+                [
+                    g["interval_s"],
+                    g["label"],
+                    g["kills"],
+                    g["steps_per_s"],
+                    g["vs_own_fault_free"],
+                    g.get("vs_own_pre_fault"),
+                    g["vs_plain_ddp"],
+                    g["batches_vs_plain_ddp"],
+                    g["skipped_batches"],
+                    g["redone_commits"],
+                    g.get("recovered_before_next_kill"),
+                ]
+                for g in r["goodput"]
+            ],
+        )
+    )
+    lines.append("")
+    lines.append(
+        "**Exactness**: final SHA-256 (`digest_state`: parameters + optimizer state + step) of each faulted "
+        "job against the same system's fault-free job; batch lineage of the surviving updates:\n"
+    )
+    rows = []
+    for s, v in r["exactness"].items():
+        jobs = v["jobs"]
+        rows.append(
+            [s, f"{sum(j['matches'] for j in jobs)}/{len(jobs)}", f"`{str(v['reference_digest'])[:12]}…`",
+             max((j["skipped"] for j in jobs), default=0), max((j["repeated"] for j in jobs), default=0),
+             v["reference_skipped"], max((j["redone"] for j in jobs), default=0)]
+        )  # fmt: skip
+    lines.append(
+        common.md_table(
+            [
+                "system",
+                "faulted = fault-free",
+                "fault-free digest",
+                "skipped batches (max)",
+                "repeated (max)",
+                "skipped in fault-free job",
+                "redone commits (max)",
+            ],
+            rows,
+        )
+    )
+    lines.append("")
+    lines.append("![committed step vs time](compare.png)\n")
+    lines.append(reading(r))
+    return "\n".join(lines) + "\n"
+
+
+def reading(r: dict[str, Any]) -> str:
+    """A short reading generated from the numbers (the caveats are fixed text)."""
+    rec = r["recovery"]
+    out = ["**Reading.**"]
+
+    def med(s: str, k: str) -> float | None:
+        v = rec.get(s, {}).get(k, {})
+        return v.get("median") if v and v.get("n") else None
+
+    cl, tr, tf = (med("checkpointless", "next_commit_s"), med("torchrun", "next_commit_s"),
+                  med("torchft", "next_commit_s"))  # fmt: skip
+    if cl is not None and tr is not None:
+        out.append(
+            f"After a SIGKILL, checkpointless' survivor commits again after {cl:.2f} s (median) against "
+            f"{tr:.2f} s for torchrun's full restart (process start, rendezvous, DCP load), which then redoes "
+            f"{med('torchrun', 'lost_steps') or 0:.0f} steps (those since its last checkpoint) and makes new "
+            f"progress only after {med('torchrun', 'progress_s') or float('nan'):.2f} s."
+        )
+    if tf is not None:
+        cmp = (
+            ""
+            if cl is None
+            else (" (sooner than checkpointless)" if tf < cl else " (later than checkpointless)")
+        )
+        back = med("torchft", "all_ranks_s")
+        out.append(
+            f"torchft's survivor commits again after {tf:.2f} s{cmp}, bounded below by the lighthouse's "
+            f"heartbeat timeout: it does not wait for a replacement but continues alone, so those steps use half "
+            f"the global batch (the dead group's batches are skipped, see the lineage columns) and a faulted run "
+            f"does not end in the fault-free parameters; the restarted group heals from the survivor and trains "
+            f"again after {back if back is not None else float('nan'):.2f} s."
+        )
+    ex = r["exactness"]
+    exact_s = [s for s, v in ex.items() if v["jobs"] and all(j["matches"] for j in v["jobs"])]
+    inexact = [s for s in ex if s not in exact_s]
+    out.append(
+        f"Faulted runs bit-identical to their fault-free run: {', '.join(exact_s) or 'none'}"
+        + (f"; not: {', '.join(inexact)}." if inexact else ".")
+    )
+    ref_d = {
+        j["system"]: tuple(j["analysis"]["final_digests"]) for j in r["jobs"] if j["name"].endswith("-ref")
+    }
+    same = sorted(s for s, d in ref_d.items() if len(d) == 1 and list(ref_d.values()).count(d) > 1)
+    if same:
+        out.append(f"The fault-free runs of {', '.join(same)} end in the same state bit for bit.")
+    for interval in sorted({g["interval_s"] for g in r["goodput"] if g["interval_s"] is not None}):
+        rows = [g for g in r["goodput"] if g["interval_s"] == interval and g["batches_vs_plain_ddp"]]
+        if rows:
+            best = max(rows, key=lambda g: g["batches_vs_plain_ddp"])
+            out.append(
+                f"With a kill every {interval:.0f} s the most useful work (global batches/s against fault-free "
+                f"plain DDP) is {best['label']}'s at {best['batches_vs_plain_ddp']:.0%}"
+                + "".join(f", {g['label']} {g['batches_vs_plain_ddp']:.0%}" for g in rows if g is not best)
+                + "."
+            )
+    pre = [g["pre_fault_steps_per_s"] for g in r["goodput"] if g.get("pre_fault_steps_per_s")]
+    if len(pre) >= 2 and max(pre) / min(pre) > 1.3:
+        out.append(
+            f"But the step rate before the first kill varied {max(pre) / min(pre):.1f}x between these jobs "
+            f"({min(pre):.1f}–{max(pre):.1f} steps/s) with the machine's other load, so on this machine the "
+            f"absolute goodput columns compare load more than systems; the column against the same job's rate "
+            f"before its first kill is the load-robust one"
+            + (", and a window with one or two kills is too short to rank systems." if r["quick"] else ".")
+        )
+    rates = r["fault_free_steps_per_s"]
+    loses = ["it keeps a hot spare process (a third process for two ranks, memory for a full replica; on this "
+             "2-core machine it competes for CPU)",
+             "a recovery still costs a process-group rebuild plus the state transfer"]  # fmt: skip
+    if rates.get("checkpointless") and rates.get("plain_ddp"):
+        ratio = rates["checkpointless"] / rates["plain_ddp"]
+        if ratio < 0.97:
+            loses.insert(
+                0,
+                f"fault-free it runs at {ratio:.0%} of plain DDP's step rate (its own gradient all-reduce, "
+                f"heartbeats and commit events instead of DDP's bucketed overlap)",
+            )
+        else:
+            out.append(
+                f"Fault-free, checkpointless runs at {ratio:.0%} of plain DDP's step rate (noise level)."
+            )
+    if tf is not None and cl is not None and tf < cl:
+        loses.append("torchft's survivor resumes sooner (it trades exactness and half the batch for it)")
+    out.append("Where checkpointless loses: " + "; ".join(loses) + ".")
+    out.append(
+        "Caveats: a 2-core VM shared with other benchmarks (load average in the header), a tiny model (steps of "
+        "tens of ms, so process start-up dominates every restart), few repetitions in quick mode; torchft runs "
+        "with a fixed DDP comm hook (its 0.2.0 hook crashes the survivor on a failed all-reduce, see "
+        "bench/baselines/torchft_ddp.py) and heartbeat_timeout_ms=2000 (checkpointless' hang timeout is 2 s)."
+    )
+    return " ".join(out) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="CI-sized run (~9 minutes)")
+    p.add_argument("--systems", default="checkpointless,torchrun,torchft,plain_ddp")
+    p.add_argument("--out", type=Path, default=OUT)
+    p.add_argument("--goodput-s", type=float, help="override the goodput window (full: 600 s per job)")
+    p.add_argument("--reps", type=int, help="override the faulted jobs per system (full: 10)")
+    p.add_argument(
+        "--reanalyse", action="store_true", help="recompute compare.json/md/png from the logs under --out"
+    )
+    a = p.parse_args(argv)
+    if a.reanalyse:
+        res = reanalyse(json.loads((a.out / "compare.json").read_text()), a.out)
+        common.write_json(a.out / "compare.json", res)
+        plot(res, a.out / "compare.png")
+        (a.out / "compare.md").write_text(md := markdown(res))
+        print(md)
+        return 0
+
+    def _term(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)  # run the drivers' finally blocks: end every process
+
+    signal.signal(signal.SIGTERM, _term)
+    common.pin_threads()
+    os.environ.update(baselines.THREAD_ENV)
+    plan = QUICK if a.quick else FULL
+    if a.goodput_s or a.reps:
+        plan = replace(plan, goodput_s=a.goodput_s or plan.goodput_s, reps=a.reps or plan.reps)
+    res = run(plan, [s.strip() for s in a.systems.split(",") if s.strip()], a.out)
+    common.write_json(a.out / "compare.json", res)
+    plot(res, a.out / "compare.png")
+    md = markdown(res)
+    (a.out / "compare.md").write_text(md)
+    print(md)
+    return 0 if all(j["ok"] for j in res["jobs"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
