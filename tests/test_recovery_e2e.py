@@ -102,6 +102,6 @@ def test_stuck_step_with_live_heartbeat_is_detected_as_no_progress(tmp_path: Pat
     )
     assert faulted.ok, logs_of(faulted)
     reasons = [e.get("reason") for e in _events(tmp_path / "f") if e["kind"] == "fault_detected"]
-    assert "no_progress" in reasons
+    assert reasons[0] == "no_progress", reasons  # found by the coordinator, not by a collective timeout
     clean = run_job(steps=8, spares=0, command=[sys.executable, script, "8", str(tmp_path)])
     assert clean.ok and clean.digest == faulted.digest

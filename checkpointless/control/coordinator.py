@@ -92,6 +92,8 @@ class Coordinator:
         self._recovering: tuple[float, Plan] | None = None
         self._retries: Counter[int] = Counter()
         self._step_times: list[float] = []
+        self._refills = 0  # spares to start once the current recovery is done
+        self._last_poll = float("-inf")
         self.digest: str | None = None
         self.finished = False
 
@@ -140,16 +142,21 @@ class Coordinator:
         """One round of observe, decide, publish. Raises ``JobFailed``."""
         assert self.plan is not None
         now = self._clock()
-        self._read_heartbeats(now)
+        # In steady state, read heartbeats at their own pace; during a recovery, every tick.
+        steady = self._failure is None and self._recovering is None
+        poll = not steady or now - self._last_poll >= self.job.recovery.heartbeat_interval_s
+        if poll:
+            self._last_poll = now
+            self._read_heartbeats(now)
         self._check_processes(now)
-        if self._failure is None:
+        if self._failure is None and poll:
             self._check_progress(now)
         self._check_reports()
         if self._failure is not None:
             self._try_recover(now)
         elif self._recovering is not None:
             self._check_recovered()
-        if self._failure is None and self._recovering is None:
+        if self._failure is None and self._recovering is None and poll:
             self._check_done()
 
     def _read_heartbeats(self, now: float) -> None:
@@ -209,6 +216,8 @@ class Coordinator:
         steps, whichever is longer.
         """
         rc = self.job.recovery
+        if not self._step_times:
+            return  # no step committed yet: the first step is slow (allocation, warm-up)
         limit = max(rc.progress_timeout_s, 5 * self.median_step_time())
         gen = self.plan.gen if self.plan else 0
         procs = [self.procs[n] for n in self.members.values() if self.procs[n].hb.get("gen") == gen]
@@ -269,6 +278,7 @@ class Coordinator:
         committed = {r: c for r, c in f.reported.items() if r not in f.dead}
         spares = self.ready_spares()
         if len(f.dead) > len(spares):
+            self._start_refills()  # a new failure before the last recovery finished
             starting = [n for n, p in self.procs.items() if p.role == "spare" and p.handle.alive()]
             if len(f.dead) > len(starting):
                 raise JobFailed(
@@ -302,7 +312,9 @@ class Coordinator:
         )  # fmt: skip
         for rank, old in plan.replaced.items():
             self._emit("spare_assigned", rank=rank, gen=plan.gen, target=plan.members[rank], replaces=old)
-            self._add(self._spawn_spare(), "spare")
+        # refill the pool after the recovery: a starting spare (importing torch) would compete
+        # with the state transfer for CPU
+        self._refills += len(plan.replaced)
         self._recovering = (f.started, plan)
         self._failure = None
 
@@ -317,6 +329,12 @@ class Coordinator:
                 return
         self._emit("recovery_done", gen=plan.gen, step=plan.resume_step, seconds=self._clock() - started)
         self._recovering = None
+        self._start_refills()
+
+    def _start_refills(self) -> None:
+        while self._refills > 0:
+            self._refills -= 1
+            self._add(self._spawn_spare(), "spare")
 
     def _check_done(self) -> None:
         if self.finished:
