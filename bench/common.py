@@ -140,7 +140,7 @@ def machine_info() -> dict[str, Any]:
         "platform": platform.platform(),
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "nproc": _run_text(["nproc"]),
+        "nproc": str(os.cpu_count()),  # `nproc` would honour OMP_NUM_THREADS=1
         "lscpu": lscpu_lines,
         "free": _run_text(["free", "-h"]),
         "loadavg": load_average(),
