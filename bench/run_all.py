@@ -12,7 +12,9 @@ Benchmarks (each also runs alone: ``python bench/NAME.py [--quick]``):
 - ``steady_state``: step time against plain ``DistributedDataParallel``, interleaved;
 - ``compare``: recovery, goodput under repeated kills and exactness against torchrun + DCP
   checkpoint-restart, torchft and plain DDP (``make bench`` uses 4-minute goodput windows to stay
-  near an hour; ``python bench/compare.py`` alone runs the issue's 10-minute windows, ~2 h).
+  near an hour; ``python bench/compare.py`` alone runs the issue's 10-minute windows, ~2 h);
+- ``scale``: goodput of checkpoint-restart vs checkpointless from 1,000 to 100,000 accelerators,
+  simulated with parameters taken from the measurements above.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any
 import common
 import compare
 import recovery_stall
+import scale
 import steady_state
 import transfer
 
@@ -39,6 +42,7 @@ BENCHES: list[tuple[str, str, Any]] = [
     ("recovery_stall", "Recovery stall (kill, hang)", recovery_stall),
     ("steady_state", "Steady-state overhead against DDP", steady_state),
     ("compare", "Side by side: torchrun + DCP, torchft, plain DDP, checkpointless", compare),
+    ("scale", "Goodput at cluster scale (simulation from these measurements)", scale),
 ]
 
 
