@@ -13,6 +13,7 @@ Benchmarks (each also runs alone: ``python bench/NAME.py [--quick]``):
 - ``compare``: recovery, goodput under repeated kills and exactness against torchrun + DCP
   checkpoint-restart, torchft and plain DDP (``make bench`` uses 4-minute goodput windows to stay
   near an hour; ``python bench/compare.py`` alone runs the issue's 10-minute windows, ~2 h);
+- ``steady_compare``: fault-free step time of every system against plain DDP at two model sizes;
 - ``scale``: goodput of checkpoint-restart vs checkpointless from 1,000 to 100,000 accelerators,
   simulated with parameters taken from the measurements above.
 """
@@ -20,6 +21,7 @@ Benchmarks (each also runs alone: ``python bench/NAME.py [--quick]``):
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import sys
 import time
@@ -32,6 +34,7 @@ import common
 import compare
 import recovery_stall
 import scale
+import steady_compare
 import steady_state
 import transfer
 
@@ -42,6 +45,7 @@ BENCHES: list[tuple[str, str, Any]] = [
     ("recovery_stall", "Recovery stall (kill, hang)", recovery_stall),
     ("steady_state", "Steady-state overhead against DDP", steady_state),
     ("compare", "Side by side: torchrun + DCP, torchft, plain DDP, checkpointless", compare),
+    ("steady_compare", "Steady state side by side, two model sizes", steady_compare),
     ("scale", "Goodput at cluster scale (simulation from these measurements)", scale),
 ]
 
@@ -119,6 +123,8 @@ def render(argv: list[str], quick: bool, machine: dict[str, Any], results: dict[
     ]
     for key, title, mod in BENCHES:
         parts += [f"## {title} (`bench/{key}.py`)", ""]
+        if key in results and results[key].get("_command"):
+            parts += [f"*Measured by `{results[key]['_command']}` on {results[key]['_date']}.*", ""]
         doc = (mod.__doc__ or "").split("Usage:")[0].strip()
         parts += ["<details><summary>Method</summary>", "", doc, "", "</details>", ""]
         if key in results:
@@ -143,12 +149,17 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     for key, title, mod in BENCHES:
         if a.only and key not in a.only:
+            saved = common.OUT / f"{key}.json"
+            if saved.exists():  # re-render the whole page: sections not re-run come from their last run
+                results[key] = json.loads(saved.read_text())
             continue
         print(f"== {title} ({'quick' if a.quick else 'full'})", flush=True)
         t = time.monotonic()
         run: Callable[[bool, Path], dict[str, Any]] = getattr(mod, "run_bench", mod.run)
         try:
             results[key] = run(a.quick, common.OUT)
+            results[key]["_command"] = f"OMP_NUM_THREADS=1 python bench/run_all.py {' '.join(argv)}".strip()
+            results[key]["_date"] = machine["date"]
             common.write_json(common.OUT / f"{key}.json", results[key])
         except Exception:
             errors[key] = traceback.format_exc()

@@ -1,6 +1,6 @@
 """State-transfer throughput: ``send_state``/``recv_state`` between two processes over gloo on loopback.
 
-For each state size (10 MB, 100 MB, 1 GB; quick: 10 MB, 100 MB) two real processes form a
+For each state size (10 MB, 100 MB, 1 GB, 2 GB; quick: 10 MB, 100 MB) two real processes form a
 ``checkpointless.comm.Group`` on a ``TCPStore`` hosted by this process. Rank 0 sends, rank 1
 receives. Per repetition, after a barrier, the receiver times:
 
@@ -150,7 +150,7 @@ def copy_floor(sizes: list[int], reps: int) -> list[dict[str, Any]]:
 def run(quick: bool, out_dir: Path) -> dict[str, Any]:
     from checkpointless.launch import open_store
 
-    sizes = [10 * MB, 100 * MB] if quick else [10 * MB, 100 * MB, 1000 * MB]
+    sizes = [10 * MB, 100 * MB] if quick else [10 * MB, 100 * MB, 1000 * MB, 2000 * MB]
     reps = 3 if quick else 5
     work = common.fresh_dir(out_dir / "transfer")
     store = open_store("127.0.0.1", 0)
