@@ -235,7 +235,14 @@ def analyse(
                 b = c["batch"]
                 batches[(int(b[0]), int(b[1]))] += 1
     expected = {(s, r) for s in range(last_step + 1) for r in range(world)}
-    skipped = sorted(expected - set(batches))
+    covered = set(batches)
+    if system != "torchft":
+        # synchronous data parallelism: a surviving commit of step s means the all-reduce of step s
+        # completed, so every rank's batch of step s is in the update, even if the rank that read it
+        # was killed before its own commit record reached the log (SIGKILL loses its last events)
+        kept_steps = {s for k in kept.values() for s in k}
+        covered |= {(s, r) for s in kept_steps for r in range(world)}
+    skipped = sorted(expected - covered)
     repeated = sorted(b for b, n in batches.items() if n > 1)
     wrong = sorted(b for b in batches if b not in expected)
     lineage = {
