@@ -154,6 +154,7 @@ def worker(cfg: dict[str, Any]) -> int:
     if steps < ENDLESS:
         log.write("final", step=steps - 1, digest=digest(model, opt, steps - 1))
     log.close()
+    dist.barrier()  # both ranks done with every collective before either tears gloo down (else: SIGABRT)
     dist.destroy_process_group()
     return 0
 
