@@ -61,7 +61,6 @@ class Group:
             raise
         except Exception as e:
             raise CollectiveError(f"gen {gen}: group formation failed: {e}") from e
-        self._broken = False
 
     def allreduce_(self, tensors: list[torch.Tensor]) -> None:
         """Sum each tensor in place across the group (all issued, then all awaited)."""
@@ -70,7 +69,6 @@ class Group:
             for w in works:
                 w.wait()
         except Exception as e:
-            self._broken = True
             raise CollectiveError(f"gen {self.gen}: allreduce failed: {e}") from e
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Any:
@@ -78,7 +76,6 @@ class Group:
         try:
             return self.pg.send([tensor], dst, tag)
         except Exception as e:
-            self._broken = True
             raise CollectiveError(f"gen {self.gen}: send to rank {dst} failed: {e}") from e
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int) -> Any:
@@ -86,7 +83,6 @@ class Group:
         try:
             return self.pg.recv([tensor], src, tag)
         except Exception as e:
-            self._broken = True
             raise CollectiveError(f"gen {self.gen}: recv from rank {src} failed: {e}") from e
 
     def wait(self, work: Any) -> None:
@@ -94,21 +90,18 @@ class Group:
         try:
             work.wait()
         except Exception as e:
-            self._broken = True
             raise CollectiveError(f"gen {self.gen}: point-to-point transfer failed: {e}") from e
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         try:
             self.pg.send([tensor], dst, 0).wait()
         except Exception as e:
-            self._broken = True
             raise CollectiveError(f"gen {self.gen}: send to rank {dst} failed: {e}") from e
 
     def recv(self, tensor: torch.Tensor, src: int) -> None:
         try:
             self.pg.recv([tensor], src, 0).wait()
         except Exception as e:
-            self._broken = True
             raise CollectiveError(f"gen {self.gen}: recv from rank {src} failed: {e}") from e
 
     def barrier(self) -> None:

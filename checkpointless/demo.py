@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from checkpointless.data.synthetic import SyntheticTokens
+
 
 @dataclass(kw_only=True, slots=True)
 class DemoModel:
@@ -30,10 +32,8 @@ class DemoModel:
     eval_every: int = 20
 
 
-def train(spec: DemoModel) -> None:
-    """The training script every worker and spare runs: a plain loop with checkpointless."""
-    import checkpointless as cl
-    from checkpointless.data.synthetic import SyntheticTokens
+def build(spec: DemoModel) -> tuple[torch.nn.Module, torch.optim.Optimizer, SyntheticTokens]:
+    """(model, optimizer, training data) of the demo, identical in every process (and baseline)."""
     from checkpointless.models.tiny_gpt import GPTConfig, TinyGPT
 
     torch.set_num_threads(1)
@@ -47,6 +47,14 @@ def train(spec: DemoModel) -> None:
     data = SyntheticTokens(
         seed=spec.seed, vocab_size=spec.vocab_size, seq_len=spec.seq_len, global_batch=spec.global_batch
     )
+    return model, optimizer, data
+
+
+def train(spec: DemoModel) -> None:
+    """The training script every worker and spare runs: a plain loop with checkpointless."""
+    import checkpointless as cl
+
+    model, optimizer, data = build(spec)
     heldout = SyntheticTokens(
         seed=spec.seed + 1, vocab_size=spec.vocab_size, seq_len=spec.seq_len, global_batch=8
     )

@@ -12,7 +12,6 @@ import logging
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -226,8 +225,3 @@ class Launcher:
                 child.kill()
                 child.popen.wait(timeout=5)
             child.log_file.close()
-
-
-def python_command(module: str, *args: str) -> list[str]:
-    """``python -m module args...`` with this interpreter."""
-    return [sys.executable, "-m", module, *args]

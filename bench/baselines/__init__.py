@@ -29,7 +29,6 @@ The common log format, one JSON object per line, every record with ``ev``, ``t``
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 import os
@@ -66,34 +65,15 @@ def spec_to_json(spec: Any) -> str:
 
 def build(spec: Any) -> tuple[Any, Any, Any]:
     """(model, optimizer, data) exactly as ``checkpointless.demo.train`` builds them."""
-    import torch
+    from checkpointless.demo import build as build_demo
 
-    from checkpointless.data.synthetic import SyntheticTokens
-    from checkpointless.models.tiny_gpt import GPTConfig, TinyGPT
-
-    torch.set_num_threads(1)
-    torch.manual_seed(spec.seed)
-    cfg = GPTConfig(
-        vocab_size=spec.vocab_size, seq_len=spec.seq_len, d_model=spec.d_model,
-        n_layer=spec.n_layer, n_head=spec.n_head,
-    )  # fmt: skip
-    model = TinyGPT(cfg)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr)
-    data = SyntheticTokens(
-        seed=spec.seed, vocab_size=spec.vocab_size, seq_len=spec.seq_len, global_batch=spec.global_batch
-    )
-    return model, optimizer, data
-
-
-def step_seed(seed: int, step: int, rank: int) -> int:
-    """Same derivation as ``checkpointless.recovery.step_seed`` (kept here so baselines do not
-    depend on the session module)."""
-    h = hashlib.sha256(f"{seed}/{step}/{rank}".encode()).digest()
-    return int.from_bytes(h[:8], "little") & (2**63 - 1)
+    return build_demo(spec)
 
 
 def reseed(seed: int, step: int, rank: int) -> None:
     import torch
+
+    from checkpointless.recovery import step_seed
 
     torch.manual_seed(step_seed(seed, step, rank))
 
