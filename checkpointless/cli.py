@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
+import os
+import shutil
 import sys
 from collections.abc import Callable
 from dataclasses import asdict
@@ -43,9 +46,31 @@ def _add_job_args(p: argparse.ArgumentParser, *, workers: int, spares: int) -> N
     p.add_argument("--out", type=Path, default=None, help="write events.jsonl, report.json and logs here")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--port", type=int, default=0, help="control store port (0: any free port)")
-    p.add_argument(
-        "--hang-timeout", type=float, default=2.0, help="seconds without heartbeat before a hang is declared"
-    )
+    _add_detection_args(p)
+
+
+def _add_detection_args(p: argparse.ArgumentParser) -> None:
+    d = RecoveryConfig()
+    p.add_argument("--hang-timeout", type=float, default=d.hang_timeout_s,
+                   help="seconds without heartbeat before a process is declared hung (default %(default)s)")  # fmt: skip
+    p.add_argument("--progress-timeout", type=float, default=d.progress_timeout_s,
+                   help="seconds a step may run, heartbeat alive, while peers wait for it, before it is "
+                   "declared stuck (default %(default)s)")  # fmt: skip
+
+
+def _check_out(out: Path | None) -> None:
+    """``--out`` must be a directory we can create and write, checked before anything starts."""
+    if out is None:
+        return
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out}: exists and is not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".checkpointless-probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise UsageError(f"--out {out}: not a writable directory ({e.strerror or e})") from None
 
 
 def _job(args: argparse.Namespace, steps: int | None, default_faults: list[str]) -> JobConfig:
@@ -53,13 +78,21 @@ def _job(args: argparse.Namespace, steps: int | None, default_faults: list[str])
     _positive("spares", args.spares, 0)
     if not 0 <= args.port < 65536:
         raise UsageError(f"--port must be in 0..65535, got {args.port}")
+    _check_out(args.out)
     try:
         faults = parse_faults(args.fault if args.fault is not None else default_faults)
         if steps is not None:
             validate_schedule(faults, workers=args.workers, spares=args.spares, steps=steps)
+        for flag, value in (
+            ("--hang-timeout", args.hang_timeout),
+            ("--progress-timeout", args.progress_timeout),
+        ):
+            if not math.isfinite(value) or value <= 0:
+                raise UsageError(f"{flag} must be a positive number of seconds, got {value}")
         recovery = RecoveryConfig(
-            hang_timeout_s=args.hang_timeout, heartbeat_interval_s=min(0.1, args.hang_timeout / 4)
-        )
+            hang_timeout_s=args.hang_timeout, heartbeat_interval_s=min(0.1, args.hang_timeout / 4),
+            progress_timeout_s=args.progress_timeout,
+        )  # fmt: skip
         return JobConfig(
             workers=args.workers, spares=args.spares, seed=args.seed, faults=faults, recovery=recovery
         )
@@ -80,8 +113,16 @@ def _print_result(console: Console, result: JobResult, label: str) -> None:
     if r["faults"]:
         console.print(summary_table(r))
     if result.error:
-        console.print(f"[red]error:[/red] {result.error}")
+        console.print(f"[red]error:[/red] {result.error}", highlight=False)
     console.print(f"final state sha256: {result.digest}", highlight=False)
+    if result.write_error:
+        console.print(f"[red]error:[/red] {result.write_error}", highlight=False)
+
+
+def _exit_code(result: JobResult) -> int:
+    if result.interrupted is not None:
+        return 128 + result.interrupted
+    return 0 if result.ok and not result.write_error else 1
 
 
 def _launch(
@@ -103,6 +144,8 @@ def _launch(
         callbacks.append(LiveProgress(steps, console, events=launcher.events))
     metrics = None
     if metrics_port is not None:
+        if not 0 <= metrics_port < 65536:
+            raise UsageError(f"--metrics-port must be in 0..65535, got {metrics_port}")
         from checkpointless.live_metrics import MetricsFeed
         from checkpointless.metrics import JobMetrics
 
@@ -133,8 +176,14 @@ def cmd_demo(argv: list[str]) -> int:
     p.add_argument("--quiet", action="store_true", help="no live progress")
     args = p.parse_args(argv)
     _positive("steps", args.steps)
+    _positive("layers", args.layers)
+    _positive("d-model", args.d_model)
     job = _job(args, args.steps, default_faults(args.workers, args.steps))
     spec = DemoModel(steps=args.steps, seed=args.seed, d_model=args.d_model, n_layer=args.layers)
+    if spec.d_model % spec.n_head:
+        raise UsageError(
+            f"--d-model must be a multiple of the demo's {spec.n_head} attention heads, got {args.d_model}"
+        )
     if spec.global_batch % args.workers:
         raise UsageError(f"--workers {args.workers} must divide the global batch of {spec.global_batch}")
     console = Console(stderr=True)
@@ -145,14 +194,16 @@ def cmd_demo(argv: list[str]) -> int:
     )
     result = _launch(job, worker_command(spec), args, console, steps=args.steps, out=args.out)
     _print_result(console, result, "faulted run" if job.faults else "run")
-    if not result.ok:
-        return 1
+    if not result.ok or result.write_error:
+        return _exit_code(result)
     if args.verify:
         clean = JobConfig(**{**asdict(job), "faults": [], "recovery": job.recovery})
         ref_out = args.out / "reference" if args.out else None
         args.quiet = True
         ref = _launch(clean, worker_command(spec), args, console, steps=args.steps, out=ref_out)
         _print_result(console, ref, "fault-free reference")
+        if ref.interrupted is not None:
+            return _exit_code(ref)
         same = ref.ok and ref.digest == result.digest
         console.print(
             "[green]bitwise identical to the fault-free run[/green]"
@@ -178,10 +229,12 @@ def cmd_launch(argv: list[str]) -> int:
     job = _job(args, args.steps, [])
     if command[0] in ("python", "python3"):
         command = [sys.executable, *command[1:]]
+    if shutil.which(command[0]) is None:
+        raise UsageError(f"checkpointless launch: command not found or not executable: {command[0]}")
     console = Console(stderr=True)
     result = _launch(job, command, args, console, steps=args.steps, out=args.out)
     _print_result(console, result, "run")
-    return 0 if result.ok else 1
+    return _exit_code(result)
 
 
 def cmd_run(argv: list[str]) -> int:
@@ -197,7 +250,7 @@ def cmd_run(argv: list[str]) -> int:
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
-    p.add_argument("--hang-timeout", type=float, default=2.0)
+    _add_detection_args(p)
     p.add_argument("--dry-run", action="store_true", help="print sizes and memory, train nothing")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
@@ -232,7 +285,7 @@ def cmd_run(argv: list[str]) -> int:
     if result.report["heldout_loss"]:
         first, last = result.report["heldout_loss"][0][1], result.report["heldout_loss"][-1][1]
         console.print(f"held-out loss {first:.4f} -> {last:.4f}", highlight=False)
-    if args.out is not None and result.ok:
+    if args.out is not None and result.ok and not result.write_error:
         from checkpointless.report_plot import write_report
 
         try:
@@ -240,7 +293,10 @@ def cmd_run(argv: list[str]) -> int:
             console.print(f"report: {args.out / 'timeline.png'}, {args.out / 'summary.txt'}", highlight=False)
         except ImportError:
             console.print("report: install matplotlib (pip install checkpointless[report]) for timeline.png")
-    return 0 if result.ok else 1
+        except OSError as e:
+            console.print(f"[red]error:[/red] could not write the report plot: {e}", highlight=False)
+            return 1
+    return _exit_code(result)
 
 
 def main(argv: list[str] | None = None) -> int:

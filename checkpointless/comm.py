@@ -1,17 +1,23 @@
 """Process-group lifecycle, one group per generation.
 
-A group is built on the store prefix ``gen/<n>/pg/`` so a new generation never
-meets the keys of an old one. Groups are plain ``ProcessGroup`` objects, not the
+A group is built on its generation's store prefix (``keys.pg_prefix``), so a new
+generation never meets the keys of an old one. Groups are plain ``ProcessGroup`` objects, not the
 ``torch.distributed`` default group: several generations may exist over the life
 of a process, and a broken one is aborted and dropped without touching global
 state.
 
 Failure semantics: any collective that fails (a peer died, the group was
-aborted, a timeout) raises ``CollectiveError``. ``abort`` closes this process's
-connections, which makes every peer's pending collective on the group fail too
-(measured: within tens of milliseconds with gloo), so one rank can break a
-generation for all. A collective blocked on a *stopped* peer is not released by
-abort (DESIGN.md): the coordinator kills such a peer.
+aborted, a timeout) raises ``CollectiveError``. ``abort`` *destroys* this
+process's group, which closes its connections and makes every peer's pending
+collective on the group fail too (measured with 4 ranks: a rank blocked in the
+ring all-reduce on a live neighbour is released within ~30 ms once that
+neighbour drops its group). ``ProcessGroupGloo.abort()`` alone does not close
+anything: the sockets live as long as the group object or any of its pending
+``Work`` objects, so this module never lets a ``Work`` outlive a failed call
+(a ``CollectiveError`` carries no reference to one), and the session clears the
+frames of a failure's traceback before it aborts. A collective blocked on a
+*stopped* peer is not released by anything but that peer's death (DESIGN.md):
+the coordinator kills such a peer.
 """
 
 from __future__ import annotations
@@ -22,8 +28,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
-from checkpointless.control import keys
 
 log = logging.getLogger(__name__)
 
@@ -42,12 +46,17 @@ class Group:
         rank: int,
         world_size: int,
         *,
+        prefix: str | None = None,
         backend: str = "gloo",
         timeout: timedelta = timedelta(seconds=60),
     ) -> None:
-        """Collective over all members of generation ``gen``: every member must call it."""
+        """Collective over all members of generation ``gen``: every member must call it.
+
+        ``prefix`` is the store prefix of the rendezvous (the session passes the
+        generation's unguessable one, ``keys.pg_prefix``); tools and tests may omit it.
+        """
         self.gen, self.rank, self.world_size = gen, rank, world_size
-        prefixed = dist.PrefixStore(keys.pg_prefix(gen), store)
+        prefixed = dist.PrefixStore(prefix or f"pg/{gen}/", store)
         try:
             if backend == "gloo":
                 self.pg: Any = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
@@ -60,56 +69,78 @@ class Group:
         except ValueError:
             raise
         except Exception as e:
-            raise CollectiveError(f"gen {gen}: group formation failed: {e}") from e
+            raise CollectiveError(f"gen {gen}: group formation failed: {e}") from None
 
     def allreduce_(self, tensors: list[torch.Tensor]) -> None:
         """Sum each tensor in place across the group (all issued, then all awaited)."""
+        works: list[Any] = []
         try:
-            works = [self.pg.allreduce([t]) for t in tensors]
+            works.extend(self.pg.allreduce([t]) for t in tensors)
             for w in works:
                 w.wait()
         except Exception as e:
-            raise CollectiveError(f"gen {self.gen}: allreduce failed: {e}") from e
+            works.clear()  # a live Work keeps the group's sockets open (see module doc)
+            raise CollectiveError(f"gen {self.gen}: allreduce failed: {e}") from None
+
+    def allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every member's ``tensor`` (same shape and dtype on all), in rank order."""
+        out = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        work: Any = None
+        try:
+            work = self.pg.allgather([out], [tensor])
+            work.wait()
+        except Exception as e:
+            work = None
+            raise CollectiveError(f"gen {self.gen}: allgather failed: {e}") from None
+        return out
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Any:
         """Start sending ``tensor`` to ``dst``; finish with ``wait``. Messages match by tag."""
         try:
             return self.pg.send([tensor], dst, tag)
         except Exception as e:
-            raise CollectiveError(f"gen {self.gen}: send to rank {dst} failed: {e}") from e
+            raise CollectiveError(f"gen {self.gen}: send to rank {dst} failed: {e}") from None
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int) -> Any:
         """Start receiving into ``tensor`` from ``src``; finish with ``wait``."""
         try:
             return self.pg.recv([tensor], src, tag)
         except Exception as e:
-            raise CollectiveError(f"gen {self.gen}: recv from rank {src} failed: {e}") from e
+            raise CollectiveError(f"gen {self.gen}: recv from rank {src} failed: {e}") from None
 
     def wait(self, work: Any) -> None:
         """Wait for an ``isend``/``irecv``."""
         try:
             work.wait()
         except Exception as e:
-            raise CollectiveError(f"gen {self.gen}: point-to-point transfer failed: {e}") from e
+            raise CollectiveError(f"gen {self.gen}: point-to-point transfer failed: {e}") from None
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         try:
             self.pg.send([tensor], dst, 0).wait()
         except Exception as e:
-            raise CollectiveError(f"gen {self.gen}: send to rank {dst} failed: {e}") from e
+            raise CollectiveError(f"gen {self.gen}: send to rank {dst} failed: {e}") from None
 
     def recv(self, tensor: torch.Tensor, src: int) -> None:
         try:
             self.pg.recv([tensor], src, 0).wait()
         except Exception as e:
-            raise CollectiveError(f"gen {self.gen}: recv from rank {src} failed: {e}") from e
+            raise CollectiveError(f"gen {self.gen}: recv from rank {src} failed: {e}") from None
 
     def barrier(self) -> None:
         self.allreduce_([torch.zeros(1)])
 
     def abort(self) -> None:
-        """Close this member's connections so peers' pending collectives fail fast."""
+        """Destroy this member's group so that its connections close and peers' pending collectives fail.
+
+        The caller must hold no ``Work`` of this group (``attempt`` clears a
+        failure's traceback first); the group is unusable afterwards.
+        """
+        pg, self.pg = self.pg, None
+        if pg is None:
+            return
         try:
-            self.pg.abort()
+            pg.abort()
         except Exception:  # already torn down by the failure itself
             log.debug("gen %d: abort raised", self.gen, exc_info=True)
+        del pg  # the last reference: ~ProcessGroupGloo closes the sockets

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 
 from checkpointless.faults import FaultSpec
@@ -14,9 +15,17 @@ class RecoveryConfig:
 
     hang_timeout_s: float = 2.0
     """A process with no heartbeat for this long is declared hung, killed and replaced."""
-    progress_timeout_s: float = 2.0
+    progress_timeout_s: float = 60.0
     """A process computing a step this long (or five normal steps, if longer) while a peer
-    already waits in that step's reduction is declared hung, killed and replaced."""
+    already waits in that step's reduction is declared hung, killed and replaced. Its
+    heartbeat is alive, so it is not stopped: a slow read or a GC pause must not be
+    mistaken for a hang, hence the long default (a false kill costs more than a late catch)."""
+    start_timeout_s: float = 300.0
+    """A process that has not joined the job (no heartbeat) this long after it was started
+    is killed; members still starting are never held to a recovery deadline."""
+    spare_restart_limit: int = 3
+    """Spares that die before they are ready are restarted with exponential backoff
+    (0.5 s, 1 s, 2 s, ...); after this many such deaths in a row the pool is not refilled."""
     heartbeat_interval_s: float = 0.1
     """How often each process reports to the coordinator."""
     collective_timeout_s: float = 60.0
@@ -27,19 +36,18 @@ class RecoveryConfig:
     """Recoveries that may resume at the same step before the job is failed."""
 
     def __post_init__(self) -> None:
-        if self.hang_timeout_s <= 0:
-            raise ValueError(f"hang_timeout_s must be > 0, got {self.hang_timeout_s}")
-        if self.progress_timeout_s <= 0:
-            raise ValueError(f"progress_timeout_s must be > 0, got {self.progress_timeout_s}")
+        for name in ("hang_timeout_s", "progress_timeout_s", "heartbeat_interval_s", "collective_timeout_s",
+                     "plan_timeout_s", "start_timeout_s"):  # fmt: skip
+            value = getattr(self, name)
+            if not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{name} must be a positive finite number of seconds, got {value}")
+        if self.spare_restart_limit < 0:
+            raise ValueError(f"spare_restart_limit must be >= 0, got {self.spare_restart_limit}")
         if not 0 < self.heartbeat_interval_s < self.hang_timeout_s:
             raise ValueError(
                 f"heartbeat_interval_s must be in (0, hang_timeout_s={self.hang_timeout_s}), "
                 f"got {self.heartbeat_interval_s}"
             )
-        if self.collective_timeout_s <= 0:
-            raise ValueError(f"collective_timeout_s must be > 0, got {self.collective_timeout_s}")
-        if self.plan_timeout_s <= 0:
-            raise ValueError(f"plan_timeout_s must be > 0, got {self.plan_timeout_s}")
         if self.max_retries_per_step < 1:
             raise ValueError(f"max_retries_per_step must be >= 1, got {self.max_retries_per_step}")
 

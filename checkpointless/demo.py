@@ -61,14 +61,16 @@ def train(spec: DemoModel) -> None:
 
     session = cl.Session(model, optimizer, seed=spec.seed)  # a spare waits here for a rank
     for step in session.steps(spec.steps):
-        with session.attempt():
+        with session.attempt() as attempt:
             inputs, targets = data.batch(step, session.dp_rank, session.dp_size)
             loss = model(inputs, targets)
             loss.backward()
             session.reduce_gradients()
             optimizer.step()
             optimizer.zero_grad(set_to_none=False)
-        session.log(loss=loss.item(), tokens=inputs.numel())
+            session.log(loss=loss.item(), tokens=inputs.numel())
+        if not attempt.committed:
+            continue  # the step failed and was recovered: steps() yields it again
         if session.rank == 0 and spec.eval_every and (step + 1) % spec.eval_every == 0:
             model.eval()
             with torch.no_grad():

@@ -26,6 +26,8 @@ import signal
 from dataclasses import dataclass
 from typing import Protocol
 
+from checkpointless.control import keys
+
 KINDS = ("kill", "hang", "exception")
 
 _SPEC = re.compile(r"^(?P<kind>[a-z]+):rank=(?P<ranks>\d+(?:,\d+)*)@step=(?P<step>\d+)$")
@@ -149,7 +151,7 @@ class FaultInjector:
         self._claimer = claimer
 
     def _fire(self, index: int, fault: FaultSpec, on_fire: _OnFire | None, rank: int, step: int) -> None:
-        if self._claimer is None or not self._claimer.claim(f"fault/{index}/rank/{rank}/fired"):
+        if self._claimer is None or not self._claimer.claim(keys.fault_fired(index, rank)):
             return
         if on_fire is not None:
             on_fire(index, fault, rank, step)

@@ -3,44 +3,91 @@
 The control store (a ``TCPStore``) and the ``Coordinator`` live in the launcher
 process, outside every worker, so any worker may die. The spare pool refills:
 the coordinator asks for a new spare each time one is consumed or lost.
+
+What the launcher guarantees around a job:
+
+- the store listens on the launcher's address only (127.0.0.1 by default), and
+  every control message is sealed with a per-job secret that each child reads
+  from a private pipe (``control/auth.py``): a stranger or a process of another
+  job cannot steer this one;
+- children die with the launcher at any moment (``PR_SET_PDEATHSIG`` is set
+  between fork and exec, before the child runs any code) and live in their own
+  session, so a terminal's Ctrl-C reaches the launcher alone, which stops them;
+- events reach ``<out>/events.jsonl`` while the job runs (appended and flushed
+  every tick), so a crash of the launcher keeps what happened up to it; at the
+  end the file is rewritten in time order and ``report.json`` is written, both
+  atomically (temporary file, then rename);
+- SIGINT and SIGTERM stop the job: children are ended, a partial report with the
+  reason is written, and ``JobResult.interrupted`` holds the signal number;
+- a previous run's files in ``out`` are moved to ``out/previous/`` first, so they
+  never pass for this run's.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import logging
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import tempfile
+import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
+from types import FrameType
 from typing import IO, Any
 
 from torch.distributed import TCPStore
 
 from checkpointless.config import JobConfig
 from checkpointless.control import keys
+from checkpointless.control.auth import ENV_SECRET_FD, SignedStore, new_secret
 from checkpointless.control.client import ENV_CONFIG, ENV_JOB_ID, ENV_PROC, ENV_ROLE, ENV_STORE
 from checkpointless.control.coordinator import Coordinator, JobFailed
 from checkpointless.report import build_report
 
 log = logging.getLogger(__name__)
 
+RUN_FILES = ("events.jsonl", "report.json", "timeline.png", "summary.txt", "logs", "reference")
+
 
 class LaunchError(RuntimeError):
     """The job could not be started (bad port, ...): a user-facing, one-line message."""
 
 
+class JobInterrupted(BaseException):
+    """SIGINT or SIGTERM reached the launcher (a BaseException, like KeyboardInterrupt)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+_LIBC: Any = None
+
+
+def _die_with_launcher() -> None:
+    """Runs in the child between fork and exec: SIGKILL it when the launcher dies, from its first instruction."""
+    _LIBC.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() == 1:  # the launcher died before prctl took effect
+        os._exit(1)
+
+
 class _Child:
     """A started process, as the coordinator sees it."""
 
-    def __init__(self, name: str, popen: subprocess.Popen[bytes], log_file: IO[bytes]) -> None:
-        self.name, self.popen, self.log_file = name, popen, log_file
+    def __init__(
+        self, name: str, popen: subprocess.Popen[bytes], log_file: IO[bytes], log_path: Path
+    ) -> None:
+        self.name, self.popen, self.log_file, self.log_path = name, popen, log_file, log_path
 
     def alive(self) -> bool:
         return self.popen.poll() is None
@@ -48,6 +95,18 @@ class _Child:
     def kill(self) -> None:
         if self.alive():
             self.popen.kill()
+
+    def exitcode(self) -> int | None:
+        return self.popen.poll()
+
+    def log_tail(self) -> str:
+        with contextlib.suppress(OSError):
+            self.log_file.flush()
+            with open(self.log_path, "rb") as f:
+                f.seek(max(0, os.path.getsize(self.log_path) - 4096))
+                lines = [ln.strip() for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
+                return lines[-1][:300] if lines else ""
+        return ""
 
 
 @dataclass
@@ -60,22 +119,86 @@ class JobResult:
     out_dir: Path | None = None
     logs: dict[str, Path] = field(default_factory=dict)
     pids: dict[str, int] = field(default_factory=dict)
+    interrupted: int | None = None  # the signal that stopped the job
+    write_error: str | None = None  # report.json / events.jsonl could not be written
 
 
 def open_store(host: str, port: int) -> TCPStore:
-    """Host the control store; ``port`` 0 picks a free port."""
+    """Host the control store on ``host`` only; ``port`` 0 picks a free port.
+
+    c10d's server binds every interface when asked for a port, so the launcher
+    binds the listening socket itself and hands it over.
+    """
     try:
-        return TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
-    except Exception as e:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(1024)
+    except OSError as e:
         raise LaunchError(f"cannot listen on {host}:{port} for the control store (port in use?): {e}") from e
+    bound_port = sock.getsockname()[1]
+    fd = sock.detach()  # the store's server owns the descriptor from here on
+    try:
+        return TCPStore(
+            host, bound_port, is_master=True, wait_for_workers=False,
+            timeout=timedelta(seconds=30), master_listen_fd=fd,
+        )  # fmt: skip
+    except Exception as e:
+        os.close(fd)
+        raise LaunchError(f"cannot start the control store on {host}:{port}: {e}") from e
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+
+
+def set_aside_previous_run(out_dir: Path) -> None:
+    """Move a previous run's files in ``out_dir`` to ``out_dir/previous/`` (replacing an older one)."""
+    present = [name for name in RUN_FILES if (out_dir / name).exists()]
+    if not present:
+        return
+    previous = out_dir / "previous"
+    if previous.exists():
+        shutil.rmtree(previous)
+    previous.mkdir()
+    for name in present:
+        os.replace(out_dir / name, previous / name)
+
+
+@contextlib.contextmanager
+def _stop_signals() -> Iterator[None]:
+    """Turn SIGINT and SIGTERM into ``JobInterrupted`` in the main thread while a job runs."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        raise JobInterrupted(signum)
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
 
 
 class Launcher:
     """Runs one job: ``command`` is started once per worker and once per spare.
 
     Every process gets ``CHECKPOINTLESS_*`` environment variables naming the
-    store, its process name, its role and the job config; the command's
-    ``Session`` does the rest.
+    store, its process name, its role and the job config, plus a private pipe
+    holding the job's secret; the command's ``Session`` does the rest.
     """
 
     def __init__(
@@ -101,29 +224,50 @@ class Launcher:
         self.children: dict[str, _Child] = {}
         self._next_spare = 0
         self._events: list[dict[str, Any]] = []
+        self._chunks_read: dict[str, int] = {}
+        self._stream: IO[str] | None = None
+        self._secret = new_secret()
         self._own_logdir = out_dir is None
         self._logdir = (
             Path(out_dir / "logs") if out_dir else Path(tempfile.mkdtemp(prefix="checkpointless-logs-"))
         )
 
+    # -- processes ------------------------------------------------------------------
     def _spawn(self, name: str, role: str) -> _Child:
+        global _LIBC
+        if _LIBC is None:
+            _LIBC = ctypes.CDLL("libc.so.6", use_errno=True)
         env = dict(os.environ)
         env.update(self.env)
+        read_end, write_end = os.pipe()
         env.update(
             {
-                ENV_STORE: f"{self.host}:{self.store.port}",
+                ENV_STORE: f"{self.host}:{self.store.raw.port}",
                 ENV_PROC: name,
                 ENV_ROLE: role,
                 ENV_CONFIG: self.job.to_json(),
                 ENV_JOB_ID: self.job_id,
+                ENV_SECRET_FD: str(read_end),
                 "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
                 "PYTHONUNBUFFERED": "1",
             }
         )
         self._logdir.mkdir(parents=True, exist_ok=True)
-        log_file = open(self._logdir / f"{name}.log", "wb")  # noqa: SIM115 (closed in _cleanup)
-        popen = subprocess.Popen(self.command, env=env, stdout=log_file, stderr=subprocess.STDOUT)
-        child = _Child(name, popen, log_file)
+        log_path = self._logdir / f"{name}.log"
+        log_file = open(log_path, "wb")  # noqa: SIM115 (closed in _cleanup)
+        try:
+            popen = subprocess.Popen(
+                self.command, env=env, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                pass_fds=(read_end,), preexec_fn=_die_with_launcher, start_new_session=True,
+            )  # fmt: skip
+            os.write(write_end, self._secret)  # 32 bytes: fits the pipe buffer, never blocks
+        except OSError as e:
+            log_file.close()
+            raise LaunchError(f"cannot start {self.command[0]!r}: {e.strerror or e}") from e
+        finally:
+            os.close(read_end)
+            os.close(write_end)
+        child = _Child(name, popen, log_file, log_path)
         self.children[name] = child
         return child
 
@@ -132,55 +276,131 @@ class Launcher:
         self._next_spare += 1
         return self._spawn(name, "spare")
 
+    # -- events ---------------------------------------------------------------------
+    def _record(self, ev: dict[str, Any]) -> None:
+        self._events.append(ev)
+        if self._stream is not None:
+            self._stream.write(json.dumps(ev) + "\n")
+
+    def _reject(self, key: str) -> None:
+        log.warning("ignored a value on %r that is not sealed with this job's secret", key)
+        self._record({"t": time.time(), "kind": "message_rejected", "proc": "coordinator", "rank": None,
+                      "gen": None, "step": None, "key": key})  # fmt: skip
+
+    def _collect_events(self) -> None:
+        """Move the processes' new event chunks from the store into the log (and the file)."""
+        for name in self.children:
+            seen = self._chunks_read.get(name, 0)
+            count = self.store.add(keys.events_count(name), 0)
+            while seen < count:
+                key = keys.events(name, seen)
+                if not self.store.raw.check([key]):
+                    break  # not written yet (or a stranger bumped the counter)
+                text = self.store.open(key, self.store.raw.get(key))
+                if text is None:
+                    break  # forged: the real chunk will overwrite it
+                for line in text.splitlines():
+                    if line.strip():
+                        ev = json.loads(line)
+                        ev["proc"] = name  # a chunk speaks for the process whose key it is under
+                        self._record(ev)
+                self.store.raw.delete_key(key)
+                seen += 1
+            self._chunks_read[name] = seen
+        if self._stream is not None:
+            self._stream.flush()
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        """Every event collected so far (launcher, coordinator and processes), in arrival order."""
+        return self._events
+
+    # -- the job ----------------------------------------------------------------------
     def run(self) -> JobResult:
-        self.store = open_store(self.host, self.port)
-        t_start = time.time()
-        self._events.append(
-            {"t": t_start, "kind": "job_started", "proc": "launcher", "rank": None, "gen": 0, "step": None,
-             "workers": self.job.workers, "spares": self.job.spares, "steps": self.total_steps,
-             "faults": [str(f) for f in self.job.faults]}
-        )  # fmt: skip
-        coord = Coordinator(self.store, self.job, self.total_steps, self._spawn_spare, self._events.append)
-        error: str | None = None
-        try:
-            workers = [self._spawn(f"w{r}", "worker") for r in range(self.job.workers)]
-            spares = [self._spawn_spare() for _ in range(self.job.spares)]
-            coord.start(list(workers), list(spares))
-            deadline = time.monotonic() + self.timeout_s
-            while not coord.finished:
-                coord.tick()
-                for callback in self.on_tick:
-                    callback(coord)
-                if time.monotonic() > deadline:
-                    raise JobFailed(f"job did not finish within {self.timeout_s:.0f}s")
-                time.sleep(0.01)
-            self._wait_workers(coord)
-        except JobFailed as e:
-            error = str(e)
-            self._events.append(
-                {"t": time.time(), "kind": "job_finished", "proc": "launcher", "rank": None, "gen": 0,
-                 "step": None, "ok": False, "error": error}
-            )  # fmt: skip
-        finally:
-            self._cleanup()
-        events = sorted(self._events + self._collect_events(), key=lambda e: e["t"])
-        report = build_report(events, total_steps=self.total_steps, digest=coord.digest)
-        report["error"] = error
+        self.store = SignedStore(open_store(self.host, self.port), self._secret, self._reject)
         if self.out_dir is not None:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            with open(self.out_dir / "events.jsonl", "w") as f:
-                for ev in events:
-                    f.write(json.dumps(ev) + "\n")
-            (self.out_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+            set_aside_previous_run(self.out_dir)
+            self._stream = open(self.out_dir / "events.jsonl", "w")  # noqa: SIM115 (closed below)
+        t_start = time.time()
+        self._record(
+            {"t": t_start, "kind": "job_started", "proc": "launcher", "rank": None, "gen": 0, "step": None,
+             "job_id": self.job_id, "workers": self.job.workers, "spares": self.job.spares,
+             "steps": self.total_steps, "faults": [str(f) for f in self.job.faults]}
+        )  # fmt: skip
+        coord = Coordinator(self.store, self.job, self.total_steps, self._spawn_spare, self._record)
+        error: str | None = None
+        interrupted: int | None = None
+        try:
+            with _stop_signals():
+                try:
+                    self._run(coord)
+                except JobFailed as e:
+                    error = str(e)
+                except JobInterrupted as e:
+                    interrupted = e.signum
+                    error = f"interrupted by {signal.Signals(e.signum).name}"
+                except KeyboardInterrupt:
+                    interrupted = signal.SIGINT
+                    error = "interrupted by SIGINT"
+                finally:
+                    self._cleanup()
+        except JobInterrupted as e:  # a second signal during cleanup
+            interrupted = e.signum
+            error = error or f"interrupted by {signal.Signals(e.signum).name}"
+        if error is not None:
+            self._record({"t": time.time(), "kind": "job_finished", "proc": "launcher", "rank": None, "gen": 0,
+                          "step": None, "ok": False, "error": error})  # fmt: skip
+        events = sorted(self._events, key=lambda e: e["t"])
+        report = build_report(events, total_steps=self.total_steps, digest=coord.digest)
+        report["error"] = error
+        report["job_id"] = self.job_id
+        write_error = self._write_outputs(events, report)
         if error is None and self._own_logdir:
             shutil.rmtree(self._logdir, ignore_errors=True)
         elif error is not None:
             log.error("job failed: %s (process logs in %s)", error, self._logdir)
         return JobResult(
             ok=error is None, digest=coord.digest, report=report, events=events, error=error,
-            out_dir=self.out_dir, logs={n: self._logdir / f"{n}.log" for n in self.children},
-            pids={n: c.popen.pid for n, c in self.children.items()},
+            out_dir=self.out_dir, logs={n: c.log_path for n, c in self.children.items()},
+            pids={n: c.popen.pid for n, c in self.children.items()}, interrupted=interrupted,
+            write_error=write_error,
         )  # fmt: skip
+
+    def _run(self, coord: Coordinator) -> None:
+        workers = [self._spawn(f"w{r}", "worker") for r in range(self.job.workers)]
+        spares = [self._spawn_spare() for _ in range(self.job.spares)]
+        coord.start(list(workers), list(spares))
+        deadline = time.monotonic() + self.timeout_s
+        last_collect = 0.0
+        while not coord.finished:
+            coord.tick()
+            now = time.monotonic()
+            if now - last_collect > 0.2:
+                self._collect_events()
+                last_collect = now
+            for callback in self.on_tick:
+                callback(coord)
+            if now > deadline:
+                raise JobFailed(f"job did not finish within {self.timeout_s:.0f}s")
+            time.sleep(0.01)
+        self._wait_workers(coord)
+
+    def _write_outputs(self, events: list[dict[str, Any]], report: dict[str, Any]) -> str | None:
+        """Rewrite events.jsonl in time order and write report.json, atomically; the error if that failed."""
+        if self._stream is not None:
+            with contextlib.suppress(OSError):
+                self._stream.close()
+            self._stream = None
+        if self.out_dir is None:
+            return None
+        try:
+            _write_atomic(self.out_dir / "events.jsonl", "".join(json.dumps(ev) + "\n" for ev in events))
+            _write_atomic(self.out_dir / "report.json", json.dumps(report, indent=2) + "\n")
+        except OSError as e:
+            log.error("could not write the run's files to %s: %s", self.out_dir, e)
+            return f"could not write {self.out_dir}: {e.strerror or e}"
+        return None
 
     def _wait_workers(self, coord: Coordinator, timeout_s: float = 30.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -193,30 +413,10 @@ class Launcher:
             if child.popen.returncode not in (0, None):
                 log.warning("%s exited with code %s after finishing", name, child.popen.returncode)
 
-    def _collect_events(self) -> list[dict[str, Any]]:
-        events: list[dict[str, Any]] = []
-        for name in self.children:
-            key = keys.events(name)
-            if not self.store.check([key]):
-                continue
-            for line in self.store.get(key).decode().splitlines():
-                if line.strip():
-                    events.append(json.loads(line))
-        return events
-
-    @property
-    def events(self) -> list[dict[str, Any]]:
-        """Launcher and coordinator events so far (process events are collected at the end)."""
-        return self._events
-
     def _cleanup(self) -> None:
-        from checkpointless.data.shm_cache import ShmBatchCache
-
-        ShmBatchCache(self.job_id, cleanup_on_exit=False).cleanup()  # the node-local batch cache
-        try:
+        """Stop every child (politely, then by force), collect their last events, free the node cache."""
+        with contextlib.suppress(Exception):  # the store may be what failed
             self.store.set(keys.JOB_STOP, "1")
-        except Exception:
-            pass
         deadline = time.monotonic() + 5
         for child in self.children.values():
             try:
@@ -225,3 +425,9 @@ class Launcher:
                 child.kill()
                 child.popen.wait(timeout=5)
             child.log_file.close()
+        with contextlib.suppress(Exception):
+            self._collect_events()
+        # after every child is gone, so that none can create the directory again
+        from checkpointless.data.shm_cache import ShmBatchCache
+
+        ShmBatchCache(self.job_id, cleanup_on_exit=False).cleanup()

@@ -4,12 +4,16 @@ A user's loop keeps its shape::
 
     session = checkpointless.Session(model, optimizer)
     for step in session.steps(total_steps):
-        with session.attempt():
+        with session.attempt() as attempt:
             loss = model(*batch_for(step, session.dp_rank, session.dp_size))
             loss.backward()
             session.reduce_gradients()
             optimizer.step()
             optimizer.zero_grad()
+            session.log(loss=loss)
+        if attempt.committed and session.rank == 0 and step % 100 == 0:
+            evaluate()          # runs only after a step that really committed
+    session.finish()
 
 Semantics (torchft-style failure as state, STYLE.md 4):
 
@@ -17,14 +21,24 @@ Semantics (torchft-style failure as state, STYLE.md 4):
   collective failed because a peer died, the user's code raised, an injected
   fault), the exception is swallowed, the partial step is discarded and the
   session recovers; ``steps()`` then yields the step to run next, which is the
-  failed step again, with the same data and the same RNG seeds.
+  failed step again, with the same data and the same RNG seeds. The ``Attempt``
+  it yields says whether the step committed: code after the block must look at
+  ``attempt.committed`` (a failed attempt leaves the block's variables unset or
+  stale).
 - The optimizer update must be the last thing in the ``with`` block: a step is
-  committed when the block exits normally.
-- Recovery: abort the broken group (so peers fail fast), report the last
-  committed step, wait for the coordinator's plan, join the next generation's
-  group, send or receive state as the plan says, resume.
+  committed when the block exits normally, and only if ``reduce_gradients`` ran
+  in it. ``log`` is only valid inside the block, so a metric is recorded only
+  for a step that committed, and the commit record is on the control store
+  before the next step starts (a SIGKILL cannot lose it).
+- Recovery: destroy the broken group (so peers' pending collectives fail),
+  report the last committed step, wait for the coordinator's plan, join the next
+  generation's group, send or receive state as the plan says, resume.
 - Spares block in ``Session(...)`` until they are given a rank, then receive the
   state and enter the loop at the step the job is at.
+- Mistakes no recovery can fix (a step without ``reduce_gradients``, ``log``
+  outside the block, parameter shapes that differ between ranks, an exit
+  without ``finish``) end the job with a ``FatalError`` naming the rank, instead
+  of burning spares.
 
 Without a launcher (no ``CHECKPOINTLESS_STORE`` in the environment) the session
 runs as a single process with no fault tolerance, so the same script can be
@@ -33,14 +47,18 @@ debugged with plain ``python train.py``.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
+import json
 import logging
 import os
 import random
 import threading
 import time
+import traceback
 from collections.abc import Iterator
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -50,6 +68,7 @@ import torch
 from checkpointless.comm import CollectiveError, Group
 from checkpointless.config import JobConfig
 from checkpointless.control import keys
+from checkpointless.control.auth import pg_token, secret_from_env
 from checkpointless.control.client import (
     ENV_CONFIG,
     ENV_PROC,
@@ -57,6 +76,7 @@ from checkpointless.control.client import (
     ENV_STORE,
     ControlClient,
     JobStopped,
+    connect,
     die_with_parent,
 )
 from checkpointless.control.plan import Plan
@@ -67,10 +87,73 @@ from checkpointless.state import IntegrityError, Stateful, StateRegistry, digest
 log = logging.getLogger(__name__)
 
 
+class FatalError(RuntimeError):
+    """A mistake in the training script that no recovery can fix; the job ends with its message."""
+
+
 def step_seed(seed: int, step: int, rank: int) -> int:
     """The RNG seed of one (step, rank): per-rank RNG is derived, never transferred."""
     h = hashlib.sha256(f"{seed}/{step}/{rank}".encode()).digest()
     return int.from_bytes(h[:8], "little") & (2**63 - 1)
+
+
+def scalar(name: str, value: Any) -> int | float | str | bool:
+    """A metric or event value as a JSON scalar (Python, NumPy and one-element tensors convert)."""
+    if isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, np.generic):
+        return value.item()  # type: ignore[no-any-return]
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return value.item()
+    raise TypeError(f"{name}={value!r}: expected a number, a string or a one-element tensor")
+
+
+def _release_frames(exc: BaseException) -> None:
+    """Drop the locals of a failure's finished frames (they may hold the broken group's ``Work``)."""
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)
+        e = e.__cause__ or e.__context__
+
+
+def _layout(model: torch.nn.Module) -> list[list[Any]]:
+    return [[n, list(p.shape), str(p.dtype)] for n, p in model.named_parameters()] + [
+        [n, list(b.shape), str(b.dtype)] for n, b in model.named_buffers()
+    ]
+
+
+def _layout_difference(rank_a: int, a: list[list[Any]], rank_b: int, b: list[list[Any]]) -> str:
+    """The first difference between two ranks' parameter layouts, in words."""
+    by_name_b = {n: (shape, dtype) for n, shape, dtype in b}
+    for n, shape, dtype in a:
+        if n not in by_name_b:
+            return f"parameter {n!r} exists on rank {rank_a} but not on rank {rank_b}"
+        if [shape, dtype] != list(by_name_b[n]):
+            other = by_name_b[n]
+            return (
+                f"parameter {n!r} is {tuple(shape)} {dtype} on rank {rank_a} "
+                f"but {tuple(other[0])} {other[1]} on rank {rank_b}"
+            )
+    names_a = {n for n, _, _ in a}
+    extra = [n for n, _, _ in b if n not in names_a]
+    if extra:
+        return f"parameter {extra[0]!r} exists on rank {rank_b} but not on rank {rank_a}"
+    return f"parameters are registered in a different order on rank {rank_a} and rank {rank_b}"
+
+
+@dataclass(slots=True)
+class Attempt:
+    """One try of one step, as ``Session.attempt`` yields it.
+
+    ``committed`` becomes True when the block exited normally and the step was
+    committed; after a failed attempt it stays False and ``steps()`` yields the
+    same step again.
+    """
+
+    step: int
+    committed: bool = False
 
 
 class _Progress:
@@ -135,34 +218,44 @@ class Session:
         self._committed = -1
         self._next_step = 0
         self._attempted = False
+        self._current: Attempt | None = None  # the attempt whose block is running
         self._metrics: dict[str, Any] = {}
-        self._pending_commit: dict[str, Any] | None = None
+        self._reduced = False
         self._reexecute: int | None = None  # the step a recovery resumes at
         self._local_failures = 0
         self._attempts = 0  # attempts started by this process (lets the coordinator see a new try)
         self._group: Group | None = None
+        self._loop_done = False
+        self._finished = False
         self.rank, self.world_size, self.generation = 0, 1, 0
         self._client: ControlClient | None = None
         self._faults: FaultInjector | None = None
         if ENV_STORE not in os.environ:
             self.job = JobConfig(workers=1, spares=0, seed=seed)
+            self._has_state = True
             return
         die_with_parent()
         self.job = JobConfig.from_json(os.environ[ENV_CONFIG])
+        self._secret = secret_from_env()
         rc = self.job.recovery
         self._client = ControlClient(
             os.environ[ENV_STORE],
             os.environ[ENV_PROC],
+            self._secret,
             timeout=timedelta(seconds=rc.collective_timeout_s),
             heartbeat_interval=rc.heartbeat_interval_s,
         )
         self._faults = FaultInjector(self.job.faults, self._client)
-        if os.environ.get(ENV_ROLE, "worker") == "spare":
+        atexit.register(self._at_exit)
+        # A spare's model is built like the workers' but is not the job's state until it receives it.
+        self._has_state = os.environ.get(ENV_ROLE, "worker") != "spare"
+        if not self._has_state:
             self._client.update(phase="spare")
             self._client.emit("spare_ready", sync=True)
             try:
                 gen = self._client.wait_assignment()
             except JobStopped:
+                self._finished = True
                 self._client.close()
                 raise SystemExit(0) from None
             plan = self._client.wait_plan(gen, self._plan_timeout)
@@ -172,6 +265,7 @@ class Session:
             self._enter(plan)
         except (CollectiveError, IntegrityError, TimeoutError) as e:
             # a peer failed while this process joined: it stays and recovers like any survivor
+            _release_frames(e)
             self._client.emit("fault_detected", sync=True, rank=self.rank, gen=plan.gen, step=plan.resume_step,
                               reason="collective_error", error=str(e)[:300])  # fmt: skip
             self._recover("collective_error")
@@ -181,6 +275,11 @@ class Session:
     def step(self) -> int:
         """The step the next attempt executes."""
         return self._next_step
+
+    @property
+    def committed_step(self) -> int:
+        """The last committed step (-1 before the first commit)."""
+        return self._committed
 
     @property
     def dp_rank(self) -> int:
@@ -209,14 +308,15 @@ class Session:
                 raise RuntimeError(
                     "the body of `for step in session.steps(n)` must use `with session.attempt():`"
                 )
+        self._loop_done = True
 
     @contextlib.contextmanager
-    def attempt(self) -> Iterator[None]:
+    def attempt(self) -> Iterator[Attempt]:
         """One try of the current step; commits on normal exit, recovers on any exception."""
         step = self._next_step
+        current = Attempt(step)
         self._attempted = True
-        self._flush_commit()
-        self._metrics = {}
+        self._current, self._metrics, self._reduced = current, {}, False
         if self.reseed_rng:
             s = step_seed(self.seed, step, self.rank)
             torch.manual_seed(s)
@@ -230,42 +330,65 @@ class Session:
                 self._reexecute = None
         t0 = time.perf_counter()
         try:
-            yield
+            yield current
+        except FatalError:
+            raise
         except Exception as exc:
             if self._client is None:
                 raise
+            self._current = None
             self._on_failure(exc, step)
             return
+        finally:
+            self._current = None
+        if self._client is not None and not self._reduced:
+            self._fatal(
+                f"step {step} ended without session.reduce_gradients(): every rank must reduce once "
+                "per attempt, or its peers wait forever in the reduction"
+            )
         self._commit(step, time.perf_counter() - t0)
+        current.committed = True
 
     def reduce_gradients(self) -> None:
         """Average gradients across data-parallel ranks. Every rank calls it once per attempt.
 
         Raises ``CollectiveError`` if a peer failed; ``attempt`` handles it.
         """
+        if self._current is None:
+            self._fatal("session.reduce_gradients() called outside `with session.attempt():`")
         if self._faults is not None:
             self._faults.at_step(self.rank, self._next_step, self._fault_fired)
         if self._client is not None:
             self._client.update(phase="reduce")
         self._reducer.reduce(self._group)
+        self._reduced = True
 
     def log(self, **metrics: Any) -> None:
-        """Attach metrics (``loss``, ``tokens``, ...) to the current step's commit event.
+        """Attach metrics (``loss``, ``tokens``, ...) to the current step's commit record.
 
-        May be called inside the ``attempt`` block or right after it.
+        Only valid inside ``with session.attempt():``, so that a value is recorded
+        for a step only if that step commits. Numbers, strings, NumPy scalars and
+        one-element tensors are accepted.
         """
-        kept = {k: v for k, v in metrics.items() if isinstance(v, int | float | str | bool)}
-        if self._pending_commit is not None:
-            self._pending_commit.update(kept)
-            if self._client is not None:
-                self._client.update(**kept)
-        else:
-            self._metrics.update(kept)
+        if self._current is None:
+            self._fatal(
+                "session.log() called outside `with session.attempt():` (after a failed attempt it "
+                "would record the values of a step that did not commit); move it into the block"
+            )
+        try:
+            self._metrics.update({k: scalar(k, v) for k, v in metrics.items()})
+        except TypeError as e:
+            self._fatal(f"session.log(): {e}")
 
     def emit(self, kind: str, **fields: Any) -> None:
-        """Record a custom event (for example ``eval`` with ``heldout_loss``)."""
+        """Record a custom event (for example ``eval`` with ``heldout_loss``) at the committed step."""
+        event: dict[str, Any] = {"rank": self.rank, "gen": self.generation, "step": self._committed}
+        try:
+            event.update({k: scalar(k, v) for k, v in fields.items()})
+        except TypeError as e:
+            self._fatal(f"session.emit({kind!r}): {e}")
         if self._client is not None:
-            self._client.emit(kind, rank=self.rank, gen=self.generation, step=self._committed, **fields)
+            self._client.emit(kind, **event)
 
     def state_digest(self) -> str:
         """SHA-256 of model, optimizer state and committed step (see ``digest_state``)."""
@@ -276,13 +399,14 @@ class Session:
 
         Every rank must call it after the loop. Returns the final state digest.
         """
-        self._flush_commit()
         digest = self.state_digest()
         client = self._client
         if client is None:
+            self._finished = True
             return digest
         client.update(phase="done")
         client.report_done(self.rank, digest, self._committed)
+        last_report = time.monotonic()
         while True:
             if client.is_set(keys.JOB_STOP):
                 break
@@ -292,7 +416,11 @@ class Session:
                 client.update(phase="done")
                 client.report_done(self.rank, digest, self._committed)
                 continue
+            if time.monotonic() - last_report > 1.0:  # a forged overwrite must not hide our report
+                client.report_done(self.rank, digest, self._committed)
+                last_report = time.monotonic()
             time.sleep(0.02)
+        self._finished = True
         client.close()
         return digest
 
@@ -303,16 +431,29 @@ class Session:
         self._local_failures = 0
         if self._client is not None:
             self._client.update(phase="idle", committed=step, step_time_s=seconds, **self._metrics)
-            self._pending_commit = {
-                "t": time.time(), "rank": self.rank, "gen": self.generation, "step": step,
-                "step_time_s": seconds, **self._metrics,
-            }  # fmt: skip
+            self._client.emit(
+                "step_committed", sync=True, rank=self.rank, gen=self.generation, step=step,
+                step_time_s=seconds, **self._metrics,
+            )  # fmt: skip
 
-    def _flush_commit(self) -> None:
-        """Ship the last commit event, with what ``log`` added after the block."""
-        if self._pending_commit is not None and self._client is not None:
-            self._client.emit("step_committed", **self._pending_commit)
-        self._pending_commit = None
+    def _fatal(self, message: str) -> None:
+        """End the job: report ``message`` (naming this rank) to the coordinator and raise ``FatalError``."""
+        text = f"rank {self.rank}: {message}"
+        if self._client is not None:
+            log.error("[gen %d rank %d] %s", self.generation, self.rank, message)
+            self._client.report_fatal(self.rank, text)
+        raise FatalError(text)
+
+    def _at_exit(self) -> None:
+        if self._client is None or self._finished:
+            return
+        if self._loop_done:
+            with contextlib.suppress(Exception):  # the launcher may be gone already
+                self._client.report_fatal(
+                    self.rank,
+                    f"rank {self.rank}: the process exited after its last step without calling "
+                    "session.finish() (every rank must call it after the loop)",
+                )
 
     def _fault_fired(self, index: int, fault: FaultSpec, rank: int, step: int) -> None:
         assert self._client is not None
@@ -322,11 +463,12 @@ class Session:
         )  # fmt: skip
 
     def _on_failure(self, exc: Exception, step: int) -> None:
+        _release_frames(exc)
         reason = "collective_error" if isinstance(exc, CollectiveError) else "exception"
         if reason == "exception":
             self._local_failures += 1
             if self._local_failures > self.job.recovery.max_retries_per_step:
-                raise RuntimeError(f"step {step} raised {self._local_failures} times in a row") from exc
+                self._fatal(f"step {step} raised {self._local_failures} times in a row: {exc!r}")
         log.warning(
             "[gen %d rank %d step %d] step failed (%s): %s", self.generation, self.rank, step, reason, exc
         )
@@ -335,24 +477,25 @@ class Session:
             "fault_detected", sync=True, rank=self.rank, gen=self.generation, step=step,
             reason=reason, error=str(exc)[:300],
         )  # fmt: skip
+        del exc
         self._recover(reason)
 
     def _recover(self, reason: str) -> None:
         """Leave the broken generation and enter the next one (loops if that one fails too)."""
         assert self._client is not None
-        self._flush_commit()
         while True:
             if self._group is not None:
                 self._group.abort()
                 self._group = None
             self._reducer.zero_()
             self._client.update(phase="recovering")
-            self._client.report_failure(self.generation, self.rank, self._committed, reason)
+            self._client.report_failure(self.generation, self.rank, self._committed, reason, self._has_state)
             plan = self._client.wait_plan(self.generation + 1, self._plan_timeout)
             try:
                 self._enter(plan)
                 return
             except (CollectiveError, IntegrityError, TimeoutError) as e:
+                _release_frames(e)
                 reason = "collective_error"
                 log.warning("[gen %d rank %d] recovery failed: %s", plan.gen, self.rank, e)
                 self._client.emit(
@@ -361,19 +504,27 @@ class Session:
                 )  # fmt: skip
 
     def _form_group(self, plan: Plan) -> Group:
-        """Build the generation's group in a helper thread, giving up if the coordinator aborts it."""
+        """Build the generation's group in a helper thread, giving up if the coordinator aborts it.
+
+        The helper uses a store connection of its own: if it is abandoned (a peer
+        died during formation) it may stay blocked in a store call until the
+        collective timeout, and the main thread must still be able to report.
+        """
         assert self._client is not None
         client = self._client
         result: dict[str, Any] = {}
+        timeout = timedelta(seconds=self.job.recovery.collective_timeout_s)
+        prefix = keys.pg_prefix(plan.gen, pg_token(self._secret, plan.gen))
 
         def form() -> None:
             try:
+                store = connect(client.addr, timeout)
                 result["group"] = Group(
-                    client.store, plan.gen, self.rank, plan.world_size, backend=self.job.backend,
-                    timeout=timedelta(seconds=self.job.recovery.collective_timeout_s),
+                    store, plan.gen, self.rank, plan.world_size, prefix=prefix,
+                    backend=self.job.backend, timeout=timeout,
                 )  # fmt: skip
             except Exception as e:
-                result["error"] = e
+                result["error"] = f"{type(e).__name__}: {e}"
 
         t = threading.Thread(target=form, name=f"form-gen-{plan.gen}", daemon=True)
         t.start()
@@ -382,13 +533,28 @@ class Session:
             if t.is_alive() and client.is_set(keys.abort(plan.gen)):
                 raise CollectiveError(f"gen {plan.gen}: aborted by the coordinator during group formation")
         if "error" in result:
-            err = result["error"]
-            raise err if isinstance(err, CollectiveError) else CollectiveError(str(err))
+            raise CollectiveError(str(result["error"]))
         group: Group = result["group"]
         return group
 
+    def _check_layout(self, plan: Plan) -> None:
+        """Every rank's parameters must have the same names, shapes and dtypes (one tiny all-gather)."""
+        assert self._client is not None and self._group is not None
+        mine = _layout(self.model)
+        text = json.dumps(mine)
+        self._client.publish(keys.layout(plan.gen, self.rank), text)
+        digest = torch.frombuffer(bytearray(hashlib.sha256(text.encode()).digest()), dtype=torch.uint8)
+        digests = self._group.allgather(digest)
+        if all(torch.equal(d, digests[0]) for d in digests):
+            return
+        layouts = {r: self._client.read_json(keys.layout(plan.gen, r)) for r in range(plan.world_size)}
+        odd = next(r for r in range(1, plan.world_size) if not torch.equal(digests[r], digests[0]))
+        self._fatal(
+            "model layouts differ between ranks: " + _layout_difference(0, layouts[0], odd, layouts[odd])
+        )
+
     def _enter(self, plan: Plan) -> None:
-        """Join ``plan``'s generation: form its group and move state as it says."""
+        """Join ``plan``'s generation: form its group, check layouts and move state as it says."""
         assert self._client is not None
         client = self._client
         rank = plan.rank_of(client.proc)
@@ -396,6 +562,8 @@ class Session:
         self.rank, self.world_size, self.generation = rank, plan.world_size, plan.gen
         client.update(rank=rank, gen=plan.gen, phase="joining")
         self._group = self._form_group(plan)
+        if plan.world_size > 1:
+            self._check_layout(plan)
         if rank in plan.sources:
             src = plan.sources[rank]
             client.emit("transfer_begun", rank=rank, gen=plan.gen, step=plan.resume_step, src=src)
@@ -404,22 +572,19 @@ class Session:
                 assert self._faults is not None
                 self._faults.at_recovery(rank, plan.resume_step, self._fault_fired)
 
-            state, stats = recv_state(self._group, src, between=hook)
+            state, stats = recv_state(self._group, src, between=hook, key=self._secret)
             self._registry.load_state_dict(state)
+            self._has_state = True
             client.emit(
                 "transfer_ended", rank=rank, gen=plan.gen, step=plan.resume_step, src=src,
                 bytes=stats.bytes, seconds=stats.seconds, sha256_ok=True,
             )  # fmt: skip
         for dst in sorted(r for r, s in plan.sources.items() if s == rank):
-            stats = send_state(self._group, dst, self._registry.state_dict())
+            stats = send_state(self._group, dst, self._registry.state_dict(), key=self._secret)
             log.info(
-                "[gen %d rank %d] sent %d bytes to rank %d in %.3fs",
-                plan.gen,
-                rank,
-                stats.bytes,
-                dst,
+                "[gen %d rank %d] sent %d bytes to rank %d in %.3fs", plan.gen, rank, stats.bytes, dst,
                 stats.seconds,
-            )
+            )  # fmt: skip
         assert self._committed == plan.resume_step - 1, (self._committed, plan.resume_step)
         self._next_step = plan.resume_step
         self._reexecute = plan.resume_step if plan.gen > 0 else None

@@ -42,7 +42,7 @@ def main() -> None:
     # Everything that must survive a failure is registered; spares wait here for a rank.
     session = cl.Session(model, optimizer, state={"scheduler": scheduler})
     for step in session.steps(args.steps):
-        with session.attempt():
+        with session.attempt() as attempt:
             x, y = batch(step, session.dp_rank, session.dp_size)
             loss = nn.functional.mse_loss(model(x), y)
             loss.backward()
@@ -50,10 +50,12 @@ def main() -> None:
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=False)
-        session.log(loss=loss.item())
+            session.log(loss=loss)  # recorded only if this step commits
+        if attempt.committed:
+            final_loss = loss.item()
     digest = session.finish()
     if session.rank == 0:
-        print(f"done: {args.steps} steps, final loss {loss.item():.4f}, state {digest[:16]}")
+        print(f"done: {args.steps} steps, final loss {final_loss:.4f}, state {digest[:16]}")
 
 
 if __name__ == "__main__":

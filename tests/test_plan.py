@@ -45,8 +45,24 @@ def test_not_enough_spares_and_lost_shard() -> None:
     prev = initial_plan(2, 1, ["w0", "w1"])
     with pytest.raises(PlanError, match="spare"):
         make_plan(prev, committed={0: 1}, spares=[])
-    with pytest.raises(PlanError, match="every replica of shard 0"):
+    with pytest.raises(PlanError, match="every live copy of the state is lost"):
         make_plan(prev, committed={}, spares=["s0", "s1"])
+    hsdp = initial_plan(4, 2, ["w0", "w1", "w2", "w3"])
+    with pytest.raises(PlanError, match="every live copy of shard 1"):
+        make_plan(hsdp, committed={0: 3, 2: 3}, spares=["s0", "s1"])
+
+
+def test_a_member_that_never_held_state_is_never_a_source() -> None:
+    """The only up-to-date replica died while a fresh spare was receiving: never restart from step 0."""
+    gen1 = make_plan(initial_plan(2, 1, ["w0", "w1"]), committed={0: 7}, spares=["s0"])
+    assert gen1.sources == {1: 0}
+    # w0 (rank 0) dies during the transfer; s0 (rank 1) survives with committed -1 and no state
+    with pytest.raises(PlanError, match="every live copy of the state is lost"):
+        make_plan(gen1, committed={1: -1}, spares=["s1"], holders=set())
+    # with a holder left, the spare that never received is a receiver, not a source
+    gen1_3 = make_plan(initial_plan(3, 1, ["w0", "w1", "w2"]), committed={0: 7, 2: 7}, spares=["s0"])
+    gen2 = make_plan(gen1_3, committed={1: -1, 2: 7}, spares=["s1"], holders={2})
+    assert gen2.resume_step == 8 and gen2.sources == {0: 2, 1: 2}
 
 
 def test_hsdp_sources_stay_within_shard() -> None:

@@ -1,10 +1,13 @@
 """Worker-side client of the control store.
 
 Each worker and spare holds one ``ControlClient``. It owns two connections to the
-launcher's ``TCPStore``: one for the main thread (plans, reports, the process
-group rendezvous) and one for a daemon heartbeat thread, which also ships the
-process's events. A stopped (SIGSTOP) process stops heartbeating, which is how
-the coordinator detects a hang.
+launcher's ``TCPStore``: one for the main thread (plans, reports) and one for a
+daemon heartbeat thread, which also ships the process's events. (Group
+formation opens a third, see ``Session._form_group``.) A stopped (SIGSTOP)
+process stops heartbeating, which is how the coordinator detects a hang.
+
+Every value is sealed with the job's secret (``control/auth.py``): values that
+do not verify are ignored and recorded as ``message_rejected`` events.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Any
 from torch.distributed import TCPStore
 
 from checkpointless.control import keys
+from checkpointless.control.auth import SignedStore
 from checkpointless.control.plan import Plan
 
 log = logging.getLogger(__name__)
@@ -32,6 +36,8 @@ ENV_PROC = "CHECKPOINTLESS_PROC"
 ENV_ROLE = "CHECKPOINTLESS_ROLE"
 ENV_CONFIG = "CHECKPOINTLESS_CONFIG"
 ENV_JOB_ID = "CHECKPOINTLESS_JOB_ID"
+
+_POLL = timedelta(seconds=0.5)
 
 
 class JobStopped(RuntimeError):
@@ -44,7 +50,11 @@ def connect(addr: str, timeout: timedelta) -> TCPStore:
 
 
 def die_with_parent() -> None:
-    """Ask the kernel to SIGKILL this process when its launcher dies (Linux)."""
+    """Ask the kernel to SIGKILL this process when its launcher dies (Linux).
+
+    The launcher already sets this between fork and exec (``launch.py``); calling
+    it again is harmless and covers processes started some other way.
+    """
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -63,23 +73,30 @@ class ControlClient:
         self,
         addr: str,
         proc: str,
+        secret: bytes,
         *,
         timeout: timedelta = timedelta(seconds=60),
         heartbeat_interval: float = 0.1,
     ) -> None:
-        self.proc = proc
-        self.timeout = timeout
-        self.store = connect(addr, timeout)
-        self._hb_store = connect(addr, timeout)
+        self.proc, self.addr = proc, addr
+        self.timeout = timedelta(seconds=min(timeout.total_seconds(), 30.0))
+        self.store = SignedStore(connect(addr, self.timeout), secret, self._rejected)
+        self._hb_store = SignedStore(connect(addr, self.timeout), secret, self._rejected)
         self._hb_lock = threading.Lock()
         self._interval = heartbeat_interval
         self._events: queue.SimpleQueue[str] = queue.SimpleQueue()
+        self._chunks = 0
         self._status: dict[str, Any] = {"seq": 0, "phase": "starting"}
         self._stop = threading.Event()
+        self._flush()  # the first heartbeat: this process has joined the job
         self._thread = threading.Thread(
             target=self._heartbeat_loop, name="checkpointless-heartbeat", daemon=True
         )
         self._thread.start()
+
+    def _rejected(self, key: str) -> None:
+        log.warning("%s: ignored a value on %r that is not sealed with this job's secret", self.proc, key)
+        self.emit("message_rejected", key=key)
 
     # -- heartbeat and events -------------------------------------------------
     def update(self, **status: Any) -> None:
@@ -87,7 +104,7 @@ class ControlClient:
         self._status.update(status)
 
     def emit(self, kind: str, *, sync: bool = False, **fields: Any) -> None:
-        """Record an event; ``sync`` ships it before returning (used before a fault fires)."""
+        """Record an event; ``sync`` ships it before returning (commits, and before a fault fires)."""
         ev = {"t": time.time(), "kind": kind, "proc": self.proc, **fields}
         for key, default in (("rank", "rank"), ("gen", "gen"), ("step", "committed")):
             ev.setdefault(key, self._status.get(default))
@@ -96,20 +113,23 @@ class ControlClient:
             self._flush()
 
     def _flush(self) -> None:
-        lines = []
-        while True:
-            try:
-                lines.append(self._events.get_nowait())
-            except queue.Empty:
-                break
-        status = dict(self._status)
-        status["seq"] = self._status["seq"] = int(self._status["seq"]) + 1
-        status["t"] = time.time()
+        # Drain and snapshot under the lock: two flushers must publish in order.
         with self._hb_lock:
+            lines = []
+            while True:
+                try:
+                    lines.append(self._events.get_nowait())
+                except queue.Empty:
+                    break
+            status = dict(self._status)
+            status["seq"] = self._status["seq"] = int(self._status["seq"]) + 1
+            status["t"] = time.time()
             if lines:
-                self._hb_store.append(  # type: ignore[attr-defined]
-                    keys.events(self.proc), "".join(line + "\n" for line in lines)
+                self._hb_store.set(
+                    keys.events(self.proc, self._chunks), "".join(line + "\n" for line in lines)
                 )
+                self._chunks += 1
+                self._hb_store.add(keys.events_count(self.proc), 1)
             self._hb_store.set(keys.heartbeat(self.proc), json.dumps(status))
 
     def _heartbeat_loop(self) -> None:
@@ -117,7 +137,7 @@ class ControlClient:
         while not self._stop.wait(self._interval):
             try:
                 self._flush()
-            except Exception:  # the launcher is gone: nothing left to serve
+            except Exception:  # the store is gone with the launcher: nothing left to serve
                 os._exit(3)
             if os.getppid() != parent:
                 os._exit(3)
@@ -129,50 +149,71 @@ class ControlClient:
 
     # -- protocol ---------------------------------------------------------------
     def claim(self, key: str) -> bool:
-        """Atomic first-wins flag on the store."""
-        return int(self.store.add(key, 1)) == 1
+        """Atomic first-wins flag on the store (a counter: unauthenticated, used for fault injection)."""
+        return self.store.add(key, 1) == 1
 
-    def latest_gen(self) -> int:
-        return int(self.store.get(keys.LATEST_GEN))
+    def publish(self, key: str, value: str) -> None:
+        self.store.set(key, value)
+
+    def read_json(self, key: str) -> Any:
+        value = self.store.get(key)
+        if value is None:
+            raise RuntimeError(f"{key} is missing or not sealed by this job")
+        return json.loads(value)
+
+    def _stopped(self) -> bool:
+        return self.store.is_set(keys.JOB_STOP)
 
     def wait_plan(self, gen: int, timeout: timedelta) -> Plan:
         """Block until the coordinator publishes generation ``gen`` (or a later one).
 
-        Returns the newest published plan at or after ``gen``.
+        Returns the newest published plan at or after ``gen``. A forged plan is
+        ignored (and recorded); the wait goes on until the real one arrives.
         """
         deadline = time.monotonic() + timeout.total_seconds()
         while True:
-            try:
-                self.store.wait([keys.plan(gen)], timedelta(seconds=0.5))
+            text = self.store.wait(keys.plan(gen), _POLL)
+            if text is not None:
                 break
-            except Exception:
-                if self.store.check([keys.JOB_STOP]):
-                    raise JobStopped("job stopped while waiting for a plan") from None
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"no plan for generation {gen} within {timeout}") from None
-        latest = max(gen, self.latest_gen())
-        return Plan.from_json(self.store.get(keys.plan(latest)))
+            if self._stopped():
+                raise JobStopped("job stopped while waiting for a plan")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no plan for generation {gen} within {timeout}")
+            time.sleep(0.02)  # a key that exists but is forged returns at once
+        latest = self.store.get(keys.LATEST_GEN)
+        if latest is not None and int(latest) > gen:
+            newer = self.store.get(keys.plan(int(latest)))
+            if newer is not None:
+                text = newer
+        return Plan.from_json(text)
 
-    def report_failure(self, gen: int, rank: int, committed: int, reason: str) -> None:
+    def report_failure(self, gen: int, rank: int, committed: int, reason: str, has_state: bool) -> None:
         self.store.set(
-            keys.fail(gen, rank), json.dumps({"committed": committed, "reason": reason, "proc": self.proc})
+            keys.fail(gen, rank),
+            json.dumps({"committed": committed, "reason": reason, "proc": self.proc, "has_state": has_state}),
         )
         self.store.add(keys.fail_count(gen), 1)
 
     def wait_assignment(self) -> int:
         """A spare blocks here until given a generation to join; ``JobStopped`` at job end."""
         while True:
-            try:
-                self.store.wait([keys.assign(self.proc)], timedelta(seconds=0.5))
-                return int(self.store.get(keys.assign(self.proc)))
-            except Exception:
-                if self.store.check([keys.JOB_STOP]):
-                    raise JobStopped("job ended before this spare was needed") from None
+            value = self.store.wait(keys.assign(self.proc), _POLL)
+            if value is not None:
+                return int(value)
+            if self._stopped():
+                raise JobStopped("job ended before this spare was needed")
+            time.sleep(0.02)
 
     def is_set(self, key: str) -> bool:
         """Non-blocking check, on the heartbeat connection (safe while the main one blocks)."""
         with self._hb_lock:
-            return bool(self._hb_store.check([key]))
+            return self._hb_store.is_set(key)
 
     def report_done(self, rank: int, digest: str, step: int) -> None:
         self.store.set(keys.done(rank), json.dumps({"digest": digest, "step": step, "proc": self.proc}))
+
+    def report_fatal(self, rank: int, error: str) -> None:
+        """A mistake no recovery can fix: the coordinator ends the job with ``error``."""
+        self.emit("fatal", sync=True, rank=rank, error=error[:500])
+        self.store.set(keys.fatal(self.proc), json.dumps({"rank": rank, "error": error}))
+        self.store.add(keys.FATAL_COUNT, 1)

@@ -11,8 +11,20 @@ Detection, and who sees what:
 - hang: a process whose heartbeat has not changed for ``hang_timeout_s`` is
   killed (a stopped process cannot release its peers' collectives, DESIGN.md);
 - collective error / exception: a worker reports the failure of its generation;
-- no progress: once a generation has failed, a live member that neither dies
-  nor reports within the recovery deadline is killed and replaced.
+- no progress: a member computing a step for ``progress_timeout_s`` while a
+  peer waits in that step's reduction, or a live member that neither dies nor
+  reports within that time once its generation failed, is killed and replaced
+  (a member that is still starting is not: it reports when it gets there);
+- start failure: a process that exits on its own before joining ends the job
+  with its exit code and the last line of its log (a bad command or script,
+  not a machine fault); one that never joins within ``start_timeout_s`` is
+  killed. Spares that die at start-up are restarted with backoff, up to a cap;
+- fatal: a worker that found a mistake no recovery can fix (``FatalError``)
+  ends the job with its message.
+
+Every value read from the store is verified against the job's secret
+(``control/auth.py``); forgeries are ignored and recorded as
+``message_rejected`` events.
 
 A plan for generation n+1 is published only once every member of generation n
 is accounted for (dead or reported), so the highest committed step is known
@@ -30,10 +42,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from torch.distributed import Store
-
 from checkpointless.config import JobConfig
 from checkpointless.control import keys
+from checkpointless.control.auth import SignedStore
 from checkpointless.control.plan import Plan, PlanError, initial_plan, make_plan
 
 log = logging.getLogger(__name__)
@@ -52,6 +63,14 @@ class ProcessHandle(Protocol):
 
     def kill(self) -> None: ...
 
+    def exitcode(self) -> int | None:
+        """The exit status once dead (negative: killed by that signal), else None."""
+        ...
+
+    def log_tail(self) -> str:
+        """The last non-empty line of the process's output ("" if none)."""
+        ...
+
 
 @dataclass
 class _Proc:
@@ -61,7 +80,14 @@ class _Proc:
     hb: dict[str, Any] = field(default_factory=dict)
     last_change: float = 0.0
     phase_since: float = 0.0  # when (phase, attempt) last changed
+    started: float = 0.0
     killed: bool = False
+    was_ready: bool = False  # a spare that reached its waiting phase
+
+    @property
+    def joined(self) -> bool:
+        """The process has sent a (valid) heartbeat: it runs a ``Session``."""
+        return bool(self.raw_hb)
 
 
 @dataclass
@@ -70,6 +96,7 @@ class _Failure:
     started: float
     dead: set[int] = field(default_factory=set)
     reported: dict[int, int] = field(default_factory=dict)
+    holders: set[int] = field(default_factory=set)
 
 
 class Coordinator:
@@ -77,7 +104,7 @@ class Coordinator:
 
     def __init__(
         self,
-        store: Store,
+        store: SignedStore,
         job: JobConfig,
         total_steps: int | None,
         spawn_spare: Callable[[], ProcessHandle],
@@ -93,6 +120,10 @@ class Coordinator:
         self._retries: Counter[int] = Counter()
         self._step_times: list[float] = []
         self._refills = 0  # spares to start once the current recovery is done
+        self._spares_due: list[float] = []  # when to start the next spares (backoff after start deaths)
+        self._spare_failures = 0  # spares in a row that died before they were ready
+        self._last_spare_death = ""
+        self._pool_exhausted = False
         self._last_poll = float("-inf")
         self.digest: str | None = None
         self.finished = False
@@ -109,7 +140,8 @@ class Coordinator:
         self._emit("generation_started", gen=0, members=self.plan.members, resume_step=0)
 
     def _add(self, h: ProcessHandle, role: str) -> None:
-        self.procs[h.name] = _Proc(h, role, last_change=self._clock())
+        now = self._clock()
+        self.procs[h.name] = _Proc(h, role, last_change=now, started=now)
 
     def _emit(self, kind: str, **fields: Any) -> None:
         ev = {"t": time.time(), "kind": kind, "proc": "coordinator", **fields}
@@ -147,8 +179,11 @@ class Coordinator:
         poll = not steady or now - self._last_poll >= self.job.recovery.heartbeat_interval_s
         if poll:
             self._last_poll = now
+            self._check_fatal()
             self._read_heartbeats(now)
+            self._check_published()
         self._check_processes(now)
+        self._start_due_spares(now)
         if self._failure is None and poll:
             self._check_progress(now)
         self._check_reports()
@@ -161,12 +196,19 @@ class Coordinator:
 
     def _read_heartbeats(self, now: float) -> None:
         for name, p in self.procs.items():
-            if p.role == "gone" or not self.store.check([keys.heartbeat(name)]):
+            key = keys.heartbeat(name)
+            if p.role == "gone" or not self.store.raw.check([key]):
                 continue
-            raw = self.store.get(keys.heartbeat(name))
+            raw = self.store.raw.get(key)
             if raw != p.raw_hb:
+                text = self.store.open(key, raw)
+                if text is None:
+                    continue  # forged: keep the last real heartbeat
                 p.raw_hb, p.last_change = raw, now
-                hb = json.loads(raw)
+                hb = json.loads(text)
+                if hb.get("phase") == "spare" and not p.was_ready:
+                    p.was_ready = True
+                    self._spare_failures = 0
                 if (
                     p.role == "worker"
                     and hb.get("step_time_s")
@@ -188,18 +230,17 @@ class Coordinator:
                 continue
             rank = self._rank_of(name) if p.role == "worker" else None
             if not p.handle.alive():
-                if self.finished:
-                    p.role = "gone"
-                    continue
-                self._emit("process_exited", rank=rank, target=name, role=p.role)
-                if p.role == "worker" and rank is not None:
-                    self._emit("fault_detected", rank=rank, reason="process_exit", target=name)
-                    self._fail(now).dead.add(rank)
-                elif p.role == "spare" and not self.finished:
-                    self._add(self._spawn_spare(), "spare")  # refill the pool
-                p.role = "gone"
+                self._on_exit(name, p, rank, now)
                 continue
-            if p.raw_hb and not p.killed and now - p.last_change > rc.hang_timeout_s:
+            if not p.joined and not p.killed and now - p.started > rc.start_timeout_s:
+                self._emit("fault_detected", rank=rank, reason="start_timeout", target=name, role=p.role,
+                           silent_s=round(now - p.started, 3))  # fmt: skip
+                log.warning(
+                    "%s did not join the job within %.0fs of its start; killing it", name, now - p.started
+                )
+                p.killed = True
+                p.handle.kill()
+            elif p.joined and not p.killed and now - p.last_change > rc.hang_timeout_s:
                 self._emit("fault_detected", rank=rank, reason="heartbeat_timeout", target=name,
                            silent_s=round(now - p.last_change, 3))  # fmt: skip
                 log.warning(
@@ -207,6 +248,91 @@ class Coordinator:
                 )
                 p.killed = True
                 p.handle.kill()
+
+    def _on_exit(self, name: str, p: _Proc, rank: int | None, now: float) -> None:
+        """A process is gone: a fault to recover from, a spare to restart, or the end of the job."""
+        role, p.role = p.role, "gone"
+        if self.finished:
+            return
+        self._check_fatal()  # a worker that reported a fatal mistake exits right after
+        code = p.handle.exitcode()
+        tail = p.handle.log_tail()
+        self._emit("process_exited", rank=rank, target=name, role=role, exitcode=code, joined=p.joined)
+        if not p.joined and not p.killed and code is not None and code >= 0:
+            # It exited on its own before joining: a bad command or script, not a machine fault.
+            self._emit("fault_detected", rank=rank, reason="start_failure", target=name, role=role,
+                       exitcode=code, log_tail=tail)  # fmt: skip
+            what = f"{name} exited with code {code} before joining the job"
+            if code == 0:
+                what += " (does the command create a checkpointless.Session?)"
+            if role == "spare":
+                self._spare_died(name, f"{what}; last log line: {tail or '(empty)'}", now)
+                return
+            raise JobFailed(f"{what}; last log line: {tail or '(empty)'}")
+        if role == "worker" and code == 0 and not p.killed:
+            raise JobFailed(
+                f"{name} (rank {rank}) exited with code 0 before the job finished "
+                "(does the loop end early, or is session.finish() missing?)"
+            )
+        self._emit("fault_detected", rank=rank, reason="process_exit", target=name, role=role, exitcode=code,
+                   log_tail=tail if code else "")  # fmt: skip
+        if role == "worker" and rank is not None:
+            self._fail(now).dead.add(rank)
+        elif role == "spare":
+            if p.was_ready:
+                self._spares_due.append(now)
+            else:
+                self._spare_died(
+                    name, f"{name} died while starting (exit code {code}): {tail or '(no output)'}", now
+                )
+
+    def _spare_died(self, name: str, why: str, now: float) -> None:
+        """A spare died before it was ready: restart it with exponential backoff, up to the cap."""
+        self._spare_failures += 1
+        self._last_spare_death = why
+        limit = self.job.recovery.spare_restart_limit
+        if self._spare_failures > limit:
+            if not self._pool_exhausted:
+                self._pool_exhausted = True
+                self._emit("spare_pool_exhausted", target=name, failures=self._spare_failures, error=why)
+                log.warning("%d spares in a row died while starting; not restarting them: %s",
+                            self._spare_failures, why)  # fmt: skip
+            return
+        delay = 0.5 * 2 ** (self._spare_failures - 1)
+        self._emit(
+            "spare_restart_scheduled", target=name, delay_s=delay, failures=self._spare_failures, error=why
+        )
+        log.warning("spare %s died while starting; starting another in %.1fs: %s", name, delay, why)
+        self._spares_due.append(now + delay)
+
+    def _start_due_spares(self, now: float) -> None:
+        due = [t for t in self._spares_due if t <= now]
+        if not due:
+            return
+        self._spares_due = [t for t in self._spares_due if t > now]
+        for _ in due:
+            self._add(self._spawn_spare(), "spare")
+
+    def _check_fatal(self) -> None:
+        """A worker reported a mistake that no recovery can fix: end the job with its words."""
+        if self.store.add(keys.FATAL_COUNT, 0) == 0:
+            return
+        for name in self.procs:
+            text = self.store.get(keys.fatal(name))
+            if text is not None:
+                d = json.loads(text)
+                self._emit(
+                    "fault_detected", rank=d.get("rank"), reason="fatal", target=name, error=d["error"]
+                )
+                raise JobFailed(str(d["error"]))
+
+    def _check_published(self) -> None:
+        """Re-publish the current plan if a stranger overwrote it (workers would wait for it forever)."""
+        assert self.plan is not None
+        if self.store.get(keys.plan(self.plan.gen)) is None:
+            self.store.set(keys.plan(self.plan.gen), self.plan.to_json())
+        if self.store.get(keys.LATEST_GEN) != str(self.plan.gen):
+            self.store.set(keys.LATEST_GEN, str(self.plan.gen))
 
     def _check_progress(self, now: float) -> None:
         """A member stuck computing a step while a peer already waits in that step's reduction is hung.
@@ -248,15 +374,18 @@ class Coordinator:
     def _check_reports(self) -> None:
         assert self.plan is not None
         gen = self.plan.gen
-        if int(self.store.add(keys.fail_count(gen), 0)) == 0:
+        if self.store.add(keys.fail_count(gen), 0) == 0:
             return
         failure = self._fail(self._clock())
         for rank in self.members:
             if rank in failure.reported or rank in failure.dead:
                 continue
-            if self.store.check([keys.fail(gen, rank)]):
-                d = json.loads(self.store.get(keys.fail(gen, rank)))
+            text = self.store.get(keys.fail(gen, rank))
+            if text is not None:
+                d = json.loads(text)
                 failure.reported[rank] = int(d["committed"])
+                if d.get("has_state", True):
+                    failure.holders.add(rank)
                 self._emit(
                     "failure_reported", rank=rank, gen=gen, reason=d["reason"], committed=d["committed"]
                 )
@@ -266,28 +395,39 @@ class Coordinator:
         f = self._failure
         missing = [r for r in self.members if r not in f.dead and r not in f.reported]
         if missing:
-            deadline = max(self.job.recovery.hang_timeout_s, 3 * self.median_step_time())
+            # A live member that neither dies nor reports is stuck: the same allowance as a step
+            # with no progress. One still starting (no heartbeat yet) reports when it gets there;
+            # a silent one is the heartbeat detector's case.
+            rc = self.job.recovery
+            deadline = max(rc.progress_timeout_s, 3 * self.median_step_time())
             if now - f.started > deadline:
                 for r in missing:
                     p = self.procs[self.members[r]]
-                    if not p.killed:
-                        self._emit("fault_detected", rank=r, reason="no_progress", target=p.handle.name)
-                        p.killed = True
-                        p.handle.kill()
+                    if p.killed or not p.joined or now - p.last_change > 3 * rc.heartbeat_interval_s:
+                        continue
+                    self._emit("fault_detected", rank=r, reason="no_progress", target=p.handle.name,
+                               silent_s=round(now - f.started, 3))  # fmt: skip
+                    p.killed = True
+                    p.handle.kill()
             return
         committed = {r: c for r, c in f.reported.items() if r not in f.dead}
         spares = self.ready_spares()
         if len(f.dead) > len(spares):
             self._start_refills()  # a new failure before the last recovery finished
             starting = [n for n, p in self.procs.items() if p.role == "spare" and p.handle.alive()]
-            if len(f.dead) > len(starting):
+            if len(f.dead) > len(starting) + len(self._spares_due):
+                why = (
+                    f"; spares keep dying at start-up: {self._last_spare_death}"
+                    if self._pool_exhausted
+                    else ""
+                )
                 raise JobFailed(
                     f"generation {f.gen}: {len(f.dead)} rank(s) lost and {len(starting)} spare(s) left "
-                    "(elastic shrink without spares is not supported yet)"
+                    f"(elastic shrink without spares is not supported yet){why}"
                 )
             return  # wait for spares that are still starting
         try:
-            plan = make_plan(self.plan, committed, spares)
+            plan = make_plan(self.plan, committed, spares, holders=f.holders)
         except PlanError as e:
             raise JobFailed(f"generation {f.gen}: {e}") from e
         self._retries[plan.resume_step] += 1
@@ -332,18 +472,21 @@ class Coordinator:
         self._start_refills()
 
     def _start_refills(self) -> None:
+        now = self._clock()
         while self._refills > 0:
             self._refills -= 1
-            self._add(self._spawn_spare(), "spare")
+            self._spares_due.append(now)
+        self._start_due_spares(now)
 
     def _check_done(self) -> None:
         if self.finished:
             return
         done: dict[int, dict[str, Any]] = {}
         for rank in self.members:
-            if not self.store.check([keys.done(rank)]):
+            text = self.store.get(keys.done(rank))
+            if text is None:
                 return
-            done[rank] = json.loads(self.store.get(keys.done(rank)))
+            done[rank] = json.loads(text)
             if done[rank]["proc"] != self.members[rank]:
                 return  # a report of a process that has since been replaced
         if len({d["step"] for d in done.values()}) != 1:

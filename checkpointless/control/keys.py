@@ -1,19 +1,24 @@
 """Wire format of the control store (a c10d ``TCPStore`` hosted by the launcher).
 
 Every key the coordinator and the workers exchange is built here, so the
-protocol can be read in one place::
+protocol can be read in one place. Values are sealed with the job's secret
+(``control/auth.py``) except counters, which are only hints::
 
     gen/latest                  newest generation number (decimal)
     gen/<n>/plan                JSON ``Plan`` of generation n
-    gen/<n>/pg/...              rendezvous of generation n's process group
+    gen/<n>/pg/<token>/...      rendezvous of generation n's process group (token from the secret)
     gen/<n>/fail/count          counter: members that reported a failure in gen n
-    gen/<n>/fail/<rank>         JSON {committed, reason, proc}
+    gen/<n>/fail/<rank>         JSON {committed, reason, proc, has_state}
     gen/<n>/abort               set by the coordinator once generation n has failed
+    gen/<n>/layout/<rank>       JSON list of (name, shape, dtype) of a rank's parameters
     hb/<proc>                   JSON heartbeat of a process (worker or spare)
     assign/<proc>               generation a spare joins (decimal)
-    events/<proc>               appended JSON lines, the process's event log
-    done/<rank>                 JSON {digest, step} when a rank finished training
-    fault/<i>/fired             counter: 1 for the process that fires fault i
+    events/<proc>/count         counter: chunks of events a process has written
+    events/<proc>/<i>           chunk i of a process's events (JSON lines); the launcher deletes it once read
+    done/<rank>                 JSON {digest, step, proc} when a rank finished training
+    fatal/count                 counter: fatal reports (hint)
+    fatal/<proc>                JSON {rank, error}: a mistake no recovery can fix; ends the job
+    fault/<i>/rank/<r>/fired    counter: 1 for the process that fires fault i on rank r
     job/stop                    set when the job ends; spares exit
 """
 
@@ -21,14 +26,15 @@ from __future__ import annotations
 
 LATEST_GEN = "gen/latest"
 JOB_STOP = "job/stop"
+FATAL_COUNT = "fatal/count"
 
 
 def plan(gen: int) -> str:
     return f"gen/{gen}/plan"
 
 
-def pg_prefix(gen: int) -> str:
-    return f"gen/{gen}/pg/"
+def pg_prefix(gen: int, token: str) -> str:
+    return f"gen/{gen}/pg/{token}/"
 
 
 def fail_count(gen: int) -> str:
@@ -39,6 +45,10 @@ def fail(gen: int, rank: int) -> str:
     return f"gen/{gen}/fail/{rank}"
 
 
+def layout(gen: int, rank: int) -> str:
+    return f"gen/{gen}/layout/{rank}"
+
+
 def heartbeat(proc: str) -> str:
     return f"hb/{proc}"
 
@@ -47,12 +57,24 @@ def assign(proc: str) -> str:
     return f"assign/{proc}"
 
 
-def events(proc: str) -> str:
-    return f"events/{proc}"
+def events_count(proc: str) -> str:
+    return f"events/{proc}/count"
+
+
+def events(proc: str, chunk: int) -> str:
+    return f"events/{proc}/{chunk}"
 
 
 def done(rank: int) -> str:
     return f"done/{rank}"
+
+
+def fatal(proc: str) -> str:
+    return f"fatal/{proc}"
+
+
+def fault_fired(index: int, rank: int) -> str:
+    return f"fault/{index}/rank/{rank}/fired"
 
 
 def abort(gen: int) -> str:

@@ -95,17 +95,24 @@ def initial_plan(world_size: int, shards: int, procs: list[str]) -> Plan:
     return Plan(gen=0, world_size=world_size, shards=shards, members=dict(enumerate(procs)), resume_step=0)
 
 
-def make_plan(prev: Plan, committed: dict[int, int], spares: list[str]) -> Plan:
+def make_plan(
+    prev: Plan, committed: dict[int, int], spares: list[str], holders: set[int] | None = None
+) -> Plan:
     """The next generation after a failure in ``prev``.
 
     ``committed`` maps every surviving rank to its last committed step (-1 if
     none); ranks of ``prev`` missing from it are dead and get a spare, taken in
-    order from ``spares``. Training resumes after the highest step that every
-    shard still holds on some survivor; each replacement and each lagging
-    survivor receives state from an up-to-date survivor of its own shard, the
-    load spread round-robin over the sources.
+    order from ``spares``. ``holders`` are the survivors that hold the job's
+    state (default: all of them); a survivor that never held it (a spare that
+    was still receiving when its source died) is never a source and
+    receives like a replacement. Training resumes after the highest step that
+    every shard still holds on some holder; each replacement and each lagging
+    survivor receives state from an up-to-date holder of its own shard, the
+    load spread round-robin over the sources. No holder of some shard is a
+    ``PlanError``: the job never silently restarts from scratch.
     """
     layout = ReplicaMap(prev.world_size, prev.shards)
+    holders = set(committed) if holders is None else holders & set(committed)
     dead = sorted(set(prev.members) - set(committed))
     if len(dead) > len(spares):
         raise PlanError(
@@ -113,9 +120,13 @@ def make_plan(prev: Plan, committed: dict[int, int], spares: list[str]) -> Plan:
         )
     best: dict[int, int] = {}
     for shard in range(prev.shards):
-        alive = [r for r in layout.replica_group(shard) if r in committed]
+        alive = [r for r in layout.replica_group(shard) if r in holders]
         if not alive:
-            raise PlanError(f"every replica of shard {shard} is lost: no live copy of its state")
+            what = "the state" if prev.shards == 1 else f"shard {shard} of the state"
+            raise PlanError(
+                f"every live copy of {what} is lost: no surviving rank holds it "
+                "(no durable checkpoint tier is configured)"
+            )
         best[shard] = max(committed[r] for r in alive)
     resume = min(best.values()) + 1
     ahead = [r for r, c in committed.items() if c >= resume]
@@ -129,8 +140,10 @@ def make_plan(prev: Plan, committed: dict[int, int], spares: list[str]) -> Plan:
     sources: dict[int, int] = {}
     for shard in range(prev.shards):
         group = layout.replica_group(shard)
-        up_to_date = [r for r in group if committed.get(r) == resume - 1]
-        receivers = [r for r in group if r in replaced or committed.get(r, -1) < resume - 1]
+        up_to_date = [r for r in group if r in holders and committed[r] == resume - 1]
+        receivers = [
+            r for r in group if r in replaced or r not in holders or committed.get(r, -1) < resume - 1
+        ]
         for i, r in enumerate(receivers):
             sources[r] = up_to_date[i % len(up_to_date)]
     return Plan(

@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     if session.rank == 0 and session.step == 0 and dc.eval_every:
         session.emit("eval", heldout_loss=heldout_loss())
     for step in session.steps(steps):
-        with session.attempt():
+        with session.attempt() as attempt:
             data.prefetch(range(step + 1, min(steps, step + 3)), session.dp_rank, session.dp_size)
             inputs, targets = data.batch(step, session.dp_rank, session.dp_size)
             loss = model(inputs, targets)
@@ -86,10 +86,13 @@ def main(argv: list[str] | None = None) -> int:
             session.reduce_gradients()
             if oc.grad_clip:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), oc.grad_clip)
+            lr = scheduler.get_last_lr()[0]  # the rate this step's update uses
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad(set_to_none=False)
-        session.log(loss=loss.item(), tokens=inputs.numel(), lr=scheduler.get_last_lr()[0])
+            session.log(loss=loss.item(), tokens=inputs.numel(), lr=lr)
+        if not attempt.committed:
+            continue  # failed and recovered: steps() yields the same step again
         if session.rank == 0 and dc.eval_every and ((step + 1) % dc.eval_every == 0 or step + 1 == steps):
             session.emit("eval", heldout_loss=heldout_loss())
     data.stop(timeout=5)

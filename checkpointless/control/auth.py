@@ -1,0 +1,141 @@
+"""Authenticated values on the control store: every message carries an HMAC of the job's secret.
+
+The control store is a plain c10d ``TCPStore``: anyone who can connect can read
+and write any key. The launcher therefore creates a per-job secret, hands it to
+each child over a private pipe (never the command line, the environment or a
+log), and every value the protocol writes is *sealed*::
+
+    <hex HMAC-SHA256(secret, key NUL value)> "." <value>
+
+Binding the key name into the MAC stops a sealed value from being replayed
+under another key (a generation 1 plan as generation 2's). A reader opens a
+value with the same secret; a value that does not verify is treated as absent
+and reported through ``on_reject``, so a stranger (or a process of another job
+on a reused port) can neither forge a plan, a heartbeat, a failure report or a
+final digest, nor stop the job. Counters (``add``) cannot be sealed: the
+protocol uses them only as hints that a sealed value may be there.
+
+The data-plane rendezvous of each generation lives under a prefix derived from
+the secret (``pg_token``), so a stranger cannot even find it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from torch.distributed import DistStoreError
+
+ENV_SECRET_FD = "CHECKPOINTLESS_SECRET_FD"
+SECRET_BYTES = 32
+
+_MAC_HEX = 64
+
+
+def new_secret() -> bytes:
+    return secrets.token_bytes(SECRET_BYTES)
+
+
+def read_secret_fd(fd: int) -> bytes:
+    """Read the secret the launcher wrote into an inherited pipe, then close it."""
+    chunks = []
+    try:
+        while True:
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    finally:
+        os.close(fd)
+    secret = b"".join(chunks)
+    if len(secret) != SECRET_BYTES:
+        raise RuntimeError(
+            f"the job secret read from the launcher has {len(secret)} bytes, not {SECRET_BYTES}"
+        )
+    return secret
+
+
+def secret_from_env() -> bytes:
+    """The secret of this process's job (read once; the descriptor is closed after reading)."""
+    global _SECRET
+    if _SECRET is None:
+        fd = os.environ.pop(ENV_SECRET_FD, None)
+        if fd is None:
+            raise RuntimeError(f"{ENV_SECRET_FD} is not set: this process was not started by the launcher")
+        _SECRET = read_secret_fd(int(fd))
+    return _SECRET
+
+
+_SECRET: bytes | None = None
+
+
+def mac(secret: bytes, *parts: bytes) -> bytes:
+    return hmac.new(secret, b"\0".join(parts), hashlib.sha256).digest()
+
+
+def pg_token(secret: bytes, gen: int) -> str:
+    """The unguessable part of generation ``gen``'s rendezvous prefix."""
+    return mac(secret, b"pg", str(gen).encode()).hex()[:32]
+
+
+class SignedStore:
+    """A c10d store whose values are sealed with the job's secret (see the module doc).
+
+    ``on_reject(key)`` is called once per key and value that fails to verify.
+    """
+
+    def __init__(self, store: Any, secret: bytes, on_reject: Callable[[str], None] | None = None) -> None:
+        self.raw = store
+        self.secret = secret
+        self.on_reject = on_reject
+        self._rejected: set[tuple[str, bytes]] = set()
+
+    def seal(self, key: str, value: str) -> bytes:
+        data = value.encode()
+        return mac(self.secret, key.encode(), data).hex().encode() + b"." + data
+
+    def open(self, key: str, raw: bytes) -> str | None:
+        """The value of a sealed ``raw`` read from ``key``, or None (and ``on_reject``) if forged."""
+        tag, sep, data = raw.partition(b".")
+        ok = bool(sep) and len(tag) == _MAC_HEX
+        if ok:
+            expected = mac(self.secret, key.encode(), data).hex().encode()
+            ok = hmac.compare_digest(tag, expected)
+        if ok:
+            return data.decode()
+        marker = (key, hashlib.sha256(raw).digest())
+        if marker not in self._rejected:
+            self._rejected.add(marker)
+            if self.on_reject is not None:
+                self.on_reject(key)
+        return None
+
+    def set(self, key: str, value: str) -> None:
+        self.raw.set(key, self.seal(key, value))
+
+    def get(self, key: str) -> str | None:
+        """The verified value of ``key``; None if it is absent or forged."""
+        if not self.raw.check([key]):
+            return None
+        return self.open(key, self.raw.get(key))
+
+    def is_set(self, key: str) -> bool:
+        """True if ``key`` holds a value sealed by this job."""
+        return self.get(key) is not None
+
+    def wait(self, key: str, timeout: timedelta) -> str | None:
+        """Wait up to ``timeout`` for ``key`` to exist; its verified value or None."""
+        try:
+            self.raw.wait([key], timeout)
+        except DistStoreError:  # the wait timed out
+            return None
+        return self.get(key)
+
+    def add(self, key: str, amount: int) -> int:
+        """A counter: unauthenticated by nature, so only ever a hint."""
+        return int(self.raw.add(key, amount))
