@@ -8,6 +8,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from checkpointless import report
 from checkpointless.control.coordinator import Coordinator
 
 
@@ -66,30 +67,48 @@ class LiveProgress:
 
 
 def count_faults(events: list[dict[str, Any]]) -> int:
-    """Distinct faults the coordinator saw: failed processes, plus ranks whose step raised."""
-    failed = {
-        e.get("target") for e in events if e["kind"] == "fault_detected" and e.get("proc") == "coordinator"
-    }
-    raised = {
-        (e.get("gen"), e.get("rank"))
-        for e in events
-        if e["kind"] == "failure_reported" and e.get("reason") == "exception"
-    }
-    return len(failed) + len(raised)
+    """Faults in ``events`` so far: the length ``report.json``'s list has for the same events.
+
+    The launcher's live list holds its own and the coordinator's events (worker events are
+    collected at the end); :func:`checkpointless.report.derive_faults` reads either.
+    """
+    return report.count_faults(events)
 
 
-def summary_table(report: dict[str, Any]) -> Table:
+def _cause_cell(f: dict[str, Any]) -> str:
+    cause = f.get("cause")
+    if not cause:
+        return "undetected" if f.get("injected") else "-"
+    if f.get("signal"):
+        return f"{cause} ({f['signal']})"
+    if f.get("exitcode") not in (None, 0):
+        return f"{cause} (exit {f['exitcode']})"
+    return str(cause)
+
+
+def _opt(x: Any, fmt: str = "{}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def summary_table(report_: dict[str, Any]) -> Table:
+    """The report's faults, one row each: injected ones name their spec, real ones say "detected"."""
     t = Table(title="faults", show_lines=False)
-    for col in ("kind", "ranks", "step", "detection s", "stall s", "lost steps", "replaced by"):
+    for col in ("kind", "cause", "injected", "ranks", "proc", "step", "detection s", "stall s",
+                "lost steps", "replaced by"):  # fmt: skip
         t.add_column(col)
-    for f in report.get("faults", []):
+    for f in report_.get("faults", []):
+        spare = f.get("target") == "recovery" or f.get("role") == "spare"
+        ranks = f.get("ranks") or []
         t.add_row(
-            str(f["kind"]) + (" (spare)" if f.get("target") == "recovery" else ""),
-            ",".join(map(str, f["ranks"])),
-            str(f["step"]),
-            "-" if f["detection_s"] is None else f"{f['detection_s']:.3f}",
-            f"{f['stall_s']:.3f}",
-            str(f["lost_steps"]),
-            str(f["replaced_by"]),
+            str(f.get("kind")) + (" (spare)" if spare else ""),
+            _cause_cell(f),
+            str(f.get("spec") or "yes") if f.get("injected", True) else "no (detected)",
+            ",".join(map(str, ranks)) if ranks else "-",
+            _opt(f.get("proc")),
+            _opt(f.get("step")),
+            _opt(f.get("detection_s"), "{:.3f}"),
+            _opt(f.get("stall_s"), "{:.3f}"),
+            _opt(f.get("lost_steps")),
+            _opt(f.get("replaced_by")),
         )
     return t

@@ -7,22 +7,21 @@ from typing import Any
 
 from checkpointless.control.coordinator import Coordinator
 from checkpointless.metrics import JobMetrics
-
-# what a detection says about the fault's kind
-_KIND_OF_REASON = {
-    "process_exit": "crash",
-    "heartbeat_timeout": "hang",
-    "no_progress": "hang",
-    "exception": "exception",
-}
+from checkpointless.report import derive_faults
 
 
 class MetricsFeed:
-    """Call it with the coordinator after every tick (``Launcher(on_tick=...)``)."""
+    """Call it with the coordinator after every tick (``Launcher(on_tick=...)``).
+
+    Faults come from :func:`checkpointless.report.derive_faults` over the launcher's event list, the
+    derivation behind ``report.json`` and the console's count: each fault is counted once, when it is
+    first detected, labelled by what was detected (``kind``) and the detection reason (``cause``).
+    """
 
     def __init__(self, metrics: JobMetrics, events: list[dict[str, Any]]) -> None:
         self.metrics, self._events = metrics, events
         self._seen_events = 0
+        self._counted: set[str] = set()  # identities of the faults already counted
         self._committed: dict[int, int] = {}
         self._t0 = time.monotonic()
         self._steps = 0
@@ -37,16 +36,25 @@ class MetricsFeed:
                 )
                 if rank == 0:
                     self._steps += 1
-        for ev in self._events[self._seen_events :]:
-            if ev["kind"] in ("fault_detected", "failure_reported"):
-                kind = _KIND_OF_REASON.get(str(ev.get("reason")))
-                if kind is not None:
-                    self.metrics.fault(kind)
-            elif ev["kind"] == "recovery_done":
-                self.metrics.recovery(float(ev["seconds"]))
-        self._seen_events = len(self._events)
+        self.feed_events()
         if coord.plan is not None:
             self.metrics.generation(coord.plan.gen)
         elapsed = time.monotonic() - self._t0
         if elapsed > 0 and self._steps:
             self.metrics.goodput(min(1.0, self._steps * coord.median_step_time() / elapsed))
+
+    def feed_events(self) -> None:
+        """Count the faults and recoveries in the events that arrived since the last call."""
+        new = self._events[self._seen_events :]
+        self._seen_events += len(new)
+        for ev in new:
+            if ev.get("kind") == "recovery_done":
+                self.metrics.recovery(float(ev["seconds"]))
+        if not any(ev.get("kind") in ("fault_detected", "failure_reported", "process_exited") for ev in new):
+            return
+        for fault in derive_faults(self._events):
+            kind = fault.detected_kind
+            if kind is None or fault.cause is None or self._counted.intersection(fault.keys):
+                continue  # undetected so far, or counted already (perhaps under another identity)
+            self._counted.update(fault.keys)
+            self.metrics.fault(kind, fault.cause)

@@ -10,7 +10,11 @@ Exposed metrics (all prefixed ``checkpointless_``):
 * ``checkpointless_tokens_per_second`` (gauge): tokens committed per second, all ranks together,
   over a recent sliding window; computed at scrape time, so it decays to 0 while the job stalls.
 * ``checkpointless_goodput`` (gauge): fraction of wall time spent on useful training, 0..1.
-* ``checkpointless_faults_total{kind}`` (counter): faults seen, by kind.
+* ``checkpointless_faults_total{kind,cause}`` (counter): faults detected, by what was detected
+  (``kind``: crash, hang, stuck, exception, start_failure) and the detection reason (``cause``:
+  process_exit, heartbeat_timeout, no_progress, exception, start_failure, start_timeout). One fault counts once,
+  as ``report.json`` lists it (:func:`checkpointless.report.derive_faults`): a hang the
+  coordinator then kills is one ``hang``, not also a ``crash``.
 * ``checkpointless_recovery_seconds`` (histogram): recovery durations, buckets 0.05 s .. 30 s.
 * ``checkpointless_step_time_seconds{rank}`` (gauge): last step time reported by each rank.
 * ``checkpointless_generation`` (gauge): current generation (bumped after every recovery).
@@ -99,7 +103,9 @@ class JobMetrics:
         self._goodput = Gauge(
             _PREFIX + "goodput", "Fraction of wall time spent on useful training (0..1).", registry=reg
         )
-        self._faults = Counter(_PREFIX + "faults", "Faults observed, by kind.", ["kind"], registry=reg)
+        self._faults = Counter(
+            _PREFIX + "faults", "Faults detected, by kind and cause.", ["kind", "cause"], registry=reg
+        )
         self._recovery = Histogram(
             _PREFIX + "recovery_seconds",
             "Time from fault detection to training resumed.",
@@ -207,9 +213,10 @@ class JobMetrics:
         self._commits.inc()
         self._step_time.labels(rank=str(rank)).set(float(step_time_s))
 
-    def fault(self, kind: str) -> None:
-        """Count one fault of ``kind`` (e.g. ``"kill"``, ``"hang"``, ``"heartbeat_timeout"``)."""
-        self._faults.labels(kind=str(kind)).inc()
+    def fault(self, kind: str, cause: str = "unknown") -> None:
+        """Count one fault of ``kind`` (e.g. ``"crash"``, ``"hang"``) detected as ``cause``
+        (e.g. ``"process_exit"``, ``"heartbeat_timeout"``)."""
+        self._faults.labels(kind=str(kind), cause=str(cause)).inc()
 
     def recovery(self, seconds: float) -> None:
         """Observe one recovery that took ``seconds``."""

@@ -4,8 +4,14 @@ A run directory holds ``events.jsonl`` (one JSON event per line) and ``report.js
 final report). :func:`write_report` reads both and writes:
 
 * ``timeline.png``: top panel, committed step vs wall time per rank with a shaded span per fault
-  (injection to recovery); bottom panel, training loss (mean over ranks) and held-out loss vs step.
+  (injection, or detection for a fault that was not injected, to recovery; injected faults in red,
+  detected-only ones in purple); bottom panel, training loss (mean over ranks) and held-out loss
+  vs step.
 * ``summary.txt``: a short plain-text summary, also returned.
+
+Faults, in the summary and on the plot, are the one list :func:`checkpointless.report.derive_faults`
+makes from the events (the list ``report.json`` holds): every detected fault with its cause, injected
+ones marked with their spec.
 
 The reader is tolerant: unknown event kinds, missing optional fields and unparsable lines are
 skipped. ``main`` backs the CLI ``checkpointless report RUN_DIR``.
@@ -22,6 +28,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from checkpointless.report import derive_faults, fault_entries
 
 __all__ = ["RunData", "format_summary", "load_run", "main", "write_report"]
 
@@ -173,44 +181,38 @@ def _heldout_loss(run: RunData) -> list[tuple[int, float]]:
 
 @dataclass
 class _FaultSpan:
+    """One fault on the timeline, from :func:`checkpointless.report.derive_faults` (the report's list)."""
+
     kind: str
     ranks: list[int]
     step: int | None
-    start: float  # seconds since job start
+    start: float  # seconds since job start: injection, or detection for a real fault
     detected: float | None
-    end: float | None  # recovery_done, None if never recovered
+    end: float | None  # recovery_done, None if never recovered (or nothing to recover: a pool spare)
+    injected: bool = True
+    cause: str | None = None
+    signal: str | None = None
+    replaced_by: str | None = None
+    spare: bool = False  # a spare that died in the pool: no rank to recover
 
 
 def _fault_spans(run: RunData) -> list[_FaultSpan]:
-    """One span per ``fault_injected``: injection to the first later ``recovery_done``."""
-    timed = [(t, ev) for ev in run.events if (t := _num(ev.get("t"))) is not None]
-    timed.sort(key=lambda p: p[0])
+    """One span per fault, injected or only detected, each with its own figures (no index alignment)."""
     spans: list[_FaultSpan] = []
-    for i, (t, ev) in enumerate(timed):
-        if ev.get("kind") != "fault_injected":
-            continue
-        ranks_raw = ev.get("ranks")
-        if isinstance(ranks_raw, list):
-            ranks = [r for r in (_int(x) for x in ranks_raw) if r is not None]
-        else:
-            r = _int(ev.get("rank"))
-            ranks = [] if r is None else [r]
-        detected = end = None
-        for t2, ev2 in timed[i + 1 :]:
-            kind2 = ev2.get("kind")
-            if kind2 == "fault_detected" and detected is None:
-                detected = t2 - run.t0
-            elif kind2 == "recovery_done":
-                end = t2 - run.t0
-                break
+    for f in derive_faults(run.events):
         spans.append(
             _FaultSpan(
-                kind=str(ev.get("fault") or "fault"),
-                ranks=ranks,
-                step=_int(ev.get("step")),
-                start=t - run.t0,
-                detected=detected,
-                end=end,
+                kind=f.kind,
+                ranks=list(f.ranks),
+                step=f.step,
+                start=f.t - run.t0,
+                detected=None if f.t_detected is None else f.t_detected - run.t0,
+                end=None if f.t_recovered is None else f.t_recovered - run.t0,
+                injected=f.injected,
+                cause=f.cause,
+                signal=f.signal,
+                replaced_by=f.replaced_by,
+                spare=f.role == "spare" and not f.ranks,
             )
         )
     return spans
@@ -229,39 +231,55 @@ def _fmt_s(x: Any, digits: int = 2) -> str:
     return "?" if v is None else f"{v:.{digits}f} s"
 
 
+def _origin(f: dict[str, Any]) -> str:
+    """``injected kill:rank=1@step=3`` or ``detected, not injected`` (old reports: injected)."""
+    if f.get("injected", True) is False:
+        return "detected, not injected"
+    spec = f.get("spec")
+    return f"injected {spec}" if isinstance(spec, str) and spec else "injected"
+
+
+def _cause(f: dict[str, Any]) -> str:
+    cause = f.get("cause")
+    if not isinstance(cause, str) or not cause:
+        return "" if "cause" not in f else "cause: not detected, "
+    how = f.get("signal")
+    if not isinstance(how, str) or not how:
+        code = _int(f.get("exitcode"))
+        how = None if code is None else f"exit code {code}"
+    return f"cause {cause}" + (f" ({how})" if how else "") + ", "
+
+
+def _fault_line(i: int, f: dict[str, Any]) -> str:
+    ranks = f.get("ranks")
+    ranks_s = ",".join(str(r) for r in ranks) if isinstance(ranks, list) else "?"
+    where = f"ranks [{ranks_s}]" if ranks != [] else "spare"
+    proc = f.get("proc")
+    if isinstance(proc, str) and proc:
+        where += f" ({proc})"
+    lost = _int(f.get("lost_steps"))
+    replaced = f.get("replaced_by")
+    if isinstance(replaced, dict):
+        replaced_s = ", ".join(f"rank {k}->{v}" for k, v in replaced.items()) or "none"
+    elif isinstance(replaced, list):
+        replaced_s = ", ".join(str(r) for r in replaced) or "none"
+    else:
+        replaced_s = "none" if replaced in (None, "") else str(replaced)
+    step = f.get("step")
+    detection = "-" if f.get("detection_s") is None and "cause" in f else _fmt_s(f.get("detection_s"))
+    return (
+        f"  #{i} {f.get('kind', '?')} [{_origin(f)}] {where} at step {'?' if step is None else step}: "
+        f"{_cause(f)}detection {detection}, stall {_fmt_s(f.get('stall_s'))}, "
+        f"lost {'?' if lost is None else lost} steps, replaced by {replaced_s}"
+    )
+
+
 def _fault_lines(run: RunData) -> list[str]:
+    """The report's fault list; without one, the same list derived from the events."""
     faults = run.report.get("faults")
-    lines: list[str] = []
     if isinstance(faults, list):
-        for i, f in enumerate(faults, 1):
-            if not isinstance(f, dict):
-                continue
-            ranks = f.get("ranks")
-            ranks_s = ",".join(str(r) for r in ranks) if isinstance(ranks, list) else "?"
-            lost = _int(f.get("lost_steps"))
-            replaced = f.get("replaced_by")
-            if isinstance(replaced, dict):
-                replaced_s = ", ".join(f"rank {k}->{v}" for k, v in replaced.items()) or "none"
-            elif isinstance(replaced, list):
-                replaced_s = ", ".join(str(r) for r in replaced) or "none"
-            else:
-                replaced_s = "none" if replaced in (None, "") else str(replaced)
-            lines.append(
-                f"  #{i} {f.get('kind', '?')} ranks [{ranks_s}] at step {f.get('step', '?')}: "
-                f"detection {_fmt_s(f.get('detection_s'))}, stall {_fmt_s(f.get('stall_s'))}, "
-                f"lost {'?' if lost is None else lost} steps, replaced by {replaced_s}"
-            )
-        return lines
-    # No fault list in the report: fall back to what the event log says.
-    for i, sp in enumerate(_fault_spans(run), 1):
-        stall = None if sp.end is None else sp.end - sp.start
-        det = None if sp.detected is None else sp.detected - sp.start
-        lines.append(
-            f"  #{i} {sp.kind} ranks [{','.join(map(str, sp.ranks))}] at step "
-            f"{'?' if sp.step is None else sp.step}: detection {_fmt_s(det)}, "
-            f"stall {_fmt_s(stall)} (from events)"
-        )
-    return lines
+        return [_fault_line(i, f) for i, f in enumerate((f for f in faults if isinstance(f, dict)), 1)]
+    return [_fault_line(i, f) + " (from events)" for i, f in enumerate(fault_entries(run.events), 1)]
 
 
 def format_summary(run: RunData) -> str:
@@ -289,11 +307,12 @@ def format_summary(run: RunData) -> str:
     fault_lines = _fault_lines(run)
     lines.append(f"faults: {len(fault_lines)}")
     lines.extend(fault_lines)
-    injected = sum(1 for e in run.events if e.get("kind") == "fault_injected")
-    if injected != len(fault_lines) and isinstance(rep.get("faults"), list):
-        lines.append(
-            f"note: {EVENTS_FILE} has {injected} fault_injected event(s), {REPORT_FILE} lists {len(fault_lines)}"
-        )
+    if isinstance(rep.get("faults"), list):
+        derived = len(derive_faults(run.events))
+        if derived != len(fault_lines):
+            lines.append(
+                f"note: {EVENTS_FILE} yields {derived} fault(s), {REPORT_FILE} lists {len(fault_lines)}"
+            )
     finished = [e for e in run.events if e.get("kind") == "job_finished"]
     if not finished:
         lines.append("note: no job_finished event (run still going or crashed)")
@@ -316,8 +335,6 @@ def _plot(run: RunData, out: Path) -> None:
     commits = _commits_by_rank(run)
     spans = _fault_spans(run)
     t_end = _end_time(run)
-    raw_faults = run.report.get("faults")
-    fault_info: list[Any] = raw_faults if isinstance(raw_faults, list) else []
 
     fig, (ax_t, ax_l) = plt.subplots(
         2, 1, figsize=(11, 7.5), gridspec_kw={"height_ratios": [3, 2]}, constrained_layout=True
@@ -344,48 +361,50 @@ def _plot(run: RunData, out: Path) -> None:
                     zorder=2 + i,
                     label=f"rank {rank}" if k == 0 else None,
                 )
+        labelled: set[str] = set()
+
+        def once(label: str) -> str | None:
+            """A legend entry the first time only."""
+            if label in labelled:
+                return None
+            labelled.add(label)
+            return label
+
         for j, sp in enumerate(spans):
-            end = sp.end if sp.end is not None else t_end
-            ax_t.axvspan(
-                sp.start,
-                max(end, sp.start),
-                color="tab:red",
-                alpha=0.15,
-                hatch=None if sp.end is not None else "//",
-                label="fault -> recovered" if j == 0 else None,
-            )
-            ax_t.axvline(sp.start, color="tab:red", linewidth=1.2)
-            if sp.detected is not None:
-                ax_t.axvline(
-                    sp.detected,
-                    color="tab:red",
-                    linestyle="--",
-                    linewidth=0.9,
-                    label="detected" if j == 0 else None,
+            # injected faults in red, faults the job only detected (real ones) in purple
+            color, text_color = ("tab:red", "darkred") if sp.injected else ("tab:purple", "indigo")
+            origin = "injected" if sp.injected else "detected"
+            if not sp.spare:
+                end = sp.end if sp.end is not None else t_end
+                ax_t.axvspan(
+                    sp.start,
+                    max(end, sp.start),
+                    color=color,
+                    alpha=0.15,
+                    hatch=None if sp.end is not None else "//",
+                    label=once(f"{origin} fault -> recovered"),
                 )
-            text = f"{sp.kind} r{','.join(map(str, sp.ranks))}" if sp.ranks else sp.kind
-            if sp.end is not None:
-                text += f"\nrecovered in {sp.end - sp.start:.1f}s"
-            else:
-                text += "\nnot recovered"
-            if j < len(fault_info) and isinstance(fault_info[j], dict):
-                repl = fault_info[j].get("replaced_by")
-                if isinstance(repl, dict):
-                    repl = ",".join(map(str, repl.values()))
-                elif isinstance(repl, list):
-                    repl = ",".join(map(str, repl))
-                if repl not in (None, ""):
-                    text += f"\n-> {repl}"
+            ax_t.axvline(sp.start, color=color, linewidth=1.2, label=once(f"fault {origin}"))
+            if sp.detected is not None and sp.detected != sp.start:
+                ax_t.axvline(sp.detected, color=color, linestyle="--", linewidth=0.9, label=once("detected"))
+            text = f"{sp.kind} r{','.join(map(str, sp.ranks))}" if sp.ranks else f"{sp.kind} (spare)"
+            text += f" [{origin}]"
+            if sp.cause:
+                text += f"\n{sp.cause}" + (f" {sp.signal}" if sp.signal else "")
+            if not sp.spare:  # a spare lost from the pool leaves nothing to recover
+                text += "\nnot recovered" if sp.end is None else f"\nrecovered in {sp.end - sp.start:.1f}s"
+            if sp.replaced_by:
+                text += f"\n-> {sp.replaced_by}"
             ax_t.annotate(
                 text,
                 xy=(sp.start, 1.0),
                 xycoords=("data", "axes fraction"),
-                xytext=(3, -4 - 34 * (j % 2)),
+                xytext=(3, -4 - 46 * (j % 2)),
                 textcoords="offset points",
                 va="top",
                 ha="left",
                 fontsize=8,
-                color="darkred",
+                color=text_color,
                 bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": "none", "alpha": 0.8},
             )
         ax_t.set_xlabel("wall time since job start (s)")
@@ -422,16 +441,19 @@ def _plot(run: RunData, out: Path) -> None:
                 linewidth=1.5,
                 label="held-out loss",
             )
-        for j, sp in enumerate(spans):
+        step_labels: set[str] = set()
+        for sp in spans:
             if sp.step is not None:
+                label = "fault injected" if sp.injected else "fault detected"
                 ax_l.axvline(
                     sp.step,
-                    color="tab:red",
+                    color="tab:red" if sp.injected else "tab:purple",
                     linewidth=0.9,
                     alpha=0.6,
                     linestyle=":",
-                    label="fault injected" if j == 0 else None,
+                    label=None if label in step_labels else label,
                 )
+                step_labels.add(label)
         ax_l.set_xlabel("step")
         ax_l.set_ylabel("loss")
         ax_l.set_title("loss")

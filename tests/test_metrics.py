@@ -53,9 +53,9 @@ def test_scrape_values(metrics: JobMetrics) -> None:
     metrics.step_committed(rank=0, step=1, step_time_s=0.25, tokens=1000)
     metrics.step_committed(rank=1, step=1, step_time_s=0.30, tokens=1000)
     metrics.step_committed(rank=0, step=2, step_time_s=0.20, tokens=1000)
-    metrics.fault("kill")
-    metrics.fault("kill")
-    metrics.fault("hang")
+    metrics.fault("crash", "process_exit")
+    metrics.fault("crash", "process_exit")
+    metrics.fault("hang", "heartbeat_timeout")
     metrics.recovery(0.07)
     metrics.recovery(2.5)
     metrics.generation(3)
@@ -66,8 +66,8 @@ def test_scrape_values(metrics: JobMetrics) -> None:
     assert s[("checkpointless_step_commits_total", ())] == 3
     assert s[("checkpointless_goodput", ())] == 0.875
     assert s[("checkpointless_generation", ())] == 3
-    assert s[("checkpointless_faults_total", (("kind", "kill"),))] == 2
-    assert s[("checkpointless_faults_total", (("kind", "hang"),))] == 1
+    assert s[("checkpointless_faults_total", (("cause", "process_exit"), ("kind", "crash")))] == 2
+    assert s[("checkpointless_faults_total", (("cause", "heartbeat_timeout"), ("kind", "hang")))] == 1
     assert s[("checkpointless_step_time_seconds", (("rank", "0"),))] == pytest.approx(0.20)
     assert s[("checkpointless_step_time_seconds", (("rank", "1"),))] == pytest.approx(0.30)
     assert s[("checkpointless_recovery_seconds_count", ())] == 2
@@ -91,8 +91,8 @@ def test_private_registry_no_clash() -> None:
     try:
         a.fault("kill")
         assert a.port != b.port
-        assert scrape(a)[("checkpointless_faults_total", (("kind", "kill"),))] == 1
-        assert ("checkpointless_faults_total", (("kind", "kill"),)) not in scrape(b)
+        assert scrape(a)[("checkpointless_faults_total", (("cause", "unknown"), ("kind", "kill")))] == 1
+        assert ("checkpointless_faults_total", (("cause", "unknown"), ("kind", "kill"))) not in scrape(b)
         assert REGISTRY.get_sample_value("checkpointless_goodput") is None
     finally:
         a.stop()

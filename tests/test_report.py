@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 
-from checkpointless.report import build_report
+from checkpointless.console import count_faults
+from checkpointless.live_metrics import MetricsFeed
+from checkpointless.metrics import JobMetrics
+from checkpointless.report import build_report, derive_faults, signal_name
 
 pytestmark = pytest.mark.timeout(30)
+
+Event = dict[str, Any]
 
 
 def commit(t: float, rank: int, step: int, gen: int = 0) -> dict:  # type: ignore[type-arg]
@@ -19,24 +27,30 @@ def test_kill_fault_figures() -> None:
         {
             "t": 1.45,
             "kind": "fault_injected",
+            "proc": "w1",
             "rank": 1,
+            "gen": 0,
             "step": 5,
             "fault": "kill",
             "ranks": [1],
             "index": 0,
         },
-        {"t": 1.5, "kind": "fault_detected", "rank": 0, "reason": "collective_error"},
+        {"t": 1.5, "kind": "fault_detected", "proc": "w0", "rank": 0, "reason": "collective_error"},
+        {"t": 1.55, "kind": "fault_detected", "proc": "coordinator", "rank": 1, "gen": 0},
         {"t": 1.6, "kind": "spare_assigned", "rank": 1, "target": "s0"},
     ]
+    events[-2].update(reason="process_exit", target="w1", exitcode=-9)
     events += [commit(2.4 + 0.1 * (s - 5), r, s, gen=1) for s in range(5, 10) for r in (0, 1)]
     events.sort(key=lambda e: e["t"])
     report = build_report(events, total_steps=10, digest="ab")
     assert report["steps_completed"] == 10
     assert report["step_time_s"] == pytest.approx(0.1)
     (f,) = report["faults"]
-    assert f["detection_s"] == pytest.approx(0.05)
+    assert f["detection_s"] == pytest.approx(0.05)  # the first sign: the peer's collective error
     assert f["stall_s"] == pytest.approx(2.4 - 1.4 - 0.1)  # last commit before, first after, minus a step
     assert f["lost_steps"] == 0 and f["replaced_by"] == "s0"
+    assert f["injected"] is True and f["cause"] == "process_exit" and f["signal"] == "SIGKILL"
+    assert f["spec"] == "kill:rank=1@step=5"
     assert 0 < report["goodput"] < 1
 
 
@@ -47,10 +61,354 @@ def test_redone_steps_are_counted_as_lost() -> None:
         commit(3.0 + 0.1 * i, 0, s, gen=1) for i, s in enumerate(range(4, 8))
     ]  # resumed at 4: 4, 5 redone
     report = build_report(sorted(events, key=lambda e: e["t"]), total_steps=8, digest=None)
-    assert report["faults"][0]["lost_steps"] == 2
+    (f,) = report["faults"]  # injected but never detected: still listed, without a cause
+    assert f["lost_steps"] == 2 and f["cause"] is None and f["injected"] is True
 
 
 def test_multi_rank_fault_is_one_fault() -> None:
     inj = {"kind": "fault_injected", "step": 3, "fault": "kill", "ranks": [0, 2], "index": 0}
     events = [{**inj, "t": 1.0, "rank": 0}, {**inj, "t": 1.01, "rank": 2}]
     assert len(build_report(events, total_steps=5, digest=None)["faults"]) == 1
+
+
+def test_signal_name() -> None:
+    assert signal_name(-9) == "SIGKILL" and signal_name(-11) == "SIGSEGV"
+    assert signal_name(0) is None and signal_name(1) is None and signal_name(None) is None
+
+
+# ---------------------------------------------------------------------------- hand-made runs
+
+
+class Run:
+    """Builds the events a job writes, in the launcher's, coordinator's and workers' words."""
+
+    def __init__(self, workers: int = 2, spares: int = 1, faults: tuple[str, ...] = ()) -> None:
+        self.events: list[Event] = []
+        self.t, self.gen, self.step = 100.0, 0, 0
+        self.members = {r: f"w{r}" for r in range(workers)}
+        self.spares = [f"s{i}" for i in range(spares)]
+        self.ev("job_started", proc="launcher", workers=workers, spares=spares, faults=list(faults))
+        self.ev("generation_started", members=dict(self.members), resume_step=0)
+
+    def ev(self, kind: str, proc: str = "coordinator", **fields: Any) -> Event:
+        e: Event = {"t": round(self.t, 6), "kind": kind, "proc": proc, "rank": None, "gen": self.gen}
+        e["step"] = None
+        e.update(fields)
+        self.events.append(e)
+        self.t += 0.001
+        return e
+
+    def train(self, n: int) -> Run:
+        for _ in range(n):
+            self.t += 0.1
+            for rank, proc in sorted(self.members.items()):
+                self.ev("step_committed", proc=proc, rank=rank, step=self.step, step_time_s=0.1)
+            self.step += 1
+        return self
+
+    def wait(self, seconds: float) -> Run:
+        self.t += seconds
+        return self
+
+    def inject(self, index: int, fault: str, ranks: list[int], target: str = "step") -> Run:
+        for r in ranks:
+            self.ev("fault_injected", proc=self.members[r], rank=r, step=self.step, index=index,
+                    fault=fault, ranks=ranks, target=target)  # fmt: skip
+        return self
+
+    def exit(self, proc: str, exitcode: int, reason: str = "process_exit", **fields: Any) -> Run:
+        rank = next((r for r, p in self.members.items() if p == proc), None)
+        role = "worker" if rank is not None else "spare"
+        self.ev("process_exited", rank=rank, target=proc, role=role, exitcode=exitcode)
+        if rank is not None or reason != "process_exit":
+            self.ev("fault_detected", rank=rank, reason=reason, target=proc, role=role, exitcode=exitcode,
+                    **fields)  # fmt: skip
+        return self
+
+    def hang_detected(self, proc: str, reason: str = "heartbeat_timeout") -> Run:
+        rank = next(r for r, p in self.members.items() if p == proc)
+        self.ev("fault_detected", rank=rank, reason=reason, target=proc, silent_s=2.0)
+        return self.exit(proc, -9)
+
+    def raised(self, rank: int, error: str = "boom") -> Run:
+        self.ev("fault_detected", proc=self.members[rank], rank=rank, step=self.step, reason="exception",
+                error=error)  # fmt: skip
+        return self
+
+    def peers_fail(self, failed: list[int], reason: str = "exception") -> Run:
+        """The healthy ranks see a collective error; the coordinator collects the reports."""
+        for r, p in sorted(self.members.items()):
+            if r not in failed:
+                self.ev("fault_detected", proc=p, rank=r, step=self.step, reason="collective_error")
+        for r in sorted(self.members):
+            if r not in failed or reason == "exception":
+                self.ev("failure_reported", rank=r, reason=reason if r in failed else "collective_error",
+                        committed=self.step - 1)  # fmt: skip
+        return self
+
+    def recover(self, replace: list[int]) -> Run:
+        self.gen += 1
+        replaced = {}
+        for r in replace:
+            replaced[r], self.members[r] = self.members[r], self.spares.pop(0)
+        self.ev("generation_started", members=dict(self.members), resume_step=self.step, replaced=replaced)
+        for r in replace:
+            self.ev("spare_assigned", rank=r, target=self.members[r], replaces=replaced[r])
+        self.wait(0.3).ev("recovery_done", step=self.step, seconds=0.3)
+        return self
+
+    def finish(self, ok: bool = True) -> list[Event]:
+        self.ev("job_finished", proc="launcher" if not ok else "coordinator", ok=ok)
+        return sorted(self.events, key=lambda e: e["t"])
+
+
+def manual_kill(exitcode: int) -> Callable[[], list[Event]]:
+    def build() -> list[Event]:
+        run = Run().train(5)
+        run.wait(0.05).exit("w1", exitcode).peers_fail([1], reason="process_exit")
+        return run.recover([1]).train(5).finish()
+
+    return build
+
+
+def start_failure() -> list[Event]:
+    run = Run(spares=0)
+    run.exit("w1", 1, reason="start_failure", log_tail="Traceback ...\nImportError: no module named foo")
+    return run.finish(ok=False)
+
+
+def start_timeout() -> list[Event]:
+    run = Run(spares=1)
+    run.wait(60.0).ev(
+        "fault_detected", rank=1, reason="start_timeout", target="w1", role="worker", silent_s=60.0
+    )
+    run.exit("w1", -9).peers_fail([1], reason="process_exit")
+    return run.recover([1]).train(3).finish()
+
+
+def injected_hang() -> list[Event]:
+    run = Run(faults=("hang:rank=1@step=5",)).train(5).inject(0, "hang", [1])
+    run.wait(2.0).hang_detected("w1").peers_fail([1], reason="process_exit")
+    return run.recover([1]).train(5).finish()
+
+
+def injected_stuck() -> list[Event]:
+    run = Run().train(5)
+    run.wait(3.0).hang_detected("w1", reason="no_progress").peers_fail([1], reason="process_exit")
+    return run.recover([1]).train(5).finish()
+
+
+def injected_exception_in_place() -> list[Event]:
+    run = Run(faults=("exception:rank=1@step=5",)).train(5).inject(0, "exception", [1])
+    run.raised(1, "injected fault").peers_fail([1])
+    return run.recover([]).train(5).finish()
+
+
+def exception_never_recovered() -> list[Event]:
+    run = Run().train(5).raised(1, "CUDA error: an illegal memory access").peers_fail([1])
+    return run.wait(1.0).finish(ok=False)
+
+
+def two_rank_kill_then_one() -> list[Event]:
+    run = Run(workers=3, spares=3, faults=("kill:rank=0,2@step=3", "kill:rank=0@step=6")).train(3)
+    run.inject(0, "kill", [0, 2]).wait(0.05).exit("w0", -9).exit("w2", -9).peers_fail([0, 2], "process_exit")
+    run.recover([0, 2]).train(3)
+    run.inject(1, "kill", [0]).wait(0.05).exit("s0", -9).peers_fail([0], "process_exit")
+    return run.recover([0]).train(3).finish()
+
+
+def two_workers_killed_together() -> list[Event]:
+    run = Run(workers=3, spares=2).train(3)
+    run.wait(0.05).exit("w2", -9).exit("w0", -9).peers_fail([0, 2], "process_exit")
+    run.recover([0, 2]).train(2)
+    run.exit("s1", -9).peers_fail([2], "process_exit")  # the next generation: another fault
+    return run.recover([]).finish(ok=False)
+
+
+def spare_died(with_detection: bool) -> Callable[[], list[Event]]:
+    def build() -> list[Event]:
+        run = Run(spares=2).train(3)
+        run.ev("process_exited", target="s0", role="spare", exitcode=-9)
+        if with_detection:  # the coordinator may also report it as a fault_detected
+            run.ev("fault_detected", reason="process_exit", target="s0", role="spare", exitcode=-9)
+        return run.train(3).finish()
+
+    return build
+
+
+CASES: list[tuple[str, Callable[[], list[Event]], list[dict[str, Any]]]] = [
+    (
+        "manual SIGKILL",
+        manual_kill(-9),
+        [{"kind": "crash", "cause": "process_exit", "injected": False, "spec": None, "exitcode": -9,
+          "signal": "SIGKILL", "ranks": [1], "proc": "w1", "role": "worker", "step": 5, "target": "step",
+          "detection_s": None, "replaced_by": "s0", "lost_steps": 0}],
+    ),
+    (
+        "segfault",
+        manual_kill(-11),
+        [{"kind": "crash", "cause": "process_exit", "injected": False, "exitcode": -11, "signal": "SIGSEGV",
+          "replaced_by": "s0"}],
+    ),
+    (
+        "crash at start-up",
+        start_failure,
+        [{"kind": "start_failure", "cause": "start_failure", "injected": False, "exitcode": 1,
+          "signal": None, "ranks": [1], "proc": "w1", "step": None, "replaced_by": None}],
+    ),
+    (
+        "never joined: killed after the start timeout (one fault)",
+        start_timeout,
+        [{"kind": "start_failure", "cause": "start_timeout", "injected": False, "exitcode": None,
+          "ranks": [1], "proc": "w1", "replaced_by": "s0"}],
+    ),
+    (
+        "injected hang: one fault, not a hang and a crash",
+        injected_hang,
+        [{"kind": "hang", "cause": "heartbeat_timeout", "injected": True, "spec": "hang:rank=1@step=5",
+          "ranks": [1], "step": 5, "proc": "w1", "exitcode": None, "signal": None, "replaced_by": "s0"}],
+    ),
+    (
+        "stuck with a live heartbeat",
+        injected_stuck,
+        [{"kind": "stuck", "cause": "no_progress", "injected": False, "ranks": [1], "replaced_by": "s0"}],
+    ),
+    (
+        "injected exception recovered in place",
+        injected_exception_in_place,
+        [{"kind": "exception", "cause": "exception", "injected": True, "spec": "exception:rank=1@step=5",
+          "ranks": [1], "step": 5, "proc": "w1", "replaced_by": "in-place", "detection_s": 0.001}],
+    ),
+    (
+        "exception that never recovered",
+        exception_never_recovered,
+        [{"kind": "exception", "cause": "exception", "injected": False, "ranks": [1], "step": 5,
+          "replaced_by": None, "error": "CUDA error: an illegal memory access"}],
+    ),
+    (
+        "two-rank kill, then a single kill",
+        two_rank_kill_then_one,
+        [{"kind": "kill", "injected": True, "spec": "kill:rank=0,2@step=3", "ranks": [0, 2], "step": 3,
+          "proc": "w0,w2", "replaced_by": "s0,s1", "signal": "SIGKILL"},
+         {"kind": "kill", "injected": True, "spec": "kill:rank=0@step=6", "ranks": [0], "step": 6,
+          "proc": "s0", "replaced_by": "s2"}],
+    ),
+    (
+        "two workers killed together (no injection), then another",
+        two_workers_killed_together,
+        [{"kind": "crash", "injected": False, "ranks": [0, 2], "proc": "w0,w2", "replaced_by": "s0,s1"},
+         {"kind": "crash", "injected": False, "ranks": [2], "proc": "s1", "replaced_by": None}],
+    ),
+    (
+        "a spare died in the pool",
+        spare_died(False),
+        [{"kind": "crash", "cause": "process_exit", "role": "spare", "ranks": [], "proc": "s0",
+          "signal": "SIGKILL", "replaced_by": None, "stall_s": 0.0, "lost_steps": 0}],
+    ),
+    (
+        "a spare died in the pool (with a fault_detected)",
+        spare_died(True),
+        [{"kind": "crash", "cause": "process_exit", "role": "spare", "ranks": [], "proc": "s0"}],
+    ),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("build", "expected"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_faults_from_detections(build: Callable[[], list[Event]], expected: list[dict[str, Any]]) -> None:
+    faults = build_report(build(), total_steps=10, digest=None)["faults"]
+    assert len(faults) == len(expected), faults
+    for got, want in zip(faults, expected, strict=True):
+        for key, value in want.items():
+            assert got[key] == (pytest.approx(value) if isinstance(value, float) else value), (key, got)
+    assert [f["t"] for f in faults] == sorted(f["t"] for f in faults)
+
+
+def test_injected_detection_time_is_injection_to_detection() -> None:
+    (f,) = build_report(injected_hang(), total_steps=10, digest=None)["faults"]
+    assert f["detection_s"] == pytest.approx(2.0, abs=0.01)
+
+
+def test_real_fault_step_during_recovery_is_marked() -> None:
+    run = Run(spares=2).train(3).exit("w1", -9).peers_fail([1], "process_exit")
+    run.gen += 1
+    run.members[1] = "s0"
+    run.ev("generation_started", members=dict(run.members), resume_step=3)
+    run.ev("spare_assigned", rank=1, target="s0", replaces="w1")
+    run.exit("s0", -9)  # dies while receiving state: a second fault, replaced by the next spare
+    run.gen += 1
+    run.members[1] = "s1"
+    run.ev("generation_started", members=dict(run.members), resume_step=3)
+    run.ev("spare_assigned", rank=1, target="s1", replaces="s0")
+    run.ev("recovery_done", step=3, seconds=0.5)
+    faults = build_report(run.train(2).finish(), total_steps=5, digest=None)["faults"]
+    assert [(f["proc"], f["target"], f["replaced_by"]) for f in faults] == [
+        ("w1", "step", "s0"),
+        ("s0", "recovery", "s1"),
+    ]
+
+
+# ---------------------------------------------------------------------------- one list for everyone
+
+
+def _mixed_run() -> list[Event]:
+    """A two-rank injected kill, an injected hang, a manual segfault, an exception, a dead spare."""
+    run = Run(workers=3, spares=5, faults=("kill:rank=0,2@step=3", "hang:rank=1@step=5")).train(3)
+    run.inject(0, "kill", [0, 2]).wait(0.05).exit("w0", -9).exit("w2", -9).peers_fail([0, 2], "process_exit")
+    run.recover([0, 2]).train(2)
+    run.inject(1, "hang", [1]).wait(2.0).hang_detected("w1").peers_fail([1], "process_exit")
+    run.recover([1]).train(2)
+    run.exit("s1", -11).peers_fail([2], "process_exit").recover([2]).train(1)
+    run.raised(0).peers_fail([0]).recover([]).train(1)
+    run.ev("process_exited", target="s4", role="spare", exitcode=-9)
+    return run.train(2).finish()
+
+
+def _fault_samples(m: JobMetrics) -> dict[tuple[str, str], float]:
+    out: dict[tuple[str, str], float] = {}
+    for fam in m.registry.collect():
+        for s in fam.samples:
+            if s.name == "checkpointless_faults_total":
+                out[(s.labels["kind"], s.labels["cause"])] = s.value
+    return out
+
+
+def test_console_report_and_metrics_agree() -> None:
+    events = _mixed_run()
+    faults = build_report(events, total_steps=10, digest=None)["faults"]
+    assert [(f["kind"], f["cause"], f["injected"]) for f in faults] == [
+        ("kill", "process_exit", True),
+        ("hang", "heartbeat_timeout", True),
+        ("crash", "process_exit", False),
+        ("exception", "exception", False),
+        ("crash", "process_exit", False),
+    ]
+    assert [f["replaced_by"] for f in faults] == ["s0,s1", "s2", "s3", "in-place", None]
+    assert count_faults(events) == len(faults) == len(derive_faults(events))
+
+    # the Prometheus feed, fed the events one by one as they arrive: a fault counts once detected,
+    # by what was detected, and one hang counts once
+    live: list[Event] = []
+    metrics = JobMetrics(port=0)
+    feed = MetricsFeed(metrics, live)
+    for e in events:
+        live.append(e)
+        feed.feed_events()
+        detected = [f for f in derive_faults(live) if f.cause is not None]
+        assert sum(_fault_samples(metrics).values()) == len(detected)
+    counted = _fault_samples(metrics)
+    assert sum(counted.values()) == len(faults)
+    assert counted[("hang", "heartbeat_timeout")] == 1
+    assert counted[("crash", "process_exit")] == 3  # the injected kill, the segfault, the dead spare
+    assert ("crash", "heartbeat_timeout") not in counted
+
+
+def test_live_view_counts_the_same_faults() -> None:
+    """While a job runs the launcher holds only its and the coordinator's events: same count."""
+    events = _mixed_run()
+    live = [e for e in events if e["proc"] in ("launcher", "coordinator")]
+    assert count_faults(live) == count_faults(events) == 5
+    metrics = JobMetrics(port=0)
+    feed = MetricsFeed(metrics, live)
+    feed.feed_events()
+    feed.feed_events()  # nothing new: nothing counted twice
+    assert sum(_fault_samples(metrics).values()) == 5

@@ -27,15 +27,34 @@ def make_run_dir(root: Path, *, with_fault: bool = True) -> Path:
         base.update(kw)
         ev.append(base)
 
-    add(0.0, "job_started", workers=2, spares=1, steps=30)
+    add(
+        0.0,
+        "job_started",
+        workers=2,
+        spares=1,
+        steps=30,
+        faults=["kill:rank=1@step=15"] if with_fault else [],
+    )
     add(0.1, "generation_started", gen=0, members={"0": "w0", "1": "w1"}, resume_step=0)
     add(0.2, "spare_ready", proc="s0")
     t, gen, step = 0.3, 0, 0
     while step < 30:
         if with_fault and step == 15 and gen == 0:
-            add(t, "fault_injected", fault="kill", ranks=[1], step=15)
-            add(t + 0.5, "fault_detected", reason="process_exit", rank=1, proc="w0")
-            add(t + 0.6, "spare_assigned", proc="s0", rank=1)
+            add(
+                t,
+                "fault_injected",
+                fault="kill",
+                ranks=[1],
+                rank=1,
+                step=15,
+                proc="w1",
+                index=0,
+                target="step",
+            )
+            add(t + 0.5, "process_exited", target="w1", rank=1, role="worker", exitcode=-9)
+            add(t + 0.5, "fault_detected", reason="process_exit", rank=1, target="w1", exitcode=-9)
+            add(t + 0.55, "fault_detected", reason="collective_error", rank=0, proc="w0")
+            add(t + 0.6, "spare_assigned", target="s0", rank=1, gen=1, replaces="w1")
             add(t + 0.7, "generation_started", gen=1, members={"0": "w0", "1": "s0"}, resume_step=14)
             add(t + 0.8, "transfer_begun", rank=1, src=0, gen=1, proc="s0")
             add(t + 1.6, "transfer_ended", rank=1, src=0, gen=1, bytes=123456, seconds=0.8, sha256_ok=True)
@@ -204,3 +223,80 @@ def test_main_bad_report_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert report_plot.main([str(run)]) == 2
     err = capsys.readouterr().err
     assert "report.json" in err and len(err.strip().splitlines()) == 1
+
+
+# ---------------------------------------------------------------------------- real faults, one list
+
+
+def write_run(root: Path, events: list[dict[str, Any]], *, with_report: bool = True) -> Path:
+    """A run directory as the launcher writes it: events.jsonl and build_report's report.json."""
+    from checkpointless.report import build_report
+
+    run = root / "run"
+    run.mkdir()
+    (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events), encoding="utf-8")
+    report = build_report(events, total_steps=None, digest=None) if with_report else {}
+    (run / "report.json").write_text(json.dumps(report), encoding="utf-8")
+    return run
+
+
+@pytest.mark.timeout(60)
+def test_real_faults_are_shown_as_detected(tmp_path: Path) -> None:
+    from tests.test_report import _mixed_run
+
+    run = write_run(tmp_path, _mixed_run())
+    summary = report_plot.write_report(run)
+    assert "faults: 5" in summary
+    lines = [line for line in summary.splitlines() if line.startswith("  #")]
+    assert "[injected kill:rank=0,2@step=3] ranks [0,2] (w0,w2)" in lines[0]
+    assert "cause process_exit (SIGKILL)" in lines[0] and "replaced by s0,s1" in lines[0]
+    assert "[injected hang:rank=1@step=5]" in lines[1] and "cause heartbeat_timeout," in lines[1]
+    assert "crash [detected, not injected] ranks [2] (s1)" in lines[2]
+    assert "cause process_exit (SIGSEGV)" in lines[2] and "detection -," in lines[2]
+    assert "exception [detected, not injected]" in lines[3] and "replaced by in-place" in lines[3]
+    assert "crash [detected, not injected] spare (s4)" in lines[4]
+    assert "note: events.jsonl yields" not in summary
+    assert (run / "timeline.png").read_bytes()[:8] == PNG_MAGIC
+
+    spans = report_plot._fault_spans(report_plot.load_run(run))
+    assert [(sp.kind, sp.injected, sp.replaced_by) for sp in spans] == [
+        ("kill", True, "s0,s1"),
+        ("hang", True, "s2"),
+        ("crash", False, "s3"),
+        ("exception", False, "in-place"),
+        ("crash", False, None),
+    ]
+    assert spans[-1].spare and spans[-1].end is None
+    assert all(sp.end is not None for sp in spans[:-1])
+
+
+@pytest.mark.timeout(60)
+def test_two_rank_fault_does_not_shift_the_next_faults_figures(tmp_path: Path) -> None:
+    from tests.test_report import two_rank_kill_then_one
+
+    run = report_plot.load_run(write_run(tmp_path, two_rank_kill_then_one()))
+    spans = report_plot._fault_spans(run)  # one span per fault, not one per fault_injected event
+    assert [(sp.ranks, sp.replaced_by) for sp in spans] == [([0, 2], "s0,s1"), ([0], "s2")]
+    summary = report_plot.format_summary(run)
+    assert "replaced by s0,s1" in summary and "replaced by s2" in summary
+
+
+@pytest.mark.timeout(60)
+def test_summary_derives_faults_when_the_report_has_none(tmp_path: Path) -> None:
+    from tests.test_report import manual_kill
+
+    run = report_plot.load_run(write_run(tmp_path, manual_kill(-11)(), with_report=False))
+    summary = report_plot.format_summary(run)
+    assert "faults: 1" in summary
+    assert "crash [detected, not injected] ranks [1] (w1)" in summary
+    assert "SIGSEGV" in summary and "(from events)" in summary
+
+
+@pytest.mark.timeout(60)
+def test_summary_notes_a_report_that_disagrees_with_the_events(tmp_path: Path) -> None:
+    from tests.test_report import manual_kill
+
+    run_dir = write_run(tmp_path, manual_kill(-9)())
+    (run_dir / "report.json").write_text('{"faults": []}', encoding="utf-8")  # an old report: no real faults
+    summary = report_plot.format_summary(report_plot.load_run(run_dir))
+    assert "note: events.jsonl yields 1 fault(s), report.json lists 0" in summary
