@@ -96,7 +96,8 @@ def analyse(events: list[dict[str, Any]], report: dict[str, Any]) -> list[dict[s
         if e["kind"] == "fault_injected":
             injections.setdefault(e.get("index"), e)
     rows = []
-    for (_, inj), rep in zip(injections.items(), report["faults"], strict=True):
+    injected = [f for f in report["faults"] if f.get("injected")]  # real faults have no injection to time
+    for (_, inj), rep in zip(injections.items(), injected, strict=True):
         t_inj = float(inj["t"])
         ranks = set(inj.get("ranks") or [inj["rank"]])
         new_gen = int(inj["gen"]) + 1

@@ -11,6 +11,8 @@ Grammar of a spec (``--fault`` on the command line)::
     KIND:rank=R@step=S          KIND in kill | hang | exception
     KIND:rank=R1,R2@step=S      several ranks at the same step
     kill:spare@recovery         kill the spare that receives state in the next recovery
+    kill:spare@join             kill the spare taking a rank before its generation's group forms
+    kill:source@recovery        kill the survivor that sends state in the next recovery
     none                        no fault at all
 
 Every fault fires once: a replacement that re-executes the step is not hit again.
@@ -29,6 +31,11 @@ from typing import Protocol
 from checkpointless.control import keys
 
 KINDS = ("kill", "hang", "exception")
+_RECOVERY_SPECS = {
+    "recovery": "kill:spare@recovery",
+    "join": "kill:spare@join",
+    "source": "kill:source@recovery",
+}
 
 _SPEC = re.compile(r"^(?P<kind>[a-z]+):rank=(?P<ranks>\d+(?:,\d+)*)@step=(?P<step>\d+)$")
 
@@ -41,18 +48,19 @@ class InjectedFault(RuntimeError):
 class FaultSpec:
     """One scheduled fault.
 
-    ``ranks`` empty and ``at == "recovery"`` means the spare receiving state in
-    the next recovery is the target.
+    ``at`` other than ``"step"`` names a moment of the next recovery (``ranks``
+    empty): ``"recovery"`` the spare receiving state, ``"join"`` the spare before
+    its group forms, ``"source"`` the survivor sending state.
     """
 
     kind: str
     ranks: tuple[int, ...]
     step: int | None
-    at: str = "step"  # "step" or "recovery"
+    at: str = "step"  # "step", or a moment of recovery: "recovery", "join", "source"
 
     def __str__(self) -> str:
-        if self.at == "recovery":
-            return f"{self.kind}:spare@recovery"
+        if self.at in _RECOVERY_SPECS:
+            return _RECOVERY_SPECS[self.at]
         return f"{self.kind}:rank={','.join(map(str, self.ranks))}@step={self.step}"
 
     def to_json(self) -> dict[str, object]:
@@ -74,15 +82,17 @@ class FaultSpec:
 def parse_fault(spec: str) -> FaultSpec:
     """Parse one ``--fault`` value; raise ``ValueError`` naming what is wrong."""
     text = spec.strip()
-    if text == "kill:spare@recovery":
-        return FaultSpec(kind="kill", ranks=(), step=None, at="recovery")
+    for at, name in _RECOVERY_SPECS.items():
+        if text == name:
+            return FaultSpec(kind="kill", ranks=(), step=None, at=at)
     kind = text.split(":", 1)[0]
     if kind not in KINDS:
         raise ValueError(f"unknown fault kind {kind!r} in {spec!r} (expected one of {', '.join(KINDS)})")
     m = _SPEC.match(text)
     if m is None:
         raise ValueError(
-            f"cannot parse fault {spec!r}: expected KIND:rank=R[,R...]@step=S or kill:spare@recovery"
+            f"cannot parse fault {spec!r}: expected KIND:rank=R[,R...]@step=S, "
+            f"{', '.join(_RECOVERY_SPECS.values())}"
         )
     ranks = tuple(int(r) for r in m["ranks"].split(","))
     if len(set(ranks)) != len(ranks):
@@ -107,9 +117,9 @@ def validate_schedule(faults: list[FaultSpec], *, workers: int, spares: int, ste
     """
     per_step: dict[int, set[int]] = {}  # ranks that need a replacement, by step
     for f in faults:
-        if f.at == "recovery":
+        if f.at != "step":
             if spares < 1:
-                raise ValueError(f"fault {f}: there is no spare to kill (--spares 0)")
+                raise ValueError(f"fault {f}: there is no recovery with a spare to hit (--spares 0)")
             continue
         assert f.step is not None
         for r in f.ranks:
@@ -168,10 +178,13 @@ class FaultInjector:
             if f.at == "step" and f.step == step and rank in f.ranks:
                 self._fire(i, f, on_fire, rank, step)
 
-    def at_recovery(self, rank: int, step: int, on_fire: _OnFire | None = None) -> None:
-        """Called by a replacement while it receives state."""
+    def at_recovery(
+        self, rank: int, step: int, on_fire: _OnFire | None = None, *, at: str = "recovery"
+    ) -> None:
+        """Called at a moment ``at`` of a recovery: ``"recovery"`` by a replacement receiving
+        state, ``"join"`` by a replacement before its group forms, ``"source"`` by a sender."""
         for i, f in self._faults:
-            if f.at == "recovery":
+            if f.at == at:
                 self._fire(i, f, on_fire, rank, step)
 
 

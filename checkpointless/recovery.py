@@ -561,6 +561,8 @@ class Session:
         assert rank is not None, f"{client.proc} is not a member of generation {plan.gen}"
         self.rank, self.world_size, self.generation = rank, plan.world_size, plan.gen
         client.update(rank=rank, gen=plan.gen, phase="joining")
+        if self._faults is not None and rank in plan.replaced:
+            self._faults.at_recovery(rank, plan.resume_step, self._fault_fired, at="join")
         self._group = self._form_group(plan)
         if plan.world_size > 1:
             self._check_layout(plan)
@@ -580,6 +582,8 @@ class Session:
                 bytes=stats.bytes, seconds=stats.seconds, sha256_ok=True,
             )  # fmt: skip
         for dst in sorted(r for r, s in plan.sources.items() if s == rank):
+            if self._faults is not None:
+                self._faults.at_recovery(rank, plan.resume_step, self._fault_fired, at="source")
             stats = send_state(self._group, dst, self._registry.state_dict(), key=self._secret)
             log.info(
                 "[gen %d rank %d] sent %d bytes to rank %d in %.3fs", plan.gen, rank, stats.bytes, dst,

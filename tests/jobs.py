@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from pathlib import Path
 
 from checkpointless.config import JobConfig, RecoveryConfig
+from checkpointless.control.coordinator import Coordinator
 from checkpointless.demo import DemoModel, worker_command
 from checkpointless.faults import parse_faults
 from checkpointless.launch import JobResult, Launcher
@@ -29,25 +31,40 @@ def run_job(
     faults: list[str] | None = None,
     out: Path | None = None,
     hang_timeout_s: float = 2.0,
+    progress_timeout_s: float = 60.0,
+    spare_restart_limit: int = 3,
     timeout_s: float = 150.0,
     command: list[str] | None = None,
+    global_batch: int | None = None,
+    on_tick: Callable[[Coordinator], None] | None = None,
+    launcher: list[Launcher] | None = None,
 ) -> JobResult:
-    job = JobConfig(
-        workers=workers,
-        spares=spares,
-        faults=parse_faults(faults or []),
-        recovery=RecoveryConfig(
-            hang_timeout_s=hang_timeout_s, collective_timeout_s=30.0, plan_timeout_s=60.0
-        ),
+    """Run a tiny demo job (or ``command``); ``launcher`` receives the Launcher before it runs."""
+    recovery = RecoveryConfig(
+        hang_timeout_s=hang_timeout_s,
+        progress_timeout_s=progress_timeout_s,
+        collective_timeout_s=30.0,
+        plan_timeout_s=60.0,
+        spare_restart_limit=spare_restart_limit,
     )
-    cmd = command or worker_command(DemoModel(steps=steps, **TINY))  # type: ignore[arg-type]
-    return Launcher(job, cmd, total_steps=steps, out_dir=out, timeout_s=timeout_s).run()
+    job = JobConfig(workers=workers, spares=spares, faults=parse_faults(faults or []), recovery=recovery)
+    spec = {**TINY, "global_batch": global_batch or TINY["global_batch"]}
+    cmd = command or worker_command(DemoModel(steps=steps, **spec))  # type: ignore[arg-type]
+    runner = Launcher(job, cmd, total_steps=steps, out_dir=out, timeout_s=timeout_s, on_tick=on_tick)
+    if launcher is not None:
+        launcher.append(runner)
+    return runner.run()
+
+
+def injected_fired(result: JobResult) -> list[str]:
+    """The specs of the injected faults that actually fired (from the processes' own events)."""
+    return sorted({str(f["spec"]) for f in result.report["faults"] if f.get("injected")})
 
 
 @functools.cache
-def reference_digest(workers: int, steps: int) -> str:
+def reference_digest(workers: int, steps: int, global_batch: int | None = None) -> str:
     """Final state of the fault-free run of this shape (computed once per test session)."""
-    result = run_job(workers=workers, spares=0, steps=steps)
+    result = run_job(workers=workers, spares=0, steps=steps, global_batch=global_batch)
     assert result.ok, result.error
     assert result.digest
     return result.digest

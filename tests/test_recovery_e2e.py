@@ -23,7 +23,8 @@ def _check(result, workers: int = 2, steps: int = STEPS) -> dict:  # type: ignor
     assert result.digest == reference_digest(workers, steps), logs_of(result)
     for fault in report["faults"]:
         assert fault["lost_steps"] == 0, fault
-        assert fault["detection_s"] is not None, fault
+        if fault["injected"]:
+            assert fault["detection_s"] is not None, fault
     return report
 
 
