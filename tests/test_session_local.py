@@ -50,3 +50,22 @@ def test_attempt_reseeds_per_step_and_rank() -> None:
     for _ in again.steps(2):
         with again.attempt():
             assert torch.rand(1).item() == draws[again.step]
+
+
+def test_log_converts_scalars_and_refuses_misuse() -> None:
+    import numpy as np
+
+    model = torch.nn.Linear(2, 1)
+    session = cl.Session(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    for _ in session.steps(1):
+        with session.attempt() as attempt:
+            loss = model(torch.ones(1, 2)).sum()
+            loss.backward()
+            session.reduce_gradients()
+            session.log(loss=loss, lr=np.float32(0.5), tokens=np.int64(2), name="x")
+            with pytest.raises(cl.FatalError, match="expected a number"):
+                session.log(bad=torch.ones(3))
+        assert attempt.committed
+    with pytest.raises(cl.FatalError, match="outside"):
+        session.log(loss=1.0)
+    session.emit("eval", heldout_loss=np.float32(1.5))  # NumPy scalars convert (no launcher: dropped)
