@@ -49,13 +49,14 @@ def _add_job_args(p: argparse.ArgumentParser, *, workers: int, spares: int) -> N
     _add_detection_args(p)
 
 
-def _add_detection_args(p: argparse.ArgumentParser) -> None:
+def _add_detection_args(p: argparse.ArgumentParser, *, defaults: bool = True) -> None:
+    """``defaults=False`` leaves them None, for ``run`` to take the recipe's values."""
     d = RecoveryConfig()
-    p.add_argument("--hang-timeout", type=float, default=d.hang_timeout_s,
-                   help="seconds without heartbeat before a process is declared hung (default %(default)s)")  # fmt: skip
-    p.add_argument("--progress-timeout", type=float, default=d.progress_timeout_s,
+    p.add_argument("--hang-timeout", type=float, default=d.hang_timeout_s if defaults else None,
+                   help=f"seconds without heartbeat before a process is declared hung (default {d.hang_timeout_s})")  # fmt: skip
+    p.add_argument("--progress-timeout", type=float, default=d.progress_timeout_s if defaults else None,
                    help="seconds a step may run, heartbeat alive, while peers wait for it, before it is "
-                   "declared stuck (default %(default)s)")  # fmt: skip
+                   f"declared stuck (default {d.progress_timeout_s})")  # fmt: skip
 
 
 def _check_out(out: Path | None) -> None:
@@ -250,7 +251,7 @@ def cmd_run(argv: list[str]) -> int:
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
-    _add_detection_args(p)
+    _add_detection_args(p, defaults=False)  # the recipe's fault_tolerance section unless given
     p.add_argument("--dry-run", action="store_true", help="print sizes and memory, train nothing")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
@@ -267,6 +268,10 @@ def cmd_run(argv: list[str]) -> int:
         print(format_dry_run(dry_run(cfg)))
         return 0
     args.workers, args.spares, args.seed = cfg.parallel.workers, cfg.parallel.spares, cfg.train.seed
+    if args.hang_timeout is None:
+        args.hang_timeout = cfg.fault_tolerance.hang_timeout_s
+    if args.progress_timeout is None:
+        args.progress_timeout = cfg.fault_tolerance.progress_timeout_s
     job = _job(args, cfg.train.steps, [])
     job.shards = 1  # FSDP/HSDP training is not wired into recipes yet: every worker holds the full state
     command = [sys.executable, "-m", "checkpointless.recipes.train", str(args.recipe)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from checkpointless.recipes.config import (
     RecipeConfig,
     RecipeError,
     load_recipe,
+    recipe_from_dict,
 )
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
@@ -164,8 +166,13 @@ def test_missing_data_dir_names_path(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="no-such-corpus") as info:
         load_recipe(TINY["llama"], [f"data.source={missing}"])
     assert "data.source" in str(info.value)
-    (tmp_path / "corpus").mkdir()
-    assert load_recipe(TINY["llama"], [f"data.source={tmp_path / 'corpus'}"]).data.source.endswith("corpus")
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    with pytest.raises(ValueError, match=r"data\.source: corpus path contains no"):  # empty: refused too
+        load_recipe(TINY["llama"], [f"data.source={corpus}"])
+    for i in range(40):
+        (corpus / f"doc{i}.txt").write_text(f"document {i}\n" * 30, encoding="utf-8")
+    assert load_recipe(TINY["llama"], [f"data.source={corpus}"]).data.source.endswith("corpus")
     # Big recipes point at cluster paths; the dry run loads them without the check.
     with pytest.raises(ValueError, match="llama3-pretrain"):
         load_recipe(RECIPES / "llama3-70b.yaml")
@@ -193,8 +200,9 @@ def test_bad_files_name_the_file(tmp_path: Path) -> None:
         load_recipe(tmp_path / "nope.yaml")
     bad = tmp_path / "broken.yaml"
     bad.write_text("model: [unclosed\n", encoding="utf-8")
-    with pytest.raises(ValueError, match=r"broken\.yaml.*invalid YAML"):
+    with pytest.raises(ValueError, match=r"broken\.yaml.*invalid YAML.*line 2, column 1") as info:
         load_recipe(bad)
+    assert "\n" not in str(info.value)
     empty = tmp_path / "empty.yaml"
     empty.write_text("", encoding="utf-8")
     with pytest.raises(ValueError, match=r"empty\.yaml"):
@@ -386,3 +394,105 @@ def test_exponent_floats_read_as_numbers(tmp_path: Path) -> None:
     assert load_recipe(path).optim.lr == 3e-3
     with pytest.raises(ValueError, match=r"optim\.lr: expected float, got str"):
         load_recipe(path, ["optim.lr='3e-3'"])
+
+
+# ----------------------------------------------------------------------------- hostile input
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("override", "key"),
+    [
+        ("optim.lr=.nan", "optim.lr"),
+        ("optim.lr=.inf", "optim.lr"),
+        ("optim.lr=-.inf", "optim.lr"),
+        ("optim.eps=.nan", "optim.eps"),
+        ("optim.weight_decay=.inf", "optim.weight_decay"),
+        ("optim.weight_decay=.nan", "optim.weight_decay"),
+        ("optim.grad_clip=.nan", "optim.grad_clip"),
+        ("optim.grad_clip=.inf", "optim.grad_clip"),
+        ("optim.betas=[.nan, 0.95]", "optim.betas[0]"),
+        ("data.heldout_fraction=.nan", "data.heldout_fraction"),
+        ("model.extra.rms_norm_eps=.nan", "model.extra.rms_norm_eps"),
+        ("model.extra.rope_parameters.rope_theta=.inf", "model.extra.rope_parameters.rope_theta"),
+    ],
+)
+def test_non_finite_floats_are_refused(override: str, key: str) -> None:
+    with pytest.raises(RecipeError) as info:
+        load_recipe(TINY["llama"], [override], check_data=False)
+    msg = str(info.value)
+    assert f"{key}: must be a finite number" in msg and "llama-tiny.yaml" in msg, msg
+
+
+@pytest.mark.timeout(120)
+def test_non_finite_floats_are_refused_in_python_too() -> None:
+    for kwargs in ({"lr": math.nan}, {"lr": math.inf}, {"eps": math.nan}, {"weight_decay": math.nan}):
+        with pytest.raises(RecipeError, match="finite"):
+            OptimConfig(**kwargs)  # type: ignore[arg-type]
+    assert OptimConfig(grad_clip=None).grad_clip is None
+
+
+def _billion_laughs(levels: int) -> str:
+    lines = ['lol0: &l0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    lines += [f"lol{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]" for i in range(1, levels + 1)]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("a: &a [*a]\n", "recursive alias *a at line 1"),
+        ("name: x\nmodel: &m\n  self: *m\n", "recursive alias *m at line 3"),
+        (_billion_laughs(7), "expands to more than 100000 values"),  # 9**7 = 4.8M strings
+        ("name: " + "[" * 5000 + "]" * 5000 + "\n", "nesting deeper than 64 levels"),
+    ],
+    ids=["recursive-list", "recursive-mapping", "billion-laughs", "deep-nesting"],
+)
+def test_hostile_yaml_is_refused_in_one_line(
+    tmp_path: Path, text: str, needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "hostile.yaml"
+    path.write_text(text, encoding="utf-8")
+    limit = sys.getrecursionlimit()
+    start = time.perf_counter()
+    with pytest.raises(RecipeError) as info:
+        load_recipe(path, check_data=False)
+    assert time.perf_counter() - start < 2
+    assert sys.getrecursionlimit() == limit
+    msg = str(info.value)
+    assert needle in msg and "hostile.yaml: invalid YAML" in msg and "\n" not in msg, msg
+    from checkpointless.cli import main
+
+    assert main(["run", str(path), "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and needle in err and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.timeout(120)
+def test_ordinary_anchors_and_aliases_still_load(tmp_path: Path) -> None:
+    text = TINY["llama"].read_text(encoding="utf-8")
+    text = text.replace("max_position_embeddings: 256", "max_position_embeddings: &ctx 256")
+    text = text.replace("seq_len: 128", "seq_len: *ctx")
+    text = text.replace("extra:\n", "extra: &extra\n")
+    assert "*ctx" in text and "&extra" in text
+    path = tmp_path / "anchored.yaml"
+    path.write_text(text, encoding="utf-8")
+    cfg = load_recipe(path, check_data=False)
+    assert cfg.model.max_position_embeddings == cfg.data.seq_len == 256
+    assert cfg.model.extra == load_recipe(TINY["llama"], check_data=False).model.extra
+
+
+@pytest.mark.timeout(120)
+def test_recursive_or_huge_python_mappings_are_refused() -> None:
+    raw: dict[str, Any] = yaml.safe_load(TINY["llama"].read_text(encoding="utf-8"))
+    raw["model"]["extra"]["loop"] = raw["model"]["extra"]
+    with pytest.raises(RecipeError, match="recursive structure"):
+        recipe_from_dict(raw, check_data=False)
+    leaf: list[Any] = ["lol"] * 10
+    for _ in range(7):
+        leaf = [leaf] * 10  # 10**8 values once expanded, a few hundred objects in memory
+    raw = yaml.safe_load(TINY["llama"].read_text(encoding="utf-8"))
+    raw["model"]["extra"]["laughs"] = leaf
+    with pytest.raises(RecipeError, match="more than 100000 values"):
+        recipe_from_dict(raw, check_data=False)

@@ -104,9 +104,20 @@ def test_recipe_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]
         (["--set", "data.global_batch=15"], "global_batch"),
         (["--set", "data.source=/no/such/dir"], "/no/such/dir"),
         (["--workers", "0"], "workers"),
+        (["--set", "fault_tolerance.progress_timeout_s=.nan"], "progress_timeout_s"),
+        (["--progress-timeout", "inf"], "--progress-timeout"),
+        (["--hang-timeout", "0"], "--hang-timeout"),
     ):
         assert main(["run", path, *extra]) == 2
         err = capsys.readouterr().err
         assert needle in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert main(["run", str(tmp_path / "missing.yaml")]) == 2
     assert "missing.yaml" in capsys.readouterr().err
+
+
+def test_detection_settings_come_from_the_recipe_unless_a_flag_says_otherwise() -> None:
+    from checkpointless.recipes.config import load_recipe
+
+    path = ROOT / "recipes" / "llama-tiny.yaml"
+    cfg = load_recipe(path, ["fault_tolerance.progress_timeout_s=7.5"], check_data=False)
+    assert cfg.fault_tolerance.progress_timeout_s == 7.5 and cfg.fault_tolerance.hang_timeout_s == 2.0

@@ -9,12 +9,26 @@ before validation, so they go through exactly the same checks.
 
 Every dataclass validates its own values in ``__post_init__`` and raises
 :class:`RecipeError` (a :class:`ValueError`) naming the offending field, so configs built
-directly in Python are checked too.
+directly in Python are checked too. Float fields must be finite (``.nan``/``.inf`` are
+refused).
+
+The YAML loader is ``safe_load`` with limits: an alias that refers to the node containing
+it (a recursive structure), a document that expands to more than
+:data:`MAX_YAML_NODES` values once every alias is expanded (a "billion laughs"), or nesting
+deeper than :data:`MAX_YAML_DEPTH` is refused with a one-line error; ordinary anchors and
+aliases (``&seq 128`` ... ``*seq``) keep working.
+
+With ``check_data`` (the default, and what ``checkpointless run`` uses before launching
+anything), :func:`load_recipe` also opens the corpus exactly as every worker will, so a
+missing or empty ``data.source``, an invalid JSONL line, a corpus too short for one
+``seq_len + 1`` window per split or a damaged token cache is reported up front, as one
+:class:`RecipeError` naming ``data.source``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import types
 import typing
@@ -28,6 +42,8 @@ import yaml
 from checkpointless.data.corpus import BYTE_VOCAB_SIZE  # 256 byte values + end-of-document
 
 __all__ = [
+    "MAX_YAML_DEPTH",
+    "MAX_YAML_NODES",
     "DataConfig",
     "ModelConfig",
     "OptimConfig",
@@ -36,6 +52,7 @@ __all__ = [
     "RecipeError",
     "TrainConfig",
     "apply_overrides",
+    "check_recipe_data",
     "load_recipe",
     "recipe_from_dict",
 ]
@@ -45,6 +62,11 @@ Tokenizer = Literal["byte", "bpe"]
 Schedule = Literal["constant", "cosine"]
 DType = Literal["float32", "bfloat16"]
 LayerType = Literal["sliding_attention", "full_attention"]
+
+MAX_YAML_NODES = 100_000
+"""Most values a recipe may hold once every YAML alias is expanded (a real recipe has ~100)."""
+MAX_YAML_DEPTH = 64
+"""Deepest nesting of mappings and sequences a recipe may have (a real recipe has 4)."""
 
 
 class RecipeError(ValueError):
@@ -77,8 +99,26 @@ def _positive(key: str, value: float | None, *, allow_none: bool = False, allow_
         if not allow_none:
             raise RecipeError(key, "is required")
         return
+    _finite(key, value)
     if value < 0 or (value == 0 and not allow_zero):
         raise RecipeError(key, f"must be {'>= 0' if allow_zero else '> 0'}, got {value!r}")
+
+
+def _finite(key: str, value: object) -> None:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise RecipeError(key, f"must be a finite number, got {value!r}")
+
+
+def _finite_tree(key: str, value: object) -> None:
+    """``_finite`` on every float in a (nested) mapping or list, naming the dotted key."""
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            _finite_tree(f"{key}.{k}", v)
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _finite_tree(f"{key}[{i}]", v)
+    else:
+        _finite(key, value)
 
 
 @dataclass(kw_only=True)
@@ -180,6 +220,7 @@ class ModelConfig:
             self._check_tiny_gpt()
         if not isinstance(self.extra, Mapping):
             raise RecipeError("extra", f"must be a mapping, got {type(self.extra).__name__}")
+        _finite_tree("extra", self.extra)
         own = {f.name for f in dataclasses.fields(self)}
         for key in self.extra:
             if key in own:
@@ -213,7 +254,7 @@ class DataConfig:
 
     source: str = "stdlib"
     """``stdlib`` (the Python standard library's own source files, always present) or a
-    directory of text files."""
+    directory of text files (``.txt``, ``.md``, ``.py``; ``.jsonl`` with a ``"text"`` field)."""
 
     tokenizer: Tokenizer = "byte"
     """``byte`` (one token per UTF-8 byte, vocabulary 256) or ``bpe`` (trained on the data)."""
@@ -251,6 +292,7 @@ class DataConfig:
             )
         _positive("seq_len", self.seq_len)
         _positive("global_batch", self.global_batch)
+        _finite("heldout_fraction", self.heldout_fraction)
         if not 0.0 <= self.heldout_fraction < 1.0:
             raise RecipeError("heldout_fraction", f"must be in [0, 1), got {self.heldout_fraction!r}")
         _positive("eval_every", self.eval_every, allow_zero=True)
@@ -303,6 +345,7 @@ class OptimConfig:
         if len(self.betas) != 2:
             raise RecipeError("betas", f"must have two entries, got {len(self.betas)}")
         for i, beta in enumerate(self.betas):
+            _finite(f"betas[{i}]", beta)
             if not 0.0 <= beta < 1.0:
                 raise RecipeError(f"betas[{i}]", f"must be in [0, 1), got {beta!r}")
         _positive("weight_decay", self.weight_decay, allow_zero=True)
@@ -373,6 +416,24 @@ class TrainConfig:
 
 
 @dataclass(kw_only=True)
+class FaultToleranceConfig:
+    """How failures are detected (the same settings as ``--hang-timeout`` / ``--progress-timeout``,
+    which override them)."""
+
+    hang_timeout_s: float = 2.0
+    """A process with no heartbeat for this long is declared hung, killed and replaced."""
+
+    progress_timeout_s: float = 60.0
+    """A step running this long (heartbeat alive) while its peers wait for it is declared stuck."""
+
+    def __post_init__(self) -> None:
+        for key in ("hang_timeout_s", "progress_timeout_s"):
+            value = getattr(self, key)
+            if not math.isfinite(value) or value <= 0:
+                raise RecipeError(key, f"must be a positive finite number of seconds, got {value}")
+
+
+@dataclass(kw_only=True)
 class RecipeConfig:
     """A complete training recipe."""
 
@@ -393,6 +454,9 @@ class RecipeConfig:
 
     train: TrainConfig = field(default_factory=TrainConfig)
     """Run length, seed, logging."""
+
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
+    """Failure detection."""
 
     def __post_init__(self) -> None:
         if not self.name:
@@ -446,12 +510,77 @@ class RecipeConfig:
 # ----------------------------------------------------------------------------- loading
 
 
+class _YAMLLimitError(yaml.YAMLError):
+    """Internal: a document exceeds the loader's limits (message is one line)."""
+
+
+def _at(mark: Any) -> str:
+    return f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "unknown position"
+
+
 class _Loader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that also reads exponent floats without a dot (``1e-3``) as floats.
+    """``yaml.SafeLoader`` with YAML 1.2 exponent floats and limits on aliases and nesting.
 
     PyYAML implements YAML 1.1, where ``1e-3`` is a *string*; YAML 1.2 (and every human)
-    reads it as a number. Everything else is plain ``safe_load``.
+    reads it as a number. Aliases are checked while the document is composed, before any
+    Python object is built: one that refers to a node still being composed (its own
+    container) is refused, and so is a document whose size with every alias expanded
+    exceeds :data:`MAX_YAML_NODES`, or that nests deeper than :data:`MAX_YAML_DEPTH`.
+    Everything else is plain ``safe_load``.
     """
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._open_anchors: set[str] = set()
+        self._expanded = 0  # values in the document so far, aliases expanded
+        self._sizes: dict[int, int] = {}  # id(node) -> its expanded size (nodes are alive meanwhile)
+        self._depth = 0
+
+    def _grow(self, n: int, mark: Any) -> None:
+        self._expanded += n
+        if self._expanded > MAX_YAML_NODES:
+            raise _YAMLLimitError(
+                f"document expands to more than {MAX_YAML_NODES} values once its aliases are expanded "
+                f"(at {_at(mark)}); refusing it (nested aliases, a 'billion laughs'?)"
+            )
+
+    def _size(self, node: yaml.Node) -> int:
+        known = self._sizes.get(id(node))
+        if known is not None:
+            return known
+        total = 1
+        if isinstance(node, yaml.SequenceNode):
+            total += sum(self._size(child) for child in node.value)
+        elif isinstance(node, yaml.MappingNode):
+            total += sum(self._size(k) + self._size(v) for k, v in node.value)
+        self._sizes[id(node)] = total
+        return total
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent):
+            if event.anchor in self._open_anchors:
+                raise _YAMLLimitError(
+                    f"recursive alias *{event.anchor} at {_at(event.start_mark)}: it refers to a node "
+                    f"that contains it"
+                )
+            node = super().compose_node(parent, index)
+            if node is not None:
+                self._grow(self._size(node), event.start_mark)
+            return node
+        self._grow(1, event.start_mark)
+        if self._depth >= MAX_YAML_DEPTH:
+            raise _YAMLLimitError(f"nesting deeper than {MAX_YAML_DEPTH} levels at {_at(event.start_mark)}")
+        anchor = getattr(event, "anchor", None)
+        if anchor is not None:
+            self._open_anchors.add(anchor)
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+            if anchor is not None:
+                self._open_anchors.discard(anchor)
 
 
 _Loader.add_implicit_resolver(
@@ -462,8 +591,20 @@ _Loader.add_implicit_resolver(
 
 
 def _safe_load(text: str) -> Any:
-    """``yaml.safe_load`` with YAML 1.2-style exponent floats (see :class:`_Loader`)."""
-    return yaml.load(text, Loader=_Loader)  # _Loader is a SafeLoader subclass
+    """``yaml.safe_load`` with YAML 1.2-style exponent floats and alias limits (see :class:`_Loader`)."""
+    try:
+        return yaml.load(text, Loader=_Loader)  # _Loader is a SafeLoader subclass
+    except RecursionError:
+        raise _YAMLLimitError("nested too deeply") from None
+
+
+def _yaml_message(exc: yaml.YAMLError) -> str:
+    """One line: what PyYAML found wrong, and where."""
+    if isinstance(exc, yaml.MarkedYAMLError):
+        parts = [p for p in (exc.context, exc.problem) if p]
+        mark = exc.problem_mark or exc.context_mark
+        return f"{': '.join(parts) or 'syntax error'} ({_at(mark)})"
+    return " ".join(str(exc).split())
 
 
 def _type_name(tp: Any) -> str:
@@ -612,7 +753,7 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
     try:
         value = _safe_load(text) if text.strip() else None
     except yaml.YAMLError as exc:
-        raise RecipeError(key, f"override value {text!r} is not valid YAML: {exc}") from None
+        raise RecipeError(key, f"override value {text!r} is not valid YAML: {_yaml_message(exc)}") from None
     return parts, value
 
 
@@ -675,29 +816,86 @@ def recipe_from_dict(
     """Validate a raw mapping (as read from YAML) into a :class:`RecipeConfig`.
 
     ``source`` names the origin in error messages. With ``check_data`` a directory
-    ``data.source`` must exist.
+    ``data.source`` must exist and the corpus is opened as the workers will open it (see
+    :func:`check_recipe_data`).
     """
     if not isinstance(raw, Mapping):
         raise RecipeError("", f"top level must be a mapping, got {type(raw).__name__}", source=source)
-    data = apply_overrides(_deep_copy(dict(raw)), overrides, source=source)
+    data = apply_overrides(_deep_copy(dict(raw), source), overrides, source=source)
     recipe = typing.cast(RecipeConfig, _build(RecipeConfig, data, "", source))
-    if check_data and not recipe.data.is_stdlib:
-        path = Path(recipe.data.source).expanduser()
+    if check_data:
+        check_recipe_data(recipe, source=source)
+    return recipe
+
+
+def check_recipe_data(recipe: RecipeConfig, *, source: str = "") -> None:
+    """Open ``recipe``'s corpus exactly as every worker will, or raise :class:`RecipeError`.
+
+    Builds :class:`~checkpointless.data.corpus.TokenDataset` with the recipe's corpus,
+    tokenizer, ``seq_len``, ``global_batch`` and held-out fraction (tokenizing into the token
+    cache on first use, verifying the cache otherwise: about 0.2 s for the standard library).
+    Catches, naming ``data.source``: a missing, unreadable or empty directory, an invalid
+    JSONL line (``file:line``), a corpus too short for one ``seq_len + 1`` window in the
+    train or held-out split (with the sizes), and out-of-vocabulary token ids.
+    """
+    dc = recipe.data
+    if not dc.is_stdlib:
+        path = Path(dc.source).expanduser()
         if not path.is_dir():
             raise RecipeError(
                 "data.source",
                 f"data directory {str(path)!r} does not exist or is not a directory",
                 source=source,
             )
-    return recipe
+    from checkpointless.data.corpus import TokenDataset
+
+    try:
+        TokenDataset(
+            None if dc.is_stdlib else dc.source,
+            seq_len=dc.seq_len,
+            global_batch=dc.global_batch,
+            seed=recipe.train.seed,
+            val_fraction=dc.heldout_fraction,
+            tokenizer=dc.tokenizer,
+            vocab_size=dc.tokenizer_vocab_size,
+        )
+    except ImportError as exc:
+        raise RecipeError("data.tokenizer", " ".join(str(exc).split()), source=source) from None
+    except ValueError as exc:
+        raise RecipeError("data.source", " ".join(str(exc).split()), source=source) from None
+    except OSError as exc:
+        raise RecipeError("data.source", f"cannot prepare the token cache: {exc}", source=source) from None
 
 
-def _deep_copy(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        return {k: _deep_copy(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_deep_copy(v) for v in obj]
-    return obj
+def _deep_copy(obj: Any, source: str = "") -> Any:
+    """Copy nested dicts and lists, refusing self-containing or oversized structures.
+
+    YAML from :func:`load_recipe` is already limited by the loader; this guards mappings
+    passed to :func:`recipe_from_dict` directly (shared sub-objects are copied per use).
+    """
+    budget = MAX_YAML_NODES
+    active: set[int] = set()
+
+    def copy(o: Any, depth: int) -> Any:
+        nonlocal budget
+        budget -= 1
+        if budget < 0:
+            raise RecipeError("", f"recipe holds more than {MAX_YAML_NODES} values", source=source)
+        if not isinstance(o, (dict, list)):
+            return o
+        if id(o) in active:
+            raise RecipeError("", "recipe is a recursive structure (a value contains itself)", source=source)
+        if depth >= MAX_YAML_DEPTH:
+            raise RecipeError("", f"recipe nests deeper than {MAX_YAML_DEPTH} levels", source=source)
+        active.add(id(o))
+        try:
+            if isinstance(o, dict):
+                return {k: copy(v, depth + 1) for k, v in o.items()}
+            return [copy(v, depth + 1) for v in o]
+        finally:
+            active.discard(id(o))
+
+    return copy(obj, 0)
 
 
 def load_recipe(
@@ -709,9 +907,11 @@ def load_recipe(
     """Load, override and validate the YAML recipe at ``path``.
 
     ``overrides`` are ``"dotted.key=value"`` strings applied before validation. With
-    ``check_data=False`` a directory ``data.source`` is not required to exist (for dry
-    runs of recipes meant for another machine). Every problem raises :class:`RecipeError`
-    (a :class:`ValueError`) naming the file and the dotted key.
+    ``check_data`` (default) the corpus is opened as the workers will open it (see
+    :func:`check_recipe_data`; this tokenizes it into the token cache on first use); with
+    ``check_data=False`` the data is not looked at (for dry runs of recipes meant for
+    another machine). Every problem raises :class:`RecipeError` (a :class:`ValueError`)
+    naming the file and the dotted key, in one line.
     """
     path = Path(path)
     source = str(path)
@@ -722,7 +922,7 @@ def load_recipe(
     try:
         raw = _safe_load(text)
     except yaml.YAMLError as exc:
-        raise RecipeError("", f"invalid YAML: {exc}", source=source) from None
+        raise RecipeError("", f"invalid YAML: {_yaml_message(exc)}", source=source) from None
     if raw is None:
         raise RecipeError("", "recipe is empty", source=source)
     return recipe_from_dict(raw, overrides, source=source, check_data=check_data)

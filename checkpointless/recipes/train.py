@@ -35,7 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("recipe")
     p.add_argument("--set", action="append", default=[], dest="overrides")
     args = p.parse_args(argv)
-    cfg = load_recipe(args.recipe, args.overrides)
+    cfg = load_recipe(
+        args.recipe, args.overrides, check_data=False
+    )  # the launcher checked; the dataset checks again
     torch.set_num_threads(1)
     dtype = torch.bfloat16 if cfg.parallel.dtype == "bfloat16" else torch.float32
     model = build_model(cfg.model, seed=cfg.train.seed, dtype=dtype)
