@@ -10,5 +10,14 @@ from checkpointless.faults import FaultSpec, parse_fault
 from checkpointless.recovery import Attempt, FatalError, Session
 from checkpointless.state import Stateful
 
-__all__ = ["Attempt", "FatalError", "FaultSpec", "JobConfig", "RecoveryConfig", "Session", "Stateful", "parse_fault"]
+__all__ = [
+    "Attempt",
+    "FatalError",
+    "FaultSpec",
+    "JobConfig",
+    "RecoveryConfig",
+    "Session",
+    "Stateful",
+    "parse_fault",
+]
 __version__ = "0.1.0"

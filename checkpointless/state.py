@@ -8,28 +8,77 @@ bytes, so any of them can serve as the source for a replacement.
 Transfer protocol (``send_state`` / ``recv_state``), point to point on the
 generation's group, source to receiver, in this order:
 
-1. an int64 header ``[len(meta)]``;
-2. ``meta``: the pickled skeleton of the state (tensors replaced by their
-   dtype, shape and index);
+1. a header, two int64s ``[WIRE_VERSION, len(meta)]``; the receiver refuses a
+   version it does not speak and a length above ``MAX_META_BYTES`` (64 MiB)
+   before it allocates anything;
+2. ``meta || tag``: ``meta`` is the skeleton of the state as UTF-8 JSON (below),
+   ``tag`` is 32 bytes, ``F(ctx || b"M" || sha256(meta))``; the receiver checks
+   the tag before it parses a byte of ``meta``;
 3. every tensor, one message each (tag = index + 1), all posted at once;
-4. a trailer: the SHA-256 over the per-tensor SHA-256s in skeleton order,
-   which both sides compute in a thread pool while the tensors are on the wire.
+4. a trailer, 32 bytes, ``F(ctx || b"T" || sha256(meta) || D)`` where ``D`` is
+   the SHA-256 over the per-tensor SHA-256s in index order, which both sides
+   compute in a thread pool while the tensors are on the wire.
 
-The receiver allocates, receives, checks the hash, then loads: nothing is read
-from or written to disk.
+``ctx`` is ``b"checkpointless/state/v1\\0"`` followed by the generation, the
+source rank and the receiving rank as little-endian int64s, so a transfer is
+only valid for the one (generation, source, receiver) it was made for. ``F`` is
+HMAC-SHA256 when there is a key, under ``HMAC(key, b"checkpointless/state/v1
+transfer key")`` so that no MAC of another use of the same secret can pass for
+one of the transfer's; plain SHA-256 otherwise. Both sides compare with
+``hmac.compare_digest``. The receiver allocates, receives, checks the trailer,
+and only then returns the state: nothing is read from or written to disk, and
+a mismatch raises ``IntegrityError`` before the caller can load anything (the
+caller then aborts the group, which still holds the refused messages).
+
+The key (``key=`` of ``send_state`` / ``recv_state``) is the per-job secret:
+at least 16 random bytes (32 recommended), the same in every process of the job
+and known to nothing outside it. It never travels: not over the data plane, and
+not through the rendezvous store, which any process that reaches its port can
+read. It is never logged, printed or put in an error message or event. With a
+key, a process that got into the group without it can neither make a receiver
+parse its metadata nor load its tensors. Without a key the transfer is only
+checked against corruption: anyone in the group can send a state that passes,
+and the receiver allocates the tensor shapes the metadata declares.
+
+Metadata encoding (``meta``): a JSON object ``{"format": "checkpointless-state",
+"version": 1, "tensors": n, "state": V}`` where a value ``V`` is one of
+
+- ``null``, ``true``, ``false``, an integer, a finite float, a string: itself;
+- a JSON array whose first element names its type:
+  ``["list", V...]``, ``["tuple", V...]``, ``["dict", K, V, K, V...]``,
+  ``["odict", M, K, V...]`` (an ``OrderedDict``, ``M`` its ``_metadata`` or
+  ``null``, as ``nn.Module.state_dict`` returns), ``["float", hex]`` (a
+  non-finite float, its 8 IEEE bytes big-endian), ``["bytes", base64]``,
+  ``["ndarray", dtype, [shape], base64]`` and ``["npscalar", dtype, base64]``
+  (numeric numpy dtypes only, by their ``dtype.str``), ``["dtype", name]`` (a
+  ``torch.dtype``), ``["size", ints...]`` (a ``torch.Size``), and
+  ``["tensor", index, dtype, [shape], on_accelerator]`` (the tensor sent as
+  message ``index + 1``). Dict keys ``K`` are values without tensors.
+
+Decoding builds only these types, never looks a name up anywhere but in fixed
+tables, and raises ``IntegrityError`` on anything else. Encoding raises
+``TypeError`` naming the path of a value of any other type (say a lambda in a
+scheduler's state).
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
+import hmac
+import json
+import math
 import os
-import pickle
+import reprlib
+import struct
 import time
-from collections.abc import Callable, Iterator
+from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 from checkpointless.comm import Group
@@ -43,7 +92,36 @@ class Stateful(Protocol):
 
 
 class IntegrityError(RuntimeError):
-    """Received state does not match the hash the source computed."""
+    """Received state is malformed, or does not match the digest or MAC its source sent."""
+
+
+WIRE_VERSION = 1
+MAX_META_BYTES = 64 * 2**20  # the metadata of a state; its tensors are not counted
+MIN_KEY_BYTES = 16
+_MAX_DEPTH = 100  # nesting of the metadata (a state dict is a handful of levels deep)
+_MAX_DIMS = 64
+_FORMAT = "checkpointless-state"
+_CTX = b"checkpointless/state/v1\0"
+_KEY_LABEL = b"checkpointless/state/v1 transfer key"
+_TAG_BYTES = 32
+
+_TORCH_DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d for d in vars(torch).values() if isinstance(d, torch.dtype)
+}
+_TORCH_DTYPE_NAMES: dict[torch.dtype, str] = {d: name for name, d in _TORCH_DTYPES.items()}
+# dtypes a transferred tensor may have (plain numeric data the receiver can allocate and fill)
+_TENSOR_DTYPES: frozenset[torch.dtype] = frozenset(
+    {torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32}
+    | {torch.uint64, torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64}
+    | {torch.complex128, torch.float8_e4m3fn, torch.float8_e4m3fnuz, torch.float8_e5m2, torch.float8_e5m2fnuz}
+)
+# numpy dtypes by ``dtype.str``, both byte orders: bools and numbers only, never objects
+_NP_DTYPES: dict[str, np.dtype[Any]] = {
+    d.str: d
+    for t in {np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64}
+    | {np.float16, np.float32, np.float64, np.complex64, np.complex128}
+    for d in (np.dtype(t).newbyteorder("<"), np.dtype(t).newbyteorder(">"))
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,30 +132,260 @@ class _TensorRef:
     on_accelerator: bool = False
 
 
-def _flatten(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    """Replace every tensor in a nested dict/list/tuple by a ``_TensorRef``."""
-    if isinstance(obj, torch.Tensor):
-        tensors.append(obj.detach())
-        return _TensorRef(len(tensors) - 1, obj.dtype, tuple(obj.shape), obj.device.type != "cpu")
-    if isinstance(obj, dict):
-        return {k: _flatten(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_flatten(v, tensors) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(_flatten(v, tensors) for v in obj)
-    return obj
+# -- metadata encoding (see the module docstring) ---------------------------------------
+
+# a path into the state, built as a linked tuple and formatted only for an error message
+_Path = tuple[Any, str, Any] | None
+
+
+def _fmt_path(path: _Path) -> str:
+    parts: list[str] = []
+    while path is not None:
+        path, fmt, item = path
+        parts.append(fmt.format(item))
+    return "state" + "".join(reversed(parts))
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+class _Encoder:
+    """Turns a state into JSON-ready values, collecting its tensors in order."""
+
+    def __init__(self) -> None:
+        self.tensors: list[torch.Tensor] = []
+
+    def value(self, obj: Any, path: _Path, depth: int, in_key: bool = False) -> Any:
+        if depth > _MAX_DEPTH:
+            raise ValueError(
+                f"{_fmt_path(path)}: nested deeper than {_MAX_DEPTH} levels (a reference cycle?)"
+            )
+        t = type(obj)
+        if obj is None or t is bool or t is int or t is str:
+            return obj
+        if t is float:
+            return obj if math.isfinite(obj) else ["float", struct.pack(">d", obj).hex()]
+        if t is dict or t is OrderedDict:
+            out: list[Any] = ["dict"]
+            if t is OrderedDict:
+                md = getattr(obj, "_metadata", None)
+                mpath = (path, "._metadata", None)
+                out = ["odict", None if md is None else self.value(md, mpath, depth + 1, in_key)]
+            for k, v in obj.items():
+                out.append(self.value(k, path, depth + 1, in_key=True))
+                out.append(self.value(v, (path, "[{!r}]", k), depth + 1, in_key))
+            return out
+        if t is list or t is tuple:
+            items = [self.value(v, (path, "[{}]", i), depth + 1, in_key) for i, v in enumerate(obj)]
+            return ["list" if t is list else "tuple", *items]
+        if t is torch.Size:
+            return ["size", *(int(d) for d in obj)]
+        if t is bytes:
+            return ["bytes", _b64(obj)]
+        if t is torch.dtype:
+            return ["dtype", _TORCH_DTYPE_NAMES[obj]]
+        if isinstance(obj, np.generic) and obj.dtype.str in _NP_DTYPES:
+            return ["npscalar", obj.dtype.str, _b64(obj.tobytes())]
+        what = "dict key" if in_key else "object"
+        if t is np.ndarray and not in_key:
+            if obj.dtype.str not in _NP_DTYPES:
+                raise TypeError(f"{_fmt_path(path)}: cannot transfer a numpy array of dtype {obj.dtype}")
+            return ["ndarray", obj.dtype.str, list(obj.shape), _b64(obj.tobytes(order="C"))]
+        if isinstance(obj, torch.Tensor) and not in_key:
+            if obj.layout != torch.strided or obj.dtype not in _TENSOR_DTYPES or obj.is_meta:
+                raise TypeError(
+                    f"{_fmt_path(path)}: cannot transfer a {obj.layout} tensor of dtype {obj.dtype} "
+                    f"on device {obj.device}"
+                )
+            self.tensors.append(obj.detach())
+            on_accelerator = obj.device.type != "cpu"
+            return [
+                "tensor",
+                len(self.tensors) - 1,
+                _TORCH_DTYPE_NAMES[obj.dtype],
+                list(obj.shape),
+                on_accelerator,
+            ]
+        raise TypeError(f"{_fmt_path(path)}: cannot transfer {what} of type {t.__name__}")
+
+
+def _encode_state(state: dict[str, Any]) -> tuple[bytes, list[torch.Tensor]]:
+    """The metadata of ``state`` (UTF-8 JSON) and its tensors, in index order.
+
+    Raises ``TypeError`` (naming the path) for a value of a type the metadata
+    cannot carry, ``ValueError`` for metadata above ``MAX_META_BYTES``.
+    """
+    enc = _Encoder()
+    value = enc.value(state, None, 0)
+    doc = {"format": _FORMAT, "version": WIRE_VERSION, "tensors": len(enc.tensors), "state": value}
+    meta = json.dumps(doc, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
+    if len(meta) > MAX_META_BYTES:
+        raise ValueError(f"state metadata is {len(meta)} bytes, above the limit of {MAX_META_BYTES}")
+    return meta, enc.tensors
+
+
+class _JSONObject:
+    """A JSON object as the decoder saw it: its pairs, duplicates kept (never a dict)."""
+
+    __slots__ = ("pairs",)
+
+    def __init__(self, pairs: list[tuple[str, Any]]) -> None:
+        self.pairs = pairs
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"JSON constant {name} is not allowed")
+
+
+def _int(v: Any, what: str, lo: int = 0, hi: int = 2**62) -> int:
+    if type(v) is not int or not lo <= v <= hi:
+        raise IntegrityError(f"{what}: expected an integer in [{lo}, {hi}], got {reprlib.repr(v)}")
+    return v
+
+
+def _shape(v: Any) -> tuple[int, ...]:
+    if type(v) is not list or len(v) > _MAX_DIMS:
+        raise IntegrityError(f"bad shape {reprlib.repr(v)}")
+    shape = tuple(_int(d, "shape") for d in v)
+    if math.prod(shape) > 2**62:
+        raise IntegrityError(f"shape {shape} is too large")
+    return shape
+
+
+def _unb64(v: Any) -> bytes:
+    if type(v) is not str:
+        raise IntegrityError(f"expected base64 text, got {type(v).__name__}")
+    return base64.b64decode(v, validate=True)
+
+
+class _Decoder:
+    """Builds a state from decoded JSON: only the types of the encoding, tensors as ``_TensorRef``."""
+
+    def __init__(self, n_tensors: int) -> None:
+        self.refs: list[_TensorRef | None] = [None] * n_tensors
+
+    def value(self, v: Any, depth: int, in_key: bool = False) -> Any:
+        if depth > _MAX_DEPTH:
+            raise IntegrityError(f"nested deeper than {_MAX_DEPTH} levels")
+        t = type(v)
+        if v is None or t is bool or t is int or t is str or t is float:
+            return v
+        if t is not list or not v or type(v[0]) is not str:
+            raise IntegrityError(f"unexpected JSON value {reprlib.repr(v)}")
+        tag, args = v[0], v[1:]
+        if tag == "list":
+            return [self.value(x, depth + 1, in_key) for x in args]
+        if tag == "tuple":
+            return tuple(self.value(x, depth + 1, in_key) for x in args)
+        if tag in ("dict", "odict"):
+            out: dict[Any, Any] = {}
+            if tag == "odict":
+                if not args:
+                    raise IntegrityError("odict without its metadata slot")
+                out = OrderedDict()
+                if args[0] is not None:
+                    out._metadata = self.value(args[0], depth + 1, in_key)  # type: ignore[attr-defined]
+                args = args[1:]
+            if len(args) % 2:
+                raise IntegrityError(f"{tag} with an odd number of keys and values")
+            for i in range(0, len(args), 2):
+                k = self.value(args[i], depth + 1, in_key=True)
+                try:
+                    hash(k)
+                except TypeError:
+                    raise IntegrityError(f"unhashable dict key {reprlib.repr(k)}") from None
+                if k in out:
+                    raise IntegrityError(f"duplicate dict key {reprlib.repr(k)}")
+                out[k] = self.value(args[i + 1], depth + 1, in_key)
+            return out
+        if tag == "float" and len(args) == 1 and type(args[0]) is str and len(args[0]) == 16:
+            return struct.unpack(">d", bytes.fromhex(args[0]))[0]
+        if tag == "bytes" and len(args) == 1:
+            return _unb64(args[0])
+        if tag == "dtype" and len(args) == 1 and type(args[0]) is str and args[0] in _TORCH_DTYPES:
+            return _TORCH_DTYPES[args[0]]
+        if tag == "size":
+            return torch.Size([_int(d, "torch.Size", -(2**62)) for d in args])
+        if tag == "npscalar" and len(args) == 2 and type(args[0]) is str and args[0] in _NP_DTYPES:
+            dtype, raw = _NP_DTYPES[args[0]], _unb64(args[1])
+            if len(raw) != dtype.itemsize:
+                raise IntegrityError(f"numpy {dtype} scalar of {len(raw)} bytes")
+            return np.frombuffer(raw, dtype=dtype)[0]
+        if tag == "ndarray" and len(args) == 3 and type(args[0]) is str and args[0] in _NP_DTYPES:
+            dtype, shape, raw = _NP_DTYPES[args[0]], _shape(args[1]), _unb64(args[2])
+            if len(raw) != math.prod(shape) * dtype.itemsize:
+                raise IntegrityError(f"numpy array {dtype}{list(shape)} of {len(raw)} bytes")
+            return np.frombuffer(raw, dtype=dtype).reshape(shape).copy()
+        if tag == "tensor" and not in_key and len(args) == 4:
+            index = _int(args[0], "tensor index", 0, len(self.refs) - 1)
+            if type(args[1]) is not str or _TORCH_DTYPES.get(args[1]) not in _TENSOR_DTYPES:
+                raise IntegrityError(f"tensor {index}: bad dtype {reprlib.repr(args[1])}")
+            if type(args[3]) is not bool:
+                raise IntegrityError(f"tensor {index}: bad device flag {reprlib.repr(args[3])}")
+            if self.refs[index] is not None:
+                raise IntegrityError(f"tensor {index} appears twice")
+            ref = _TensorRef(index, _TORCH_DTYPES[args[1]], _shape(args[2]), args[3])
+            self.refs[index] = ref
+            return ref
+        raise IntegrityError(f"unexpected value {reprlib.repr(v)}")
+
+
+def _decode_meta(meta: bytes) -> tuple[dict[str, Any], list[_TensorRef]]:
+    """The state skeleton in ``meta`` (tensors as ``_TensorRef``) and its refs in index order.
+
+    Builds nothing but the types of the encoding; raises ``IntegrityError`` on
+    anything malformed.
+    """
+    try:
+        doc = json.loads(meta.decode("utf-8"), object_pairs_hook=_JSONObject, parse_constant=_reject_constant)
+        if type(doc) is not _JSONObject:
+            raise IntegrityError("metadata is not a JSON object")
+        fields = dict(doc.pairs)
+        if len(doc.pairs) != 4 or fields.keys() != {"format", "version", "tensors", "state"}:
+            raise IntegrityError(f"metadata fields {reprlib.repr([k for k, _ in doc.pairs])}")
+        if (
+            fields["format"] != _FORMAT
+            or type(fields["version"]) is not int
+            or fields["version"] != WIRE_VERSION
+        ):
+            raise IntegrityError(
+                f"metadata format {reprlib.repr(fields['format'])} version {reprlib.repr(fields['version'])}"
+            )
+        # each tensor reference takes more than 16 bytes of metadata: bounds the list below
+        dec = _Decoder(_int(fields["tensors"], "tensor count", 0, len(meta) // 16))
+        state = dec.value(fields["state"], 0)
+        if type(state) is not dict:
+            raise IntegrityError(f"state is a {type(state).__name__}, not a dict")
+        refs = [r for r in dec.refs if r is not None]
+        if len(refs) != len(dec.refs):
+            raise IntegrityError(f"{len(dec.refs) - len(refs)} of {len(dec.refs)} tensors are not referenced")
+        return state, refs
+    except IntegrityError:
+        raise
+    except (ValueError, TypeError, KeyError, IndexError, OverflowError, RecursionError, struct.error) as e:
+        # ValueError covers bad UTF-8, bad JSON, bad hex and bad base64 (binascii.Error)
+        raise IntegrityError(f"malformed metadata: {type(e).__name__}: {e}"[:300]) from None
 
 
 def _unflatten(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    if isinstance(obj, _TensorRef):
+    """Put the received tensors in place of the skeleton's ``_TensorRef``s."""
+    t = type(obj)
+    if t is _TensorRef:
         return tensors[obj.index]
-    if isinstance(obj, dict):
-        return {k: _unflatten(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, list):
+    if t is dict or t is OrderedDict:
+        out = t((k, _unflatten(v, tensors)) for k, v in obj.items())
+        if hasattr(obj, "_metadata"):
+            out._metadata = obj._metadata  # type: ignore[attr-defined]
+        return out
+    if t is list:
         return [_unflatten(v, tensors) for v in obj]
-    if isinstance(obj, tuple):
+    if t is tuple:
         return tuple(_unflatten(v, tensors) for v in obj)
     return obj
+
+
+# -- hashing ------------------------------------------------------------------------------
 
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
@@ -105,14 +413,54 @@ def _sha256(t: torch.Tensor) -> bytes:
     return hashlib.sha256(_bytes_of(t if t.device.type == "cpu" else t.cpu())).digest()
 
 
-def _combine(digests: list[bytes]) -> str:
-    """The transfer digest: SHA-256 over the per-tensor SHA-256s, in skeleton order."""
-    return hashlib.sha256(b"".join(digests)).hexdigest()
+def _combine(digests: list[bytes]) -> bytes:
+    """The tensor digest: SHA-256 over the per-tensor SHA-256s, in index order."""
+    return hashlib.sha256(b"".join(digests)).digest()
 
 
 def _hash_tensors(tensors: list[torch.Tensor]) -> str:
-    """The transfer digest of ``tensors`` (what ``send_state`` sends as its trailer)."""
-    return _combine(list(_pool().map(_sha256, [t.contiguous() for t in tensors])))
+    """The tensor digest of ``tensors``, in hex (what the transfer computes on both sides)."""
+    return _combine(list(_pool().map(_sha256, [t.contiguous() for t in tensors]))).hex()
+
+
+def _check_key(key: bytes | None) -> None:
+    if key is None:
+        return
+    if not isinstance(key, bytes):
+        raise TypeError(f"the job key must be bytes, not {type(key).__name__}")
+    if len(key) < MIN_KEY_BYTES:
+        raise ValueError(f"the job key must be at least {MIN_KEY_BYTES} bytes")
+
+
+def _context(gen: int, src: int, dst: int) -> bytes:
+    """What a transfer is bound to: the protocol, the generation, the source and the receiver."""
+    return _CTX + struct.pack("<qqq", gen, src, dst)
+
+
+def _seal(key: bytes | None, data: bytes) -> bytes:
+    """HMAC-SHA256 under the transfer key derived from ``key``, or plain SHA-256 without one.
+
+    The job's secret also seals other messages (the control store's): the
+    transfer uses its own key, ``HMAC(key, _KEY_LABEL)``, so no MAC of one
+    protocol can ever pass for one of the other.
+    """
+    if key is None:
+        return hashlib.sha256(data).digest()
+    subkey = hmac.new(key, _KEY_LABEL, hashlib.sha256).digest()
+    return hmac.new(subkey, data, hashlib.sha256).digest()
+
+
+def _meta_tag(key: bytes | None, ctx: bytes, meta_digest: bytes) -> bytes:
+    return _seal(key, ctx + b"M" + meta_digest)
+
+
+def _trailer(key: bytes | None, ctx: bytes, meta_digest: bytes, tensor_digest: bytes) -> bytes:
+    return _seal(key, ctx + b"T" + meta_digest + tensor_digest)
+
+
+def _content_digest(meta_digest: bytes, tensor_digest: bytes) -> str:
+    """``TransferStats.sha256``: the state's digest, the same on both sides (never keyed)."""
+    return hashlib.sha256(meta_digest + tensor_digest).hexdigest()
 
 
 class StateRegistry:
@@ -146,62 +494,92 @@ class StateRegistry:
 class TransferStats:
     bytes: int
     seconds: float
-    sha256: str
+    sha256: str  # SHA-256 over sha256(meta) and the tensor digest: equal on both sides
 
 
 def _wire(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype == torch.bool else t
 
 
-def send_state(group: Group, dst: int, state: dict[str, Any]) -> TransferStats:
+def _u8(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def send_state(group: Group, dst: int, state: dict[str, Any], *, key: bytes | None = None) -> TransferStats:
     """Send ``state`` to rank ``dst`` of ``group`` (``dst`` must call ``recv_state``).
 
     All tensor messages are posted at once and hashed while they are on the
-    wire; the SHA-256 follows them as a trailer.
+    wire; the trailer follows them. ``key`` is the job's secret (see the module
+    docstring): with it the metadata tag and the trailer are HMAC-SHA256s, and
+    the receiver must hold the same key. A value the metadata cannot carry
+    raises ``TypeError`` naming its path, before anything is sent.
     """
+    _check_key(key)
     t0 = time.perf_counter()
-    tensors: list[torch.Tensor] = []
-    skeleton = _flatten(state, tensors)
+    meta, tensors = _encode_state(state)
     tensors = [t.contiguous() for t in tensors]
-    meta = pickle.dumps({"skeleton": skeleton}, protocol=pickle.HIGHEST_PROTOCOL)
-    group.send(torch.tensor([len(meta)], dtype=torch.int64), dst)
-    group.send(torch.frombuffer(bytearray(meta), dtype=torch.uint8), dst)
-    works = [group.isend(_wire(t), dst, tag=i + 1) for i, t in enumerate(tensors) if t.numel()]
-    hashes = [_pool().submit(_sha256, t) for t in tensors]
-    for w in works:
-        group.wait(w)
-    digest = _combine([f.result() for f in hashes])
-    group.send(torch.frombuffer(bytearray(bytes.fromhex(digest)), dtype=torch.uint8), dst)
+    ctx = _context(group.gen, group.rank, dst)
+    meta_digest = hashlib.sha256(meta).digest()
+    group.send(torch.tensor([WIRE_VERSION, len(meta)], dtype=torch.int64), dst)
+    group.send(_u8(meta + _meta_tag(key, ctx, meta_digest)), dst)
+    works: list[Any] = []
+    try:
+        works.extend(group.isend(_wire(t), dst, tag=i + 1) for i, t in enumerate(tensors) if t.numel())
+        hashes = [_pool().submit(_sha256, t) for t in tensors]
+        for i in range(len(works)):  # no local name may keep a Work alive in a traceback
+            group.wait(works[i])
+    finally:
+        works.clear()  # a pending Work keeps the group's sockets open (comm module doc)
+    tensor_digest = _combine([f.result() for f in hashes])
+    group.send(_u8(_trailer(key, ctx, meta_digest, tensor_digest)), dst)
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    return TransferStats(nbytes, time.perf_counter() - t0, digest)
-
-
-def _refs(obj: Any) -> Iterator[_TensorRef]:
-    if isinstance(obj, _TensorRef):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _refs(v)
-    elif isinstance(obj, list | tuple):
-        for v in obj:
-            yield from _refs(v)
+    return TransferStats(nbytes, time.perf_counter() - t0, _content_digest(meta_digest, tensor_digest))
 
 
 def recv_state(
-    group: Group, src: int, *, between: Callable[[], None] | None = None
+    group: Group,
+    src: int,
+    *,
+    between: Callable[[], None] | None = None,
+    key: bytes | None = None,
 ) -> tuple[dict[str, Any], TransferStats]:
-    """Receive a state sent by ``send_state`` from rank ``src``; verify its hash.
+    """Receive a state sent by ``send_state`` from rank ``src``; verify it before returning it.
+
+    ``key`` must be the sender's (``None`` on both sides, or the job's secret on
+    both). Raises ``IntegrityError`` on a bad header, metadata whose tag does not
+    match (checked before it is parsed), malformed metadata, or a trailer that
+    does not match the metadata and tensors received; the state is returned only
+    once everything matched. After an ``IntegrityError`` the group holds
+    unconsumed messages: abort it.
 
     ``between`` runs after the metadata arrived and before the tensors do (the
     fault-injection point for a receiver killed mid-transfer).
     """
+    _check_key(key)
     t0 = time.perf_counter()
-    n = torch.zeros(1, dtype=torch.int64)
-    group.recv(n, src)
-    raw = torch.empty(int(n.item()), dtype=torch.uint8)
+    ctx = _context(group.gen, src, group.rank)
+    header = torch.zeros(2, dtype=torch.int64)
+    group.recv(header, src)
+    version, n = (int(x) for x in header.tolist())
+    if version != WIRE_VERSION:
+        raise IntegrityError(f"state from rank {src}: wire version {version}, expected {WIRE_VERSION}")
+    if not 0 < n <= MAX_META_BYTES:
+        raise IntegrityError(
+            f"state from rank {src}: metadata length {n} is outside 1..{MAX_META_BYTES} bytes; refused"
+        )
+    raw = torch.empty(n + _TAG_BYTES, dtype=torch.uint8)
     group.recv(raw, src)
-    meta = pickle.loads(raw.numpy().tobytes())
-    refs = sorted(_refs(meta["skeleton"]), key=lambda r: r.index)
+    blob = raw.numpy().tobytes()
+    del raw
+    meta, tag = blob[:n], blob[n:]
+    meta_digest = hashlib.sha256(meta).digest()
+    if not hmac.compare_digest(tag, _meta_tag(key, ctx, meta_digest)):
+        why = "authentication (wrong key, or not sent by a process of this job)" if key else "its checksum"
+        raise IntegrityError(f"state from rank {src}: metadata failed {why}; not parsed")
+    try:
+        skeleton, refs = _decode_meta(meta)
+    except IntegrityError as e:
+        raise IntegrityError(f"state from rank {src}: {e}") from None
     if between is not None:
         between()
     accel = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
@@ -209,20 +587,29 @@ def recv_state(
         torch.empty(ref.shape, dtype=ref.dtype, device=accel if ref.on_accelerator and accel else "cpu")
         for ref in refs
     ]
-    works = {i: group.irecv(_wire(t), src, tag=i + 1) for i, t in enumerate(tensors) if t.numel()}
+    works: dict[int, Any] = {}
     hashes = []
-    for i, t in enumerate(tensors):  # hash each tensor once it arrived, while the rest is on the wire
-        if i in works:
-            group.wait(works[i])
-        hashes.append(_pool().submit(_sha256, t))
-    trailer = torch.empty(32, dtype=torch.uint8)
+    try:
+        works.update((i, group.irecv(_wire(t), src, tag=i + 1)) for i, t in enumerate(tensors) if t.numel())
+        for i, t in enumerate(tensors):  # hash each tensor once it arrived, while the rest is on the wire
+            if i in works:
+                group.wait(works[i])
+            hashes.append(_pool().submit(_sha256, t))
+    finally:
+        works.clear()  # a pending Work keeps the group's sockets open (comm module doc)
+    trailer = torch.empty(_TAG_BYTES, dtype=torch.uint8)
     group.recv(trailer, src)
-    expected = bytes(trailer.tolist()).hex()
-    digest = _combine([f.result() for f in hashes])
-    if digest != expected:
-        raise IntegrityError(f"state from rank {src}: sha256 {digest[:12]} != {expected[:12]}")
+    tensor_digest = _combine([f.result() for f in hashes])
+    if not hmac.compare_digest(trailer.numpy().tobytes(), _trailer(key, ctx, meta_digest, tensor_digest)):
+        why = (
+            "authentication (wrong key, or altered in transit)"
+            if key
+            else "its checksum (corrupted in transit)"
+        )
+        raise IntegrityError(f"state from rank {src}: tensors or metadata failed {why}")
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    return _unflatten(meta["skeleton"], tensors), TransferStats(nbytes, time.perf_counter() - t0, digest)
+    stats = TransferStats(nbytes, time.perf_counter() - t0, _content_digest(meta_digest, tensor_digest))
+    return _unflatten(skeleton, tensors), stats
 
 
 def digest_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, step: int) -> str:
