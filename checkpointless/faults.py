@@ -119,7 +119,7 @@ def validate_schedule(faults: list[FaultSpec], *, workers: int, spares: int, ste
     for f in faults:
         if f.at != "step":
             if spares < 1:
-                raise ValueError(f"fault {f}: there is no recovery with a spare to hit (--spares 0)")
+                raise ValueError(f"fault {f}: there is no spare to kill (--spares 0)")
             continue
         assert f.step is not None
         for r in f.ranks:

@@ -74,12 +74,12 @@ def test_metrics_scraped_during_a_run_with_a_fault(tmp_path: Path) -> None:
                     name, value = line.rsplit(" ", 1)
                     scraped[name] = float(value)
             if (
-                scraped.get('checkpointless_faults_total{kind="crash"}', 0) >= 1
+                scraped.get('checkpointless_faults_total{cause="process_exit",kind="crash"}', 0) >= 1
                 and scraped.get("checkpointless_last_committed_step", 0) > 10
             ):
                 break
             time.sleep(0.2)
-        assert scraped.get('checkpointless_faults_total{kind="crash"}') == 1.0, scraped
+        assert scraped.get('checkpointless_faults_total{cause="process_exit",kind="crash"}') == 1.0, scraped
         assert scraped["checkpointless_generation"] >= 1
         assert scraped["checkpointless_recovery_seconds_count"] >= 1
         assert 'checkpointless_step_time_seconds{rank="1"}' in scraped
