@@ -16,8 +16,9 @@ Grammar of a spec (``--fault`` on the command line)::
     none                        no fault at all
 
 Every fault fires once: a replacement that re-executes the step is not hit again.
-Firing is claimed atomically in the control store per (fault, rank), so exactly one
-process fires it for each rank it names.
+Firing is claimed atomically in the control store per (fault, rank) for step faults,
+per fault for recovery faults, so exactly one process fires it for each rank it names
+(and a recovery fault fires in one recovery only).
 """
 
 from __future__ import annotations
@@ -161,7 +162,10 @@ class FaultInjector:
         self._claimer = claimer
 
     def _fire(self, index: int, fault: FaultSpec, on_fire: _OnFire | None, rank: int, step: int) -> None:
-        if self._claimer is None or not self._claimer.claim(keys.fault_fired(index, rank)):
+        # A step fault fires once per rank it names; a recovery fault once per job, whichever
+        # recovery comes first (never again in a later one).
+        who = rank if fault.at == "step" else -1
+        if self._claimer is None or not self._claimer.claim(keys.fault_fired(index, who)):
             return
         if on_fire is not None:
             on_fire(index, fault, rank, step)

@@ -571,8 +571,9 @@ class Session:
             client.emit("transfer_begun", rank=rank, gen=plan.gen, step=plan.resume_step, src=src)
 
             def hook() -> None:
-                assert self._faults is not None
-                self._faults.at_recovery(rank, plan.resume_step, self._fault_fired)
+                # kill:spare@recovery hits a replacement only, never a lagging survivor that receives
+                if self._faults is not None and rank in plan.replaced:
+                    self._faults.at_recovery(rank, plan.resume_step, self._fault_fired)
 
             state, stats = recv_state(self._group, src, between=hook, key=self._secret)
             self._registry.load_state_dict(state)

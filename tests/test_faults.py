@@ -56,3 +56,27 @@ def test_schedule_errors(specs: list[str], workers: int, spares: int, steps: int
 
 def test_exceptions_need_no_spare() -> None:
     validate_schedule(parse_faults(["exception:rank=0,1@step=3"]), workers=2, spares=0, steps=10)
+
+
+def test_a_recovery_fault_fires_in_one_recovery_only() -> None:
+    """kill:spare@recovery used to be claimed per rank, so it could fire again in a later recovery."""
+    from checkpointless.faults import FaultInjector
+
+    claimed: set[str] = set()
+
+    class Store:
+        def claim(self, key: str) -> bool:
+            first = key not in claimed
+            claimed.add(key)
+            return first
+
+    fired: list[tuple[int, int]] = []
+    spec = parse_fault("exception:rank=0@step=1")  # raises instead of killing: observable in-process
+    recovery = FaultSpec(kind="exception", ranks=(), step=None, at="recovery")
+    injector = FaultInjector([spec, recovery], Store())
+    for rank in (1, 0):  # two recoveries, replacing different ranks
+        try:
+            injector.at_recovery(rank, 5, lambda i, f, r, s: fired.append((i, r)))
+        except Exception:
+            pass
+    assert fired == [(1, 1)]
