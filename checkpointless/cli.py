@@ -174,22 +174,30 @@ def cmd_demo(argv: list[str]) -> int:
     p.add_argument("--verify", action="store_true", help="also run fault-free and compare final state hashes")
     p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--global-batch", type=int, default=None,
+                   help="sequences per step, split evenly over the workers (default: 16, rounded up "
+                   "to a multiple of --workers)")  # fmt: skip
     p.add_argument("--quiet", action="store_true", help="no live progress")
     args = p.parse_args(argv)
     _positive("steps", args.steps)
     _positive("layers", args.layers)
     _positive("d-model", args.d_model)
     job = _job(args, args.steps, default_faults(args.workers, args.steps))
-    spec = DemoModel(steps=args.steps, seed=args.seed, d_model=args.d_model, n_layer=args.layers)
+    global_batch = args.global_batch or -(-16 // args.workers) * args.workers
+    _positive("global-batch", global_batch)
+    spec = DemoModel(
+        steps=args.steps, seed=args.seed, d_model=args.d_model, n_layer=args.layers, global_batch=global_batch
+    )
     if spec.d_model % spec.n_head:
         raise UsageError(
             f"--d-model must be a multiple of the demo's {spec.n_head} attention heads, got {args.d_model}"
         )
     if spec.global_batch % args.workers:
-        raise UsageError(f"--workers {args.workers} must divide the global batch of {spec.global_batch}")
+        raise UsageError(f"--global-batch {spec.global_batch} must be a multiple of --workers {args.workers}")
     console = Console(stderr=True)
     console.print(
         f"checkpointless demo: {args.workers} workers + {args.spares} spare(s), {args.steps} steps, "
+        f"global batch {spec.global_batch}, "
         f"faults: {', '.join(map(str, job.faults)) or 'none'}",
         highlight=False,
     )

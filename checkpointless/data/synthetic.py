@@ -29,17 +29,26 @@ class SyntheticTokens:
         self._succ = torch.randint(0, vocab_size, (vocab_size, 2), generator=g)
 
     def batch(self, step: int, dp_rank: int, dp_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(inputs, targets), each ``(global_batch // dp_size, seq_len)`` int64."""
+        """(inputs, targets), each ``(global_batch // dp_size, seq_len)`` int64.
+
+        The global batch of a step is a pure function of (seed, step) alone: ranks take
+        consecutive slices of it, so the samples of a step do not depend on how many
+        ranks share it (2 workers see exactly the rows 4 workers see, split differently).
+        """
         if self.global_batch % dp_size:
             raise ValueError(f"global_batch={self.global_batch} is not divisible by dp_size={dp_size}")
-        b = self.global_batch // dp_size
-        g = torch.Generator().manual_seed(_key(self.seed, step, dp_rank, dp_size))
-        seq = torch.empty(b, self.seq_len + 1, dtype=torch.int64)
-        seq[:, 0] = torch.randint(0, self.vocab_size, (b,), generator=g)
-        choice = torch.randint(0, 2, (b, self.seq_len), generator=g)
-        noise = torch.rand(b, self.seq_len, generator=g) < 0.05
-        rand_tok = torch.randint(0, self.vocab_size, (b, self.seq_len), generator=g)
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank={dp_rank} is outside 0..{dp_size - 1}")
+        n = self.global_batch
+        g = torch.Generator().manual_seed(_key(self.seed, step))
+        seq = torch.empty(n, self.seq_len + 1, dtype=torch.int64)
+        seq[:, 0] = torch.randint(0, self.vocab_size, (n,), generator=g)
+        choice = torch.randint(0, 2, (n, self.seq_len), generator=g)
+        noise = torch.rand(n, self.seq_len, generator=g) < 0.05
+        rand_tok = torch.randint(0, self.vocab_size, (n, self.seq_len), generator=g)
         for i in range(self.seq_len):
             nxt = self._succ[seq[:, i], choice[:, i]]
             seq[:, i + 1] = torch.where(noise[:, i], rand_tok[:, i], nxt)
-        return seq[:, :-1], seq[:, 1:]
+        b = n // dp_size
+        rows = seq[dp_rank * b : (dp_rank + 1) * b]
+        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
