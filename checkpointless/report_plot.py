@@ -327,21 +327,21 @@ def format_summary(run: RunData) -> str:
 
 
 def _plot(run: RunData, out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
+    # An explicit Agg canvas: no pyplot, so the caller's global backend is left alone.
+    from matplotlib import colormaps
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     commits = _commits_by_rank(run)
     spans = _fault_spans(run)
     t_end = _end_time(run)
 
-    fig, (ax_t, ax_l) = plt.subplots(
-        2, 1, figsize=(11, 7.5), gridspec_kw={"height_ratios": [3, 2]}, constrained_layout=True
-    )
+    fig = Figure(figsize=(11, 7.5), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax_t, ax_l = fig.subplots(2, 1, gridspec_kw={"height_ratios": [3, 2]})
     try:
         # ---- top: committed step vs wall time, per rank
-        cmap = plt.get_cmap("tab10" if len(commits) <= 10 else "tab20")
+        cmap = colormaps["tab10" if len(commits) <= 10 else "tab20"]
         n_points = sum(len(v) for v in commits.values())
         marker = "o" if n_points <= 600 else None
         markers = "osD^v<>ph*"
@@ -464,7 +464,7 @@ def _plot(run: RunData, out: Path) -> None:
             ax_l.text(0.5, 0.5, "no loss data", transform=ax_l.transAxes, ha="center")
         fig.savefig(out, dpi=110)
     finally:
-        plt.close(fig)
+        fig.clear()
 
 
 # ---------------------------------------------------------------------------- API / CLI

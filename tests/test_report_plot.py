@@ -300,3 +300,18 @@ def test_summary_notes_a_report_that_disagrees_with_the_events(tmp_path: Path) -
     (run_dir / "report.json").write_text('{"faults": []}', encoding="utf-8")  # an old report: no real faults
     summary = report_plot.format_summary(report_plot.load_run(run_dir))
     assert "note: events.jsonl yields 1 fault(s), report.json lists 0" in summary
+
+
+def test_plotting_leaves_the_global_matplotlib_backend_alone(tmp_path: Path) -> None:
+    import matplotlib
+
+    from checkpointless.report_plot import RunData, _plot
+
+    before = matplotlib.get_backend()
+    matplotlib.use("svg")  # a caller's choice, which a library must not change
+    try:
+        _plot(RunData(events=[], report={}, run_dir=tmp_path), tmp_path / "t.png")
+        assert matplotlib.get_backend() == "svg"
+        assert (tmp_path / "t.png").stat().st_size > 0
+    finally:
+        matplotlib.use(before)
