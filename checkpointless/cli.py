@@ -280,8 +280,12 @@ def cmd_run(argv: list[str]) -> int:
         args.hang_timeout = cfg.fault_tolerance.hang_timeout_s
     if args.progress_timeout is None:
         args.progress_timeout = cfg.fault_tolerance.progress_timeout_s
+    if cfg.parallel.shards != 1:
+        raise UsageError(
+            f"{args.recipe}: parallel.shards={cfg.parallel.shards}: sharded (FSDP/HSDP) training is not "
+            "supported by `checkpointless run` yet; use shards: 1 (--dry-run sizes sharded layouts)"
+        )
     job = _job(args, cfg.train.steps, [])
-    job.shards = 1  # FSDP/HSDP training is not wired into recipes yet: every worker holds the full state
     command = [sys.executable, "-m", "checkpointless.recipes.train", str(args.recipe)]
     for o in overrides:
         command += ["--set", o]

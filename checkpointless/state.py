@@ -536,6 +536,14 @@ def send_state(group: Group, dst: int, state: dict[str, Any], *, key: bytes | No
     return TransferStats(nbytes, time.perf_counter() - t0, _content_digest(meta_digest, tensor_digest))
 
 
+def _accelerator() -> torch.device | None:
+    """The current accelerator, on any torch the package allows (``torch.accelerator`` is 2.6+)."""
+    api = getattr(torch, "accelerator", None)
+    if api is not None:
+        return api.current_accelerator() if api.is_available() else None  # type: ignore[no-any-return]
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+
+
 def recv_state(
     group: Group,
     src: int,
@@ -582,7 +590,7 @@ def recv_state(
         raise IntegrityError(f"state from rank {src}: {e}") from None
     if between is not None:
         between()
-    accel = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    accel = _accelerator()
     tensors = [
         torch.empty(ref.shape, dtype=ref.dtype, device=accel if ref.on_accelerator and accel else "cpu")
         for ref in refs

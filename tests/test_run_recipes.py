@@ -43,6 +43,7 @@ def test_recipe_with_kill_equals_fault_free(recipe: str, tmp_path: Path) -> None
     losses = [loss for _, loss in rf["heldout_loss"]]
     assert len(losses) >= 2 and losses[-1] < losses[0]
     assert (tmp_path / "f" / "timeline.png").stat().st_size > 10_000
+    assert "step 10/12 loss" in (tmp_path / "c" / "logs" / "w0.log").read_text()  # train.log_every: 10
 
 
 def test_metrics_scraped_during_a_run_with_a_fault(tmp_path: Path) -> None:
@@ -107,6 +108,7 @@ def test_recipe_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]
         (["--set", "fault_tolerance.progress_timeout_s=.nan"], "progress_timeout_s"),
         (["--progress-timeout", "inf"], "--progress-timeout"),
         (["--hang-timeout", "0"], "--hang-timeout"),
+        (["--set", "parallel.shards=2"], "sharded"),
     ):
         assert main(["run", path, *extra]) == 2
         err = capsys.readouterr().err

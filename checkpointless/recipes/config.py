@@ -337,7 +337,7 @@ class OptimConfig:
     """Clip the global gradient norm to this value; ``None`` disables clipping."""
 
     schedule: Schedule = "cosine"
-    """After warm-up: ``constant`` or ``cosine`` decay to zero at the last step."""
+    """After warm-up: ``constant``, or ``cosine`` decay from ``lr`` to ``0.1 * lr`` at the last step."""
 
     def __post_init__(self) -> None:
         _choice("name", self.name, ("adamw",))
@@ -407,7 +407,7 @@ class TrainConfig:
     """Seed for model init and data order (identical on every rank)."""
 
     log_every: int = 10
-    """Log training loss every this many steps."""
+    """Rank 0 prints the step, loss and learning rate to its log (``logs/w0.log``) every this many steps."""
 
     def __post_init__(self) -> None:
         _positive("steps", self.steps)

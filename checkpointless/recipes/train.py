@@ -95,6 +95,10 @@ def main(argv: list[str] | None = None) -> int:
             session.log(loss=loss.item(), tokens=inputs.numel(), lr=lr)
         if not attempt.committed:
             continue  # failed and recovered: steps() yields the same step again
+        if session.rank == 0 and cfg.train.log_every and (step + 1) % cfg.train.log_every == 0:
+            print(
+                f"step {step + 1}/{steps} loss {loss.item():.4f} lr {lr:.3e}", flush=True
+            )  # into logs/w0.log
         if session.rank == 0 and dc.eval_every and ((step + 1) % dc.eval_every == 0 or step + 1 == steps):
             session.emit("eval", heldout_loss=heldout_loss())
     data.stop(timeout=5)
