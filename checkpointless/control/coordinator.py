@@ -125,6 +125,7 @@ class Coordinator:
         self._last_spare_death = ""
         self._pool_exhausted = False
         self._last_poll = float("-inf")
+        self._published: dict[str, str] = {}  # sealed values to re-publish if a stranger overwrites them
         self.digest: str | None = None
         self.finished = False
 
@@ -135,8 +136,8 @@ class Coordinator:
         for h in spares:
             self._add(h, "spare")
         self.plan = initial_plan(self.job.workers, self.job.shards, [h.name for h in workers])
-        self.store.set(keys.plan(0), self.plan.to_json())
-        self.store.set(keys.LATEST_GEN, "0")
+        self._publish_value(keys.plan(0), self.plan.to_json())
+        self._publish_value(keys.LATEST_GEN, "0")
         self._emit("generation_started", gen=0, members=self.plan.members, resume_step=0)
 
     def _add(self, h: ProcessHandle, role: str) -> None:
@@ -181,6 +182,7 @@ class Coordinator:
             self._last_poll = now
             self._check_fatal()
             self._read_heartbeats(now)
+            self._prune_published()
             self._check_published()
         self._check_processes(now)
         self._start_due_spares(now)
@@ -204,8 +206,10 @@ class Coordinator:
                 text = self.store.open(key, raw)
                 if text is None:
                     continue  # forged: keep the last real heartbeat
-                p.raw_hb, p.last_change = raw, now
                 hb = json.loads(text)
+                if p.hb and int(hb.get("seq", 0)) <= int(p.hb.get("seq", 0)):
+                    continue  # a replay of an older real heartbeat must not hide a hang
+                p.raw_hb, p.last_change = raw, now
                 if hb.get("phase") == "spare" and not p.was_ready:
                     p.was_ready = True
                     self._spare_failures = 0
@@ -326,13 +330,32 @@ class Coordinator:
                 )
                 raise JobFailed(str(d["error"]))
 
+    def _publish_value(self, key: str, value: str) -> None:
+        """Seal and write ``key``, and keep re-publishing it while someone may still wait for it."""
+        self.store.set(key, value)
+        self._published[key] = value
+
     def _check_published(self) -> None:
-        """Re-publish the current plan if a stranger overwrote it (workers would wait for it forever)."""
+        """Re-publish what a stranger overwrote: a worker would wait for a plan, a spare for its
+        assignment, a finished rank for an abort, forever."""
         assert self.plan is not None
-        if self.store.get(keys.plan(self.plan.gen)) is None:
-            self.store.set(keys.plan(self.plan.gen), self.plan.to_json())
-        if self.store.get(keys.LATEST_GEN) != str(self.plan.gen):
-            self.store.set(keys.LATEST_GEN, str(self.plan.gen))
+        for key, value in list(self._published.items()):
+            if self.store.get(key) != value:
+                self.store.set(key, value)
+
+    def _prune_published(self) -> None:
+        """Forget values no one waits for any more (an older plan, an abort of an older generation,
+        an assignment its spare has acted on)."""
+        assert self.plan is not None
+        current = {keys.plan(self.plan.gen), keys.LATEST_GEN}
+        for key in list(self._published):
+            if key in current or key == keys.abort(self.plan.gen):
+                continue
+            if key.startswith("assign/"):
+                p = self.procs.get(key.split("/", 1)[1])
+                if p is not None and p.role != "gone" and p.hb.get("gen", -1) < int(self._published[key]):
+                    continue
+            del self._published[key]
 
     def _check_progress(self, now: float) -> None:
         """A member stuck computing a step while a peer already waits in that step's reduction is hung.
@@ -367,7 +390,7 @@ class Coordinator:
         assert self.plan is not None
         if self._failure is None:
             self._failure = _Failure(self.plan.gen, now)
-            self.store.set(keys.abort(self.plan.gen), "1")
+            self._publish_value(keys.abort(self.plan.gen), "1")
             self._recovering = None
         return self._failure
 
@@ -375,13 +398,14 @@ class Coordinator:
         assert self.plan is not None
         gen = self.plan.gen
         if self.store.add(keys.fail_count(gen), 0) == 0:
-            return
-        failure = self._fail(self._clock())
+            return  # the counter is only a hint (anyone can bump it): the sealed reports decide
         for rank in self.members:
-            if rank in failure.reported or rank in failure.dead:
+            failure = self._failure
+            if failure is not None and (rank in failure.reported or rank in failure.dead):
                 continue
             text = self.store.get(keys.fail(gen, rank))
             if text is not None:
+                failure = self._fail(self._clock())
                 d = json.loads(text)
                 failure.reported[rank] = int(d["committed"])
                 if d.get("has_state", True):
@@ -438,13 +462,13 @@ class Coordinator:
         self._publish(plan, f)
 
     def _publish(self, plan: Plan, f: _Failure) -> None:
-        self.store.set(keys.plan(plan.gen), plan.to_json())
-        self.store.set(keys.LATEST_GEN, str(plan.gen))
+        self._publish_value(keys.plan(plan.gen), plan.to_json())
+        self._publish_value(keys.LATEST_GEN, str(plan.gen))
         for rank, old in plan.replaced.items():
             self.procs[old].role = "gone"
             new = plan.members[rank]
             self.procs[new].role = "worker"
-            self.store.set(keys.assign(new), str(plan.gen))
+            self._publish_value(keys.assign(new), str(plan.gen))
         self.plan = plan
         self._emit(
             "generation_started", gen=plan.gen, members=plan.members, resume_step=plan.resume_step,

@@ -1,0 +1,774 @@
+"""Table-driven unit tests of the coordinator's decisions (``control/coordinator.py``).
+
+The coordinator is built as the launcher builds it (``launch.py``): a
+``SignedStore`` over the control store, the job's config, a ``spawn_spare``
+callback and an ``emit`` sink, then ``start`` and ``tick`` in a loop. Only the
+boundary is faked (``tests/fakes.py``): the store is in memory, processes are
+handles the test ends by hand, the clock moves when told, and the workers'
+writes are made in their real format, sealed with the job's secret.
+
+One tick is one heartbeat interval (0.25 s, a binary fraction so that every
+deadline is hit exactly): each tick the processes whose heartbeat thread runs
+(``Job.beating``) flush their heartbeat, then the coordinator ticks.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from checkpointless.config import JobConfig, RecoveryConfig
+from checkpointless.control import keys
+from checkpointless.control.auth import SignedStore
+from checkpointless.control.coordinator import Coordinator, JobFailed
+from checkpointless.control.plan import Plan
+from tests.fakes import FakeProcess, FakeStore, FakeWorker, ManualClock
+
+pytestmark = pytest.mark.timeout(30)
+
+SECRET = bytes(range(32))
+OTHER_SECRET = bytes(range(1, 33))  # a stranger's (another job's) secret
+DT = 0.25  # one tick: one heartbeat interval
+RECOVERY: dict[str, Any] = {
+    "hang_timeout_s": 2.0,
+    "heartbeat_interval_s": DT,
+    "progress_timeout_s": 8.0,
+    "start_timeout_s": 30.0,
+}
+
+
+class Job:
+    """A coordinator with its fake store, processes and clock."""
+
+    def __init__(self, workers: int = 2, spares: int = 1, **recovery: Any) -> None:
+        self.clock = ManualClock()
+        self.t0 = self.clock.now
+        self.raw = FakeStore()
+        self.rejected: list[str] = []  # keys the coordinator found forged (its on_reject)
+        self.signed = SignedStore(self.raw, SECRET, self.rejected.append)  # the coordinator's
+        self.store = SignedStore(self.raw, SECRET)  # the test's reads
+        self.stranger = SignedStore(self.raw, OTHER_SECRET)
+        self.events: list[dict[str, Any]] = []
+        self.procs: dict[str, FakeProcess] = {}
+        self.fakes: dict[str, FakeWorker] = {}
+        self.beating: set[str] = set()
+        self.spawned: list[tuple[str, float]] = []
+        self.spawn_log = ""
+        self._next_spare = spares
+        self.config = JobConfig(
+            workers=workers, spares=spares, recovery=RecoveryConfig(**{**RECOVERY, **recovery})
+        )
+        self.coord = Coordinator(
+            self.signed, self.config, 100, self._spawn_spare, self.events.append, clock=self.clock
+        )
+        self.coord.start(
+            [self._proc(f"w{r}") for r in range(workers)], [self._proc(f"s{i}") for i in range(spares)]
+        )
+
+    def _proc(self, name: str, log: str = "") -> FakeProcess:
+        self.procs[name] = FakeProcess(name, log)
+        return self.procs[name]
+
+    def _spawn_spare(self) -> FakeProcess:
+        name = f"s{self._next_spare}"
+        self._next_spare += 1
+        self.spawned.append((name, self.clock.now))
+        return self._proc(name, self.spawn_log)
+
+    def __getitem__(self, name: str) -> FakeWorker:
+        """The fake of process ``name``'s writes; its heartbeat thread runs from the first use."""
+        if name not in self.fakes:
+            self.fakes[name] = FakeWorker(self.raw, SECRET, name)
+            self.beating.add(name)
+        return self.fakes[name]
+
+    # -- driving ------------------------------------------------------------------------
+    def tick(self, n: int = 1, dt: float = DT) -> None:
+        for _ in range(n):
+            self.clock.advance(dt)
+            for name in sorted(self.beating):
+                self.fakes[name].heartbeat()
+            self.coord.tick()
+
+    def tick_until(self, t: float) -> None:
+        """Tick while the next tick is at or before ``t``."""
+        while self.clock.now + DT <= t:
+            self.tick()
+
+    def steady(self, committed: int = -1, spares_ready: bool = True) -> None:
+        """Every worker joined generation 0 (and committed ``committed``); spares waiting."""
+        for r in range(self.config.workers):
+            self[f"w{r}"].enter(r, 0, committed)
+        if spares_ready:
+            for i in range(self.config.spares):
+                self[f"s{i}"].ready_spare()
+        self.tick()
+
+    def exit(self, name: str, code: int) -> None:
+        self.beating.discard(name)
+        self.procs[name].exit(code)
+
+    # -- observing ----------------------------------------------------------------------
+    def kinds(self, kind: str) -> list[dict[str, Any]]:
+        return [e for e in self.events if e["kind"] == kind]
+
+    def faults(self) -> list[tuple[str, str]]:
+        return [(e["reason"], e["target"]) for e in self.kinds("fault_detected")]
+
+    def kills(self) -> dict[str, int]:
+        return {n: p.kills for n, p in self.procs.items() if p.kills}
+
+    def plan(self, gen: int) -> Plan | None:
+        text = self.store.get(keys.plan(gen))
+        return None if text is None else Plan.from_json(text)
+
+
+# == 1. hang: a silent heartbeat ====================================================================
+
+
+@pytest.mark.parametrize(("silent", "rank", "ticks_after"), [("w1", 1, 1), ("w1", 1, 40), ("s0", None, 40)])
+def test_silent_heartbeat_is_killed_exactly_once(silent: str, rank: int | None, ticks_after: int) -> None:
+    job = Job()
+    job.steady()
+    job.beating.discard(silent)  # stopped (SIGSTOP): its last heartbeat was read at this tick
+    last = job.clock.now
+    hang = job.config.recovery.hang_timeout_s
+    job.tick_until(last + hang)
+    assert job.clock.now == last + hang
+    assert job.faults() == [] and job.kills() == {}
+    job.tick()
+    (fault,) = job.kinds("fault_detected")
+    assert (fault["reason"], fault["target"], fault["rank"]) == ("heartbeat_timeout", silent, rank)
+    assert fault["silent_s"] == hang + DT
+    assert job.kills() == {silent: 1}
+    job.tick(ticks_after)  # the SIGKILL is pending: the process is still alive
+    assert job.faults() == [("heartbeat_timeout", silent)] and job.kills() == {silent: 1}
+    # nothing is decided until it is seen dead
+    assert job.store.get(keys.abort(0)) is None and job.plan(1) is None
+
+
+# == 2. a dead worker is replaced by the ready spare ================================================
+
+
+@pytest.mark.parametrize(
+    "order", ["dies_then_survivor_reports", "survivor_reports_then_dies", "dead_reported_too"]
+)
+def test_dead_worker_is_replaced_by_the_ready_spare(order: str) -> None:
+    job = Job(workers=2, spares=1)
+    job.steady(committed=4)
+    if order == "dies_then_survivor_reports":
+        job.exit("w1", -9)
+        job.tick()
+        assert job.store.get(keys.abort(0)) == "1"
+        job.tick(4)
+        assert job.plan(1) is None  # w0 is not accounted for yet
+        job["w0"].recover()
+        job.tick()
+    elif order == "survivor_reports_then_dies":
+        job["w0"].recover()
+        job.tick()
+        assert job.store.get(keys.abort(0)) == "1"
+        job.tick(4)
+        assert job.plan(1) is None  # w1 is alive and has not reported
+        job.exit("w1", -9)
+        job.tick()
+    else:
+        job["w1"].recover("exception")
+        job.tick(4)
+        assert job.plan(1) is None
+        job.exit("w1", -9)
+        job["w0"].recover()
+        job.tick()
+    assert job.plan(1) == Plan(
+        gen=1, world_size=2, shards=1, members={0: "w0", 1: "s0"}, resume_step=5, sources={1: 0},
+        replaced={1: "w1"},
+    )  # fmt: skip
+    assert job.store.get(keys.LATEST_GEN) == "1"
+    assert job.store.get(keys.assign("s0")) == "1" and job.store.get(keys.assign("w0")) is None
+    (exited,) = job.kinds("process_exited")
+    assert (exited["target"], exited["exitcode"], exited["rank"], exited["joined"]) == ("w1", -9, 1, True)
+    assert job.faults() == [("process_exit", "w1")]
+    (assigned,) = job.kinds("spare_assigned")
+    assert (assigned["rank"], assigned["gen"], assigned["target"], assigned["replaces"]) == (1, 1, "s0", "w1")
+    job.tick(20)
+    assert job.raw.sets[keys.plan(1)] == 1 and job.plan(2) is None
+    assert [e["gen"] for e in job.kinds("generation_started")] == [0, 1]
+    assert job.spawned == []  # the pool is refilled once the recovery is done
+    job["w0"].enter(0, 1, 4)
+    job["s0"].enter(1, 1, 4)
+    job.tick()
+    assert job.kinds("recovery_done") == [] and job.spawned == []
+    job["w0"].commit(5, 0.5)
+    job["s0"].commit(5, 0.5)
+    job.tick()
+    (done,) = job.kinds("recovery_done")
+    assert (done["gen"], done["step"]) == (1, 5)
+    assert job.spawned == [("s1", job.clock.now)]
+    assert job.kills() == {}
+
+
+# == 3. spares: not ready yet, none left ===========================================================
+
+
+@pytest.mark.parametrize("spare_heartbeat", [None, "starting"])
+def test_plan_waits_for_a_spare_that_is_still_starting(spare_heartbeat: str | None) -> None:
+    job = Job(workers=2, spares=1)
+    if spare_heartbeat is not None:
+        job["s0"].heartbeat(phase=spare_heartbeat)
+    job.steady(committed=4, spares_ready=False)
+    job.exit("w1", -9)
+    job["w0"].recover()
+    job.tick(20)
+    assert job.plan(1) is None and job.kinds("spare_assigned") == []
+    assert job.store.get(keys.assign("s0")) is None
+    job["s0"].ready_spare()
+    job.tick()
+    plan = job.plan(1)
+    assert plan is not None and plan.members == {0: "w0", 1: "s0"} and plan.sources == {1: 0}
+    assert job.store.get(keys.assign("s0")) == "1"
+
+
+@pytest.mark.parametrize(
+    ("spares", "spare_dies", "match"),
+    [
+        (0, False, r"^generation 0: 1 rank\(s\) lost and 0 spare\(s\) left \(elastic shrink without spares"),
+        (1, True, r"^generation 0: 1 rank\(s\) lost and 0 spare\(s\) left .*; spares keep dying at start-up: "
+                  r"s0 exited with code 1 before joining the job; last log line: ImportError: libfoo\.so$"),
+    ],
+)  # fmt: skip
+def test_failure_with_no_spare_alive_and_none_due_fails_the_job(
+    spares: int, spare_dies: bool, match: str
+) -> None:
+    job = Job(workers=2, spares=spares, spare_restart_limit=0)
+    job.steady(committed=4, spares_ready=False)
+    if spare_dies:
+        job.procs["s0"].log = "Traceback (most recent call last):\nImportError: libfoo.so\n"
+        job.exit("s0", 1)
+        job.tick()
+        (exhausted,) = job.kinds("spare_pool_exhausted")
+        assert exhausted["target"] == "s0" and exhausted["failures"] == 1
+    job.exit("w1", -9)
+    job["w0"].recover()
+    with pytest.raises(JobFailed, match=match):
+        job.tick()
+    assert job.plan(1) is None and job.spawned == []
+
+
+def test_failure_waits_for_a_spare_whose_restart_is_due() -> None:
+    job = Job(workers=2, spares=1)
+    job.steady(committed=4, spares_ready=False)
+    job.exit("s0", 1)  # dies at start-up: restarted in 0.5 s
+    job.tick()
+    died = job.clock.now
+    job.exit("w1", -9)
+    job["w0"].recover()
+    job.tick()  # no spare alive, one due: wait
+    assert job.plan(1) is None
+    job.tick_until(died + 0.5)
+    assert job.spawned == [("s1", died + 0.5)]
+    job.tick(4)
+    assert job.plan(1) is None
+    job["s1"].ready_spare()
+    job.tick()
+    plan = job.plan(1)
+    assert plan is not None and plan.members == {0: "w0", 1: "s1"}
+
+
+# == 4. no progress: computing while a peer waits in the reduction =================================
+
+
+@pytest.mark.parametrize(
+    ("step_time", "peer", "limit"),
+    [
+        (1.0, "reduce", 8.0),  # progress_timeout_s
+        (4.0, "reduce", 20.0),  # five median steps
+        (None, "reduce", None),  # no step committed yet: the first step may be slow, never killed for it
+        (1.0, "compute", None),  # no peer waits for it: a long step, not a hang
+    ],
+)
+def test_member_computing_while_a_peer_reduces_is_killed_after_the_allowance(
+    step_time: float | None, peer: str, limit: float | None
+) -> None:
+    job = Job(workers=2, spares=1, progress_timeout_s=8.0)
+    job.steady()
+    if step_time is not None:
+        for w in ("w0", "w1"):
+            job[w].compute(0, 1)
+        job.tick()
+        for w in ("w0", "w1"):
+            job[w].commit(0, step_time)
+        job.tick()
+        assert job.coord.median_step_time() == step_time
+    step = 0 if step_time is None else 1
+    for w in ("w0", "w1"):
+        job[w].compute(step, 2)
+    job.tick()
+    since = job.clock.now
+    if peer == "reduce":
+        job["w1"].reduce()
+    job.tick()
+    if limit is None:
+        job.tick_until(since + 3 * 8.0)
+        assert job.faults() == [] and job.kills() == {}
+        return
+    job.tick_until(since + limit - DT)
+    assert job.faults() == [] and job.kills() == {}
+    job.tick()  # exactly the allowance: not yet
+    assert job.clock.now == since + limit and job.kills() == {}
+    job.tick()
+    (fault,) = job.kinds("fault_detected")
+    assert (fault["reason"], fault["target"], fault["rank"], fault["step"]) == ("no_progress", "w0", 0, 1)
+    assert fault["silent_s"] == limit + DT
+    job.tick(20)
+    assert job.kills() == {"w0": 1} and len(job.faults()) == 1
+
+
+def test_silent_member_computing_while_a_peer_reduces_is_left_to_the_heartbeat_detector() -> None:
+    job = Job(workers=2, spares=1, progress_timeout_s=8.0, hang_timeout_s=16.0)
+    job.steady()
+    for w in ("w0", "w1"):
+        job[w].commit(0, 1.0)
+    job.tick()
+    job["w0"].compute(1, 2)
+    job["w1"].compute(1, 2)
+    job.tick()
+    job.beating.discard("w0")  # stopped in the step
+    last = job.clock.now
+    job["w1"].reduce()
+    job.tick_until(last + 16.0)
+    assert job.faults() == [] and job.kills() == {}  # past the progress allowance, but silent
+    job.tick()
+    assert job.faults() == [("heartbeat_timeout", "w0")] and job.kills() == {"w0": 1}
+
+
+# == 5. a member still starting is held to start_timeout_s, not to the recovery deadline =============
+
+
+@pytest.mark.parametrize(
+    ("state", "reason", "killed_after"),
+    [
+        ("starting", "start_timeout", "start"),  # no heartbeat yet: reports when it gets there
+        ("joined", "no_progress", "failure"),  # live heartbeat, never reports: the recovery deadline
+        ("silent", "heartbeat_timeout", "heartbeat"),  # stopped: the hang detector
+    ],
+)
+def test_member_that_does_not_report_a_failure(state: str, reason: str, killed_after: str) -> None:
+    job = Job(workers=3, spares=2)
+    rc = job.config.recovery
+    if state != "starting":
+        job["w2"].enter(2, 0, 4)
+        if state == "silent":
+            job.beating.discard("w2")
+    for r in (0, 1):
+        job[f"w{r}"].enter(r, 0, 4)
+    for s in ("s0", "s1"):
+        job[s].ready_spare()
+    job.tick()
+    last_heartbeat = job.clock.now
+    job.exit("w1", -9)
+    job["w0"].recover()
+    job.tick()
+    failed = job.clock.now
+    expected = {
+        "start": job.t0 + rc.start_timeout_s,
+        "failure": failed + rc.progress_timeout_s,
+        "heartbeat": last_heartbeat + rc.hang_timeout_s,
+    }[killed_after] + DT
+    while not job.kills() and job.clock.now < job.t0 + 60:
+        job.tick()
+    assert job.kills() == {"w2": 1} and job.clock.now == expected
+    assert job.faults() == [("process_exit", "w1"), (reason, "w2")]
+    assert job.plan(1) is None
+    job.tick(8)
+    assert job.kills() == {"w2": 1}
+    job.exit("w2", -9)
+    job.tick()
+    plan = job.plan(1)
+    assert plan is not None
+    assert (plan.members, plan.sources, plan.resume_step) == ({0: "w0", 1: "s0", 2: "s1"}, {1: 0, 2: 0}, 5)
+
+
+# == 6. the end: every rank's digest ===============================================================
+
+
+@pytest.mark.parametrize(
+    ("reports", "outcome"),
+    [
+        ([("w0", "d1", 9), ("w1", "d1", 9)], "finished"),
+        ([("w0", "d1", 9), ("w1", "d2", 9)], r"^replicas diverged: 2 different final states across ranks$"),
+        ([("w0", "d1", 9), ("w1", "d1", 8)], None),  # a rank still re-executing a step
+        ([("w0", "d1", 9), ("w9", "d1", 9)], None),  # a report of a process since replaced
+        ([("w0", "d1", 9)], None),  # a rank not done yet
+    ],
+)
+def test_done_reports(reports: list[tuple[str, str, int]], outcome: str | None) -> None:
+    job = Job(workers=2, spares=1)
+    job.steady(committed=9)
+    for rank, (proc, digest, step) in enumerate(reports):
+        FakeWorker(job.raw, SECRET, proc).report_done(rank, digest, step)
+        if proc in job.fakes:
+            job[proc].heartbeat(phase="done")
+    if outcome is not None and outcome != "finished":
+        with pytest.raises(JobFailed, match=outcome):
+            job.tick(4)
+        assert job.store.get(keys.JOB_STOP) is None and not job.coord.finished
+        return
+    job.tick(4)
+    if outcome is None:
+        assert not job.coord.finished and job.coord.digest is None
+        assert job.store.get(keys.JOB_STOP) is None and job.kinds("job_finished") == []
+        return
+    assert job.coord.finished and job.coord.digest == "d1"
+    assert job.store.get(keys.JOB_STOP) == "1"
+    (fin,) = job.kinds("job_finished")
+    assert (fin["ok"], fin["digest"], fin["step"]) == (True, "d1", 9)
+    job.exit("w0", 0)  # workers exit once the job is over: no longer a fault
+    job.exit("s0", 0)
+    job.tick(4)
+    assert job.faults() == [] and len(job.kinds("job_finished")) == 1
+
+
+def test_rank_lost_after_its_peer_finished_is_replaced_and_the_job_finishes() -> None:
+    job = Job(workers=2, spares=1)
+    job.steady(committed=9)
+    job["w0"].heartbeat(phase="done")
+    job["w0"].report_done(0, "d1", 9)
+    job.tick()
+    job.exit("w1", -9)  # dies before its own report
+    job.tick()
+    assert not job.coord.finished and job.store.get(keys.abort(0)) == "1"
+    job["w0"].recover("peer_failure")  # Session.finish sees the abort
+    job.tick()
+    plan = job.plan(1)
+    assert plan is not None and (plan.members, plan.resume_step) == ({0: "w0", 1: "s0"}, 10)
+    for proc, rank in (("w0", 0), ("s0", 1)):  # nothing left to train: both finish at once
+        job[proc].enter(rank, 1, 9)
+        job[proc].heartbeat(phase="done")
+        job[proc].report_done(rank, "d1", 9)
+    job.tick()
+    (recovered,) = job.kinds("recovery_done")
+    assert (recovered["gen"], recovered["step"]) == (1, 10)
+    assert job.coord.finished and job.coord.digest == "d1" and job.store.get(keys.JOB_STOP) == "1"
+
+
+# == 7. exits: before the end, at start-up, spares =================================================
+
+
+@pytest.mark.parametrize(
+    ("joined", "code", "log", "match"),
+    [
+        (True, 0, "", r"^w1 \(rank 1\) exited with code 0 before the job finished \(does the loop end early"),
+        (False, 1, "Traceback (most recent call last):\nModuleNotFoundError: No module named 'foo'\n\n",
+         r"^w1 exited with code 1 before joining the job; last log line: "
+         r"ModuleNotFoundError: No module named 'foo'$"),
+        (False, 0, "", r"^w1 exited with code 0 before joining the job \(does the command create a "
+                       r"checkpointless\.Session\?\); last log line: \(empty\)$"),
+    ],
+)  # fmt: skip
+def test_worker_exit_that_ends_the_job(joined: bool, code: int, log: str, match: str) -> None:
+    job = Job(workers=2, spares=1)
+    job["w0"].enter(0, 0)
+    job["s0"].ready_spare()
+    if joined:
+        job["w1"].enter(1, 0)
+    job.tick()
+    job.procs["w1"].log = log
+    job.exit("w1", code)
+    with pytest.raises(JobFailed, match=match):
+        job.tick()
+    (exited,) = job.kinds("process_exited")
+    assert (exited["target"], exited["exitcode"], exited["joined"]) == ("w1", code, joined)
+    if not joined:
+        (fault,) = job.kinds("fault_detected")
+        assert (fault["reason"], fault["target"], fault["exitcode"]) == ("start_failure", "w1", code)
+        assert fault["log_tail"] == job.procs["w1"].log_tail()
+    assert job.store.get(keys.abort(0)) is None and job.spawned == []
+
+
+@pytest.mark.parametrize(("limit", "delays"), [(3, [0.5, 1.0, 2.0]), (1, [0.5]), (0, [])])
+def test_spares_dying_at_start_up_back_off_then_stop(limit: int, delays: list[float]) -> None:
+    job = Job(workers=2, spares=1, spare_restart_limit=limit)
+    job.spawn_log = job.procs["s0"].log = "RuntimeError: no accelerator found\n"
+    job.steady(spares_ready=False)
+    dying = "s0"
+    for i, delay in enumerate(delays):
+        job.exit(dying, 1)
+        job.tick()
+        died = job.clock.now
+        scheduled = job.kinds("spare_restart_scheduled")[-1]
+        assert (scheduled["target"], scheduled["delay_s"], scheduled["failures"]) == (dying, delay, i + 1)
+        assert "no accelerator found" in scheduled["error"]
+        job.tick_until(died + delay - DT)
+        assert len(job.spawned) == i  # not before the delay
+        job.tick()
+        dying = f"s{i + 1}"
+        assert job.spawned[-1] == (dying, died + delay)
+    job.exit(dying, 1)
+    job.tick()
+    (exhausted,) = job.kinds("spare_pool_exhausted")
+    assert (exhausted["target"], exhausted["failures"]) == (dying, limit + 1)
+    assert "no accelerator found" in exhausted["error"]
+    job.tick(40)
+    assert [e["delay_s"] for e in job.kinds("spare_restart_scheduled")] == delays
+    assert len(job.spawned) == len(delays)
+    assert {reason for reason, _ in job.faults()} == {"start_failure"}
+    assert job.store.get(keys.abort(0)) is None and not job.coord.finished
+
+
+@pytest.mark.parametrize(
+    ("heartbeat", "code", "delay"),
+    [
+        ("spare", -9, None),  # ready, then lost: restarted at once
+        ("spare", 0, None),
+        ("starting", -9, 0.5),  # joined (a Session) but died before it was ready: backoff
+        (None, -9, 0.5),  # killed before its first heartbeat (e.g. out of memory while importing)
+    ],
+)
+def test_spare_that_dies_after_start_up(heartbeat: str | None, code: int, delay: float | None) -> None:
+    job = Job(workers=2, spares=1)
+    job.procs["s0"].log = "building the model\n"
+    if heartbeat is not None:
+        job["s0"].heartbeat(phase=heartbeat)
+    job.steady(spares_ready=False)
+    job.exit("s0", code)
+    job.tick()
+    died = job.clock.now
+    assert job.faults() == [("process_exit", "s0")]
+    scheduled = job.kinds("spare_restart_scheduled")
+    if delay is None:
+        assert scheduled == [] and job.spawned == [("s1", died)]
+    else:
+        assert [(e["delay_s"], e["error"]) for e in scheduled] == [
+            (delay, f"s0 died while starting (exit code {code}): building the model")
+        ]
+        job.tick_until(died + delay)
+        assert job.spawned == [("s1", died + delay)]
+    assert job.store.get(keys.abort(0)) is None
+
+
+def test_a_spare_that_gets_ready_resets_the_backoff() -> None:
+    job = Job(workers=2, spares=1)
+    job.steady()
+    job.exit("s0", -9)
+    job.tick()
+    job.exit("s1", 1)  # dies at start-up: first backoff
+    job.tick()
+    assert [e["delay_s"] for e in job.kinds("spare_restart_scheduled")] == [0.5]
+    job.tick(2)
+    assert [n for n, _ in job.spawned] == ["s1", "s2"]
+    job.exit("s2", 1)  # the second in a row: twice as long
+    job.tick()
+    job.tick(4)
+    assert [e["delay_s"] for e in job.kinds("spare_restart_scheduled")] == [0.5, 1.0]
+    job["s3"].ready_spare()  # a spare that gets ready ends the run of start-up deaths
+    job.tick()
+    job.exit("s3", -9)
+    job.tick()
+    assert job.spawned[-1] == ("s4", job.clock.now)
+    job.exit("s4", 1)
+    job.tick()
+    assert [e["delay_s"] for e in job.kinds("spare_restart_scheduled")] == [0.5, 1.0, 0.5]
+    assert job.store.get(keys.abort(0)) is None
+
+
+# == 8. fatal reports =============================================================================
+
+
+@pytest.mark.parametrize(
+    ("exits", "dt", "ticks_before"),
+    [
+        (False, DT, 0),  # read at the next poll
+        (False, 0.01, 1),  # a tick that does not poll does not read it; the next poll does
+        (True, DT, 0),  # the reporter exits right after: its report wins over its exit
+        (True, 0.01, 0),  # ... also when the exit is seen on a tick that does not poll
+    ],
+)
+def test_fatal_report_ends_the_job_with_its_message(exits: bool, dt: float, ticks_before: int) -> None:
+    job = Job(workers=2, spares=1)
+    job.steady(committed=2)
+    message = "rank 1: step 3 ended without session.reduce_gradients()"
+    job["w1"].report_fatal(1, message)
+    if exits:
+        job.exit("w1", 1)
+    job.tick(ticks_before, dt=dt)
+    with pytest.raises(JobFailed) as failed:
+        job.tick(dt=dt if exits else DT)
+    assert str(failed.value) == message
+    fault = job.kinds("fault_detected")[-1]
+    assert (fault["reason"], fault["target"], fault["rank"], fault["error"]) == ("fatal", "w1", 1, message)
+    assert job.store.get(keys.abort(0)) is None and job.plan(1) is None
+
+
+# == 9. forgeries ================================================================================
+
+
+def _forge(job: Job, key: str, value: str, how: str) -> None:
+    if how == "other_secret":
+        job.stranger.set(key, value)
+    else:  # unsealed
+        job.raw.set(key, value.encode())
+
+
+@pytest.mark.parametrize("how", ["other_secret", "unsealed"])
+def test_forged_heartbeat_neither_hides_a_hang_nor_readies_a_spare(how: str) -> None:
+    job = Job(workers=2, spares=1)
+    job.steady(committed=4, spares_ready=False)
+    job.beating.discard("w1")  # hung; a stranger keeps "heartbeating" for it and for the spare
+    last = job.clock.now
+    for seq in range(100, 100 + int(job.config.recovery.hang_timeout_s / DT) + 1):
+        _forge(job, keys.heartbeat("w1"), json.dumps({"seq": seq, "phase": "idle", "rank": 1, "gen": 0}), how)
+        _forge(job, keys.heartbeat("s0"), json.dumps({"seq": seq, "phase": "spare"}), how)
+        job.tick()
+    assert job.clock.now == last + job.config.recovery.hang_timeout_s + DT
+    assert job.faults() == [("heartbeat_timeout", "w1")] and job.kills() == {"w1": 1}
+    assert job.coord.ready_spares() == []
+    job.exit("w1", -9)
+    job["w0"].recover()
+    job.tick(4)
+    assert job.plan(1) is None  # the forged "spare" heartbeat does not make s0 ready
+    assert {"hb/w1", "hb/s0"} <= set(job.rejected)
+    job["s0"].ready_spare()
+    job.tick()
+    plan = job.plan(1)
+    assert plan is not None and plan.members == {0: "w0", 1: "s0"}
+
+
+@pytest.mark.parametrize("how", ["other_secret", "unsealed"])
+def test_forged_done_reports_neither_finish_nor_fail_the_job(how: str) -> None:
+    job = Job(workers=2, spares=1)
+    job.steady(committed=9)
+    for rank in (0, 1):
+        _forge(job, keys.done(rank), json.dumps({"digest": "evil", "step": 9, "proc": f"w{rank}"}), how)
+    job.tick(4)
+    assert not job.coord.finished and job.store.get(keys.JOB_STOP) is None
+    job["w0"].report_done(0, "d1", 9)  # one real report, one forged and different: no divergence
+    job.tick(4)
+    assert not job.coord.finished
+    job["w1"].report_done(1, "d1", 9)
+    job.tick()
+    assert job.coord.finished and job.coord.digest == "d1"
+    assert sorted(job.rejected) == ["done/0", "done/1"]  # each forged value reported once
+
+
+@pytest.mark.parametrize("how", ["other_secret", "unsealed"])
+def test_forged_fatal_report_is_ignored(how: str) -> None:
+    job = Job(workers=2, spares=1)
+    job.steady()
+    _forge(job, keys.fatal("w0"), json.dumps({"rank": 0, "error": "stop the job"}), how)
+    job.raw.add(keys.FATAL_COUNT, 1)
+    job.tick(20)
+    assert job.faults() == [] and job.rejected == ["fatal/w0"]
+
+
+@pytest.mark.parametrize("how", ["other_secret", "unsealed"])
+def test_current_plan_overwritten_by_a_stranger_is_published_again_on_the_next_poll(how: str) -> None:
+    job = Job(workers=2, spares=1)
+    job.steady(committed=4)
+    job.exit("w1", -9)
+    job["w0"].recover()
+    job.tick()
+    real = job.store.get(keys.plan(1))
+    assert real is not None
+    forged = json.loads(real)
+    forged["members"]["1"] = "evil"
+    _forge(job, keys.plan(1), json.dumps(forged), how)
+    _forge(job, keys.LATEST_GEN, "7", how)
+    job.tick(dt=0.01)  # during a recovery every tick polls
+    assert job.store.get(keys.plan(1)) == real and job.store.get(keys.LATEST_GEN) == "1"
+    assert sorted(set(job.rejected)) == ["gen/1/plan", "gen/latest"]
+    # in steady state, at the next heartbeat poll
+    job["w0"].enter(0, 1, 4)
+    job["s0"].enter(1, 1, 4)
+    job["w0"].commit(5, 0.5)
+    job["s0"].commit(5, 0.5)
+    job.tick()
+    assert job.kinds("recovery_done")
+    _forge(job, keys.plan(1), json.dumps(forged) + " ", how)
+    job.tick(dt=0.01)
+    assert job.store.get(keys.plan(1)) is None  # no poll yet
+    job.tick()
+    assert job.store.get(keys.plan(1)) == real
+    assert job.raw.sets[keys.plan(1)] == 5  # published, forged, repaired, forged, repaired
+    assert job.plan(2) is None
+
+
+def test_replayed_genuine_heartbeats_do_not_hide_a_hang() -> None:
+    """Found by this suite: only a heartbeat with a higher ``seq`` counts as fresh."""
+    job = Job(workers=2, spares=1)
+    job.steady()
+    job.tick()
+    old = [job.raw.data[keys.heartbeat("w1")]]
+    job.tick()
+    old.append(job.raw.data[keys.heartbeat("w1")])
+    job.beating.discard("w1")  # hung; a stranger replays its two last heartbeats in turn
+    last = job.clock.now
+    for i in range(int(2 * job.config.recovery.hang_timeout_s / DT)):
+        job.raw.set(keys.heartbeat("w1"), old[i % 2])
+        job.tick()
+    assert job.clock.now > last + job.config.recovery.hang_timeout_s + DT
+    assert job.faults() == [("heartbeat_timeout", "w1")] and job.kills() == {"w1": 1}
+
+
+@pytest.mark.parametrize("forged_report", [False, True])
+def test_forged_failure_report_is_ignored(forged_report: bool) -> None:
+    """Found by this suite: the unsealed counter alone used to fail the generation (and kill every rank)."""
+    job = Job(workers=2, spares=1)
+    job.steady(committed=4)
+    if forged_report:
+        job.stranger.set(keys.fail(0, 1), json.dumps({"committed": 4, "reason": "x", "proc": "w1",
+                                                      "has_state": True}))  # fmt: skip
+    job.raw.add(keys.fail_count(0), 1)
+    job.tick_until(job.clock.now + 2 * job.config.recovery.progress_timeout_s)
+    assert (job.store.get(keys.abort(0)), job.faults(), job.kills()) == (None, [], {})
+
+
+@pytest.mark.parametrize("key", ["assign/s0", "gen/0/abort"])
+def test_write_once_values_overwritten_by_a_stranger_are_published_again(key: str) -> None:
+    """Found by this suite: an overwritten assignment or abort used to stay forged."""
+    job = Job(workers=2, spares=1)
+    job.steady(committed=4)
+    job.exit("w1", -9)
+    job.tick()
+    if key.startswith("assign"):
+        job["w0"].recover()
+        job.tick()
+    assert job.store.get(key) == "1"
+    job.stranger.set(key, "0")
+    job.tick(2)
+    assert job.store.get(key) == "1"
+
+
+# == 10. the state is lost =======================================================================
+
+
+@pytest.mark.parametrize("has_state", [False, True])
+def test_receiver_left_alone_after_its_source_died(has_state: bool) -> None:
+    job = Job(workers=2, spares=2)
+    job.steady(committed=4)
+    job.exit("w1", -9)
+    job["w0"].recover()
+    job.tick()
+    plan = job.plan(1)
+    assert plan is not None and plan.members == {0: "w0", 1: "s0"} and plan.sources == {1: 0}
+    job["w0"].heartbeat(gen=1, phase="joining")
+    job["s0"].heartbeat(rank=1, gen=1, phase="joining")
+    job.tick()
+    job.exit("w0", -9)  # the source dies during the transfer
+    if has_state:
+        job["s0"].heartbeat(committed=4)  # it had received the whole state
+    job["s0"].recover(has_state=has_state)
+    if not has_state:
+        with pytest.raises(
+            JobFailed,
+            match=r"^generation 1: every live copy of the state is lost: no surviving rank holds it",
+        ):
+            job.tick()
+        assert job.plan(2) is None
+        return
+    job.tick()
+    assert job.plan(2) == Plan(
+        gen=2, world_size=2, shards=1, members={0: "s1", 1: "s0"}, resume_step=5, sources={0: 1},
+        replaced={0: "w0"},
+    )  # fmt: skip
