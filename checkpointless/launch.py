@@ -226,6 +226,7 @@ class Launcher:
         self._events: list[dict[str, Any]] = []
         self._chunks_read: dict[str, int] = {}
         self._stream: IO[str] | None = None
+        self._stream_error: str | None = None
         self._secret = new_secret()
         self._own_logdir = out_dir is None
         self._logdir = (
@@ -280,7 +281,21 @@ class Launcher:
     def _record(self, ev: dict[str, Any]) -> None:
         self._events.append(ev)
         if self._stream is not None:
-            self._stream.write(json.dumps(ev) + "\n")
+            try:
+                self._stream.write(json.dumps(ev) + "\n")
+            except OSError as e:
+                self._stream_failed(e)
+
+    def _stream_failed(self, e: OSError) -> None:
+        """The disk filled up (or went away): keep the events in memory, say so at the end."""
+        log.error("cannot append to %s/events.jsonl (%s); events are kept in memory", self.out_dir, e)
+        self._stream_error = (
+            f"could not write {self.out_dir}/events.jsonl while the job ran: {e.strerror or e}"
+        )
+        stream, self._stream = self._stream, None
+        with contextlib.suppress(OSError):
+            assert stream is not None
+            stream.close()
 
     def _reject(self, key: str) -> None:
         log.warning("ignored a value on %r that is not sealed with this job's secret", key)
@@ -308,7 +323,10 @@ class Launcher:
                 seen += 1
             self._chunks_read[name] = seen
         if self._stream is not None:
-            self._stream.flush()
+            try:
+                self._stream.flush()
+            except OSError as e:
+                self._stream_failed(e)
 
     @property
     def events(self) -> list[dict[str, Any]]:
@@ -400,17 +418,21 @@ class Launcher:
         except OSError as e:
             log.error("could not write the run's files to %s: %s", self.out_dir, e)
             return f"could not write {self.out_dir}: {e.strerror or e}"
-        return None
+        return self._stream_error
 
     def _wait_workers(self, coord: Coordinator, timeout_s: float = 30.0) -> None:
+        """Let the ranks exit; ``job/stop`` is re-asserted meanwhile (a stranger may overwrite it)."""
         deadline = time.monotonic() + timeout_s
         for name in coord.members.values():
             child = self.children[name]
-            try:
-                child.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+            while child.alive() and time.monotonic() < deadline:
+                if self.store.get(keys.JOB_STOP) is None:
+                    self.store.set(keys.JOB_STOP, "1")
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    child.popen.wait(timeout=0.2)
+            if child.alive():
                 log.warning("%s did not exit after the job finished; killing it", name)
-            if child.popen.returncode not in (0, None):
+            elif child.popen.returncode != 0:
                 log.warning("%s exited with code %s after finishing", name, child.popen.returncode)
 
     def _cleanup(self) -> None:

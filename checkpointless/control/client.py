@@ -86,6 +86,7 @@ class ControlClient:
         self._interval = heartbeat_interval
         self._events: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._chunks = 0
+        self._failure_report: tuple[str, str] | None = None
         self._status: dict[str, Any] = {"seq": 0, "phase": "starting"}
         self._stop = threading.Event()
         self._flush()  # the first heartbeat: this process has joined the job
@@ -175,6 +176,8 @@ class ControlClient:
             text = self.store.wait(keys.plan(gen), _POLL)
             if text is not None:
                 break
+            if self._failure_report is not None and self.store.get(self._failure_report[0]) is None:
+                self.store.set(*self._failure_report)  # a stranger overwrote it: the plan waits for it
             if self._stopped():
                 raise JobStopped("job stopped while waiting for a plan")
             if time.monotonic() > deadline:
@@ -188,10 +191,12 @@ class ControlClient:
         return Plan.from_json(text)
 
     def report_failure(self, gen: int, rank: int, committed: int, reason: str, has_state: bool) -> None:
-        self.store.set(
-            keys.fail(gen, rank),
-            json.dumps({"committed": committed, "reason": reason, "proc": self.proc, "has_state": has_state}),
+        """Report this member's part of generation ``gen``'s failure (re-asserted by ``wait_plan``)."""
+        report = json.dumps(
+            {"committed": committed, "reason": reason, "proc": self.proc, "has_state": has_state}
         )
+        self._failure_report = (keys.fail(gen, rank), report)
+        self.store.set(*self._failure_report)
         self.store.add(keys.fail_count(gen), 1)
 
     def wait_assignment(self) -> int:

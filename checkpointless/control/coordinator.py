@@ -127,6 +127,7 @@ class Coordinator:
         self._last_poll = float("-inf")
         self._published: dict[str, str] = {}  # sealed values to re-publish if a stranger overwrites them
         self.digest: str | None = None
+        self._done: dict[int, dict[str, Any]] = {}
         self.finished = False
 
     # -- setup --------------------------------------------------------------------
@@ -389,6 +390,7 @@ class Coordinator:
     def _fail(self, now: float) -> _Failure:
         assert self.plan is not None
         if self._failure is None:
+            self._done.clear()  # finished ranks recover too, and report again
             self._failure = _Failure(self.plan.gen, now)
             self._publish_value(keys.abort(self.plan.gen), "1")
             self._recovering = None
@@ -505,12 +507,13 @@ class Coordinator:
     def _check_done(self) -> None:
         if self.finished:
             return
-        done: dict[int, dict[str, Any]] = {}
+        done = self._done  # verified reports are kept: a stranger overwriting one later cannot stall the end
         for rank in self.members:
-            text = self.store.get(keys.done(rank))
-            if text is None:
-                return
-            done[rank] = json.loads(text)
+            if rank not in done or done[rank]["proc"] != self.members[rank]:
+                text = self.store.get(keys.done(rank))
+                if text is None:
+                    return
+                done[rank] = json.loads(text)
             if done[rank]["proc"] != self.members[rank]:
                 return  # a report of a process that has since been replaced
         if len({d["step"] for d in done.values()}) != 1:
@@ -520,5 +523,5 @@ class Coordinator:
             raise JobFailed(f"replicas diverged: {len(digests)} different final states across ranks")
         self.digest = digests.pop()
         self.finished = True
-        self.store.set(keys.JOB_STOP, "1")
+        self.store.set(keys.JOB_STOP, "1")  # the launcher re-asserts it while the ranks exit
         self._emit("job_finished", ok=True, step=done[0]["step"], digest=self.digest)
