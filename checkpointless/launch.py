@@ -49,7 +49,7 @@ from torch.distributed import TCPStore
 
 from checkpointless.config import JobConfig
 from checkpointless.control import keys
-from checkpointless.control.auth import ENV_SECRET_FD, SignedStore, new_secret
+from checkpointless.control.auth import ENV_SECRET_FD, SignedStore, job_namespace, new_secret
 from checkpointless.control.client import ENV_CONFIG, ENV_JOB_ID, ENV_PROC, ENV_ROLE, ENV_STORE
 from checkpointless.control.coordinator import Coordinator, JobFailed
 from checkpointless.report import build_report
@@ -309,9 +309,10 @@ class Launcher:
             count = self.store.add(keys.events_count(name), 0)
             while seen < count:
                 key = keys.events(name, seen)
-                if not self.store.raw.check([key]):
+                raw = self.store.get_sealed(key)
+                if raw is None:
                     break  # not written yet (or a stranger bumped the counter)
-                text = self.store.open(key, self.store.raw.get(key))
+                text = self.store.open(key, raw)
                 if text is None:
                     break  # forged: the real chunk will overwrite it
                 for line in text.splitlines():
@@ -319,7 +320,7 @@ class Launcher:
                         ev = json.loads(line)
                         ev["proc"] = name  # a chunk speaks for the process whose key it is under
                         self._record(ev)
-                self.store.raw.delete_key(key)
+                self.store.delete(key)
                 seen += 1
             self._chunks_read[name] = seen
         if self._stream is not None:
@@ -335,7 +336,12 @@ class Launcher:
 
     # -- the job ----------------------------------------------------------------------
     def run(self) -> JobResult:
-        self.store = SignedStore(open_store(self.host, self.port), self._secret, self._reject)
+        self.store = SignedStore(
+            open_store(self.host, self.port),
+            self._secret,
+            self._reject,
+            namespace=job_namespace(self._secret),
+        )
         if self.out_dir is not None:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             set_aside_previous_run(self.out_dir)

@@ -70,3 +70,15 @@ def test_store_listens_on_the_requested_address_only(store: TCPStore) -> None:
                 if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
                     listening.append(local.rsplit(":", 1)[0])
     assert listening == ["0100007F"]  # 127.0.0.1, not 0.0.0.0 or ::
+
+
+def test_a_namespace_hides_the_job_keys_from_a_stranger_who_knows_the_protocol(store: TCPStore) -> None:
+    from checkpointless.control.auth import job_namespace
+
+    secret = new_secret()
+    ours = SignedStore(store, secret, namespace=job_namespace(secret))
+    ours.set("hb/w0", '{"seq": 7}')
+    store.set("hb/w0", b"garbage")  # the protocol's plain name: a different key
+    assert ours.get("hb/w0") == '{"seq": 7}'
+    assert job_namespace(secret) != job_namespace(new_secret())
+    assert job_namespace(secret).startswith("j") and job_namespace(secret).endswith("/")

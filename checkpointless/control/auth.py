@@ -15,8 +15,13 @@ on a reused port) can neither forge a plan, a heartbeat, a failure report or a
 final digest, nor stop the job. Counters (``add``) cannot be sealed: the
 protocol uses them only as hints that a sealed value may be there.
 
-The data-plane rendezvous of each generation lives under a prefix derived from
-the secret (``pg_token``), so a stranger cannot even find it.
+Sealing stops forgery, not destruction: on a last-writer-wins store a stranger
+who knows a key's name can overwrite a real value before it is read (a
+heartbeat, faster than it beats). So a job's keys live under a *namespace*
+derived from the secret (``job_namespace``), and the data-plane rendezvous of
+each generation under a prefix derived from it too (``pg_token``): a stranger
+cannot name them. The coordinator watches the protocol's plain, guessable names
+and records any write to them as an intrusion attempt.
 """
 
 from __future__ import annotations
@@ -78,6 +83,11 @@ def mac(secret: bytes, *parts: bytes) -> bytes:
     return hmac.new(secret, b"\0".join(parts), hashlib.sha256).digest()
 
 
+def job_namespace(secret: bytes) -> str:
+    """The unguessable prefix of every key of the job whose secret this is."""
+    return "j" + mac(secret, b"namespace").hex()[:24] + "/"
+
+
 def pg_token(secret: bytes, gen: int) -> str:
     """The unguessable part of generation ``gen``'s rendezvous prefix."""
     return mac(secret, b"pg", str(gen).encode()).hex()[:32]
@@ -87,13 +97,28 @@ class SignedStore:
     """A c10d store whose values are sealed with the job's secret (see the module doc).
 
     ``on_reject(key)`` is called once per key and value that fails to verify.
+    Keys are the protocol's names (``keys.py``); with a ``namespace`` (the
+    launcher and the workers use ``job_namespace(secret)``) they are stored
+    under it.
     """
 
-    def __init__(self, store: Any, secret: bytes, on_reject: Callable[[str], None] | None = None) -> None:
+    def __init__(
+        self,
+        store: Any,
+        secret: bytes,
+        on_reject: Callable[[str], None] | None = None,
+        *,
+        namespace: str = "",
+    ) -> None:
         self.raw = store
         self.secret = secret
         self.on_reject = on_reject
+        self.namespace = namespace
         self._rejected: set[tuple[str, bytes]] = set()
+
+    def name(self, key: str) -> str:
+        """Where ``key`` lives in the underlying store."""
+        return self.namespace + key
 
     def seal(self, key: str, value: str) -> bytes:
         data = value.encode()
@@ -116,13 +141,19 @@ class SignedStore:
         return None
 
     def set(self, key: str, value: str) -> None:
-        self.raw.set(key, self.seal(key, value))
+        self.raw.set(self.name(key), self.seal(key, value))
+
+    def get_sealed(self, key: str) -> bytes | None:
+        """The raw (still sealed) bytes of ``key``, or None if absent; ``open`` verifies them."""
+        name = self.name(key)
+        if not self.raw.check([name]):
+            return None
+        return bytes(self.raw.get(name))
 
     def get(self, key: str) -> str | None:
         """The verified value of ``key``; None if it is absent or forged."""
-        if not self.raw.check([key]):
-            return None
-        return self.open(key, self.raw.get(key))
+        raw = self.get_sealed(key)
+        return None if raw is None else self.open(key, raw)
 
     def is_set(self, key: str) -> bool:
         """True if ``key`` holds a value sealed by this job."""
@@ -131,11 +162,14 @@ class SignedStore:
     def wait(self, key: str, timeout: timedelta) -> str | None:
         """Wait up to ``timeout`` for ``key`` to exist; its verified value or None."""
         try:
-            self.raw.wait([key], timeout)
+            self.raw.wait([self.name(key)], timeout)
         except DistStoreError:  # the wait timed out
             return None
         return self.get(key)
 
     def add(self, key: str, amount: int) -> int:
         """A counter: unauthenticated by nature, so only ever a hint."""
-        return int(self.raw.add(key, amount))
+        return int(self.raw.add(self.name(key), amount))
+
+    def delete(self, key: str) -> None:
+        self.raw.delete_key(self.name(key))

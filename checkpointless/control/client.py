@@ -26,7 +26,7 @@ from typing import Any
 from torch.distributed import TCPStore
 
 from checkpointless.control import keys
-from checkpointless.control.auth import SignedStore
+from checkpointless.control.auth import SignedStore, job_namespace
 from checkpointless.control.plan import Plan
 
 log = logging.getLogger(__name__)
@@ -80,8 +80,9 @@ class ControlClient:
     ) -> None:
         self.proc, self.addr = proc, addr
         self.timeout = timedelta(seconds=min(timeout.total_seconds(), 30.0))
-        self.store = SignedStore(connect(addr, self.timeout), secret, self._rejected)
-        self._hb_store = SignedStore(connect(addr, self.timeout), secret, self._rejected)
+        ns = job_namespace(secret)
+        self.store = SignedStore(connect(addr, self.timeout), secret, self._rejected, namespace=ns)
+        self._hb_store = SignedStore(connect(addr, self.timeout), secret, self._rejected, namespace=ns)
         self._hb_lock = threading.Lock()
         self._interval = heartbeat_interval
         self._events: queue.SimpleQueue[str] = queue.SimpleQueue()

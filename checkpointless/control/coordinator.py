@@ -125,6 +125,7 @@ class Coordinator:
         self._last_spare_death = ""
         self._pool_exhausted = False
         self._last_poll = float("-inf")
+        self._last_intruder_check = float("-inf")
         self._published: dict[str, str] = {}  # sealed values to re-publish if a stranger overwrites them
         self.digest: str | None = None
         self._done: dict[int, dict[str, Any]] = {}
@@ -185,6 +186,9 @@ class Coordinator:
             self._read_heartbeats(now)
             self._prune_published()
             self._check_published()
+            if now - self._last_intruder_check >= 1.0:
+                self._last_intruder_check = now
+                self._check_intruders()
         self._check_processes(now)
         self._start_due_spares(now)
         if self._failure is None and poll:
@@ -200,10 +204,8 @@ class Coordinator:
     def _read_heartbeats(self, now: float) -> None:
         for name, p in self.procs.items():
             key = keys.heartbeat(name)
-            if p.role == "gone" or not self.store.raw.check([key]):
-                continue
-            raw = self.store.raw.get(key)
-            if raw != p.raw_hb:
+            raw = None if p.role == "gone" else self.store.get_sealed(key)
+            if raw is not None and raw != p.raw_hb:
                 text = self.store.open(key, raw)
                 if text is None:
                     continue  # forged: keep the last real heartbeat
@@ -330,6 +332,23 @@ class Coordinator:
                     "fault_detected", rank=d.get("rank"), reason="fatal", target=name, error=d["error"]
                 )
                 raise JobFailed(str(d["error"]))
+
+    def _check_intruders(self) -> None:
+        """Record (and clear) writes to the protocol's plain key names: the job's real keys live
+        under its secret namespace, so anything there comes from a process without the secret."""
+        if not self.store.namespace or self.plan is None:
+            return
+        gen = self.plan.gen
+        names = [keys.LATEST_GEN, keys.JOB_STOP, keys.FATAL_COUNT, keys.plan(gen), keys.plan(gen + 1),
+                 keys.abort(gen), keys.fail_count(gen)]  # fmt: skip
+        names += [keys.done(r) for r in self.members] + [keys.fail(gen, r) for r in self.members]
+        for proc in self.procs:
+            names += [keys.heartbeat(proc), keys.assign(proc), keys.fatal(proc), keys.events_count(proc)]
+        for key in names:
+            if self.store.raw.check([key]):
+                self._emit("message_rejected", key=key, why="written outside the job's secret namespace")
+                log.warning("a process without this job's secret wrote %r; ignored", key)
+                self.store.raw.delete_key(key)
 
     def _publish_value(self, key: str, value: str) -> None:
         """Seal and write ``key``, and keep re-publishing it while someone may still wait for it."""
