@@ -183,7 +183,9 @@ def cmd_demo(argv: list[str]) -> int:
     _positive("layers", args.layers)
     _positive("d-model", args.d_model)
     job = _job(args, args.steps, default_faults(args.workers, args.steps))
-    global_batch = args.global_batch or -(-16 // args.workers) * args.workers
+    global_batch = (
+        args.global_batch if args.global_batch is not None else -(-16 // args.workers) * args.workers
+    )
     _positive("global-batch", global_batch)
     spec = DemoModel(
         steps=args.steps, seed=args.seed, d_model=args.d_model, n_layer=args.layers, global_batch=global_batch
@@ -263,6 +265,8 @@ def cmd_run(argv: list[str]) -> int:
     p.add_argument("--dry-run", action="store_true", help="print sizes and memory, train nothing")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
+    if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
+        raise UsageError(f"--metrics-port must be in 0..65535, got {args.metrics_port}")
     overrides = list(args.overrides)
     if args.workers is not None:
         overrides.append(f"parallel.workers={args.workers}")

@@ -229,9 +229,7 @@ class Launcher:
         self._stream_error: str | None = None
         self._secret = new_secret()
         self._own_logdir = out_dir is None
-        self._logdir = (
-            Path(out_dir / "logs") if out_dir else Path(tempfile.mkdtemp(prefix="checkpointless-logs-"))
-        )
+        self._logdir = Path(out_dir / "logs") if out_dir else Path(tempfile.gettempdir())  # see run()
 
     # -- processes ------------------------------------------------------------------
     def _spawn(self, name: str, role: str) -> _Child:
@@ -336,6 +334,8 @@ class Launcher:
 
     # -- the job ----------------------------------------------------------------------
     def run(self) -> JobResult:
+        if self._own_logdir:  # made here, not in __init__, so a launcher that never runs leaves nothing
+            self._logdir = Path(tempfile.mkdtemp(prefix="checkpointless-logs-"))
         self.store = SignedStore(
             open_store(self.host, self.port),
             self._secret,
