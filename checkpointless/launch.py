@@ -334,14 +334,14 @@ class Launcher:
 
     # -- the job ----------------------------------------------------------------------
     def run(self) -> JobResult:
-        if self._own_logdir:  # made here, not in __init__, so a launcher that never runs leaves nothing
-            self._logdir = Path(tempfile.mkdtemp(prefix="checkpointless-logs-"))
         self.store = SignedStore(
             open_store(self.host, self.port),
             self._secret,
             self._reject,
             namespace=job_namespace(self._secret),
         )
+        if self._own_logdir:  # made only once the job can start, so a refused launch leaves nothing
+            self._logdir = Path(tempfile.mkdtemp(prefix="checkpointless-logs-"))
         if self.out_dir is not None:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             set_aside_previous_run(self.out_dir)
