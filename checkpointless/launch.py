@@ -72,12 +72,13 @@ class JobInterrupted(BaseException):
 
 
 _LIBC: Any = None
+_LAUNCHER_PID = 0  # set before each fork: the parent a child must still have after prctl
 
 
 def _die_with_launcher() -> None:
     """Runs in the child between fork and exec: SIGKILL it when the launcher dies, from its first instruction."""
     _LIBC.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() == 1:  # the launcher died before prctl took effect
+    if os.getppid() != _LAUNCHER_PID:  # the launcher died before prctl took effect (reparented)
         os._exit(1)
 
 
@@ -233,9 +234,10 @@ class Launcher:
 
     # -- processes ------------------------------------------------------------------
     def _spawn(self, name: str, role: str) -> _Child:
-        global _LIBC
+        global _LIBC, _LAUNCHER_PID
         if _LIBC is None:
             _LIBC = ctypes.CDLL("libc.so.6", use_errno=True)
+        _LAUNCHER_PID = os.getpid()
         env = dict(os.environ)
         env.update(self.env)
         read_end, write_end = os.pipe()

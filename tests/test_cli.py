@@ -2,19 +2,46 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
+import signal
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.timeout(60)
 
+RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "llama-tiny.yaml"
+TINY_JOB = ["--workers", "1", "--spares", "0", "--steps", "1", "--fault", "none", "--quiet", "--layers", "1"]
 
-def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "checkpointless.cli", *args], capture_output=True, text=True, timeout=50
-    )
+
+def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``checkpointless ARGS`` in a session of its own; whatever happens, its process group is ended."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "checkpointless.cli", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "250", **(env or {})},
+    )  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=50)
+    finally:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)  # the launcher's children die with it (PR_SET_PDEATHSIG)
+        if proc.returncode is None:
+            proc.communicate(timeout=10)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _one_line_exit_2(r: subprocess.CompletedProcess[str], needle: str) -> None:
+    assert r.returncode == 2, r.stderr
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, r.stderr
+    assert needle in lines[0]
+    assert "Traceback" not in r.stderr
 
 
 @pytest.mark.parametrize(
@@ -26,19 +53,68 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
         (["demo", "--workers", "3", "--fault", "kill:rank=0,1@step=3"], "only 1 spare"),
         (["demo", "--workers", "0"], "--workers must be >= 1"),
         (["demo", "--steps", "abc"], "invalid int value"),
-        (["demo", "--workers", "3"], "must divide the global batch"),
+        (
+            ["demo", "--workers", "3", "--global-batch", "16"],
+            "--global-batch 16 must be a multiple of --workers 3",
+        ),
+        (["demo", "--global-batch", "-4"], "--global-batch must be >= 1"),
+        # (were the check to regress, a tiny job would run, not the default demo)
+        (["demo", "--global-batch", "0", *TINY_JOB], "--global-batch must be >= 1"),
+        (["demo", "--d-model", "0"], "--d-model must be >= 1"),
+        (["demo", "--d-model", "3"], "--d-model must be a multiple of"),
+        (["demo", "--layers", "0"], "--layers must be >= 1"),
+        (["demo", "--hang-timeout", "inf"], "--hang-timeout must be a positive number"),
+        (["demo", "--hang-timeout", "nan"], "--hang-timeout must be a positive number"),
+        (["demo", "--progress-timeout", "0"], "--progress-timeout must be a positive number"),
+        (["demo", "--out", "/proc/checkpointless"], "--out /proc/checkpointless"),
         (["frobnicate"], "unknown command"),
         (["launch", "--workers", "2"], "give the training command after --"),
+        (["launch", "--", "/nonexistent/binary"], "/nonexistent/binary"),
         (["report", "/nonexistent/run"], "/nonexistent/run"),
     ],
 )
 def test_bad_input_is_one_line_exit_2(args: list[str], needle: str) -> None:
-    r = cli(*args)
-    assert r.returncode == 2, r.stderr
-    lines = [line for line in r.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, r.stderr
-    assert needle in lines[0]
+    _one_line_exit_2(cli(*args), needle)
+
+
+def test_out_that_is_a_file_is_one_line_exit_2(tmp_path: Path) -> None:
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a directory\n")
+    _one_line_exit_2(cli("demo", "--out", str(a_file)), f"--out {a_file}")
+    assert a_file.read_text() == "not a directory\n"
+
+
+def test_bad_metrics_port_is_one_line_exit_2(tmp_path: Path) -> None:
+    """Checked before the recipe's data, before the banner, before any temporary directory."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    r = cli("run", str(RECIPE), "--metrics-port", "99999", env={"TMPDIR": str(tmp)})
+    assert list(tmp.iterdir()) == [], "a temporary directory was left behind"
+    _one_line_exit_2(r, "--metrics-port must be in 0..65535, got 99999")
+
+
+@pytest.mark.parametrize(
+    ("script", "code", "last_line"),
+    [
+        ("print('hello from a script with no Session')", 0, "hello from a script with no Session"),
+        ("import sys; print('boom'); sys.exit(3)", 3, "boom"),
+    ],
+    ids=["exit-0", "exit-3"],
+)
+def test_process_exiting_before_it_joins_is_named_with_its_code_and_last_line(
+    script: str, code: int, last_line: str, tmp_path: Path
+) -> None:
+    # TMPDIR: the launcher keeps a failed job's process logs in a temporary directory
+    r = cli("launch", "--workers", "2", "--spares", "0", "--quiet", "--", "python", "-c", script,
+            env={"TMPDIR": str(tmp_path)})  # fmt: skip
+    assert r.returncode == 1, r.stderr
     assert "Traceback" not in r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, r.stderr
+    assert re.search(rf"\bw[01] exited with code {code} before joining the job\b", errors[0]), errors
+    assert f"last log line: {last_line}" in errors[0]
+    if code == 0:
+        assert "Session" in errors[0]  # the likely cause: no checkpointless.Session in the script
 
 
 def test_port_in_use_is_reported() -> None:

@@ -1,0 +1,643 @@
+"""Hardening: real processes, real signals, real sockets, real full disks; no mock of the logic.
+
+What the launcher promises (``checkpointless/launch.py``, module doc), tried the hard way:
+
+1. children die with the launcher at any moment; a stranger on the port (a process of another job:
+   tests/scripts/adv_stranger.py) can neither forge nor destroy what steers a job, nor join its group;
+2. the control store listens on 127.0.0.1 only;
+3. SIGTERM / SIGINT stop a job with a partial report, one error line, exit 143 / 130 and nothing
+   left behind; events reach ``events.jsonl`` while the job runs (a SIGKILL keeps them);
+4. a previous run's files are set aside, outputs are written atomically, a full disk is an error
+   line and not a traceback;
+6. no ``/dev/shm/checkpointless-<job id>`` directory outlives a job (checked after every job here:
+   tests/scripts/adv_shm_train.py caches its batches there, as recipes do).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from checkpointless.config import JobConfig, RecoveryConfig
+from checkpointless.control.coordinator import Coordinator, JobFailed
+from checkpointless.data.shm_cache import ShmBatchCache
+from checkpointless.faults import parse_faults
+from checkpointless.launch import JobResult, Launcher, open_store
+from tests.jobs import logs_of
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+STEPS = 10
+FAKE_DIGEST = "0" * 64  # what the stranger reports as the final state (tests/scripts/adv_stranger.py)
+
+
+# -- processes ------------------------------------------------------------------------------------
+
+
+def _env() -> dict[str, str]:
+    # a wide console: the CLI's lines are not wrapped, so they can be matched whole
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "COLUMNS": "250"}
+
+
+def _cli(*args: str, stdout: Any = subprocess.PIPE, tmp: Path | None = None) -> subprocess.Popen[str]:
+    """``checkpointless ARGS`` as a launcher of its own, in a session of its own (``tmp``: its TMPDIR)."""
+    env = _env() if tmp is None else {**_env(), "TMPDIR": str(tmp)}
+    return subprocess.Popen(
+        [sys.executable, "-m", "checkpointless.cli", *args], cwd=REPO, env=env, text=True,
+        stdout=stdout, stderr=subprocess.PIPE, start_new_session=True,
+    )  # fmt: skip
+
+
+def _children(pid: int) -> set[int]:
+    """Live children of ``pid`` (every thread's list: a child belongs to the thread that forked it)."""
+    found: set[int] = set()
+    with contextlib.suppress(OSError):
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(OSError):
+                found |= {int(p) for p in (task / "children").read_text().split()}
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie waiting for its reaper counts as dead)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _ours(pid: int) -> bool:
+    """A process one of these tests started (guards the final kills against a reused pid)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return b"checkpointless" in cmdline or b"adv_" in cmdline
+
+
+def _kill(pids: set[int] | list[int]) -> None:
+    for pid in pids:
+        if _alive(pid) and _ours(pid):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)  # every child leads a session (and group) of its own
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _wait_gone(pids: set[int], within_s: float) -> list[int]:
+    """The pids still alive after ``within_s`` seconds (polling)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        alive = sorted(p for p in pids if _alive(p))
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def _launcher_tree(proc: subprocess.Popen[str]) -> Iterator[set[int]]:
+    """Yield the set of children seen (tests add to it); on exit, kill whatever is left of the tree."""
+    seen: set[int] = set()
+    try:
+        yield seen
+    finally:
+        seen |= _children(proc.pid)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        if proc.returncode is None:
+            with contextlib.suppress(subprocess.TimeoutExpired, ValueError, OSError):
+                proc.communicate(timeout=10)
+        _kill(seen)
+
+
+def _poll(
+    until: Callable[[], bool],
+    timeout_s: float,
+    what: str,
+    proc: subprocess.Popen[str] | None = None,
+    seen: set[int] | None = None,
+) -> None:
+    """Poll ``until`` every 20 ms (collecting ``proc``'s children into ``seen``); fail after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not until():
+        if proc is not None and seen is not None:
+            seen |= _children(proc.pid)
+        if proc is not None and proc.poll() is not None:
+            _, err = proc.communicate()
+            pytest.fail(f"the launcher exited ({proc.returncode}) before {what}:\n{err[-3000:]}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(0.02)
+
+
+# -- files ----------------------------------------------------------------------------------------
+
+
+def _events(path: Path) -> list[dict[str, Any]]:
+    """Every line of an events.jsonl, each a JSON object (fails on a torn or garbled line)."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _commits(path: Path) -> int:
+    with contextlib.suppress(OSError):
+        return path.read_text().count('"step_committed"')
+    return 0
+
+
+def _job_id(events: list[dict[str, Any]]) -> str:
+    (started,) = [e for e in events if e["kind"] == "job_started"]
+    return str(started["job_id"])
+
+
+def _shm_dir(job_id: str) -> Path:
+    """The job's node cache directory (``/dev/shm/checkpointless-<job id>``); the handle creates nothing."""
+    return ShmBatchCache(job_id, cleanup_on_exit=False).path
+
+
+def _no_traceback(stderr: str) -> None:
+    assert "Traceback" not in stderr, stderr[-4000:]
+
+
+# -- in-process jobs --------------------------------------------------------------------------------
+
+
+def _launcher(
+    *, seed: int = 1, spares: int = 1, faults: list[str] | None = None, port: int = 0, out: Path | None = None,
+    steps: int = STEPS, pause_s: float = 0.0, timeout_s: float = 60.0,
+) -> Launcher:  # fmt: skip
+    """A 2-worker job of ``_script(...)`` (seed in the job config too), as ``checkpointless launch``."""
+    job = JobConfig(
+        workers=2, spares=spares, seed=seed, faults=parse_faults(faults or []),
+        recovery=RecoveryConfig(hang_timeout_s=2.0, collective_timeout_s=30.0, plan_timeout_s=60.0),
+    )  # fmt: skip
+    command = _script(steps=steps, pause_s=pause_s, seed=seed)
+    return Launcher(job, command, total_steps=steps, port=port, out_dir=out, timeout_s=timeout_s)
+
+
+def _run(launcher: Launcher) -> JobResult:
+    """Run the job; whatever happens, leave none of its processes behind (and check that it didn't)."""
+    try:
+        result = launcher.run()
+    finally:
+        pids = {c.popen.pid for c in launcher.children.values()}
+        left = _wait_gone(pids, 5)
+        _kill(pids)
+    assert not left, f"processes left behind by the launcher: {left}"
+    assert not _shm_dir(launcher.job_id).exists(), f"{_shm_dir(launcher.job_id)} outlived the job"
+    return result
+
+
+def _script(steps: int = STEPS, pause_s: float = 0.0, seed: int = 0) -> list[str]:
+    """tests/scripts/adv_shm_train.py: a Session job that keeps its batches in the /dev/shm node cache."""
+    return [sys.executable, str(SCRIPTS / "adv_shm_train.py"), str(steps), str(pause_s), str(seed)]
+
+
+_DIGESTS: dict[int, str] = {}  # seed -> final state of the fault-free, undisturbed job
+
+
+def _reference_digest(seed: int) -> str:
+    """Final state of the fault-free, undisturbed job of ``_script(seed=seed)`` (run once per session)."""
+    if seed not in _DIGESTS:
+        result = _run(_launcher(seed=seed, spares=0))
+        assert result.ok and result.digest, f"{result.error}\n{logs_of(result)}"
+        _DIGESTS[seed] = result.digest
+    return _DIGESTS[seed]
+
+
+# -- sockets ----------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _listeners(port: int) -> list[str]:
+    """Local addresses of the sockets listening on ``port`` (from /proc/net/tcp and tcp6)."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            for line in Path(table).read_text().splitlines()[1:]:
+                fields = line.split()
+                address, hexport = fields[1].rsplit(":", 1)
+                if fields[3] == "0A" and int(hexport, 16) == port:  # 0A: LISTEN
+                    found.append(address)
+    return found
+
+
+LOOPBACK = {
+    "0100007F",  # 127.0.0.1
+    "00000000000000000000000001000000",  # ::1
+    "0000000000000000FFFF00000100007F",  # ::ffff:127.0.0.1
+}
+
+
+def _other_addresses() -> list[tuple[int, str]]:
+    """This machine's non-loopback addresses, as (family, address)."""
+    found: set[tuple[int, str]] = set()
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        out = subprocess.run(["hostname", "-I"], capture_output=True, text=True, timeout=5).stdout
+        for addr in out.split():
+            found.add((socket.AF_INET6 if ":" in addr else socket.AF_INET, addr))
+    with contextlib.suppress(OSError):
+        for family, _, _, _, sockaddr in socket.getaddrinfo(socket.gethostname(), None):
+            found.add((family, str(sockaddr[0])))
+    return sorted((f, a) for f, a in found if not a.startswith(("127.", "::1")) and not a.startswith("fe80"))
+
+
+# == 1. orphans ======================================================================================
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("children", "delay_s"),
+    [(1, 0.0), (3, 0.3)],
+    ids=["at-its-first-fork", "while-children-import-torch"],
+)
+def test_children_die_with_a_sigkilled_launcher(children: int, delay_s: float, tmp_path: Path) -> None:
+    # TMPDIR: a killed launcher cannot remove its temporary log directory
+    proc = _cli("demo", "--workers", "2", "--spares", "1", "--steps", "50", "--quiet", "--fault", "none",
+                "--d-model", "32", "--layers", "1", stdout=subprocess.DEVNULL, tmp=tmp_path)  # fmt: skip
+    with _launcher_tree(proc) as seen:
+        deadline = time.monotonic() + 30
+        while len(seen) < children:  # tight: the first child is caught as early as possible
+            seen |= _children(proc.pid)
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "the launcher started no children within 30 s"
+            time.sleep(0.001)
+        time.sleep(delay_s)
+        seen |= _children(proc.pid)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        left = _wait_gone(seen, 5)
+        assert not left, f"children of a SIGKILLed launcher still alive 5 s later: {left} (of {sorted(seen)})"
+
+
+# == 4a. a previous run's files (this run is also the seed-1 reference of the stranger tests) =======
+
+
+@pytest.mark.timeout(60)
+def test_new_run_sets_the_previous_run_aside(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    (out / "logs").mkdir(parents=True)
+    (out / "report.json").write_text(json.dumps({"job_id": "old", "error": None}))
+    (out / "events.jsonl").write_text(json.dumps({"t": 0, "kind": "job_started", "job_id": "old"}) + "\n")
+    (out / "timeline.png").write_bytes(b"\x89PNG old")
+    (out / "summary.txt").write_text("old summary\n")
+    (out / "logs" / "w0.log").write_text("old log\n")
+    launcher = _launcher(seed=1, spares=0, out=out)
+    result = _run(launcher)  # (6.) checks that no /dev/shm/checkpointless-<job id> is left
+    assert result.ok and result.digest, f"{result.error}\n{logs_of(result)}"
+    assert _DIGESTS.setdefault(1, result.digest) == result.digest  # the reference of the stranger tests
+    report = json.loads((out / "report.json").read_text())
+    assert report["job_id"] == launcher.job_id != "old"
+    assert _job_id(_events(out / "events.jsonl")) == launcher.job_id
+    assert not (out / "timeline.png").exists() and not (out / "summary.txt").exists()
+    assert "old log" not in (out / "logs" / "w0.log").read_text()
+    previous = out / "previous"
+    assert json.loads((previous / "report.json").read_text())["job_id"] == "old"
+    assert (previous / "timeline.png").read_bytes() == b"\x89PNG old"
+    assert (previous / "summary.txt").read_text() == "old summary\n"
+    assert (previous / "logs" / "w0.log").read_text() == "old log\n"
+    assert _job_id(_events(previous / "events.jsonl")) == "old"
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no temporary file left
+
+
+# == 1b. strangers =================================================================================
+
+
+@contextlib.contextmanager
+def _stranger(port: int, status: Path, attacks: str | None = None) -> Iterator[Callable[[], dict[str, Any]]]:
+    """Run tests/scripts/adv_stranger.py against ``port``; yield a reader of its status."""
+    args = [sys.executable, str(SCRIPTS / "adv_stranger.py"), "127.0.0.1", str(port), str(status), "90"]
+    proc = subprocess.Popen([*args, *([attacks] if attacks else [])], cwd=REPO, env=_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # fmt: skip
+
+    def read() -> dict[str, Any]:
+        with contextlib.suppress(OSError, ValueError):
+            return dict(json.loads(status.read_text()))
+        return {"rounds": 0}
+
+    try:
+        yield read  # started with the job: it imports torch while the job's processes do
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=10)
+
+
+class _Watch:
+    """``on_tick`` of a job under attack: holds the job until the stranger attacks and looks at the store's
+    listening socket. ``strict`` (a job where nothing is injected) ends the job at once when something
+    fails, or when every rank has been done for ``stall_s`` and the job still has not finished."""
+
+    def __init__(
+        self, launcher: Launcher, port: int, stranger: Callable[[], dict[str, Any]], *, strict: bool,
+        go: Path | None = None,
+    ) -> None:  # fmt: skip
+        self.launcher, self.port, self.stranger, self.strict = launcher, port, stranger, strict
+        self.go = go  # created once the coordinator has seen w0 join (starts adv_stranger.py's flood)
+        self.listeners: list[str] | None = None
+        self.stall_s = 10.0
+        self._all_done_since: float | None = None
+
+    def __call__(self, coord: Coordinator) -> None:
+        if self.listeners is None:
+            self.listeners = _listeners(self.port)
+            deadline = time.monotonic() + 30  # the job's processes are importing torch meanwhile
+            while self.stranger()["rounds"] < 1:
+                if time.monotonic() > deadline:
+                    raise JobFailed("the stranger never attacked")
+                time.sleep(0.02)
+        if self.go is not None and not self.go.exists() and coord.member_status().get(0):
+            self.go.touch()
+        if not self.strict:
+            return
+        for e in self.launcher.events:
+            if e["kind"] in ("fault_detected", "failure_reported", "process_exited") or (
+                e["kind"] == "generation_started" and e["gen"] != 0
+            ):
+                raise JobFailed(f"the stranger steered the job (nothing was injected): {e}")
+        status = coord.member_status()
+        if status and all(hb.get("phase") == "done" for hb in status.values()):
+            self._all_done_since = self._all_done_since or time.monotonic()
+            if time.monotonic() - self._all_done_since > self.stall_s:
+                raise JobFailed(f"every rank has been done for {self.stall_s:.0f}s; the job never finished")
+        else:
+            self._all_done_since = None
+
+
+def _check_rejected(result: JobResult, stranger: dict[str, Any], expected: set[str]) -> None:
+    """Every key in ``expected`` (a trailing ``/``: some key under it) was rejected, and only forgeries."""
+    rejected = {e["key"] for e in result.events if e["kind"] == "message_rejected"}
+    missing = {
+        k for k in expected if not any(r == k or (k.endswith("/") and r.startswith(k)) for r in rejected)
+    }
+    assert not missing, f"not rejected: {sorted(missing)}; rejected: {sorted(rejected)}"
+    assert rejected <= set(stranger["keys"]), sorted(rejected - set(stranger["keys"]))  # only forgeries
+    assert {e["proc"] for e in result.events} <= {"launcher", "coordinator", "w0", "w1", "s0", "s1"}
+    committed = [e for e in result.events if e["kind"] == "step_committed"]
+    assert stranger["first_t"] < min(e["t"] for e in committed), "the attack began after training did"
+    assert stranger["last_t"] > max(e["t"] for e in committed), "the attack ended before training did"
+    assert stranger["rounds"] >= 10, stranger
+    assert stranger["error"] == "", stranger
+
+
+@pytest.mark.timeout(120)
+def test_forgeries_of_a_stranger_are_rejected_through_a_recovery(tmp_path: Path) -> None:
+    """Seed 1, a worker killed at step 4, a stranger forging every key all along: the same result.
+
+    Also 6.: the refill spare started after the recovery, as the job ends, leaves no node cache.
+    """
+    reference = _reference_digest(1)
+    port = _free_port()
+    with _stranger(port, tmp_path / "stranger.json") as stranger:
+        launcher = _launcher(seed=1, faults=["kill:rank=1@step=4"], port=port, out=tmp_path / "run")
+        watch = _Watch(launcher, port, stranger, strict=False)
+        launcher.on_tick = [watch]
+        result = _run(launcher)
+        attack = stranger()
+    assert result.ok, f"{result.error}\n{logs_of(result)}"
+    assert result.digest == reference != FAKE_DIGEST
+    report = result.report
+    assert report["steps_completed"] == STEPS and report["generations"] == 1, report
+    (fault,) = report["faults"]
+    assert fault["replaced_by"] == "s0" and fault["lost_steps"] == 0, fault
+    assert sorted(result.pids) == ["s0", "s1", "w0", "w1"]  # s1: the refill
+    # 2. the job's store listens on the loopback interface only
+    assert watch.listeners and set(watch.listeners) <= LOOPBACK, watch.listeners
+    # the rejections are in the events (and on disk), naming the keys
+    _check_rejected(result, attack, {"gen/0/plan", "gen/latest", "hb/w0", "hb/s0", "fatal/w0", "events/w0/",
+                                     "events/w1/", "events/s0/"})  # fmt: skip
+    on_disk = _events(tmp_path / "run" / "events.jsonl")
+    assert "hb/w0" in {e.get("key") for e in on_disk if e["kind"] == "message_rejected"}
+    # the guessable rendezvous prefixes lead nowhere: the real one is derived from the job's secret
+    assert attack["pg"] and not any(p["joined"] for p in attack["pg"]), attack["pg"]
+
+
+@pytest.mark.timeout(90)
+def test_a_stranger_cannot_steer_a_job(tmp_path: Path) -> None:
+    """Seed 1, no fault, a stranger forging every key and bumping every counter: nothing but the stranger
+    can make anything fail, recover or stall, and it must not."""
+    reference = _reference_digest(1)
+    port = _free_port()
+    with _stranger(port, tmp_path / "stranger.json") as stranger:
+        launcher = _launcher(seed=1, port=port, timeout_s=45)
+        launcher.on_tick = [_Watch(launcher, port, stranger, strict=True)]
+        result = _run(launcher)
+        attack = stranger()
+    assert result.ok, result.error
+    assert result.digest == reference
+    assert result.report["generations"] == 0
+    _check_rejected(result, attack, {"gen/0/plan", "gen/latest", "hb/w0", "done/0", "fatal/w0", "job/stop"})
+
+
+@pytest.mark.timeout(90)
+def test_a_heartbeat_flood_does_not_kill_a_live_worker(tmp_path: Path) -> None:
+    """A stranger overwriting hb/w0 in a tight loop (faster than w0 beats) from when w0 has joined:
+    sealing stops forgery, not destruction, so only keys a stranger cannot name keep w0 alive."""
+    port = _free_port()
+    status = tmp_path / "stranger.json"
+    with _stranger(port, status, "hbflood") as stranger:
+        # 80 steps of 50 ms: the job outlasts the hang timeout (2 s) after the flood begins
+        launcher = _launcher(seed=1, port=port, steps=80, pause_s=0.05, timeout_s=60)
+        go = status.with_name(status.name + ".go")
+        launcher.on_tick = [_Watch(launcher, port, stranger, strict=True, go=go)]
+        result = _run(launcher)
+        attack = stranger()
+    assert attack.get("floods", 0) > 1000, attack
+    assert result.ok, result.error
+    assert result.report["generations"] == 0
+
+
+# == 2. the store's socket =========================================================================
+
+
+@pytest.mark.timeout(30)
+def test_control_store_listens_on_loopback_only() -> None:
+    store = open_store("127.0.0.1", 0)
+    try:
+        port = int(store.port)
+        listeners = _listeners(port)
+        assert listeners and set(listeners) <= LOOPBACK, listeners
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass
+        others = _other_addresses()
+        for family, address in others:
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                s.settimeout(5)
+                with pytest.raises(OSError):  # refused: nothing listens there
+                    s.connect((address, port))
+    finally:
+        del store
+    if not others:
+        pytest.skip("this machine has no non-loopback address to try (the listener check passed)")
+
+
+# == 3. interrupted runs ===========================================================================
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(
+    ("signum", "how"),
+    [(signal.SIGTERM, "kill"), (signal.SIGINT, "ctrl-c")],
+    ids=["SIGTERM-launch-shm-script", "SIGINT-ctrl-c-demo"],
+)
+def test_interrupted_run_stops_reports_and_cleans_up(signum: int, how: str, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    if how == "kill":  # a script that fills the job's /dev/shm cache, as recipes do
+        args = ["launch", "--workers", "2", "--spares", "1", "--quiet", "--out", str(out), "--",
+                *_script(steps=400, pause_s=0.05)]  # fmt: skip
+    else:
+        args = ["demo", "--workers", "2", "--spares", "1", "--steps", "400", "--fault", "none", "--quiet",
+                "--d-model", "32", "--layers", "1", "--out", str(out)]  # fmt: skip
+    proc = _cli(*args)
+    with _launcher_tree(proc) as seen:
+        # streaming: committed steps reach the file while the job runs
+        _poll(lambda: _commits(out / "events.jsonl") >= 4, 60, "committed steps in events.jsonl", proc, seen)
+        job_id = _job_id(_events(out / "events.jsonl"))
+        if how == "kill":
+            assert _shm_dir(job_id).is_dir(), "the script should have cached batches in /dev/shm"
+            os.kill(proc.pid, signum)  # kill -TERM <launcher>
+        else:
+            os.killpg(proc.pid, signum)  # Ctrl-C: the terminal signals the foreground process group
+        t0 = time.monotonic()
+        _, stderr = proc.communicate(timeout=40)
+        took = time.monotonic() - t0
+        assert proc.returncode == 128 + signum, stderr[-3000:]
+        name = signal.Signals(signum).name
+        _no_traceback(stderr)
+        assert f"error: interrupted by {name}" in stderr, stderr
+        assert len([ln for ln in stderr.splitlines() if ln.startswith("error:")]) == 1, stderr
+        report = json.loads((out / "report.json").read_text())
+        assert name in report["error"] and report["job_id"] == job_id, report
+        events = _events(out / "events.jsonl")  # rewritten whole, in time order
+        assert _job_id(events) == job_id
+        assert [e["t"] for e in events] == sorted(e["t"] for e in events)
+        assert events[-1]["kind"] == "job_finished" and events[-1]["ok"] is False, events[-1]
+        assert sum(e["kind"] == "step_committed" for e in events) >= 4 and report["steps_completed"] >= 2
+        assert not list(out.glob(".*tmp*")), list(out.iterdir())
+        left = _wait_gone(seen, 2)
+        assert len(seen) >= 3 and not left, f"children {sorted(seen)}, alive after exit: {left}"
+        assert not _shm_dir(job_id).exists(), f"{_shm_dir(job_id)} leaked (stopped in {took:.1f}s)"
+
+
+@pytest.mark.timeout(60)
+def test_sigkilled_launcher_keeps_streamed_events_and_takes_its_children(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = _cli("launch", "--workers", "2", "--spares", "1", "--quiet", "--out", str(out), "--",
+                *_script(steps=400, pause_s=0.05))  # fmt: skip
+    job_id = ""
+    try:
+        with _launcher_tree(proc) as seen:
+            _poll(
+                lambda: _commits(out / "events.jsonl") >= 4, 60, "committed steps in events.jsonl", proc, seen
+            )
+            seen |= _children(proc.pid)
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+            left = _wait_gone(seen, 5)
+            assert len(seen) >= 3 and not left, (
+                f"children {sorted(seen)}, alive 5 s after the launcher: {left}"
+            )
+            events = _events(out / "events.jsonl")  # whole lines only: flushed line by line
+            job_id = _job_id(events)
+            committed = [e for e in events if e["kind"] == "step_committed"]
+            assert len(committed) >= 4 and {e["proc"] for e in committed} == {"w0", "w1"}
+            assert not (out / "report.json").exists()
+    finally:
+        if job_id:  # nobody is left to clean the node cache after a SIGKILL: not this test's subject
+            shutil.rmtree(_shm_dir(job_id), ignore_errors=True)
+
+
+# == 4b. full disks ==================================================================================
+
+
+@contextlib.contextmanager
+def _small_disk(path: Path, size: str) -> Iterator[Path]:
+    path.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                       capture_output=True, text=True, timeout=20)  # fmt: skip
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs to fill up (needs root): {r.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True, timeout=20)
+
+
+def _fill(disk: Path, leave_pages: int = 0) -> None:
+    """Fill ``disk`` up, leaving ``leave_pages`` free pages."""
+    st = os.statvfs(disk)
+    fd = os.open(disk / f"filler-{time.monotonic_ns()}", os.O_WRONLY | os.O_CREAT)
+    try:
+        os.write(fd, b"\0" * max(0, st.f_bavail - leave_pages) * st.f_bsize)
+        if not leave_pages:
+            with contextlib.suppress(OSError):
+                while True:
+                    os.write(fd, b"\0" * 4096)
+    finally:
+        os.close(fd)
+    assert os.statvfs(disk).f_bavail == leave_pages
+
+
+def _result_and_error_lines(stderr: str) -> None:
+    text = " ".join(stderr.split())  # the console wraps long lines
+    assert re.search(r"run: (ok|FAILED) steps \d+", text), stderr
+    assert re.search(r"error: [^\n]*No space left on device", text), stderr
+
+
+@pytest.mark.timeout(60)
+def test_report_on_a_full_disk_is_an_error_line_not_a_traceback(tmp_path: Path) -> None:
+    """The disk has room for the streamed events (one page) but not for report.json."""
+    with _small_disk(tmp_path / "disk", "64k") as disk:
+        _fill(disk, leave_pages=1)
+        out = disk / "run"
+        proc = _cli("demo", "--workers", "1", "--spares", "0", "--steps", "4", "--fault", "none", "--quiet",
+                    "--d-model", "32", "--layers", "1", "--out", str(out))  # fmt: skip
+        with _launcher_tree(proc):
+            _, stderr = proc.communicate(timeout=50)
+        _no_traceback(stderr)
+        assert proc.returncode == 1, stderr
+        assert "run: ok" in stderr, stderr  # the job itself succeeded, and says so
+        assert re.search(r"final state sha256: \s*[0-9a-f]{64}", stderr), stderr
+        _result_and_error_lines(stderr)
+        assert not (out / "report.json").exists()
+        assert not [p.name for p in out.iterdir() if p.name.startswith(".")], list(out.iterdir())
+
+
+@pytest.mark.timeout(60)
+def test_disk_filling_up_during_the_run_is_an_error_line_not_a_traceback(tmp_path: Path) -> None:
+    with _small_disk(tmp_path / "disk", "1m") as disk:
+        out = disk / "run"
+        proc = _cli("demo", "--workers", "1", "--spares", "0", "--steps", "100", "--fault", "none",
+                    "--quiet", "--d-model", "32", "--layers", "1", "--out", str(out))  # fmt: skip
+        with _launcher_tree(proc) as seen:
+            _poll(
+                lambda: _commits(out / "events.jsonl") >= 2, 60, "committed steps in events.jsonl", proc, seen
+            )
+            _fill(disk)
+            _, stderr = proc.communicate(timeout=50)
+        _no_traceback(stderr)
+        assert proc.returncode == 1, stderr
+        assert "run: ok" in stderr, stderr  # the outputs failed, not the training
+        assert re.search(r"final state sha256: \s*[0-9a-f]{64}", stderr), stderr
+        _result_and_error_lines(stderr)
