@@ -73,8 +73,19 @@ def _one_line_exit_2(r: subprocess.CompletedProcess[str], needle: str) -> None:
         (["report", "/nonexistent/run"], "/nonexistent/run"),
     ],
 )
-def test_bad_input_is_one_line_exit_2(args: list[str], needle: str) -> None:
-    _one_line_exit_2(cli(*args), needle)
+def test_bad_input_is_one_line_exit_2(
+    args: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """In-process (the validation is the same code; a fresh interpreter per case costs ~2 s of imports)."""
+    from checkpointless.cli import main
+
+    code = main(list(args))
+    err = capsys.readouterr().err
+    _one_line_exit_2(subprocess.CompletedProcess(args, code, "", err), needle)
+
+
+def test_bad_input_from_a_real_shell_is_one_line_exit_2() -> None:
+    _one_line_exit_2(cli("demo", "--hang-timeout", "inf"), "--hang-timeout must be a positive number")
 
 
 def test_out_that_is_a_file_is_one_line_exit_2(tmp_path: Path) -> None:
