@@ -2,7 +2,7 @@
 
 Systems (``bench/baselines/``):
 
-- ``checkpointless``: ``checkpointless.launch.Launcher`` + ``checkpointless.demo.worker_command``,
+- ``checkpointless``: ``checkpointless.launch.launcher.Launcher`` + ``checkpointless.launch.demo.worker_command``,
   2 workers + 1 hot spare; the fault is its own ``kill:rank=1@step=S``;
 - ``torchrun``: ``python -m torch.distributed.run --max-restarts K`` on a DDP script that saves
   with ``torch.distributed.checkpoint`` every N steps and resumes from the newest checkpoint;
@@ -73,7 +73,7 @@ FULL = Plan(
 
 
 def model_spec(steps: int) -> Any:
-    from checkpointless.demo import DemoModel
+    from checkpointless.launch.demo import DemoModel
 
     return DemoModel(steps=steps, eval_every=0)
 
@@ -94,9 +94,9 @@ def run_checkpointless(
 
     from checkpointless.config import JobConfig
     from checkpointless.control.coordinator import JobFailed
-    from checkpointless.demo import worker_command
     from checkpointless.faults import parse_faults
-    from checkpointless.launch import Launcher
+    from checkpointless.launch.demo import worker_command
+    from checkpointless.launch.launcher import Launcher
 
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)

@@ -6,7 +6,7 @@ the refilled spare has finished starting before the next fault (checked per faul
 ``spare_ready`` event); faults alternate between rank 1 and rank 0. Jobs of one kind are
 repeated until ``n`` faults (10, quick: 3) were measured.
 
-Per fault, from ``report.json`` (``checkpointless.report``): ``detection_s`` (injection to the
+Per fault, from ``report.json`` (``checkpointless.observe.report``): ``detection_s`` (injection to the
 first ``fault_detected``), ``stall_s`` (worst survivor: last commit before the fault to the next
 commit after it, minus one normal step) and ``lost_steps``; from the events: the coordinator's
 ``recovery_done`` seconds, the bytes of ``transfer_ended``, and the time split of the survivor's
@@ -70,9 +70,9 @@ REFERENCE_HANG_TIMEOUT_S = 10.0
 
 def run_job(faults: list[str], total_steps: int, spares: int, out: Path) -> Any:
     from checkpointless.config import JobConfig, RecoveryConfig
-    from checkpointless.demo import DemoModel, worker_command
     from checkpointless.faults import parse_faults
-    from checkpointless.launch import Launcher
+    from checkpointless.launch.demo import DemoModel, worker_command
+    from checkpointless.launch.launcher import Launcher
 
     spec = DemoModel(steps=total_steps, **MODEL)  # type: ignore[arg-type]
     rc = RecoveryConfig(hang_timeout_s=REFERENCE_HANG_TIMEOUT_S) if not faults else RecoveryConfig()

@@ -1,7 +1,7 @@
 """Scale, by simulation: goodput of checkpoint-restart and checkpointless at 1,000 .. 100,000 accelerators.
 
 This machine has 2 cores, so cluster scale can only be reached by the goodput model of
-``checkpointless.simulate`` (Daly's exact model for checkpoint-restart at its optimal Young/Daly
+``checkpointless.analysis.simulate`` (Daly's exact model for checkpoint-restart at its optimal Young/Daly
 interval; a Poisson-downtime model for checkpointless; both checked by Monte-Carlo). What this
 benchmark adds is where the model's cost parameters come from:
 
@@ -61,7 +61,7 @@ if str(REPO) not in sys.path:  # run as a script: make the package importable wi
 
 import common  # noqa: E402
 
-from checkpointless.simulate import (  # noqa: E402
+from checkpointless.analysis.simulate import (  # noqa: E402
     DEFAULT_SWEEP_SIZES,
     ClusterParams,
     checkpoint_restart_interval,

@@ -10,7 +10,7 @@ third, whose runs are longer, joins every other repetition) so that the noise of
 
 - ``ddp``: a plain script in this file (``--ddp-worker``): ``init_process_group("gloo")``,
   ``DistributedDataParallel(model)`` with default buckets (25 MB) and overlap, the same loop;
-- ``checkpointless``: ``checkpointless.demo`` workers through ``Launcher``, 2 workers, no spare,
+- ``checkpointless``: ``checkpointless.launch.demo`` workers through ``Launcher``, 2 workers, no spare,
   no faults (control plane, heartbeats and event shipping included);
 - ``checkpointless+spare``: the same with one hot spare idling (what a real job runs); the spare's
   start-up (import torch, build the model) competes for the 2 cores, so steps committed before
@@ -73,9 +73,9 @@ def ddp_worker(rank: int, world: int, port: int, steps: int, out: Path) -> None:
 
     from checkpointless.control.client import connect
     from checkpointless.data.synthetic import SyntheticTokens
-    from checkpointless.demo import DemoModel
+    from checkpointless.launch.demo import DemoModel
     from checkpointless.models.tiny_gpt import GPTConfig, TinyGPT
-    from checkpointless.recovery import step_seed
+    from checkpointless.session import step_seed
     from checkpointless.state import digest_state
 
     spec = DemoModel(steps=steps, **MODEL)  # type: ignore[arg-type]
@@ -112,7 +112,7 @@ def ddp_worker(rank: int, world: int, port: int, steps: int, out: Path) -> None:
 
 
 def run_ddp(steps: int, work: Path) -> dict[str, Any]:
-    from checkpointless.launch import open_store
+    from checkpointless.launch.launcher import open_store
 
     store = open_store("127.0.0.1", 0)
     procs: list[subprocess.Popen[bytes]] = []
@@ -152,8 +152,8 @@ def run_ddp(steps: int, work: Path) -> dict[str, Any]:
 # -- checkpointless ------------------------------------------------------------------------
 def run_checkpointless(steps: int, spares: int, work: Path) -> dict[str, Any]:
     from checkpointless.config import JobConfig, RecoveryConfig
-    from checkpointless.demo import DemoModel, worker_command
-    from checkpointless.launch import Launcher
+    from checkpointless.launch.demo import DemoModel, worker_command
+    from checkpointless.launch.launcher import Launcher
 
     spec = DemoModel(steps=steps, **MODEL)  # type: ignore[arg-type]
     # hang_timeout_s only sets failure detection; a long one keeps the coordinator's no-progress

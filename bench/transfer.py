@@ -147,7 +147,7 @@ def copy_floor(sizes: list[int], reps: int) -> list[dict[str, Any]]:
 
 # -- orchestration -----------------------------------------------------------------------
 def run(quick: bool, out_dir: Path) -> dict[str, Any]:
-    from checkpointless.launch import open_store
+    from checkpointless.launch.launcher import open_store
 
     sizes = [10 * MB, 100 * MB] if quick else [10 * MB, 100 * MB, 1000 * MB, 2000 * MB]
     reps = 3 if quick else 5

@@ -7,7 +7,7 @@ tests.
 
 from checkpointless.config import JobConfig, RecoveryConfig
 from checkpointless.faults import FaultSpec, parse_fault
-from checkpointless.recovery import Attempt, FatalError, Session
+from checkpointless.session import Attempt, FatalError, Session
 from checkpointless.state import Stateful
 
 __all__ = [

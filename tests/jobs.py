@@ -8,9 +8,9 @@ from pathlib import Path
 
 from checkpointless.config import JobConfig, RecoveryConfig
 from checkpointless.control.coordinator import Coordinator
-from checkpointless.demo import DemoModel, worker_command
 from checkpointless.faults import parse_faults
-from checkpointless.launch import JobResult, Launcher
+from checkpointless.launch.demo import DemoModel, worker_command
+from checkpointless.launch.launcher import JobResult, Launcher
 
 TINY = {
     "vocab_size": 32,

@@ -1,6 +1,6 @@
 """Hardening: real processes, real signals, real sockets, real full disks; no mock of the logic.
 
-What the launcher promises (``checkpointless/launch.py``, module doc), tried the hard way:
+What the launcher promises (``checkpointless/launch/launcher.py``, module doc), tried the hard way:
 
 1. children die with the launcher at any moment; a stranger on the port (a process of another job:
    tests/scripts/adv_stranger.py) can neither forge nor destroy what steers a job, nor join its group;
@@ -35,7 +35,7 @@ from checkpointless.config import JobConfig, RecoveryConfig
 from checkpointless.control.coordinator import Coordinator, JobFailed
 from checkpointless.data.shm_cache import ShmBatchCache
 from checkpointless.faults import parse_faults
-from checkpointless.launch import JobResult, Launcher, open_store
+from checkpointless.launch.launcher import JobResult, Launcher, open_store
 from tests.jobs import logs_of
 
 pytestmark = pytest.mark.slow
@@ -58,7 +58,7 @@ def _cli(*args: str, stdout: Any = subprocess.PIPE, tmp: Path | None = None) -> 
     """``checkpointless ARGS`` as a launcher of its own, in a session of its own (``tmp``: its TMPDIR)."""
     env = _env() if tmp is None else {**_env(), "TMPDIR": str(tmp)}
     return subprocess.Popen(
-        [sys.executable, "-m", "checkpointless.cli", *args], cwd=REPO, env=env, text=True,
+        [sys.executable, "-m", "checkpointless.launch.cli", *args], cwd=REPO, env=env, text=True,
         stdout=stdout, stderr=subprocess.PIPE, start_new_session=True,
     )  # fmt: skip
 

@@ -9,7 +9,7 @@ import pytest
 from torch.distributed import TCPStore
 
 from checkpointless.control.auth import SignedStore, new_secret, pg_token, read_secret_fd
-from checkpointless.launch import open_store
+from checkpointless.launch.launcher import open_store
 
 pytestmark = pytest.mark.timeout(30)
 

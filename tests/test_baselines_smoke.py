@@ -13,7 +13,7 @@ if str(BENCH) not in sys.path:
 
 from baselines import analyse, read_logs, torchrun_dcp  # noqa: E402
 
-from checkpointless.demo import DemoModel  # noqa: E402
+from checkpointless.launch.demo import DemoModel  # noqa: E402
 
 TINY = DemoModel(
     steps=12, seed=0, vocab_size=32, seq_len=16, d_model=32, n_layer=1, n_head=2, global_batch=4, eval_every=0

@@ -22,7 +22,7 @@ TINY_JOB = ["--workers", "1", "--spares", "0", "--steps", "1", "--fault", "none"
 def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """Run ``checkpointless ARGS`` in a session of its own; whatever happens, its process group is ended."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "checkpointless.cli", *args],
+        [sys.executable, "-m", "checkpointless.launch.cli", *args],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
         env={**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "250", **(env or {})},
     )  # fmt: skip
@@ -77,7 +77,7 @@ def test_bad_input_is_one_line_exit_2(
     args: list[str], needle: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """In-process (the validation is the same code; a fresh interpreter per case costs ~2 s of imports)."""
-    from checkpointless.cli import main
+    from checkpointless.launch.cli import main
 
     code = main(list(args))
     err = capsys.readouterr().err

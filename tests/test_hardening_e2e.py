@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from checkpointless.control.coordinator import Coordinator
-from checkpointless.launch import JobResult, Launcher
+from checkpointless.launch.launcher import JobResult, Launcher
 from tests.jobs import injected_fired, logs_of, reference_digest, run_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]

@@ -1,4 +1,4 @@
-"""Tests for checkpointless.metrics.JobMetrics: a private-registry Prometheus endpoint."""
+"""Tests for checkpointless.observe.metrics.JobMetrics: a private-registry Prometheus endpoint."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
-from checkpointless.metrics import JobMetrics
+from checkpointless.observe.metrics import JobMetrics
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 

@@ -462,7 +462,7 @@ def test_hostile_yaml_is_refused_in_one_line(
     assert sys.getrecursionlimit() == limit
     msg = str(info.value)
     assert needle in msg and "hostile.yaml: invalid YAML" in msg and "\n" not in msg, msg
-    from checkpointless.cli import main
+    from checkpointless.launch.cli import main
 
     assert main(["run", str(path), "--dry-run"]) == 2
     err = capsys.readouterr().err.strip()

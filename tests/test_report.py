@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
-from checkpointless.console import count_faults
-from checkpointless.live_metrics import MetricsFeed
-from checkpointless.metrics import JobMetrics
-from checkpointless.report import build_report, derive_faults, signal_name
+from checkpointless.observe.console import count_faults
+from checkpointless.observe.live_metrics import MetricsFeed
+from checkpointless.observe.metrics import JobMetrics
+from checkpointless.observe.report import build_report, derive_faults, signal_name
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -1,4 +1,4 @@
-"""Tests for checkpointless.report_plot: timeline.png + summary.txt from a synthetic run dir."""
+"""Tests for checkpointless.observe.plot: timeline.png + summary.txt from a synthetic run dir."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from checkpointless import report_plot
+from checkpointless.observe import plot as report_plot
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -230,7 +230,7 @@ def test_main_bad_report_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]
 
 def write_run(root: Path, events: list[dict[str, Any]], *, with_report: bool = True) -> Path:
     """A run directory as the launcher writes it: events.jsonl and build_report's report.json."""
-    from checkpointless.report import build_report
+    from checkpointless.observe.report import build_report
 
     run = root / "run"
     run.mkdir()
@@ -305,7 +305,7 @@ def test_summary_notes_a_report_that_disagrees_with_the_events(tmp_path: Path) -
 def test_plotting_leaves_the_global_matplotlib_backend_alone(tmp_path: Path) -> None:
     import matplotlib
 
-    from checkpointless.report_plot import RunData, _plot
+    from checkpointless.observe.plot import RunData, _plot
 
     before = matplotlib.get_backend()
     matplotlib.use("svg")  # a caller's choice, which a library must not change

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from checkpointless.cli import main
+from checkpointless.launch.cli import main
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -24,7 +24,7 @@ SMALL = ["--set", "train.steps=12", "--set", "data.eval_every=6", "--set", "data
 
 def run_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "checkpointless.cli", "run", *args, "--quiet"],
+        [sys.executable, "-m", "checkpointless.launch.cli", "run", *args, "--quiet"],
         capture_output=True, text=True, timeout=timeout, cwd=ROOT,
     )  # fmt: skip
 
@@ -49,7 +49,7 @@ def test_recipe_with_kill_equals_fault_free(recipe: str, tmp_path: Path) -> None
 def test_metrics_scraped_during_a_run_with_a_fault(tmp_path: Path) -> None:
     path = str(ROOT / "recipes" / "llama-tiny.yaml")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "checkpointless.cli", "run", path, *SMALL, "--set", "train.steps=40",
+        [sys.executable, "-m", "checkpointless.launch.cli", "run", path, *SMALL, "--set", "train.steps=40",
          "--fault", "kill:rank=1@step=8", "--metrics-port", "0", "--out", str(tmp_path)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
     )  # fmt: skip

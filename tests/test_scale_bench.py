@@ -16,7 +16,7 @@ if str(BENCH) not in sys.path:
 
 import scale  # noqa: E402
 
-from checkpointless.simulate import ClusterParams, sweep, young_daly_interval  # noqa: E402
+from checkpointless.analysis.simulate import ClusterParams, sweep, young_daly_interval  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(120)]
 

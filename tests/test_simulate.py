@@ -1,4 +1,4 @@
-"""Tests for checkpointless.simulate: closed forms, Monte-Carlo cross-checks, sweep, plot, CLI."""
+"""Tests for checkpointless.analysis.simulate: closed forms, Monte-Carlo cross-checks, sweep, plot, CLI."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from checkpointless import simulate as sim
-from checkpointless.simulate import (
+from checkpointless.analysis import simulate as sim
+from checkpointless.analysis.simulate import (
     LLAMA3_FAILURES_PER_GPU_HOUR,
     ClusterParams,
     goodput_checkpoint_restart,

@@ -28,7 +28,7 @@ from checkpointless import state as S
 from checkpointless.comm import CollectiveError, Group
 from checkpointless.ddp import GradientReducer
 from checkpointless.models.tiny_gpt import GPTConfig, TinyGPT
-from checkpointless.recovery import _Progress
+from checkpointless.session import _Progress
 from checkpointless.state import (
     IntegrityError,
     StateRegistry,

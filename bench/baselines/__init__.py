@@ -54,7 +54,7 @@ WORLD = 2
 
 # -- model, data, RNG -------------------------------------------------------------
 def spec_from_json(text: str) -> Any:
-    from checkpointless.demo import DemoModel
+    from checkpointless.launch.demo import DemoModel
 
     return DemoModel(**json.loads(text))
 
@@ -64,8 +64,8 @@ def spec_to_json(spec: Any) -> str:
 
 
 def build(spec: Any) -> tuple[Any, Any, Any]:
-    """(model, optimizer, data) exactly as ``checkpointless.demo.train`` builds them."""
-    from checkpointless.demo import build as build_demo
+    """(model, optimizer, data) exactly as ``checkpointless.launch.demo.train`` builds them."""
+    from checkpointless.launch.demo import build as build_demo
 
     return build_demo(spec)
 
@@ -73,7 +73,7 @@ def build(spec: Any) -> tuple[Any, Any, Any]:
 def reseed(seed: int, step: int, rank: int) -> None:
     import torch
 
-    from checkpointless.recovery import step_seed
+    from checkpointless.session import step_seed
 
     torch.manual_seed(step_seed(seed, step, rank))
 

@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.worker:
         return worker(json.loads(a.worker))
-    from checkpointless.demo import DemoModel
+    from checkpointless.launch.demo import DemoModel
 
     print(run(DemoModel(steps=30, eval_every=0), Path("bench/out/compare/plain-try"), steps=30))
     return 0

@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.worker:
         return worker(json.loads(a.worker))
-    from checkpointless.demo import DemoModel
+    from checkpointless.launch.demo import DemoModel
 
     res = run(
         DemoModel(steps=40, eval_every=0), Path("bench/out/compare/torchft-try"), steps=40, kill_step=20

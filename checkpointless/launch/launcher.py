@@ -52,7 +52,7 @@ from checkpointless.control import keys
 from checkpointless.control.auth import ENV_SECRET_FD, SignedStore, job_namespace, new_secret
 from checkpointless.control.client import ENV_CONFIG, ENV_JOB_ID, ENV_PROC, ENV_ROLE, ENV_STORE
 from checkpointless.control.coordinator import Coordinator, JobFailed
-from checkpointless.report import build_report
+from checkpointless.observe.report import build_report
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ final report). :func:`write_report` reads both and writes:
   vs step.
 * ``summary.txt``: a short plain-text summary, also returned.
 
-Faults, in the summary and on the plot, are the one list :func:`checkpointless.report.derive_faults`
+Faults, in the summary and on the plot, are the one list :func:`checkpointless.observe.report.derive_faults`
 makes from the events (the list ``report.json`` holds): every detected fault with its cause, injected
 ones marked with their spec.
 
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from checkpointless.report import derive_faults, fault_entries
+from checkpointless.observe.report import derive_faults, fault_entries
 
 __all__ = ["RunData", "format_summary", "load_run", "main", "write_report"]
 
@@ -181,7 +181,7 @@ def _heldout_loss(run: RunData) -> list[tuple[int, float]]:
 
 @dataclass
 class _FaultSpan:
-    """One fault on the timeline, from :func:`checkpointless.report.derive_faults` (the report's list)."""
+    """One fault on the timeline, from :func:`checkpointless.observe.report.derive_faults` (the report's list)."""
 
     kind: str
     ranks: list[int]

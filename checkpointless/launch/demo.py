@@ -1,7 +1,7 @@
 """``checkpointless demo``: a small GPT trained by N workers and S hot spares through real faults.
 
 This module is both the launcher side (``run_demo``) and the training script
-that every worker and spare runs (``python -m checkpointless.demo --worker``).
+that every worker and spare runs (``python -m checkpointless.launch.demo --worker``).
 """
 
 from __future__ import annotations
@@ -87,8 +87,8 @@ def default_faults(workers: int, steps: int) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Worker entry: ``python -m checkpointless.demo --worker JSON``."""
-    p = argparse.ArgumentParser(prog="python -m checkpointless.demo")
+    """Worker entry: ``python -m checkpointless.launch.demo --worker JSON``."""
+    p = argparse.ArgumentParser(prog="python -m checkpointless.launch.demo")
     p.add_argument("--worker", required=True, help="DemoModel as JSON")
     args = p.parse_args(argv)
     train(DemoModel(**json.loads(args.worker)))
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def worker_command(spec: DemoModel) -> list[str]:
-    return [sys.executable, "-m", "checkpointless.demo", "--worker", json.dumps(asdict(spec))]
+    return [sys.executable, "-m", "checkpointless.launch.demo", "--worker", json.dumps(asdict(spec))]
 
 
 if __name__ == "__main__":

@@ -6,14 +6,14 @@ import time
 from typing import Any
 
 from checkpointless.control.coordinator import Coordinator
-from checkpointless.metrics import JobMetrics
-from checkpointless.report import derive_faults
+from checkpointless.observe.metrics import JobMetrics
+from checkpointless.observe.report import derive_faults
 
 
 class MetricsFeed:
     """Call it with the coordinator after every tick (``Launcher(on_tick=...)``).
 
-    Faults come from :func:`checkpointless.report.derive_faults` over the launcher's event list, the
+    Faults come from :func:`checkpointless.observe.report.derive_faults` over the launcher's event list, the
     derivation behind ``report.json`` and the console's count: each fault is counted once, when it is
     first detected, labelled by what was detected (``kind``) and the detection reason (``cause``).
     """

@@ -8,8 +8,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from checkpointless import report
 from checkpointless.control.coordinator import Coordinator
+from checkpointless.observe import report
 
 
 class LiveProgress:
@@ -70,7 +70,7 @@ def count_faults(events: list[dict[str, Any]]) -> int:
     """Faults in ``events`` so far: the length ``report.json``'s list has for the same events.
 
     The launcher's live list holds its own and the coordinator's events (worker events are
-    collected at the end); :func:`checkpointless.report.derive_faults` reads either.
+    collected at the end); :func:`checkpointless.observe.report.derive_faults` reads either.
     """
     return report.count_faults(events)
 

@@ -21,7 +21,7 @@ from rich.console import Console
 from checkpointless.config import JobConfig, RecoveryConfig
 from checkpointless.control.coordinator import Coordinator
 from checkpointless.faults import parse_faults, validate_schedule
-from checkpointless.launch import JobResult, Launcher, LaunchError
+from checkpointless.launch.launcher import JobResult, Launcher, LaunchError
 
 
 class UsageError(Exception):
@@ -102,7 +102,7 @@ def _job(args: argparse.Namespace, steps: int | None, default_faults: list[str])
 
 
 def _print_result(console: Console, result: JobResult, label: str) -> None:
-    from checkpointless.console import summary_table
+    from checkpointless.observe.console import summary_table
 
     r = result.report
     console.print(
@@ -137,7 +137,7 @@ def _launch(
     metrics_port: int | None = None,
 ) -> JobResult:
     """Run one job with the live progress line (unless --quiet) and, if asked, a metrics endpoint."""
-    from checkpointless.console import LiveProgress
+    from checkpointless.observe.console import LiveProgress
 
     launcher = Launcher(job, command, total_steps=steps, port=args.port, out_dir=out)
     callbacks: list[Callable[[Coordinator], None]] = []
@@ -147,8 +147,8 @@ def _launch(
     if metrics_port is not None:
         if not 0 <= metrics_port < 65536:
             raise UsageError(f"--metrics-port must be in 0..65535, got {metrics_port}")
-        from checkpointless.live_metrics import MetricsFeed
-        from checkpointless.metrics import JobMetrics
+        from checkpointless.observe.live_metrics import MetricsFeed
+        from checkpointless.observe.metrics import JobMetrics
 
         metrics = JobMetrics(metrics_port)
         try:
@@ -166,7 +166,7 @@ def _launch(
 
 
 def cmd_demo(argv: list[str]) -> int:
-    from checkpointless.demo import DemoModel, default_faults, worker_command
+    from checkpointless.launch.demo import DemoModel, default_faults, worker_command
 
     p = _Parser(prog="checkpointless demo", description="Train a small GPT through real faults.")
     _add_job_args(p, workers=2, spares=1)
@@ -307,7 +307,7 @@ def cmd_run(argv: list[str]) -> int:
         first, last = result.report["heldout_loss"][0][1], result.report["heldout_loss"][-1][1]
         console.print(f"held-out loss {first:.4f} -> {last:.4f}", highlight=False)
     if args.out is not None and result.ok and not result.write_error:
-        from checkpointless.report_plot import write_report
+        from checkpointless.observe.plot import write_report
 
         try:
             write_report(args.out)
@@ -330,11 +330,11 @@ def main(argv: list[str] | None = None) -> int:
             return 0 if argv else 2
         cmd, rest = argv[0], argv[1:]
         if cmd == "report":
-            from checkpointless.report_plot import main as report_main
+            from checkpointless.observe.plot import main as report_main
 
             return report_main(rest)
         if cmd == "simulate":
-            from checkpointless.simulate import main as simulate_main
+            from checkpointless.analysis.simulate import main as simulate_main
 
             return simulate_main(rest)
         if cmd not in commands:

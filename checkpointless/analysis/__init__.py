@@ -1,0 +1,1 @@
+"""Analysis tools outside the runtime path (the cluster-scale goodput simulator)."""
