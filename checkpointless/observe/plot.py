@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from collections import defaultdict
 from collections.abc import Sequence
@@ -29,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from checkpointless.observe.report import derive_faults, fault_entries
+from checkpointless.observe.report import _int, _num, derive_faults, fault_entries
 
 __all__ = ["RunData", "format_summary", "load_run", "main", "write_report"]
 
@@ -51,27 +50,6 @@ class RunData:
     report: dict[str, Any]
     skipped_lines: int = 0
     t0: float = 0.0
-
-
-def _num(x: Any) -> float | None:
-    """``x`` as a finite float, else None (bools are not numbers here)."""
-    if isinstance(x, bool) or not isinstance(x, int | float):
-        return None
-    v = float(x)
-    return v if math.isfinite(v) else None
-
-
-def _int(x: Any) -> int | None:
-    """``x`` as an int (accepting integral floats and digit strings), else None."""
-    if isinstance(x, bool):
-        return None
-    if isinstance(x, int):
-        return x
-    if isinstance(x, float) and x.is_integer():
-        return int(x)
-    if isinstance(x, str) and x.strip().lstrip("-").isdigit():
-        return int(x)
-    return None
 
 
 def _read_events(path: Path) -> tuple[list[dict[str, Any]], int]:

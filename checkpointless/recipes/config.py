@@ -35,7 +35,10 @@ import typing
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import TYPE_CHECKING, Any, Literal, Union
+
+if TYPE_CHECKING:
+    from checkpointless.data.corpus import TokenDataset
 
 import yaml
 
@@ -828,6 +831,22 @@ def recipe_from_dict(
     return recipe
 
 
+def open_dataset(recipe: RecipeConfig) -> TokenDataset:
+    """The recipe's training data, opened exactly as every worker opens it."""
+    from checkpointless.data.corpus import TokenDataset
+
+    dc = recipe.data
+    return TokenDataset(
+        None if dc.is_stdlib else dc.source,
+        seq_len=dc.seq_len,
+        global_batch=dc.global_batch,
+        seed=recipe.train.seed,
+        val_fraction=dc.heldout_fraction,
+        tokenizer=dc.tokenizer,
+        vocab_size=dc.tokenizer_vocab_size,
+    )
+
+
 def check_recipe_data(recipe: RecipeConfig, *, source: str = "") -> None:
     """Open ``recipe``'s corpus exactly as every worker will, or raise :class:`RecipeError`.
 
@@ -847,18 +866,8 @@ def check_recipe_data(recipe: RecipeConfig, *, source: str = "") -> None:
                 f"data directory {str(path)!r} does not exist or is not a directory",
                 source=source,
             )
-    from checkpointless.data.corpus import TokenDataset
-
     try:
-        TokenDataset(
-            None if dc.is_stdlib else dc.source,
-            seq_len=dc.seq_len,
-            global_batch=dc.global_batch,
-            seed=recipe.train.seed,
-            val_fraction=dc.heldout_fraction,
-            tokenizer=dc.tokenizer,
-            vocab_size=dc.tokenizer_vocab_size,
-        )
+        open_dataset(recipe)
     except ImportError as exc:
         raise RecipeError("data.tokenizer", " ".join(str(exc).split()), source=source) from None
     except ValueError as exc:

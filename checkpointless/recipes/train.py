@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     import checkpointless as cl
     from checkpointless.data.corpus import TokenDataset
     from checkpointless.data.shm_cache import CachedDataset, ShmBatchCache
-    from checkpointless.recipes.config import load_recipe
+    from checkpointless.recipes.config import load_recipe, open_dataset
     from checkpointless.recipes.models import build_model
 
     p = argparse.ArgumentParser(prog="python -m checkpointless.recipes.train")
@@ -53,15 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     dc = cfg.data
 
     def dataset() -> TokenDataset:  # opened lazily: a replacement first serves batches from the node cache
-        return TokenDataset(
-            None if dc.is_stdlib else dc.source,
-            seq_len=dc.seq_len,
-            global_batch=dc.global_batch,
-            seed=cfg.train.seed,
-            val_fraction=dc.heldout_fraction,
-            tokenizer=dc.tokenizer,
-            vocab_size=dc.tokenizer_vocab_size,
-        )
+        return open_dataset(cfg)
 
     cache = ShmBatchCache(os.environ.get(ENV_JOB_ID, f"local-{os.getpid()}"), cleanup_on_exit=False)
     data = CachedDataset(dataset, cache)
