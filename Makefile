@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint typecheck bench bench-install bench-quick clean
+.PHONY: install demo test test-unit lint typecheck bench bench-install bench-quick clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -30,8 +30,12 @@ lint: install
 typecheck: install
 	$(VENV)/bin/mypy
 
+# tests/unit: in-process, fast (~30 s); tests/integration: real processes, real signals (~7 min)
 test: install lint typecheck
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
+
+test-unit: install
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests/unit
 
 bench-install: install
 	$(PIP) install -q -e ".[bench]" "$(TORCH_SPEC)"

@@ -18,7 +18,7 @@ from checkpointless.data.corpus import EOD_ID, TokenDataset, TokenizedCorpus, lo
 from checkpointless.launch.cli import main
 from checkpointless.recipes.config import RecipeError, load_recipe
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "recipes" / "llama-tiny.yaml"
 ONE_STEP = ("--set", "train.steps=1", "--set", "optim.warmup_steps=0")  # should the check ever let it run
 

@@ -15,7 +15,7 @@ import pytest
 
 pytestmark = pytest.mark.timeout(60)
 
-RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "llama-tiny.yaml"
+RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "llama-tiny.yaml"
 TINY_JOB = ["--workers", "1", "--spares", "0", "--steps", "1", "--fault", "none", "--quiet", "--layers", "1"]
 
 

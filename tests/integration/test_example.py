@@ -12,7 +12,7 @@ from tests.jobs import logs_of, run_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "custom_loop.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "custom_loop.py"
 
 
 def test_example_with_kill_matches_fault_free() -> None:

@@ -40,8 +40,8 @@ from tests.jobs import logs_of
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parent.parent
-SCRIPTS = Path(__file__).resolve().parent / "scripts"
+REPO = Path(__file__).resolve().parents[2]
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 STEPS = 10
 FAKE_DIGEST = "0" * 64  # what the stranger reports as the final state (tests/scripts/adv_stranger.py)
 

@@ -15,7 +15,7 @@ from tests.jobs import injected_fired, logs_of, reference_digest, run_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
-SCRIPT = str(Path(__file__).parent / "scripts" / "misbehave.py")
+SCRIPT = str(Path(__file__).resolve().parents[1] / "scripts" / "misbehave.py")
 
 
 def _kinds(result: JobResult, kind: str) -> list[dict[str, Any]]:

@@ -97,7 +97,7 @@ def test_no_process_left_behind() -> None:
 
 
 def test_stuck_step_with_live_heartbeat_is_detected_as_no_progress(tmp_path: Path) -> None:
-    script = str(Path(__file__).parent / "scripts" / "stuck_step.py")
+    script = str(Path(__file__).resolve().parents[1] / "scripts" / "stuck_step.py")
     faulted = run_job(
         steps=8, command=[sys.executable, script, "8", str(tmp_path), "1@3"], out=tmp_path / "f",
         progress_timeout_s=2.0,  # the default (60 s) keeps slow healthy steps alive

@@ -28,7 +28,7 @@ from checkpointless.data.corpus import (
 )
 from checkpointless.data.shm_cache import CachedDataset, ShmBatchCache
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _write_corpus(root: Path, n_docs: int = 24) -> Path:

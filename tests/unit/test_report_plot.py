@@ -242,7 +242,7 @@ def write_run(root: Path, events: list[dict[str, Any]], *, with_report: bool = T
 
 @pytest.mark.timeout(60)
 def test_real_faults_are_shown_as_detected(tmp_path: Path) -> None:
-    from tests.test_report import _mixed_run
+    from tests.unit.test_report import _mixed_run
 
     run = write_run(tmp_path, _mixed_run())
     summary = report_plot.write_report(run)
@@ -272,7 +272,7 @@ def test_real_faults_are_shown_as_detected(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(60)
 def test_two_rank_fault_does_not_shift_the_next_faults_figures(tmp_path: Path) -> None:
-    from tests.test_report import two_rank_kill_then_one
+    from tests.unit.test_report import two_rank_kill_then_one
 
     run = report_plot.load_run(write_run(tmp_path, two_rank_kill_then_one()))
     spans = report_plot._fault_spans(run)  # one span per fault, not one per fault_injected event
@@ -283,7 +283,7 @@ def test_two_rank_fault_does_not_shift_the_next_faults_figures(tmp_path: Path) -
 
 @pytest.mark.timeout(60)
 def test_summary_derives_faults_when_the_report_has_none(tmp_path: Path) -> None:
-    from tests.test_report import manual_kill
+    from tests.unit.test_report import manual_kill
 
     run = report_plot.load_run(write_run(tmp_path, manual_kill(-11)(), with_report=False))
     summary = report_plot.format_summary(run)
@@ -294,7 +294,7 @@ def test_summary_derives_faults_when_the_report_has_none(tmp_path: Path) -> None
 
 @pytest.mark.timeout(60)
 def test_summary_notes_a_report_that_disagrees_with_the_events(tmp_path: Path) -> None:
-    from tests.test_report import manual_kill
+    from tests.unit.test_report import manual_kill
 
     run_dir = write_run(tmp_path, manual_kill(-9)())
     (run_dir / "report.json").write_text('{"faults": []}', encoding="utf-8")  # an old report: no real faults

@@ -17,7 +17,7 @@ from checkpointless.launch.cli import main
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SMALL = ["--set", "train.steps=12", "--set", "data.eval_every=6", "--set", "data.eval_batches=1",
          "--set", "data.seq_len=32", "--set", "optim.warmup_steps=2"]  # fmt: skip
 

@@ -22,7 +22,7 @@ from checkpointless.recipes.config import (
     recipe_from_dict,
 )
 
-RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 ALL_RECIPES = sorted(RECIPES.glob("*.yaml"))
 TINY = {"llama": RECIPES / "llama-tiny.yaml", "gpt_oss": RECIPES / "gpt-oss-tiny.yaml"}
 
