@@ -80,6 +80,7 @@ from checkpointless.control.client import (
     die_with_parent,
 )
 from checkpointless.control.plan import Plan
+from checkpointless.control.vocab import Event, Phase, Reason, Role
 from checkpointless.ddp import GradientReducer
 from checkpointless.faults import FaultInjector, FaultSpec
 from checkpointless.state import IntegrityError, Stateful, StateRegistry, digest_state, recv_state, send_state
@@ -248,10 +249,10 @@ class Session:
         self._faults = FaultInjector(self.job.faults, self._client)
         atexit.register(self._at_exit)
         # A spare's model is built like the workers' but is not the job's state until it receives it.
-        self._has_state = os.environ.get(ENV_ROLE, "worker") != "spare"
+        self._has_state = os.environ.get(ENV_ROLE, Role.WORKER) != Role.SPARE
         if not self._has_state:
-            self._client.update(phase="spare")
-            self._client.emit("spare_ready", sync=True)
+            self._client.update(phase=Phase.SPARE)
+            self._client.emit(Event.SPARE_READY, sync=True)
             try:
                 gen = self._client.wait_assignment()
             except JobStopped:
@@ -266,9 +267,9 @@ class Session:
         except (CollectiveError, IntegrityError, TimeoutError) as e:
             # a peer failed while this process joined: it stays and recovers like any survivor
             _release_frames(e)
-            self._client.emit("fault_detected", sync=True, rank=self.rank, gen=plan.gen, step=plan.resume_step,
-                              reason="collective_error", error=str(e)[:300])  # fmt: skip
-            self._recover("collective_error")
+            self._client.emit(Event.FAULT_DETECTED, sync=True, rank=self.rank, gen=plan.gen, step=plan.resume_step,
+                              reason=Reason.COLLECTIVE_ERROR, error=str(e)[:300])  # fmt: skip
+            self._recover(Reason.COLLECTIVE_ERROR)
 
     # -- public properties --------------------------------------------------------
     @property
@@ -324,9 +325,9 @@ class Session:
             random.seed(s)
         self._attempts += 1
         if self._client is not None:
-            self._client.update(phase="compute", step=step, attempt=self._attempts)
+            self._client.update(phase=Phase.COMPUTE, step=step, attempt=self._attempts)
             if step == self._reexecute:
-                self._client.emit("step_reexecuted", rank=self.rank, gen=self.generation, step=step)
+                self._client.emit(Event.STEP_REEXECUTED, rank=self.rank, gen=self.generation, step=step)
                 self._reexecute = None
         t0 = time.perf_counter()
         try:
@@ -359,7 +360,7 @@ class Session:
         if self._faults is not None:
             self._faults.at_step(self.rank, self._next_step, self._fault_fired)
         if self._client is not None:
-            self._client.update(phase="reduce")
+            self._client.update(phase=Phase.REDUCE)
         self._reducer.reduce(self._group)
         self._reduced = True
 
@@ -404,16 +405,16 @@ class Session:
         if client is None:
             self._finished = True
             return digest
-        client.update(phase="done")
+        client.update(phase=Phase.DONE)
         client.report_done(self.rank, digest, self._committed)
         last_report = time.monotonic()
         while True:
             if client.is_set(keys.JOB_STOP):
                 break
             if client.is_set(keys.abort(self.generation)):
-                self._recover("peer_failure")
+                self._recover(Reason.PEER_FAILURE)
                 digest = self.state_digest()
-                client.update(phase="done")
+                client.update(phase=Phase.DONE)
                 client.report_done(self.rank, digest, self._committed)
                 continue
             if time.monotonic() - last_report > 1.0:  # a forged overwrite must not hide our report
@@ -430,9 +431,9 @@ class Session:
         self._next_step = step + 1
         self._local_failures = 0
         if self._client is not None:
-            self._client.update(phase="idle", committed=step, step_time_s=seconds, **self._metrics)
+            self._client.update(phase=Phase.IDLE, committed=step, step_time_s=seconds, **self._metrics)
             self._client.emit(
-                "step_committed", sync=True, rank=self.rank, gen=self.generation, step=step,
+                Event.STEP_COMMITTED, sync=True, rank=self.rank, gen=self.generation, step=step,
                 step_time_s=seconds, **self._metrics,
             )  # fmt: skip
 
@@ -458,14 +459,14 @@ class Session:
     def _fault_fired(self, index: int, fault: FaultSpec, rank: int, step: int) -> None:
         assert self._client is not None
         self._client.emit(
-            "fault_injected", sync=True, rank=rank, gen=self.generation, step=step, index=index,
+            Event.FAULT_INJECTED, sync=True, rank=rank, gen=self.generation, step=step, index=index,
             fault=fault.kind, ranks=list(fault.ranks) or [rank], target=fault.at,
         )  # fmt: skip
 
     def _on_failure(self, exc: Exception, step: int) -> None:
         _release_frames(exc)
-        reason = "collective_error" if isinstance(exc, CollectiveError) else "exception"
-        if reason == "exception":
+        reason = Reason.COLLECTIVE_ERROR if isinstance(exc, CollectiveError) else Reason.EXCEPTION
+        if reason == Reason.EXCEPTION:
             self._local_failures += 1
             if self._local_failures > self.job.recovery.max_retries_per_step:
                 self._fatal(f"step {step} raised {self._local_failures} times in a row: {exc!r}")
@@ -474,7 +475,7 @@ class Session:
         )
         assert self._client is not None
         self._client.emit(
-            "fault_detected", sync=True, rank=self.rank, gen=self.generation, step=step,
+            Event.FAULT_DETECTED, sync=True, rank=self.rank, gen=self.generation, step=step,
             reason=reason, error=str(exc)[:300],
         )  # fmt: skip
         del exc
@@ -488,7 +489,7 @@ class Session:
                 self._group.abort()
                 self._group = None
             self._reducer.zero_()
-            self._client.update(phase="recovering")
+            self._client.update(phase=Phase.RECOVERING)
             self._client.report_failure(self.generation, self.rank, self._committed, reason, self._has_state)
             plan = self._client.wait_plan(self.generation + 1, self._plan_timeout)
             try:
@@ -496,10 +497,10 @@ class Session:
                 return
             except (CollectiveError, IntegrityError, TimeoutError) as e:
                 _release_frames(e)
-                reason = "collective_error"
+                reason = Reason.COLLECTIVE_ERROR
                 log.warning("[gen %d rank %d] recovery failed: %s", plan.gen, self.rank, e)
                 self._client.emit(
-                    "fault_detected", sync=True, rank=self.rank, gen=plan.gen, step=self._committed + 1,
+                    Event.FAULT_DETECTED, sync=True, rank=self.rank, gen=plan.gen, step=self._committed + 1,
                     reason=reason, error=str(e)[:300],
                 )  # fmt: skip
 
@@ -560,7 +561,7 @@ class Session:
         rank = plan.rank_of(client.proc)
         assert rank is not None, f"{client.proc} is not a member of generation {plan.gen}"
         self.rank, self.world_size, self.generation = rank, plan.world_size, plan.gen
-        client.update(rank=rank, gen=plan.gen, phase="joining")
+        client.update(rank=rank, gen=plan.gen, phase=Phase.JOINING)
         if self._faults is not None and rank in plan.replaced:
             self._faults.at_recovery(rank, plan.resume_step, self._fault_fired, at="join")
         self._group = self._form_group(plan)
@@ -568,7 +569,7 @@ class Session:
             self._check_layout(plan)
         if rank in plan.sources:
             src = plan.sources[rank]
-            client.emit("transfer_begun", rank=rank, gen=plan.gen, step=plan.resume_step, src=src)
+            client.emit(Event.TRANSFER_BEGUN, rank=rank, gen=plan.gen, step=plan.resume_step, src=src)
 
             def hook() -> None:
                 # kill:spare@recovery hits a replacement only, never a lagging survivor that receives
@@ -579,7 +580,7 @@ class Session:
             self._registry.load_state_dict(state)
             self._has_state = True
             client.emit(
-                "transfer_ended", rank=rank, gen=plan.gen, step=plan.resume_step, src=src,
+                Event.TRANSFER_ENDED, rank=rank, gen=plan.gen, step=plan.resume_step, src=src,
                 bytes=stats.bytes, seconds=stats.seconds, sha256_ok=True,
             )  # fmt: skip
         for dst in sorted(r for r, s in plan.sources.items() if s == rank):
@@ -593,4 +594,4 @@ class Session:
         assert self._committed == plan.resume_step - 1, (self._committed, plan.resume_step)
         self._next_step = plan.resume_step
         self._reexecute = plan.resume_step if plan.gen > 0 else None
-        client.update(phase="idle", committed=self._committed)
+        client.update(phase=Phase.IDLE, committed=self._committed)

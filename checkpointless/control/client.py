@@ -28,6 +28,7 @@ from torch.distributed import TCPStore
 from checkpointless.control import keys
 from checkpointless.control.auth import SignedStore, job_namespace
 from checkpointless.control.plan import Plan
+from checkpointless.control.vocab import Event
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +99,7 @@ class ControlClient:
 
     def _rejected(self, key: str) -> None:
         log.warning("%s: ignored a value on %r that is not sealed with this job's secret", self.proc, key)
-        self.emit("message_rejected", key=key)
+        self.emit(Event.MESSAGE_REJECTED, key=key)
 
     # -- heartbeat and events -------------------------------------------------
     def update(self, **status: Any) -> None:

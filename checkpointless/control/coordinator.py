@@ -46,6 +46,7 @@ from checkpointless.config import JobConfig
 from checkpointless.control import keys
 from checkpointless.control.auth import SignedStore
 from checkpointless.control.plan import Plan, PlanError, initial_plan, make_plan
+from checkpointless.control.vocab import Event, Phase, Reason, Role
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ class ProcessHandle(Protocol):
 @dataclass
 class _Proc:
     handle: ProcessHandle
-    role: str  # worker | spare | gone
+    role: Role
     raw_hb: bytes = b""
     hb: dict[str, Any] = field(default_factory=dict)
     last_change: float = 0.0
@@ -134,15 +135,15 @@ class Coordinator:
     # -- setup --------------------------------------------------------------------
     def start(self, workers: list[ProcessHandle], spares: list[ProcessHandle]) -> None:
         for h in workers:
-            self._add(h, "worker")
+            self._add(h, Role.WORKER)
         for h in spares:
-            self._add(h, "spare")
+            self._add(h, Role.SPARE)
         self.plan = initial_plan(self.job.workers, self.job.shards, [h.name for h in workers])
         self._publish_value(keys.plan(0), self.plan.to_json())
         self._publish_value(keys.LATEST_GEN, "0")
-        self._emit("generation_started", gen=0, members=self.plan.members, resume_step=0)
+        self._emit(Event.GENERATION_STARTED, gen=0, members=self.plan.members, resume_step=0)
 
-    def _add(self, h: ProcessHandle, role: str) -> None:
+    def _add(self, h: ProcessHandle, role: Role) -> None:
         now = self._clock()
         self.procs[h.name] = _Proc(h, role, last_change=now, started=now)
 
@@ -166,7 +167,7 @@ class Coordinator:
     def ready_spares(self) -> list[str]:
         return [
             n for n, p in self.procs.items()
-            if p.role == "spare" and not p.killed and p.hb.get("phase") == "spare" and p.handle.alive()
+            if p.role == Role.SPARE and not p.killed and p.hb.get("phase") == Phase.SPARE and p.handle.alive()
         ]  # fmt: skip
 
     def median_step_time(self) -> float:
@@ -204,7 +205,7 @@ class Coordinator:
     def _read_heartbeats(self, now: float) -> None:
         for name, p in self.procs.items():
             key = keys.heartbeat(name)
-            raw = None if p.role == "gone" else self.store.get_sealed(key)
+            raw = None if p.role == Role.GONE else self.store.get_sealed(key)
             if raw is not None and raw != p.raw_hb:
                 text = self.store.open(key, raw)
                 if text is None:
@@ -213,11 +214,11 @@ class Coordinator:
                 if p.hb and int(hb.get("seq", 0)) <= int(p.hb.get("seq", 0)):
                     continue  # a replay of an older real heartbeat must not hide a hang
                 p.raw_hb, p.last_change = raw, now
-                if hb.get("phase") == "spare" and not p.was_ready:
+                if hb.get("phase") == Phase.SPARE and not p.was_ready:
                     p.was_ready = True
                     self._spare_failures = 0
                 if (
-                    p.role == "worker"
+                    p.role == Role.WORKER
                     and hb.get("step_time_s")
                     and hb.get("committed") != p.hb.get("committed")
                 ):
@@ -233,14 +234,14 @@ class Coordinator:
     def _check_processes(self, now: float) -> None:
         rc = self.job.recovery
         for name, p in list(self.procs.items()):
-            if p.role == "gone":
+            if p.role == Role.GONE:
                 continue
-            rank = self._rank_of(name) if p.role == "worker" else None
+            rank = self._rank_of(name) if p.role == Role.WORKER else None
             if not p.handle.alive():
                 self._on_exit(name, p, rank, now)
                 continue
             if not p.joined and not p.killed and now - p.started > rc.start_timeout_s:
-                self._emit("fault_detected", rank=rank, reason="start_timeout", target=name, role=p.role,
+                self._emit(Event.FAULT_DETECTED, rank=rank, reason=Reason.START_TIMEOUT, target=name, role=p.role,
                            silent_s=round(now - p.started, 3))  # fmt: skip
                 log.warning(
                     "%s did not join the job within %.0fs of its start; killing it", name, now - p.started
@@ -248,7 +249,7 @@ class Coordinator:
                 p.killed = True
                 p.handle.kill()
             elif p.joined and not p.killed and now - p.last_change > rc.hang_timeout_s:
-                self._emit("fault_detected", rank=rank, reason="heartbeat_timeout", target=name,
+                self._emit(Event.FAULT_DETECTED, rank=rank, reason=Reason.HEARTBEAT_TIMEOUT, target=name,
                            silent_s=round(now - p.last_change, 3))  # fmt: skip
                 log.warning(
                     "%s (rank %s): no heartbeat for %.1fs, killing it", name, rank, now - p.last_change
@@ -258,34 +259,34 @@ class Coordinator:
 
     def _on_exit(self, name: str, p: _Proc, rank: int | None, now: float) -> None:
         """A process is gone: a fault to recover from, a spare to restart, or the end of the job."""
-        role, p.role = p.role, "gone"
+        role, p.role = p.role, Role.GONE
         if self.finished:
             return
         self._check_fatal()  # a worker that reported a fatal mistake exits right after
         code = p.handle.exitcode()
         tail = p.handle.log_tail()
-        self._emit("process_exited", rank=rank, target=name, role=role, exitcode=code, joined=p.joined)
+        self._emit(Event.PROCESS_EXITED, rank=rank, target=name, role=role, exitcode=code, joined=p.joined)
         if not p.joined and not p.killed and code is not None and code >= 0:
             # It exited on its own before joining: a bad command or script, not a machine fault.
-            self._emit("fault_detected", rank=rank, reason="start_failure", target=name, role=role,
+            self._emit(Event.FAULT_DETECTED, rank=rank, reason=Reason.START_FAILURE, target=name, role=role,
                        exitcode=code, log_tail=tail)  # fmt: skip
             what = f"{name} exited with code {code} before joining the job"
             if code == 0:
                 what += " (does the command create a checkpointless.Session?)"
-            if role == "spare":
+            if role == Role.SPARE:
                 self._spare_died(name, f"{what}; last log line: {tail or '(empty)'}", now)
                 return
             raise JobFailed(f"{what}; last log line: {tail or '(empty)'}")
-        if role == "worker" and code == 0 and not p.killed:
+        if role == Role.WORKER and code == 0 and not p.killed:
             raise JobFailed(
                 f"{name} (rank {rank}) exited with code 0 before the job finished "
                 "(does the loop end early, or is session.finish() missing?)"
             )
-        self._emit("fault_detected", rank=rank, reason="process_exit", target=name, role=role, exitcode=code,
+        self._emit(Event.FAULT_DETECTED, rank=rank, reason=Reason.PROCESS_EXIT, target=name, role=role, exitcode=code,
                    log_tail=tail if code else "")  # fmt: skip
-        if role == "worker" and rank is not None:
+        if role == Role.WORKER and rank is not None:
             self._fail(now).dead.add(rank)
-        elif role == "spare":
+        elif role == Role.SPARE:
             if p.was_ready:
                 self._spares_due.append(now)
             else:
@@ -301,13 +302,17 @@ class Coordinator:
         if self._spare_failures > limit:
             if not self._pool_exhausted:
                 self._pool_exhausted = True
-                self._emit("spare_pool_exhausted", target=name, failures=self._spare_failures, error=why)
+                self._emit(Event.SPARE_POOL_EXHAUSTED, target=name, failures=self._spare_failures, error=why)
                 log.warning("%d spares in a row died while starting; not restarting them: %s",
                             self._spare_failures, why)  # fmt: skip
             return
         delay = 0.5 * 2 ** (self._spare_failures - 1)
         self._emit(
-            "spare_restart_scheduled", target=name, delay_s=delay, failures=self._spare_failures, error=why
+            Event.SPARE_RESTART_SCHEDULED,
+            target=name,
+            delay_s=delay,
+            failures=self._spare_failures,
+            error=why,
         )
         log.warning("spare %s died while starting; starting another in %.1fs: %s", name, delay, why)
         self._spares_due.append(now + delay)
@@ -318,7 +323,7 @@ class Coordinator:
             return
         self._spares_due = [t for t in self._spares_due if t > now]
         for _ in due:
-            self._add(self._spawn_spare(), "spare")
+            self._add(self._spawn_spare(), Role.SPARE)
 
     def _check_fatal(self) -> None:
         """A worker reported a mistake that no recovery can fix: end the job with its words."""
@@ -329,7 +334,11 @@ class Coordinator:
             if text is not None:
                 d = json.loads(text)
                 self._emit(
-                    "fault_detected", rank=d.get("rank"), reason="fatal", target=name, error=d["error"]
+                    Event.FAULT_DETECTED,
+                    rank=d.get("rank"),
+                    reason=Reason.FATAL,
+                    target=name,
+                    error=d["error"],
                 )
                 raise JobFailed(str(d["error"]))
 
@@ -346,7 +355,7 @@ class Coordinator:
             names += [keys.heartbeat(proc), keys.assign(proc), keys.fatal(proc), keys.events_count(proc)]
         for key in names:
             if self.store.raw.check([key]):
-                self._emit("message_rejected", key=key, why="written outside the job's secret namespace")
+                self._emit(Event.MESSAGE_REJECTED, key=key, why="written outside the job's secret namespace")
                 log.warning("a process without this job's secret wrote %r; ignored", key)
                 self.store.raw.delete_key(key)
 
@@ -373,7 +382,7 @@ class Coordinator:
                 continue
             if key.startswith("assign/"):
                 p = self.procs.get(key.split("/", 1)[1])
-                if p is not None and p.role != "gone" and p.hb.get("gen", -1) < int(self._published[key]):
+                if p is not None and p.role != Role.GONE and p.hb.get("gen", -1) < int(self._published[key]):
                     continue
             del self._published[key]
 
@@ -390,16 +399,16 @@ class Coordinator:
         limit = max(rc.progress_timeout_s, 5 * self.median_step_time())
         gen = self.plan.gen if self.plan else 0
         procs = [self.procs[n] for n in self.members.values() if self.procs[n].hb.get("gen") == gen]
-        waiting = {p.hb.get("step") for p in procs if p.hb.get("phase") == "reduce"}
+        waiting = {p.hb.get("step") for p in procs if p.hb.get("phase") == Phase.REDUCE}
         for p in procs:
             hb = p.hb
-            if p.killed or hb.get("phase") != "compute" or hb.get("step") not in waiting:
+            if p.killed or hb.get("phase") != Phase.COMPUTE or hb.get("step") not in waiting:
                 continue
             if now - p.last_change > 3 * rc.heartbeat_interval_s:
                 continue  # a silent process is the heartbeat detector's case (a stopped process)
             if now - p.phase_since > limit:
                 rank = self._rank_of(p.handle.name)
-                self._emit("fault_detected", rank=rank, reason="no_progress", target=p.handle.name,
+                self._emit(Event.FAULT_DETECTED, rank=rank, reason=Reason.NO_PROGRESS, target=p.handle.name,
                            step=hb.get("step"), silent_s=round(now - p.phase_since, 3))  # fmt: skip
                 log.warning("%s (rank %s): no progress in step %s for %.1fs, killing it",
                             p.handle.name, rank, hb.get("step"), now - p.phase_since)  # fmt: skip
@@ -432,7 +441,7 @@ class Coordinator:
                 if d.get("has_state", True):
                     failure.holders.add(rank)
                 self._emit(
-                    "failure_reported", rank=rank, gen=gen, reason=d["reason"], committed=d["committed"]
+                    Event.FAILURE_REPORTED, rank=rank, gen=gen, reason=d["reason"], committed=d["committed"]
                 )
 
     def _try_recover(self, now: float) -> None:
@@ -450,7 +459,7 @@ class Coordinator:
                     p = self.procs[self.members[r]]
                     if p.killed or not p.joined or now - p.last_change > 3 * rc.heartbeat_interval_s:
                         continue
-                    self._emit("fault_detected", rank=r, reason="no_progress", target=p.handle.name,
+                    self._emit(Event.FAULT_DETECTED, rank=r, reason=Reason.NO_PROGRESS, target=p.handle.name,
                                silent_s=round(now - f.started, 3))  # fmt: skip
                     p.killed = True
                     p.handle.kill()
@@ -459,7 +468,7 @@ class Coordinator:
         spares = self.ready_spares()
         if len(f.dead) > len(spares):
             self._start_refills()  # a new failure before the last recovery finished
-            starting = [n for n, p in self.procs.items() if p.role == "spare" and p.handle.alive()]
+            starting = [n for n, p in self.procs.items() if p.role == Role.SPARE and p.handle.alive()]
             if len(f.dead) > len(starting) + len(self._spares_due):
                 why = (
                     f"; spares keep dying at start-up: {self._last_spare_death}"
@@ -486,17 +495,17 @@ class Coordinator:
         self._publish_value(keys.plan(plan.gen), plan.to_json())
         self._publish_value(keys.LATEST_GEN, str(plan.gen))
         for rank, old in plan.replaced.items():
-            self.procs[old].role = "gone"
+            self.procs[old].role = Role.GONE
             new = plan.members[rank]
-            self.procs[new].role = "worker"
+            self.procs[new].role = Role.WORKER
             self._publish_value(keys.assign(new), str(plan.gen))
         self.plan = plan
         self._emit(
-            "generation_started", gen=plan.gen, members=plan.members, resume_step=plan.resume_step,
+            Event.GENERATION_STARTED, gen=plan.gen, members=plan.members, resume_step=plan.resume_step,
             sources=plan.sources, replaced=plan.replaced, committed=f.reported,
         )  # fmt: skip
         for rank, old in plan.replaced.items():
-            self._emit("spare_assigned", rank=rank, gen=plan.gen, target=plan.members[rank], replaces=old)
+            self._emit(Event.SPARE_ASSIGNED, rank=rank, gen=plan.gen, target=plan.members[rank], replaces=old)
         # refill the pool after the recovery: a starting spare (importing torch) would compete
         # with the state transfer for CPU
         self._refills += len(plan.replaced)
@@ -510,9 +519,9 @@ class Coordinator:
             hb = self.procs[name].hb
             if hb.get("gen") != plan.gen:
                 return
-            if hb.get("committed", -1) < plan.resume_step and hb.get("phase") != "done":
+            if hb.get("committed", -1) < plan.resume_step and hb.get("phase") != Phase.DONE:
                 return
-        self._emit("recovery_done", gen=plan.gen, step=plan.resume_step, seconds=self._clock() - started)
+        self._emit(Event.RECOVERY_DONE, gen=plan.gen, step=plan.resume_step, seconds=self._clock() - started)
         self._recovering = None
         self._start_refills()
 
@@ -543,4 +552,4 @@ class Coordinator:
         self.digest = digests.pop()
         self.finished = True
         self.store.set(keys.JOB_STOP, "1")  # the launcher re-asserts it while the ranks exit
-        self._emit("job_finished", ok=True, step=done[0]["step"], digest=self.digest)
+        self._emit(Event.JOB_FINISHED, ok=True, step=done[0]["step"], digest=self.digest)

@@ -52,6 +52,7 @@ from checkpointless.control import keys
 from checkpointless.control.auth import ENV_SECRET_FD, SignedStore, job_namespace, new_secret
 from checkpointless.control.client import ENV_CONFIG, ENV_JOB_ID, ENV_PROC, ENV_ROLE, ENV_STORE
 from checkpointless.control.coordinator import Coordinator, JobFailed
+from checkpointless.control.vocab import Event, Role
 from checkpointless.observe.report import build_report
 
 log = logging.getLogger(__name__)
@@ -275,7 +276,7 @@ class Launcher:
     def _spawn_spare(self) -> _Child:
         name = f"s{self._next_spare}"
         self._next_spare += 1
-        return self._spawn(name, "spare")
+        return self._spawn(name, Role.SPARE)
 
     # -- events ---------------------------------------------------------------------
     def _record(self, ev: dict[str, Any]) -> None:
@@ -299,7 +300,7 @@ class Launcher:
 
     def _reject(self, key: str) -> None:
         log.warning("ignored a value on %r that is not sealed with this job's secret", key)
-        self._record({"t": time.time(), "kind": "message_rejected", "proc": "coordinator", "rank": None,
+        self._record({"t": time.time(), "kind": Event.MESSAGE_REJECTED, "proc": "coordinator", "rank": None,
                       "gen": None, "step": None, "key": key})  # fmt: skip
 
     def _collect_events(self) -> None:
@@ -350,7 +351,7 @@ class Launcher:
             self._stream = open(self.out_dir / "events.jsonl", "w")  # noqa: SIM115 (closed below)
         t_start = time.time()
         self._record(
-            {"t": t_start, "kind": "job_started", "proc": "launcher", "rank": None, "gen": 0, "step": None,
+            {"t": t_start, "kind": Event.JOB_STARTED, "proc": "launcher", "rank": None, "gen": 0, "step": None,
              "job_id": self.job_id, "workers": self.job.workers, "spares": self.job.spares,
              "steps": self.total_steps, "faults": [str(f) for f in self.job.faults]}
         )  # fmt: skip
@@ -375,7 +376,7 @@ class Launcher:
             interrupted = e.signum
             error = error or f"interrupted by {signal.Signals(e.signum).name}"
         if error is not None:
-            self._record({"t": time.time(), "kind": "job_finished", "proc": "launcher", "rank": None, "gen": 0,
+            self._record({"t": time.time(), "kind": Event.JOB_FINISHED, "proc": "launcher", "rank": None, "gen": 0,
                           "step": None, "ok": False, "error": error})  # fmt: skip
         events = sorted(self._events, key=lambda e: e["t"])
         report = build_report(events, total_steps=self.total_steps, digest=coord.digest)
@@ -394,7 +395,7 @@ class Launcher:
         )  # fmt: skip
 
     def _run(self, coord: Coordinator) -> None:
-        workers = [self._spawn(f"w{r}", "worker") for r in range(self.job.workers)]
+        workers = [self._spawn(f"w{r}", Role.WORKER) for r in range(self.job.workers)]
         spares = [self._spawn_spare() for _ in range(self.job.spares)]
         coord.start(list(workers), list(spares))
         deadline = time.monotonic() + self.timeout_s

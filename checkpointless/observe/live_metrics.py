@@ -6,6 +6,7 @@ import time
 from typing import Any
 
 from checkpointless.control.coordinator import Coordinator
+from checkpointless.control.vocab import Event
 from checkpointless.observe.metrics import JobMetrics
 from checkpointless.observe.report import derive_faults
 
@@ -48,9 +49,12 @@ class MetricsFeed:
         new = self._events[self._seen_events :]
         self._seen_events += len(new)
         for ev in new:
-            if ev.get("kind") == "recovery_done":
+            if ev.get("kind") == Event.RECOVERY_DONE:
                 self.metrics.recovery(float(ev["seconds"]))
-        if not any(ev.get("kind") in ("fault_detected", "failure_reported", "process_exited") for ev in new):
+        if not any(
+            ev.get("kind") in (Event.FAULT_DETECTED, Event.FAILURE_REPORTED, Event.PROCESS_EXITED)
+            for ev in new
+        ):
             return
         for fault in derive_faults(self._events):
             kind = fault.detected_kind

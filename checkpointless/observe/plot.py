@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from checkpointless.control.vocab import Event
 from checkpointless.observe.report import _int, _num, derive_faults, fault_entries
 
 __all__ = ["RunData", "format_summary", "load_run", "main", "write_report"]
@@ -94,7 +95,7 @@ def load_run(run_dir: Path) -> RunData:
     if not isinstance(report, dict):
         raise ValueError(f"{report_path} does not hold a JSON object")
     times = [t for t in (_num(e.get("t")) for e in events) if t is not None]
-    starts = [_num(e.get("t")) for e in events if e.get("kind") == "job_started"]
+    starts = [_num(e.get("t")) for e in events if e.get("kind") == Event.JOB_STARTED]
     start_times = [t for t in starts if t is not None]
     t0 = min(start_times) if start_times else (min(times) if times else 0.0)
     return RunData(run_dir=run_dir, events=events, report=report, skipped_lines=skipped, t0=t0)
@@ -107,7 +108,7 @@ def _commits_by_rank(run: RunData) -> dict[int, list[tuple[float, int, int]]]:
     """rank -> [(seconds since start, step, generation)] in file order (generation -1 if unknown)."""
     out: dict[int, list[tuple[float, int, int]]] = defaultdict(list)
     for ev in run.events:
-        if ev.get("kind") != "step_committed":
+        if ev.get("kind") != Event.STEP_COMMITTED:
             continue
         t, rank, step = _num(ev.get("t")), _int(ev.get("rank")), _int(ev.get("step"))
         if t is None or rank is None or step is None:
@@ -131,7 +132,7 @@ def _train_loss(run: RunData) -> list[tuple[int, float]]:
     """(step, mean loss over ranks), using each rank's latest commit of a step (replays win)."""
     latest: dict[tuple[int, int], float] = {}
     for ev in run.events:
-        if ev.get("kind") != "step_committed":
+        if ev.get("kind") != Event.STEP_COMMITTED:
             continue
         step, loss = _int(ev.get("step")), _num(ev.get("loss"))
         if step is None or loss is None:
@@ -291,7 +292,7 @@ def format_summary(run: RunData) -> str:
             lines.append(
                 f"note: {EVENTS_FILE} yields {derived} fault(s), {REPORT_FILE} lists {len(fault_lines)}"
             )
-    finished = [e for e in run.events if e.get("kind") == "job_finished"]
+    finished = [e for e in run.events if e.get("kind") == Event.JOB_FINISHED]
     if not finished:
         lines.append("note: no job_finished event (run still going or crashed)")
     elif finished[-1].get("ok") is False:

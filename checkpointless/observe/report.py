@@ -64,6 +64,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from checkpointless.control.vocab import Event
 from checkpointless.faults import FaultSpec
 
 __all__ = [
@@ -92,7 +93,7 @@ KIND_OF_CAUSE: dict[str, str] = {
 FAULT_CAUSES: tuple[str, ...] = tuple(KIND_OF_CAUSE)
 #: Event kinds that can create or change a fault (others only add figures to it).
 FAULT_EVENT_KINDS: frozenset[str] = frozenset(
-    {"fault_injected", "fault_detected", "failure_reported", "process_exited"}
+    {Event.FAULT_INJECTED, Event.FAULT_DETECTED, Event.FAILURE_REPORTED, Event.PROCESS_EXITED}
 )
 
 _PROCESS_CAUSES = frozenset(
@@ -154,7 +155,7 @@ def _timed(events: Iterable[dict[str, Any]]) -> list[tuple[float, dict[str, Any]
 def _commits(events: list[dict[str, Any]]) -> dict[int, list[tuple[float, int, int]]]:
     by_rank: dict[int, list[tuple[float, int, int]]] = defaultdict(list)
     for e in events:
-        if e.get("kind") != "step_committed":
+        if e.get("kind") != Event.STEP_COMMITTED:
             continue
         t, rank, step = _num(e.get("t")), _int(e.get("rank")), _int(e.get("step"))
         if t is None or rank is None or step is None:
@@ -267,7 +268,7 @@ def _incidents(timed: list[tuple[float, dict[str, Any]]]) -> list[_Incident]:
     out: list[_Incident] = []
     for t, e in timed:
         kind = e.get("kind")
-        if kind == "generation_started":
+        if kind == Event.GENERATION_STARTED:
             raw = e.get("members")
             if isinstance(raw, dict):
                 for k, v in raw.items():
@@ -279,13 +280,13 @@ def _incidents(timed: list[tuple[float, dict[str, Any]]]) -> list[_Incident]:
         rank, gen = _int(e.get("rank")), _int(e.get("gen"))
         proc = _str(e.get("proc"))
         # only the coordinator detects these (a worker reports exceptions and collective errors)
-        is_process_event = kind == "process_exited" or (
-            kind == "fault_detected" and reason in _PROCESS_CAUSES
+        is_process_event = kind == Event.PROCESS_EXITED or (
+            kind == Event.FAULT_DETECTED and reason in _PROCESS_CAUSES
         )
         if is_process_event:
-            cause = "process_exit" if kind == "process_exited" else str(reason)
+            cause = "process_exit" if kind == Event.PROCESS_EXITED else str(reason)
             target = _str(e.get("target"))
-            if target is None and rank is not None and kind == "fault_detected":
+            if target is None and rank is not None and kind == Event.FAULT_DETECTED:
                 target = members.get(rank)
             key = target or f"rank {rank} gen {gen}"
             role = _str(e.get("role")) or ("spare" if rank is None else "worker")
@@ -306,13 +307,13 @@ def _incidents(timed: list[tuple[float, dict[str, Any]]]) -> list[_Incident]:
                 inc.exitcode = exitcode
             inc.error = inc.error or _error_text(e)
             continue
-        if (kind == "fault_detected" and reason == "exception") or (
-            kind == "failure_reported" and reason == "exception"
+        if (kind == Event.FAULT_DETECTED and reason == "exception") or (
+            kind == Event.FAILURE_REPORTED and reason == "exception"
         ):
             # the worker's own detection, or the coordinator's view of it (live, before
             # worker events are collected): one fault per rank and generation
             key = f"exception gen {gen} rank {rank}"
-            from_worker = kind == "fault_detected"
+            from_worker = kind == Event.FAULT_DETECTED
             inc = by_key.get(key)
             if inc is None:
                 step = _int(e.get("step"))
@@ -371,7 +372,7 @@ def _first_detection(
     for t, e in timed:
         if t > until:
             break
-        if t >= after and e.get("kind") == "fault_detected":
+        if t >= after and e.get("kind") == Event.FAULT_DETECTED:
             g = _int(e.get("gen"))
             if gen is None or g is None or g == gen:
                 return t
@@ -386,9 +387,9 @@ def _recovery_windows(timed: list[tuple[float, dict[str, Any]]]) -> list[tuple[f
         g = _int(e.get("gen"))
         if g is None or g < 1:
             continue
-        if e.get("kind") == "generation_started":
+        if e.get("kind") == Event.GENERATION_STARTED:
             started.setdefault(g, t)
-        elif e.get("kind") == "recovery_done":
+        elif e.get("kind") == Event.RECOVERY_DONE:
             done.setdefault(g, t)
     return [(t0, done.get(g, math.inf)) for g, t0 in started.items()]
 
@@ -403,7 +404,7 @@ def derive_faults(events: list[dict[str, Any]]) -> list[Fault]:
     timed = _timed(events)
     specs: list[Any] = []
     for _, e in timed:
-        if e.get("kind") == "job_started" and isinstance(e.get("faults"), list):
+        if e.get("kind") == Event.JOB_STARTED and isinstance(e.get("faults"), list):
             specs = list(e["faults"])
             break
     incidents = _incidents(timed)
@@ -411,7 +412,7 @@ def derive_faults(events: list[dict[str, Any]]) -> list[Fault]:
     # injected faults: a spec naming several ranks fires once in each, and stays one fault
     groups: dict[Any, list[tuple[float, dict[str, Any]]]] = {}
     for t, e in timed:
-        if e.get("kind") == "fault_injected":
+        if e.get("kind") == Event.FAULT_INJECTED:
             index = _int(e.get("index"))
             groups.setdefault(("index", index) if index is not None else ("event", id(e)), []).append((t, e))
 
@@ -552,7 +553,7 @@ def _replacement(
     next_gen = None if gen is None else gen + 1
     recovered = None
     for t, e in timed:
-        if t >= t_det and e.get("kind") == "recovery_done":
+        if t >= t_det and e.get("kind") == Event.RECOVERY_DONE:
             g = _int(e.get("gen"))
             if next_gen is None or g is None or g == next_gen:
                 recovered = t
@@ -561,7 +562,7 @@ def _replacement(
     if exception:
         # recovered in place only if the rank committed again in a later generation, in its own process
         for t, e in timed:
-            if t <= t_det or e.get("kind") != "step_committed" or _int(e.get("rank")) not in ranks:
+            if t <= t_det or e.get("kind") != Event.STEP_COMMITTED or _int(e.get("rank")) not in ranks:
                 continue
             g, p = _int(e.get("gen")), _str(e.get("proc"))
             if gen is not None and g is not None and g <= gen:
@@ -572,7 +573,7 @@ def _replacement(
         return None, None
     spares: list[str] = []
     for t, e in timed:
-        if t < t_det or e.get("kind") != "spare_assigned" or id(e) in used:
+        if t < t_det or e.get("kind") != Event.SPARE_ASSIGNED or id(e) in used:
             continue
         if _int(e.get("rank")) not in ranks:
             continue
@@ -614,11 +615,11 @@ def build_report(
         first_time = [
             float(e.get("step_time_s", 0.0))
             for e in events
-            if e["kind"] == "step_committed" and float(e["t"]) == first
+            if e["kind"] == Event.STEP_COMMITTED and float(e["t"]) == first
         ]
         start = first - (first_time[0] if first_time else 0.0)
         wall = max(all_commits)[0] - start
-    recoveries = [float(e["seconds"]) for e in events if e["kind"] == "recovery_done"]
+    recoveries = [float(e["seconds"]) for e in events if e["kind"] == Event.RECOVERY_DONE]
     evals = [(int(e["step"]), float(e["heldout_loss"])) for e in events if e["kind"] == "eval"]
     return {
         "steps_completed": steps_completed,

@@ -1,0 +1,90 @@
+"""The control plane's vocabulary: event kinds, process phases, failure reasons, roles.
+
+Every emitter and reader of the event log and the heartbeats names these members,
+the way every store key is built in ``keys.py``. Members are strings (a ``str``
+mixin), so they serialise to JSON as their values and compare equal to them:
+``events.jsonl`` reads as before.
+"""
+
+from __future__ import annotations
+
+import time
+from enum import Enum
+from typing import Any
+
+
+class _Name(str, Enum):
+    """A string-valued member that prints as its value (``f"{Phase.IDLE}"`` is ``idle``)."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return str(self.value).__format__(spec)
+
+
+class Event(_Name):
+    """``kind`` of an event in ``events.jsonl``."""
+
+    JOB_STARTED = "job_started"
+    JOB_FINISHED = "job_finished"
+    GENERATION_STARTED = "generation_started"
+    SPARE_READY = "spare_ready"
+    SPARE_ASSIGNED = "spare_assigned"
+    SPARE_RESTART_SCHEDULED = "spare_restart_scheduled"
+    SPARE_POOL_EXHAUSTED = "spare_pool_exhausted"
+    STEP_COMMITTED = "step_committed"
+    STEP_REEXECUTED = "step_reexecuted"
+    FAULT_INJECTED = "fault_injected"
+    FAULT_DETECTED = "fault_detected"
+    FAILURE_REPORTED = "failure_reported"
+    PROCESS_EXITED = "process_exited"
+    TRANSFER_BEGUN = "transfer_begun"
+    TRANSFER_ENDED = "transfer_ended"
+    RECOVERY_DONE = "recovery_done"
+    MESSAGE_REJECTED = "message_rejected"
+    FATAL = "fatal"
+    EVAL = "eval"  # the recipes' held-out loss (user code may emit kinds of its own)
+
+
+class Phase(_Name):
+    """``phase`` of a process's heartbeat."""
+
+    STARTING = "starting"
+    SPARE = "spare"
+    JOINING = "joining"
+    IDLE = "idle"
+    COMPUTE = "compute"
+    REDUCE = "reduce"
+    RECOVERING = "recovering"
+    DONE = "done"
+
+
+class Reason(_Name):
+    """``reason`` of a ``fault_detected`` event or a failure report."""
+
+    PROCESS_EXIT = "process_exit"
+    HEARTBEAT_TIMEOUT = "heartbeat_timeout"
+    NO_PROGRESS = "no_progress"
+    START_FAILURE = "start_failure"
+    START_TIMEOUT = "start_timeout"
+    FATAL = "fatal"
+    COLLECTIVE_ERROR = "collective_error"  # a consequence (a peer failed), never a fault of its own
+    EXCEPTION = "exception"
+    PEER_FAILURE = "peer_failure"  # a finished rank joins a recovery
+
+
+class Role(_Name):
+    """What a process is to the coordinator."""
+
+    WORKER = "worker"
+    SPARE = "spare"
+    GONE = "gone"
+
+
+def event(
+    kind: Event | str, *, proc: str, rank: int | None = None, gen: int | None = None, step: int | None = None,
+    **fields: Any,
+) -> dict[str, Any]:  # fmt: skip
+    """One event as every writer builds it: ``t`` (wall clock), ``kind``, ``proc``, ``rank``, ``gen``, ``step``."""
+    return {"t": time.time(), "kind": kind, "proc": proc, "rank": rank, "gen": gen, "step": step, **fields}
