@@ -5,7 +5,8 @@ Definitions (the contract other tools read):
 - ``step_time_s``: median interval between consecutive commits of one rank
   within one generation (the normal step time).
 - ``goodput``: ``steps_completed * step_time_s`` over the wall time of the
-  training phase (first step start to last commit).
+  training phase (first step start to last commit), at most 1 (with uneven
+  step times the median step can exceed the mean).
 - ``faults``: one entry per fault, in time order, derived from the detections
   (:func:`derive_faults`; the live console and the Prometheus feed use the same
   function, so they cannot disagree with the report). A fault is a root cause
@@ -625,7 +626,7 @@ def build_report(
         "steps_completed": steps_completed,
         "total_steps": total_steps,
         "final_state_sha256": digest,
-        "goodput": round(steps_completed * step_time / wall, 4) if wall > 0 else 0.0,
+        "goodput": round(min(1.0, steps_completed * step_time / wall), 4) if wall > 0 else 0.0,
         "wall_s": round(wall, 4),
         "step_time_s": round(step_time, 5),
         "generations": max((int(e.get("gen") or 0) for e in events), default=0),

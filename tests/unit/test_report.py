@@ -412,3 +412,14 @@ def test_live_view_counts_the_same_faults() -> None:
     feed.feed_events()
     feed.feed_events()  # nothing new: nothing counted twice
     assert sum(_fault_samples(metrics).values()) == 5
+
+
+def test_goodput_never_exceeds_one_when_the_median_step_is_longer_than_the_mean() -> None:
+    """Fast first steps, then slower ones: steps x median step time can exceed the wall time."""
+    times = [0.0, 0.01, 0.02, 0.03, 0.23, 0.43, 0.63]  # gaps 0.01 x3, then 0.2 x3: median 0.2 > mean
+    events = [
+        {"t": 1.0 + t, "kind": "step_committed", "rank": 0, "step": s, "gen": 0, "step_time_s": 0.01}
+        for s, t in enumerate(times)
+    ]
+    report = build_report(events, total_steps=len(times), digest=None)
+    assert 0 < report["goodput"] <= 1.0
