@@ -28,7 +28,7 @@ from torch.distributed import TCPStore
 from checkpointless.control import keys
 from checkpointless.control.auth import SignedStore, job_namespace
 from checkpointless.control.plan import Plan
-from checkpointless.control.vocab import Event
+from checkpointless.control.vocab import Event, event
 
 log = logging.getLogger(__name__)
 
@@ -108,10 +108,9 @@ class ControlClient:
 
     def emit(self, kind: str, *, sync: bool = False, **fields: Any) -> None:
         """Record an event; ``sync`` ships it before returning (commits, and before a fault fires)."""
-        ev = {"t": time.time(), "kind": kind, "proc": self.proc, **fields}
         for key, default in (("rank", "rank"), ("gen", "gen"), ("step", "committed")):
-            ev.setdefault(key, self._status.get(default))
-        self._events.put(json.dumps(ev))
+            fields.setdefault(key, self._status.get(default))
+        self._events.put(json.dumps(event(kind, proc=self.proc, **fields)))
         if sync:
             self._flush()
 

@@ -46,7 +46,7 @@ from checkpointless.config import JobConfig
 from checkpointless.control import keys
 from checkpointless.control.auth import SignedStore
 from checkpointless.control.plan import Plan, PlanError, initial_plan, make_plan
-from checkpointless.control.vocab import Event, Phase, Reason, Role
+from checkpointless.control.vocab import Event, Phase, Reason, Role, event
 
 log = logging.getLogger(__name__)
 
@@ -147,12 +147,9 @@ class Coordinator:
         now = self._clock()
         self.procs[h.name] = _Proc(h, role, last_change=now, started=now)
 
-    def _emit(self, kind: str, **fields: Any) -> None:
-        ev = {"t": time.time(), "kind": kind, "proc": "coordinator", **fields}
-        ev.setdefault("rank", None)
-        ev.setdefault("gen", self.plan.gen if self.plan else 0)
-        ev.setdefault("step", None)
-        self._emit_cb(ev)
+    def _emit(self, kind: Event, **fields: Any) -> None:
+        fields.setdefault("gen", self.plan.gen if self.plan else 0)
+        self._emit_cb(event(kind, proc="coordinator", **fields))
 
     # -- views --------------------------------------------------------------------
     @property

@@ -52,7 +52,7 @@ from checkpointless.control import keys
 from checkpointless.control.auth import ENV_SECRET_FD, SignedStore, job_namespace, new_secret
 from checkpointless.control.client import ENV_CONFIG, ENV_JOB_ID, ENV_PROC, ENV_ROLE, ENV_STORE
 from checkpointless.control.coordinator import Coordinator, JobFailed
-from checkpointless.control.vocab import Event, Role
+from checkpointless.control.vocab import Event, Role, event
 from checkpointless.observe.report import build_report
 
 log = logging.getLogger(__name__)
@@ -300,8 +300,7 @@ class Launcher:
 
     def _reject(self, key: str) -> None:
         log.warning("ignored a value on %r that is not sealed with this job's secret", key)
-        self._record({"t": time.time(), "kind": Event.MESSAGE_REJECTED, "proc": "coordinator", "rank": None,
-                      "gen": None, "step": None, "key": key})  # fmt: skip
+        self._record(event(Event.MESSAGE_REJECTED, proc="coordinator", key=key))
 
     def _collect_events(self) -> None:
         """Move the processes' new event chunks from the store into the log (and the file)."""
@@ -349,11 +348,9 @@ class Launcher:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             set_aside_previous_run(self.out_dir)
             self._stream = open(self.out_dir / "events.jsonl", "w")  # noqa: SIM115 (closed below)
-        t_start = time.time()
         self._record(
-            {"t": t_start, "kind": Event.JOB_STARTED, "proc": "launcher", "rank": None, "gen": 0, "step": None,
-             "job_id": self.job_id, "workers": self.job.workers, "spares": self.job.spares,
-             "steps": self.total_steps, "faults": [str(f) for f in self.job.faults]}
+            event(Event.JOB_STARTED, proc="launcher", gen=0, job_id=self.job_id, workers=self.job.workers,
+                  spares=self.job.spares, steps=self.total_steps, faults=[str(f) for f in self.job.faults])
         )  # fmt: skip
         coord = Coordinator(self.store, self.job, self.total_steps, self._spawn_spare, self._record)
         error: str | None = None
@@ -376,8 +373,7 @@ class Launcher:
             interrupted = e.signum
             error = error or f"interrupted by {signal.Signals(e.signum).name}"
         if error is not None:
-            self._record({"t": time.time(), "kind": Event.JOB_FINISHED, "proc": "launcher", "rank": None, "gen": 0,
-                          "step": None, "ok": False, "error": error})  # fmt: skip
+            self._record(event(Event.JOB_FINISHED, proc="launcher", gen=0, ok=False, error=error))
         events = sorted(self._events, key=lambda e: e["t"])
         report = build_report(events, total_steps=self.total_steps, digest=coord.digest)
         report["error"] = error
