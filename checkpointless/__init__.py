@@ -6,12 +6,14 @@ tests.
 """
 
 from checkpointless.config import JobConfig, RecoveryConfig
+from checkpointless.errors import CheckpointlessError, FatalError
 from checkpointless.faults import FaultSpec, parse_fault
-from checkpointless.session import Attempt, FatalError, Session
+from checkpointless.session import Attempt, Session
 from checkpointless.state import Stateful
 
 __all__ = [
     "Attempt",
+    "CheckpointlessError",
     "FatalError",
     "FaultSpec",
     "JobConfig",

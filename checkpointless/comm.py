@@ -29,11 +29,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from checkpointless.errors import CollectiveError
+
 log = logging.getLogger(__name__)
-
-
-class CollectiveError(RuntimeError):
-    """A collective of the current generation failed."""
 
 
 class Group:

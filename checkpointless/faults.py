@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from checkpointless.control import keys
+from checkpointless.errors import InjectedFault
 
 KINDS = ("kill", "hang", "exception")
 _RECOVERY_SPECS = {
@@ -39,10 +40,6 @@ _RECOVERY_SPECS = {
 }
 
 _SPEC = re.compile(r"^(?P<kind>[a-z]+):rank=(?P<ranks>\d+(?:,\d+)*)@step=(?P<step>\d+)$")
-
-
-class InjectedFault(RuntimeError):
-    """The exception raised by an ``exception`` fault inside the training step."""
 
 
 @dataclass(frozen=True, slots=True)

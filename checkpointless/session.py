@@ -82,14 +82,11 @@ from checkpointless.control.client import (
 from checkpointless.control.plan import Plan
 from checkpointless.control.vocab import Event, Phase, Reason, Role
 from checkpointless.ddp import GradientReducer
+from checkpointless.errors import FatalError
 from checkpointless.faults import FaultInjector, FaultSpec
 from checkpointless.state import IntegrityError, Stateful, StateRegistry, digest_state, recv_state, send_state
 
 log = logging.getLogger(__name__)
-
-
-class FatalError(RuntimeError):
-    """A mistake in the training script that no recovery can fix; the job ends with its message."""
 
 
 def step_seed(seed: int, step: int, rank: int) -> int:

@@ -82,6 +82,7 @@ import numpy as np
 import torch
 
 from checkpointless.comm import Group
+from checkpointless.errors import IntegrityError
 
 
 @runtime_checkable
@@ -89,10 +90,6 @@ class Stateful(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> Any: ...
-
-
-class IntegrityError(RuntimeError):
-    """Received state is malformed, or does not match the digest or MAC its source sent."""
 
 
 WIRE_VERSION = 1

@@ -29,6 +29,7 @@ from checkpointless.control import keys
 from checkpointless.control.auth import SignedStore, job_namespace
 from checkpointless.control.plan import Plan
 from checkpointless.control.vocab import Event, event
+from checkpointless.errors import JobStopped
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +40,6 @@ ENV_CONFIG = "CHECKPOINTLESS_CONFIG"
 ENV_JOB_ID = "CHECKPOINTLESS_JOB_ID"
 
 _POLL = timedelta(seconds=0.5)
-
-
-class JobStopped(RuntimeError):
-    """The job ended while this process was waiting (a spare that was never used)."""
 
 
 def connect(addr: str, timeout: timedelta) -> TCPStore:

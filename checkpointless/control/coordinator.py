@@ -47,12 +47,9 @@ from checkpointless.control import keys
 from checkpointless.control.auth import SignedStore
 from checkpointless.control.plan import Plan, PlanError, initial_plan, make_plan
 from checkpointless.control.vocab import Event, Phase, Reason, Role, event
+from checkpointless.errors import JobFailed
 
 log = logging.getLogger(__name__)
-
-
-class JobFailed(RuntimeError):
-    """The job cannot continue; the message says why."""
 
 
 class ProcessHandle(Protocol):

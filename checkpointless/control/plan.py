@@ -11,9 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-
-class PlanError(RuntimeError):
-    """No correct plan exists (no spare, or no live replica of some shard)."""
+from checkpointless.errors import PlanError
 
 
 @dataclass(frozen=True, slots=True)

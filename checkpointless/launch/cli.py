@@ -20,12 +20,9 @@ from rich.console import Console
 
 from checkpointless.config import JobConfig, RecoveryConfig
 from checkpointless.control.coordinator import Coordinator
+from checkpointless.errors import UsageError, UserInputError
 from checkpointless.faults import parse_faults, validate_schedule
-from checkpointless.launch.launcher import JobResult, Launcher, LaunchError
-
-
-class UsageError(Exception):
-    """A user mistake: reported as one line, exit code 2."""
+from checkpointless.launch.launcher import JobResult, Launcher
 
 
 class _Parser(argparse.ArgumentParser):
@@ -340,10 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         if cmd not in commands:
             raise UsageError(f"unknown command {cmd!r} (expected one of demo, launch, run, report, simulate)")
         return commands[cmd](rest)
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except LaunchError as e:
+    except UserInputError as e:  # UsageError, LaunchError, RecipeError: one line, exit 2
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

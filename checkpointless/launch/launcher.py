@@ -53,23 +53,12 @@ from checkpointless.control.auth import ENV_SECRET_FD, SignedStore, job_namespac
 from checkpointless.control.client import ENV_CONFIG, ENV_JOB_ID, ENV_PROC, ENV_ROLE, ENV_STORE
 from checkpointless.control.coordinator import Coordinator, JobFailed
 from checkpointless.control.vocab import Event, Role, event
+from checkpointless.errors import JobInterrupted, LaunchError
 from checkpointless.observe.report import build_report
 
 log = logging.getLogger(__name__)
 
 RUN_FILES = ("events.jsonl", "report.json", "timeline.png", "summary.txt", "logs", "reference")
-
-
-class LaunchError(RuntimeError):
-    """The job could not be started (bad port, ...): a user-facing, one-line message."""
-
-
-class JobInterrupted(BaseException):
-    """SIGINT or SIGTERM reached the launcher (a BaseException, like KeyboardInterrupt)."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
 
 
 _LIBC: Any = None

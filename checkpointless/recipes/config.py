@@ -43,6 +43,7 @@ if TYPE_CHECKING:
 import yaml
 
 from checkpointless.data.corpus import BYTE_VOCAB_SIZE  # 256 byte values + end-of-document
+from checkpointless.errors import RecipeError
 
 __all__ = [
     "MAX_YAML_DEPTH",
@@ -70,26 +71,6 @@ MAX_YAML_NODES = 100_000
 """Most values a recipe may hold once every YAML alias is expanded (a real recipe has ~100)."""
 MAX_YAML_DEPTH = 64
 """Deepest nesting of mappings and sequences a recipe may have (a real recipe has 4)."""
-
-
-class RecipeError(ValueError):
-    """A recipe value is invalid.
-
-    ``key`` is the dotted key at fault (``optim.lr``; empty when the whole file is at
-    fault), ``message`` says what is wrong and ``source`` is the recipe file, if any. The
-    string form is ``"<source>: <key>: <message>"``.
-    """
-
-    def __init__(self, key: str, message: str, *, source: str = "", text: str | None = None) -> None:
-        self.key = key
-        self.message = message
-        self.source = source
-        body = text if text is not None else (f"{key}: {message}" if key else message)
-        super().__init__(f"{source}: {body}" if source else body)
-
-    def located(self, key: str, source: str) -> RecipeError:
-        """The same error re-keyed to the full dotted ``key`` and attributed to ``source``."""
-        return RecipeError(key, self.message, source=source)
 
 
 def _choice(key: str, value: object, choices: tuple[object, ...]) -> None:

@@ -1,0 +1,96 @@
+"""Every exception the package raises on purpose, in one hierarchy.
+
+``CheckpointlessError`` is the root: ``except CheckpointlessError`` catches what the
+package means to raise and lets bugs through. Below it, the errors split by who
+must act:
+
+* recoverable by the runtime: ``CollectiveError`` (a peer died mid-collective),
+  ``IntegrityError`` (received state is malformed or forged), ``InjectedFault``
+  (a scheduled test fault);
+* the user's training script: ``FatalError`` (no recovery can fix it);
+* the job as a whole: ``PlanError`` (no correct recovery plan), ``JobFailed``
+  (the coordinator gives up), ``JobStopped`` (a waiting spare learns the job ended);
+* user input, reported as one line with exit code 2: ``LaunchError``,
+  ``RecipeError``, ``UsageError``.
+
+``JobInterrupted`` (SIGINT/SIGTERM at the launcher) is a ``BaseException``, like
+``KeyboardInterrupt``, so that ``except Exception`` in user callbacks cannot eat it.
+The core modules re-export the class they raise (``checkpointless.comm.CollectiveError``
+is this module's class), so either import path works.
+"""
+
+from __future__ import annotations
+
+import signal
+
+
+class CheckpointlessError(Exception):
+    """Root of the errors the package raises on purpose."""
+
+
+class CollectiveError(CheckpointlessError, RuntimeError):
+    """A collective of the current generation failed."""
+
+
+class IntegrityError(CheckpointlessError, RuntimeError):
+    """Received state is malformed, or does not match the digest or MAC its source sent."""
+
+
+class InjectedFault(CheckpointlessError, RuntimeError):
+    """The exception raised by an ``exception`` fault inside the training step."""
+
+
+class FatalError(CheckpointlessError, RuntimeError):
+    """A mistake in the training script that no recovery can fix; the job ends with its message."""
+
+
+class PlanError(CheckpointlessError, RuntimeError):
+    """No correct plan exists (no spare, or no live replica of some shard)."""
+
+
+class JobFailed(CheckpointlessError, RuntimeError):
+    """The job cannot continue; the message says why."""
+
+
+class JobStopped(CheckpointlessError, RuntimeError):
+    """The job ended while this process was waiting (a spare that was never used)."""
+
+
+class UserInputError(CheckpointlessError, ValueError):
+    """A user mistake: the command line reports it as one line and exits with code 2."""
+
+
+class LaunchError(UserInputError):
+    """The job could not be started (bad port, ...): a user-facing, one-line message."""
+
+
+class UsageError(UserInputError):
+    """A bad command line: reported as one line, exit code 2."""
+
+
+class RecipeError(UserInputError):
+    """A recipe value is invalid.
+
+    ``key`` is the dotted key at fault (``optim.lr``; empty when the whole file is at
+    fault), ``message`` says what is wrong and ``source`` is the recipe file, if any. The
+    string form is ``"<source>: <key>: <message>"``.
+    """
+
+    def __init__(self, key: str, message: str, *, source: str = "", text: str | None = None) -> None:
+        self.key = key
+        self.message = message
+        self.source = source
+        body = text if text is not None else (f"{key}: {message}" if key else message)
+        super().__init__(f"{source}: {body}" if source else body)
+
+    def located(self, key: str, source: str) -> RecipeError:
+        """The same error re-keyed to the full dotted ``key`` and attributed to ``source``."""
+        return RecipeError(key, self.message, source=source)
+
+
+class JobInterrupted(BaseException):
+    """SIGINT or SIGTERM reached the launcher (a BaseException, like KeyboardInterrupt)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum

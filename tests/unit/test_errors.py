@@ -1,0 +1,67 @@
+"""One exception hierarchy: every public error lives in checkpointless.errors."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+import pytest
+
+import checkpointless
+from checkpointless import errors
+
+PACKAGE = Path(checkpointless.__file__).parent
+
+
+def test_no_public_exception_class_outside_errors_module() -> None:
+    strays = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name == "errors.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                bases = {b.id for b in node.bases if isinstance(b, ast.Name)}
+                if bases & {"Exception", "BaseException", "RuntimeError", "ValueError", "OSError"} or any(
+                    b.endswith("Error") for b in bases
+                ):
+                    strays.append(f"{path.relative_to(PACKAGE)}:{node.name}")
+    assert strays == []
+
+
+def test_every_error_has_the_root_except_the_interrupt() -> None:
+    classes = [c for _, c in inspect.getmembers(errors, inspect.isclass) if c.__module__ == errors.__name__]
+    assert len(classes) >= 10
+    for cls in classes:
+        if cls is errors.JobInterrupted:
+            assert not issubclass(cls, Exception)  # except Exception in a callback cannot eat Ctrl-C
+        else:
+            assert issubclass(cls, errors.CheckpointlessError), cls
+
+
+@pytest.mark.parametrize(
+    ("module", "name"),
+    [
+        ("checkpointless.comm", "CollectiveError"),
+        ("checkpointless.state", "IntegrityError"),
+        ("checkpointless.session", "FatalError"),
+        ("checkpointless.control.plan", "PlanError"),
+        ("checkpointless.control.coordinator", "JobFailed"),
+        ("checkpointless.control.client", "JobStopped"),
+        ("checkpointless.launch.launcher", "LaunchError"),
+        ("checkpointless.recipes.config", "RecipeError"),
+        ("checkpointless.faults", "InjectedFault"),
+    ],
+)
+def test_old_import_paths_name_the_same_class(module: str, name: str) -> None:
+    mod = __import__(module, fromlist=[name])
+    assert getattr(mod, name) is getattr(errors, name)
+
+
+def test_user_input_errors_are_one_line_exit_2() -> None:
+    from checkpointless.launch.cli import main
+
+    # a recipe error raised deep in the loader reaches the user as one line, exit 2
+    assert issubclass(errors.RecipeError, errors.UserInputError)
+    assert issubclass(errors.LaunchError, errors.UserInputError)
+    assert main(["run", "/nonexistent/recipe.yaml"]) == 2
