@@ -139,7 +139,7 @@ def _launch(
     launcher = Launcher(job, command, total_steps=steps, port=args.port, out_dir=out)
     callbacks: list[Callable[[Coordinator], None]] = []
     if not args.quiet:
-        callbacks.append(LiveProgress(steps, console, events=launcher.events))
+        callbacks.append(LiveProgress(steps, launcher.events, console))
     metrics = None
     if metrics_port is not None:
         if not 0 <= metrics_port < 65536:

@@ -10,67 +10,75 @@ from rich.table import Table
 
 from checkpointless.control.coordinator import Coordinator
 from checkpointless.observe import report
+from checkpointless.observe.progress import StepStats
 
 
 class LiveProgress:
-    """A progress line refreshed from the coordinator's view.
+    """A progress line, refreshed from the launcher's event list (``Launcher.events``) as it grows.
 
-    Shows step, loss, tokens/s, live goodput, faults so far, generation and ready spares.
-    ``events`` is the launcher's event list (``Launcher.events``), used to count faults.
+    Shows steps completed, the loss of the lowest rank's latest commit, tokens/s since the last
+    line, goodput, faults so far, the generation and the ready spares. Steps and goodput are
+    :class:`~checkpointless.observe.progress.StepStats` figures and the fault count is
+    :func:`count_faults`: what ``report.json`` will say for the same events.
     """
 
     def __init__(
         self,
         total_steps: int | None,
+        events: list[dict[str, Any]],
         console: Console | None = None,
         every_s: float = 1.0,
-        events: list[dict[str, Any]] | None = None,
     ) -> None:
         self.total = total_steps
+        self.events = events
         self.console = console or Console(stderr=True)
         self.every_s = every_s
-        self.events = events
+        self.stats = StepStats()
+        self._seen = 0
+        self._faults = 0
         self._last = 0.0
-        self._last_step = -1
-        self._last_t = time.monotonic()
-        self._first_commit_t: float | None = None
+        self._rate_from: tuple[float, int] | None = None  # (time, tokens) of the last line
         self._tokens_per_s = 0.0
+
+    def line(self, coord: Coordinator, now: float) -> str:
+        """Feed the events that arrived since the last call; the progress line as of ``now``."""
+        new = self.events[self._seen :]
+        self._seen += len(new)
+        faults_changed = False
+        for ev in new:
+            self.stats.add(ev)
+            faults_changed |= ev.get("kind") in report.FAULT_EVENT_KINDS
+        if faults_changed:
+            self._faults = count_faults(self.events)
+        stats = self.stats
+        if self._rate_from is not None and now > self._rate_from[0]:
+            self._tokens_per_s = (stats.tokens - self._rate_from[1]) / (now - self._rate_from[0])
+        self._rate_from = (now, stats.tokens)
+        parts = [f"step {stats.steps_completed}" + (f"/{self.total}" if self.total else "")]
+        latest = stats.latest[min(stats.latest)] if stats.latest else {}
+        if isinstance(loss := latest.get("loss"), float):
+            parts.append(f"loss {loss:.4f}")
+        parts.append(f"tok/s {self._tokens_per_s:,.0f}")
+        if stats.steps_completed:
+            parts.append(f"goodput {stats.goodput:.2f}")
+        parts.append(f"faults {self._faults}")
+        parts.append(f"gen {coord.plan.gen if coord.plan else 0}")
+        parts.append(f"spares ready {len(coord.ready_spares())}")
+        return "  ".join(parts)
 
     def __call__(self, coord: Coordinator) -> None:
         now = time.monotonic()
         if now - self._last < self.every_s:
             return
         self._last = now
-        status = coord.member_status()
-        hb0: dict[str, Any] = status.get(0, {})
-        step = int(hb0.get("committed", -1))
-        if step >= 0 and self._first_commit_t is None:
-            self._first_commit_t = now
-        if step > self._last_step >= 0 and now > self._last_t:
-            tokens = int(hb0.get("tokens", 0)) * len(status)
-            self._tokens_per_s = (step - self._last_step) * tokens / (now - self._last_t)
-        if step != self._last_step:
-            self._last_step, self._last_t = step, now
-        parts = [f"step {step + 1}" + (f"/{self.total}" if self.total else "")]
-        loss = hb0.get("loss")
-        if isinstance(loss, float):
-            parts.append(f"loss {loss:.4f}")
-        parts.append(f"tok/s {self._tokens_per_s:,.0f}")
-        if self._first_commit_t is not None and now > self._first_commit_t and step > 0:
-            goodput = min(1.0, step * coord.median_step_time() / (now - self._first_commit_t))
-            parts.append(f"goodput {goodput:.2f}")
-        if self.events is not None:
-            parts.append(f"faults {count_faults(self.events)}")
-        parts.append(f"gen {coord.plan.gen if coord.plan else 0}")
-        parts.append(f"spares ready {len(coord.ready_spares())}")
-        self.console.print("  ".join(parts), highlight=False)
+        self.console.print(self.line(coord, now), highlight=False)
 
 
 def count_faults(events: list[dict[str, Any]]) -> int:
     """Faults in ``events`` so far: the length ``report.json``'s list has for the same events.
 
-    The launcher's live list holds its own and the coordinator's events (worker events are
-    collected at the end); :func:`checkpointless.observe.report.derive_faults` reads either.
+    The launcher's live list holds its own, the coordinator's and (collected every 0.2 s) the
+    processes' events; :func:`checkpointless.observe.report.derive_faults` reads any prefix of it.
     """
     return report.count_faults(events)
 

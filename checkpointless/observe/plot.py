@@ -29,7 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from checkpointless.control.vocab import Event
-from checkpointless.observe.report import _int, _num, derive_faults, fault_entries
+from checkpointless.observe.fields import integer as _int
+from checkpointless.observe.fields import number as _num
+from checkpointless.observe.report import derive_faults, fault_entries
 
 __all__ = ["RunData", "format_summary", "load_run", "main", "write_report"]
 

@@ -2,11 +2,9 @@
 
 Definitions (the contract other tools read):
 
-- ``step_time_s``: median interval between consecutive commits of one rank
-  within one generation (the normal step time).
-- ``goodput``: ``steps_completed * step_time_s`` over the wall time of the
-  training phase (first step start to last commit), at most 1 (with uneven
-  step times the median step can exceed the mean).
+- ``steps_completed``, ``step_time_s``, ``wall_s``, ``goodput`` (at most 1): as
+  :mod:`checkpointless.observe.progress` defines them; the live console and the
+  Prometheus feed read the same :class:`~checkpointless.observe.progress.StepStats`.
 - ``faults``: one entry per fault, in time order, derived from the detections
   (:func:`derive_faults`; the live console and the Prometheus feed use the same
   function, so they cannot disagree with the report). A fault is a root cause
@@ -56,17 +54,18 @@ Per fault:
 
 from __future__ import annotations
 
-import itertools
 import math
 import signal as _signal
-import statistics
-from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from checkpointless.control.vocab import Event
 from checkpointless.faults import FaultSpec
+from checkpointless.observe.fields import integer as _int
+from checkpointless.observe.fields import number as _num
+from checkpointless.observe.fields import text as _str
+from checkpointless.observe.progress import StepStats
 
 __all__ = [
     "FAULT_CAUSES",
@@ -105,34 +104,6 @@ _ERROR_CHARS = 500
 _NOT_PROCESSES = frozenset({"coordinator", "launcher"})  # event sources that are not a job process
 
 
-# ---------------------------------------------------------------------------- tolerant field access
-
-
-def _num(x: Any) -> float | None:
-    """``x`` as a finite float, else None (bools are not numbers here)."""
-    if isinstance(x, bool) or not isinstance(x, int | float):
-        return None
-    v = float(x)
-    return v if math.isfinite(v) else None
-
-
-def _int(x: Any) -> int | None:
-    """``x`` as an int (accepting integral floats and digit strings), else None."""
-    if isinstance(x, bool):
-        return None
-    if isinstance(x, int):
-        return x
-    if isinstance(x, float) and x.is_integer():
-        return int(x)
-    if isinstance(x, str) and x.strip().lstrip("-").isdigit():
-        return int(x)
-    return None
-
-
-def _str(x: Any) -> str | None:
-    return x if isinstance(x, str) and x else None
-
-
 def signal_name(exitcode: int | None) -> str | None:
     """``SIGKILL`` for ``-9`` (a process killed by a signal); None for a normal exit or unknown."""
     if exitcode is None or exitcode >= 0:
@@ -153,27 +124,9 @@ def _timed(events: Iterable[dict[str, Any]]) -> list[tuple[float, dict[str, Any]
 # ---------------------------------------------------------------------------- step figures
 
 
-def _commits(events: list[dict[str, Any]]) -> dict[int, list[tuple[float, int, int]]]:
-    by_rank: dict[int, list[tuple[float, int, int]]] = defaultdict(list)
-    for e in events:
-        if e.get("kind") != Event.STEP_COMMITTED:
-            continue
-        t, rank, step = _num(e.get("t")), _int(e.get("rank")), _int(e.get("step"))
-        if t is None or rank is None or step is None:
-            continue
-        by_rank[rank].append((t, step, _int(e.get("gen")) or 0))
-    for v in by_rank.values():
-        v.sort()
-    return by_rank
-
-
 def normal_step_time(events: list[dict[str, Any]]) -> float:
-    gaps: list[float] = []
-    for commits in _commits(events).values():
-        for (t0, s0, g0), (t1, s1, g1) in itertools.pairwise(commits):
-            if g0 == g1 and s1 == s0 + 1:
-                gaps.append(t1 - t0)
-    return statistics.median(gaps) if gaps else 0.0
+    """The median step time (see :class:`checkpointless.observe.progress.StepStats`)."""
+    return StepStats.of(events).step_time_s
 
 
 # ---------------------------------------------------------------------------- faults
@@ -439,8 +392,8 @@ def derive_faults(events: list[dict[str, Any]]) -> list[Fault]:
         raw.append((incs[0].t, None, incs, [i.key for i in incs]))
     raw.sort(key=lambda r: r[0])
 
-    commits = _commits(events)
-    step_time = normal_step_time(events)
+    stats = StepStats.of(events)
+    commits, step_time = stats.commits, stats.step_time_s
     windows = _recovery_windows(timed)
     used_assignments: set[int] = set()
     faults: list[Fault] = []
@@ -604,31 +557,16 @@ def build_report(
     events: list[dict[str, Any]], *, total_steps: int | None, digest: str | None
 ) -> dict[str, Any]:
     """``report.json`` from a time-sorted event list."""
-    commits = _commits(events)
-    step_time = normal_step_time(events)
-    all_commits = [c for cs in commits.values() for c in cs]
-    steps_completed = 0
-    if commits:
-        steps_completed = min(max(c[1] for c in cs) for cs in commits.values()) + 1
-    wall = 0.0
-    if all_commits:
-        first = min(all_commits)[0]
-        first_time = [
-            float(e.get("step_time_s", 0.0))
-            for e in events
-            if e["kind"] == Event.STEP_COMMITTED and float(e["t"]) == first
-        ]
-        start = first - (first_time[0] if first_time else 0.0)
-        wall = max(all_commits)[0] - start
+    stats = StepStats.of(events)
     recoveries = [float(e["seconds"]) for e in events if e["kind"] == Event.RECOVERY_DONE]
     evals = [(int(e["step"]), float(e["heldout_loss"])) for e in events if e["kind"] == "eval"]
     return {
-        "steps_completed": steps_completed,
+        "steps_completed": stats.steps_completed,
         "total_steps": total_steps,
         "final_state_sha256": digest,
-        "goodput": round(min(1.0, steps_completed * step_time / wall), 4) if wall > 0 else 0.0,
-        "wall_s": round(wall, 4),
-        "step_time_s": round(step_time, 5),
+        "goodput": round(stats.goodput, 4),
+        "wall_s": round(stats.wall_s, 4),
+        "step_time_s": round(stats.step_time_s, 5),
         "generations": max((int(e.get("gen") or 0) for e in events), default=0),
         "recovery_s": recoveries,
         "heldout_loss": evals,
