@@ -66,7 +66,7 @@ class Group:
                 raise ValueError(f"unknown backend {backend!r} (expected gloo or nccl)")
         except ValueError:
             raise
-        except Exception as e:
+        except RuntimeError as e:  # gloo and NCCL errors (torch.distributed.DistError is one)
             raise CollectiveError(f"gen {gen}: group formation failed: {e}") from None
 
     def allreduce_(self, tensors: list[torch.Tensor]) -> None:
@@ -76,7 +76,7 @@ class Group:
             works.extend(self.pg.allreduce([t]) for t in tensors)
             for w in works:
                 w.wait()
-        except Exception as e:
+        except RuntimeError as e:  # gloo and NCCL errors (torch.distributed.DistError is one)
             works.clear()  # a live Work keeps the group's sockets open (see module doc)
             raise CollectiveError(f"gen {self.gen}: allreduce failed: {e}") from None
 
@@ -87,7 +87,7 @@ class Group:
         try:
             work = self.pg.allgather([out], [tensor])
             work.wait()
-        except Exception as e:
+        except RuntimeError as e:  # gloo and NCCL errors (torch.distributed.DistError is one)
             work = None
             raise CollectiveError(f"gen {self.gen}: allgather failed: {e}") from None
         return out
@@ -96,33 +96,33 @@ class Group:
         """Start sending ``tensor`` to ``dst``; finish with ``wait``. Messages match by tag."""
         try:
             return self.pg.send([tensor], dst, tag)
-        except Exception as e:
+        except RuntimeError as e:  # gloo and NCCL errors (torch.distributed.DistError is one)
             raise CollectiveError(f"gen {self.gen}: send to rank {dst} failed: {e}") from None
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int) -> Any:
         """Start receiving into ``tensor`` from ``src``; finish with ``wait``."""
         try:
             return self.pg.recv([tensor], src, tag)
-        except Exception as e:
+        except RuntimeError as e:  # gloo and NCCL errors (torch.distributed.DistError is one)
             raise CollectiveError(f"gen {self.gen}: recv from rank {src} failed: {e}") from None
 
     def wait(self, work: Any) -> None:
         """Wait for an ``isend``/``irecv``."""
         try:
             work.wait()
-        except Exception as e:
+        except RuntimeError as e:  # gloo and NCCL errors (torch.distributed.DistError is one)
             raise CollectiveError(f"gen {self.gen}: point-to-point transfer failed: {e}") from None
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         try:
             self.pg.send([tensor], dst, 0).wait()
-        except Exception as e:
+        except RuntimeError as e:  # gloo and NCCL errors (torch.distributed.DistError is one)
             raise CollectiveError(f"gen {self.gen}: send to rank {dst} failed: {e}") from None
 
     def recv(self, tensor: torch.Tensor, src: int) -> None:
         try:
             self.pg.recv([tensor], src, 0).wait()
-        except Exception as e:
+        except RuntimeError as e:  # gloo and NCCL errors (torch.distributed.DistError is one)
             raise CollectiveError(f"gen {self.gen}: recv from rank {src} failed: {e}") from None
 
     def barrier(self) -> None:

@@ -446,7 +446,7 @@ class Session:
         if self._client is None or self._finished:
             return
         if self._loop_done:
-            with contextlib.suppress(Exception):  # the launcher may be gone already
+            with contextlib.suppress(RuntimeError, OSError):  # the launcher may be gone already
                 self._client.report_fatal(
                     self.rank,
                     f"rank {self.rank}: the process exited after its last step without calling "

@@ -136,8 +136,11 @@ class ControlClient:
         while not self._stop.wait(self._interval):
             try:
                 self._flush()
-            except Exception:  # the store is gone with the launcher: nothing left to serve
+            except (RuntimeError, OSError):  # the store is gone with the launcher: nothing left to serve
                 os._exit(3)
+            except Exception:  # a bug here must not look like a lost launcher
+                log.exception("the heartbeat thread failed")
+                os._exit(4)
             if os.getppid() != parent:
                 os._exit(3)
 

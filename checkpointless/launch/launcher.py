@@ -431,8 +431,13 @@ class Launcher:
 
     def _cleanup(self) -> None:
         """Stop every child (politely, then by force), collect their last events, free the node cache."""
-        with contextlib.suppress(Exception):  # the store may be what failed
+        try:
             self.store.set(keys.JOB_STOP, "1")
+        except (
+            RuntimeError,
+            OSError,
+        ) as e:  # the store may be what failed (torch's DistError is a RuntimeError)
+            log.warning("could not tell the processes to stop (%s); they are stopped by signal", e)
         deadline = time.monotonic() + 5
         for child in self.children.values():
             try:
@@ -441,8 +446,10 @@ class Launcher:
                 child.kill()
                 child.popen.wait(timeout=5)
             child.log_file.close()
-        with contextlib.suppress(Exception):
+        try:
             self._collect_events()
+        except (RuntimeError, OSError) as e:
+            log.warning("could not collect the processes' last events (%s); the event log may miss them", e)
         # after every child is gone, so that none can create the directory again
         from checkpointless.data.shm_cache import ShmBatchCache
 

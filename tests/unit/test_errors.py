@@ -65,3 +65,27 @@ def test_user_input_errors_are_one_line_exit_2() -> None:
     assert issubclass(errors.RecipeError, errors.UserInputError)
     assert issubclass(errors.LaunchError, errors.UserInputError)
     assert main(["run", "/nonexistent/recipe.yaml"]) == 2
+
+
+class _BrokenGroup:
+    def __init__(self, exc: Exception) -> None:
+        self.exc = exc
+
+    def allreduce(self, tensors: list[object]) -> object:
+        raise self.exc
+
+
+def test_a_collective_failure_is_a_collective_error_and_a_bug_is_not() -> None:
+    """Only what the backend raises (RuntimeError, torch's DistError) means a peer is gone."""
+    import torch
+
+    from checkpointless.comm import Group
+
+    group = object.__new__(Group)
+    group.gen = 3
+    group.pg = _BrokenGroup(RuntimeError("Connection closed by peer"))
+    with pytest.raises(errors.CollectiveError, match="gen 3: allreduce failed: Connection closed"):
+        group.allreduce_([torch.zeros(1)])
+    group.pg = _BrokenGroup(TypeError("allreduce(): incompatible function arguments"))
+    with pytest.raises(TypeError):
+        group.allreduce_([torch.zeros(1)])
