@@ -51,6 +51,8 @@ import baselines
 import common
 from baselines import plain_ddp, torchft_ddp, torchrun_dcp
 
+from checkpointless.control.vocab import Event
+
 OUT = common.OUT / "compare"
 TORCHFT_EXTRA = 300
 
@@ -136,13 +138,13 @@ def run_checkpointless(
         killer.close()
     recs: list[dict[str, Any]] = [{"ev": "start", "t": t0, "rank": -1, "pid": "launcher"}]
     for e in res.events:
-        if e["kind"] == "step_committed":
+        if e["kind"] == Event.STEP_COMMITTED:
             r, s = int(e["rank"]), int(e["step"])
             recs.append(
                 {"ev": "commit", "t": e["t"], "rank": r, "pid": f"{e.get('proc')}/{e.get('gen')}", "step": s,
                  "batch": [s, r, baselines.WORLD]}
             )  # fmt: skip
-        elif e["kind"] == "fault_injected":
+        elif e["kind"] == Event.FAULT_INJECTED:
             recs.append({"ev": "fault", "t": e["t"], "rank": int(e["rank"]), "pid": e.get("proc"),
                          "step": e.get("step"), "how": "self"})  # fmt: skip
     if res.digest and steps is not None:

@@ -22,6 +22,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from checkpointless.control.vocab import Event
+
 
 def commit_cost(n: int) -> list[float]:
     from checkpointless.control.auth import new_secret
@@ -35,7 +37,7 @@ def commit_cost(n: int) -> list[float]:
     for _ in range(5):
         t0 = time.perf_counter()
         for i in range(n):
-            client.emit("step_committed", sync=True, step=i, loss=1.0)
+            client.emit(Event.STEP_COMMITTED, sync=True, step=i, loss=1.0)
         per_round.append((time.perf_counter() - t0) / n * 1e3)
     client.close()
     return per_round

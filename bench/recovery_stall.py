@@ -38,6 +38,8 @@ from typing import Any
 
 import common
 
+from checkpointless.control.vocab import Event, Reason
+
 MODEL = {
     "seed": 0,
     "vocab_size": 256,
@@ -93,7 +95,7 @@ def analyse(events: list[dict[str, Any]], report: dict[str, Any]) -> list[dict[s
     step_time = float(report["step_time_s"])
     injections: dict[Any, dict[str, Any]] = {}
     for e in events:
-        if e["kind"] == "fault_injected":
+        if e["kind"] == Event.FAULT_INJECTED:
             injections.setdefault(e.get("index"), e)
     rows = []
     injected = [f for f in report["faults"] if f.get("injected")]  # real faults have no injection to time
@@ -101,27 +103,31 @@ def analyse(events: list[dict[str, Any]], report: dict[str, Any]) -> list[dict[s
         t_inj = float(inj["t"])
         ranks = set(inj.get("ranks") or [inj["rank"]])
         new_gen = int(inj["gen"]) + 1
-        det = _first(events, lambda e, t=t_inj: e["kind"] == "fault_detected" and e["t"] >= t)
+        det = _first(events, lambda e, t=t_inj: e["kind"] == Event.FAULT_DETECTED and e["t"] >= t)
         gen = _first(
             events,
-            lambda e, g=new_gen: e["kind"] == "generation_started" and e.get("proc") == "coordinator"
+            lambda e, g=new_gen: e["kind"] == Event.GENERATION_STARTED and e.get("proc") == "coordinator"
             and int(e["gen"]) == g,
         )  # fmt: skip
-        tb = _first(events, lambda e, g=new_gen: e["kind"] == "transfer_begun" and int(e["gen"]) == g)
-        te = _first(events, lambda e, g=new_gen: e["kind"] == "transfer_ended" and int(e["gen"]) == g)
-        done = _first(events, lambda e, g=new_gen: e["kind"] == "recovery_done" and int(e["gen"]) == g)
+        tb = _first(events, lambda e, g=new_gen: e["kind"] == Event.TRANSFER_BEGUN and int(e["gen"]) == g)
+        te = _first(events, lambda e, g=new_gen: e["kind"] == Event.TRANSFER_ENDED and int(e["gen"]) == g)
+        done = _first(events, lambda e, g=new_gen: e["kind"] == Event.RECOVERY_DONE and int(e["gen"]) == g)
         assigned = _first(
             events,
-            lambda e, t=t_inj, rs=ranks: e["kind"] == "spare_assigned" and e["t"] >= t and e["rank"] in rs,
+            lambda e, t=t_inj, rs=ranks: (
+                e["kind"] == Event.SPARE_ASSIGNED and e["t"] >= t and e["rank"] in rs
+            ),
         )
         spare_ready_t = None
         if assigned is not None:
-            sr = _first(events, lambda e, p=assigned["target"]: e["kind"] == "spare_ready" and e["proc"] == p)
+            sr = _first(
+                events, lambda e, p=assigned["target"]: e["kind"] == Event.SPARE_READY and e["proc"] == p
+            )
             spare_ready_t = float(sr["t"]) if sr else None
         # the worst survivor (largest gap), as the report defines the stall
         worst: tuple[float, float, float] | None = None
-        for r in {int(e["rank"]) for e in events if e["kind"] == "step_committed"} - ranks:
-            cs = [float(e["t"]) for e in events if e["kind"] == "step_committed" and int(e["rank"]) == r]
+        for r in {int(e["rank"]) for e in events if e["kind"] == Event.STEP_COMMITTED} - ranks:
+            cs = [float(e["t"]) for e in events if e["kind"] == Event.STEP_COMMITTED and int(e["rank"]) == r]
             before = [t for t in cs if t <= t_inj]
             after = [t for t in cs if t > t_inj]
             if before and after and (worst is None or after[0] - before[-1] > worst[0]):
@@ -183,7 +189,7 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
             "unplanned_detections": [
                 {"reason": e.get("reason"), "target": e.get("target"), "step": e.get("step")}
                 for e in res.events
-                if e["kind"] == "fault_detected" and e.get("reason") == "no_progress"
+                if e["kind"] == Event.FAULT_DETECTED and e.get("reason") == Reason.NO_PROGRESS
             ],
             "digest": res.digest,
             "steps_completed": res.report["steps_completed"],

@@ -41,6 +41,8 @@ from typing import Any
 
 import common
 
+from checkpointless.control.vocab import Event
+
 MODEL = {
     "seed": 0,
     "vocab_size": 256,
@@ -178,14 +180,15 @@ def run_checkpointless(steps: int, spares: int, work: Path) -> dict[str, Any]:
     if not result.ok:
         raise RuntimeError(f"checkpointless run failed: {result.error} (logs in {work})")
     events = result.events
-    ready = [e["t"] for e in events if e["kind"] == "spare_ready"]
+    ready = [e["t"] for e in events if e["kind"] == Event.SPARE_READY]
     cutoff = max(ready) if ready else 0.0
     intervals: list[float] = []
     inner: list[float] = []
     dropped = 0
     for rank in (0, 1):
         commits = sorted(
-            (e for e in events if e["kind"] == "step_committed" and e["rank"] == rank), key=lambda e: e["t"]
+            (e for e in events if e["kind"] == Event.STEP_COMMITTED and e["rank"] == rank),
+            key=lambda e: e["t"],
         )
         for a, b in itertools.pairwise(commits):
             if b["step"] <= WARMUP or b["step"] != a["step"] + 1:

@@ -38,8 +38,13 @@ def run_job(
     global_batch: int | None = None,
     on_tick: Callable[[Coordinator], None] | None = None,
     launcher: list[Launcher] | None = None,
+    expect_fired: bool = True,
 ) -> JobResult:
-    """Run a tiny demo job (or ``command``); ``launcher`` receives the Launcher before it runs."""
+    """Run a tiny demo job (or ``command``); ``launcher`` receives the Launcher before it runs.
+
+    With ``expect_fired`` (the default), a job that ran to the end must show every injected fault
+    firing: a test of recovery cannot pass because its fault never struck.
+    """
     recovery = RecoveryConfig(
         hang_timeout_s=hang_timeout_s,
         progress_timeout_s=progress_timeout_s,
@@ -53,7 +58,10 @@ def run_job(
     runner = Launcher(job, cmd, total_steps=steps, out_dir=out, timeout_s=timeout_s, on_tick=on_tick)
     if launcher is not None:
         launcher.append(runner)
-    return runner.run()
+    result = runner.run()
+    if expect_fired and result.ok:
+        assert injected_fired(result) == sorted(set(faults or [])), (faults, result.report["faults"])
+    return result
 
 
 def injected_fired(result: JobResult) -> list[str]:

@@ -28,7 +28,7 @@ from torch.distributed import TCPStore
 from checkpointless.control import keys
 from checkpointless.control.auth import SignedStore, job_namespace
 from checkpointless.control.plan import Plan
-from checkpointless.control.vocab import Event, event
+from checkpointless.control.vocab import Event, Phase, event
 from checkpointless.errors import JobStopped
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ class ControlClient:
         self._events: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._chunks = 0
         self._failure_report: tuple[str, str] | None = None
-        self._status: dict[str, Any] = {"seq": 0, "phase": "starting"}
+        self._status: dict[str, Any] = {"seq": 0, "phase": Phase.STARTING}
         self._stop = threading.Event()
         self._flush()  # the first heartbeat: this process has joined the job
         self._thread = threading.Thread(
@@ -220,6 +220,6 @@ class ControlClient:
 
     def report_fatal(self, rank: int, error: str) -> None:
         """A mistake no recovery can fix: the coordinator ends the job with ``error``."""
-        self.emit("fatal", sync=True, rank=rank, error=error[:500])
+        self.emit(Event.FATAL, sync=True, rank=rank, error=error[:500])
         self.store.set(keys.fatal(self.proc), json.dumps({"rank": rank, "error": error}))
         self.store.add(keys.FATAL_COUNT, 1)

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from checkpointless.control.vocab import Event
 from checkpointless.data.synthetic import SyntheticTokens
 
 
@@ -75,7 +76,7 @@ def train(spec: DemoModel) -> None:
             model.eval()
             with torch.no_grad():
                 x, y = heldout.batch(0, 0, 1)
-                session.emit("eval", heldout_loss=model(x, y).item())
+                session.emit(Event.EVAL, heldout_loss=model(x, y).item())
             model.train()
     session.finish()
 

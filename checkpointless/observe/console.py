@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from checkpointless.control.coordinator import Coordinator
+from checkpointless.control.vocab import Role
 from checkpointless.observe import report
 from checkpointless.observe.progress import StepStats
 
@@ -105,7 +106,7 @@ def summary_table(report_: dict[str, Any]) -> Table:
                 "lost steps", "replaced by"):  # fmt: skip
         t.add_column(col)
     for f in report_.get("faults", []):
-        spare = f.get("target") == "recovery" or f.get("role") == "spare"
+        spare = f.get("target") == "recovery" or f.get("role") == Role.SPARE
         ranks = f.get("ranks") or []
         t.add_row(
             str(f.get("kind")) + (" (spare)" if spare else ""),

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from checkpointless.control.vocab import Event
+from checkpointless.control.vocab import Event, Role
 from checkpointless.observe.fields import integer as _int
 from checkpointless.observe.fields import number as _num
 from checkpointless.observe.report import derive_faults, fault_entries
@@ -151,7 +151,7 @@ def _heldout_loss(run: RunData) -> list[tuple[int, float]]:
     """(step, held-out loss) from ``eval`` events; several evals of one step are averaged."""
     per_step: dict[int, list[float]] = defaultdict(list)
     for ev in run.events:
-        if ev.get("kind") != "eval":
+        if ev.get("kind") != Event.EVAL:
             continue
         step, loss = _int(ev.get("step")), _num(ev.get("heldout_loss"))
         if step is None or loss is None:
@@ -193,7 +193,7 @@ def _fault_spans(run: RunData) -> list[_FaultSpan]:
                 cause=f.cause,
                 signal=f.signal,
                 replaced_by=f.replaced_by,
-                spare=f.role == "spare" and not f.ranks,
+                spare=f.role == Role.SPARE and not f.ranks,
             )
         )
     return spans

@@ -60,7 +60,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from checkpointless.control.vocab import Event
+from checkpointless.control.vocab import Event, Reason, Role
 from checkpointless.faults import FaultSpec
 from checkpointless.observe.fields import integer as _int
 from checkpointless.observe.fields import number as _num
@@ -82,12 +82,12 @@ __all__ = [
 
 #: The kind of a real (not injected) fault, by detection reason.
 KIND_OF_CAUSE: dict[str, str] = {
-    "process_exit": "crash",
-    "heartbeat_timeout": "hang",
-    "no_progress": "stuck",
-    "exception": "exception",
-    "start_failure": "start_failure",
-    "start_timeout": "start_failure",  # never joined: killed by the coordinator
+    Reason.PROCESS_EXIT: "crash",
+    Reason.HEARTBEAT_TIMEOUT: "hang",
+    Reason.NO_PROGRESS: "stuck",
+    Reason.EXCEPTION: "exception",
+    Reason.START_FAILURE: "start_failure",
+    Reason.START_TIMEOUT: "start_failure",  # never joined: killed by the coordinator
 }
 #: Detection reasons that are root causes (a ``collective_error`` is a consequence).
 FAULT_CAUSES: tuple[str, ...] = tuple(KIND_OF_CAUSE)
@@ -97,9 +97,15 @@ FAULT_EVENT_KINDS: frozenset[str] = frozenset(
 )
 
 _PROCESS_CAUSES = frozenset(
-    {"process_exit", "heartbeat_timeout", "no_progress", "start_failure", "start_timeout"}
+    {
+        Reason.PROCESS_EXIT,
+        Reason.HEARTBEAT_TIMEOUT,
+        Reason.NO_PROGRESS,
+        Reason.START_FAILURE,
+        Reason.START_TIMEOUT,
+    }
 )
-_EXIT_CAUSES = frozenset({"process_exit", "start_failure"})  # the exit code tells how it ended
+_EXIT_CAUSES = frozenset({Reason.PROCESS_EXIT, Reason.START_FAILURE})  # the exit code tells how it ended
 _ERROR_CHARS = 500
 _NOT_PROCESSES = frozenset({"coordinator", "launcher"})  # event sources that are not a job process
 
@@ -238,12 +244,12 @@ def _incidents(timed: list[tuple[float, dict[str, Any]]]) -> list[_Incident]:
             kind == Event.FAULT_DETECTED and reason in _PROCESS_CAUSES
         )
         if is_process_event:
-            cause = "process_exit" if kind == Event.PROCESS_EXITED else str(reason)
+            cause = Reason.PROCESS_EXIT if kind == Event.PROCESS_EXITED else str(reason)
             target = _str(e.get("target"))
             if target is None and rank is not None and kind == Event.FAULT_DETECTED:
                 target = members.get(rank)
             key = target or f"rank {rank} gen {gen}"
-            role = _str(e.get("role")) or ("spare" if rank is None else "worker")
+            role = _str(e.get("role")) or (Role.SPARE if rank is None else Role.WORKER)
             exitcode = _int(e.get("exitcode"))
             inc = by_key.get(key)
             if inc is None:
@@ -255,14 +261,14 @@ def _incidents(timed: list[tuple[float, dict[str, Any]]]) -> list[_Incident]:
                     inc.rank = rank
                 if _str(e.get("role")):
                     inc.role = str(e["role"])
-                if cause == "start_failure" and inc.cause == "process_exit":
+                if cause == Reason.START_FAILURE and inc.cause == Reason.PROCESS_EXIT:
                     inc.cause = cause  # the more specific reason for the same exit
             if inc.cause in _EXIT_CAUSES and inc.exitcode is None:
                 inc.exitcode = exitcode
             inc.error = inc.error or _error_text(e)
             continue
-        if (kind == Event.FAULT_DETECTED and reason == "exception") or (
-            kind == Event.FAILURE_REPORTED and reason == "exception"
+        if (kind == Event.FAULT_DETECTED and reason == Reason.EXCEPTION) or (
+            kind == Event.FAILURE_REPORTED and reason == Reason.EXCEPTION
         ):
             # the worker's own detection, or the coordinator's view of it (live, before
             # worker events are collected): one fault per rank and generation
@@ -275,7 +281,7 @@ def _incidents(timed: list[tuple[float, dict[str, Any]]]) -> list[_Incident]:
                 if step is None and committed is not None:
                     step = committed + 1
                 name = proc if from_worker else (members.get(rank) if rank is not None else None)
-                inc = _Incident(key, "exception", t, gen, rank, name, "worker", step=step)
+                inc = _Incident(key, Reason.EXCEPTION, t, gen, rank, name, "worker", step=step)
                 by_key[key] = inc
                 out.append(inc)
             elif from_worker:
@@ -311,7 +317,7 @@ def _spec_of(inj: dict[str, Any], specs: list[Any]) -> str:
 def _matches(inj: dict[str, Any], inc: _Incident, t_inj: float) -> bool:
     if inc.claimed or inc.t < t_inj:
         return False
-    if (inj.get("fault") == "exception") != (inc.cause == "exception"):
+    if (inj.get("fault") == "exception") != (inc.cause == Reason.EXCEPTION):
         return False
     proc = _str(inj.get("proc"))
     if proc is not None and inc.proc is not None and proc not in _NOT_PROCESSES:
@@ -404,7 +410,7 @@ def derive_faults(events: list[dict[str, Any]]) -> list[Fault]:
         cause = first.cause if first else None
         inj = fired[0][1] if fired else None
         gen = first.gen if first else (_int(inj.get("gen")) if inj else None)
-        role = "spare" if incs and all(i.role == "spare" for i in incs) else "worker"
+        role = Role.SPARE if incs and all(i.role == Role.SPARE for i in incs) else Role.WORKER
         # the processes hit, in rank order (several ranks fail in any order)
         hit = [(_int(e.get("rank")), _str(e.get("proc"))) for _, e in fired or []]
         found = [(i.rank, i.proc) for i in incs]
@@ -436,7 +442,7 @@ def derive_faults(events: list[dict[str, Any]]) -> list[Fault]:
                 step = max(before) + 1 if before else None
             target = "recovery" if any(a <= t_det <= b for a, b in windows) else "step"
             detection_s = None
-        spare_only = role == "spare" and not ranks
+        spare_only = role == Role.SPARE and not ranks
         stall, lost = (0.0, 0) if spare_only else _stall(commits, ranks, t, step_time)
         replaced_by: str | None = None
         t_rec: float | None = None
@@ -512,7 +518,7 @@ def _replacement(
             if next_gen is None or g is None or g == next_gen:
                 recovered = t
                 break
-    exception = cause == "exception" or (cause is None and kind == "exception")
+    exception = cause == Reason.EXCEPTION or (cause is None and kind == "exception")
     if exception:
         # recovered in place only if the rank committed again in a later generation, in its own process
         for t, e in timed:
@@ -559,7 +565,7 @@ def build_report(
     """``report.json`` from a time-sorted event list."""
     stats = StepStats.of(events)
     recoveries = [float(e["seconds"]) for e in events if e["kind"] == Event.RECOVERY_DONE]
-    evals = [(int(e["step"]), float(e["heldout_loss"])) for e in events if e["kind"] == "eval"]
+    evals = [(int(e["step"]), float(e["heldout_loss"])) for e in events if e["kind"] == Event.EVAL]
     return {
         "steps_completed": stats.steps_completed,
         "total_steps": total_steps,

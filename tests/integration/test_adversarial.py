@@ -420,6 +420,7 @@ def test_forgeries_of_a_stranger_are_rejected_through_a_recovery(tmp_path: Path)
     report = result.report
     assert report["steps_completed"] == STEPS and report["generations"] == 1, report
     (fault,) = report["faults"]
+    assert fault["spec"] == "kill:rank=1@step=4", fault  # it fired
     assert fault["replaced_by"] == "s0" and fault["lost_steps"] == 0, fault
     assert sorted(result.pids) == ["s0", "s1", "w0", "w1"]  # s1: the refill
     # 2. the job's store listens on the loopback interface only

@@ -22,7 +22,8 @@ def test_example_with_kill_matches_fault_free() -> None:
     clean = run_job(steps=20, spares=0, command=cmd)
     assert clean.ok, logs_of(clean)
     assert faulted.digest == clean.digest
-    assert faulted.report["faults"][0]["replaced_by"] == "s0"
+    (fault,) = faulted.report["faults"]
+    assert fault["spec"] == "kill:rank=1@step=7" and fault["replaced_by"] == "s0"
 
 
 def test_example_runs_without_launcher() -> None:

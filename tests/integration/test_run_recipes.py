@@ -39,7 +39,9 @@ def test_recipe_with_kill_equals_fault_free(recipe: str, tmp_path: Path) -> None
     rf = json.loads((tmp_path / "f" / "report.json").read_text())
     rc = json.loads((tmp_path / "c" / "report.json").read_text())
     assert rf["final_state_sha256"] == rc["final_state_sha256"]
-    assert rf["faults"][0]["lost_steps"] == 0 and rf["faults"][0]["replaced_by"] == "s0"
+    (fault,) = rf["faults"]
+    assert fault["injected"] and fault["spec"] == "kill:rank=1@step=5"  # it fired
+    assert fault["lost_steps"] == 0 and fault["replaced_by"] == "s0"
     losses = [loss for _, loss in rf["heldout_loss"]]
     assert len(losses) >= 2 and losses[-1] < losses[0]
     assert (tmp_path / "f" / "timeline.png").stat().st_size > 10_000
@@ -123,3 +125,19 @@ def test_detection_settings_come_from_the_recipe_unless_a_flag_says_otherwise() 
     path = ROOT / "recipes" / "llama-tiny.yaml"
     cfg = load_recipe(path, ["fault_tolerance.progress_timeout_s=7.5"], check_data=False)
     assert cfg.fault_tolerance.progress_timeout_s == 7.5 and cfg.fault_tolerance.hang_timeout_s == 2.0
+
+
+def test_bf16_recipe_with_kill_equals_fault_free(tmp_path: Path) -> None:
+    """bf16 with fp32 master weights: the spare receives the masters, the run ends bit for bit as without the kill."""
+    path = str(ROOT / "recipes" / "llama-tiny.yaml")
+    short = [*SMALL, "--set", "train.steps=8", "--set", "data.eval_every=0",
+             "--set", "parallel.dtype=bfloat16"]  # fmt: skip
+    faulted = run_cli(path, *short, "--fault", "kill:rank=1@step=5", "--out", str(tmp_path / "f"))
+    assert faulted.returncode == 0, faulted.stderr
+    clean = run_cli(path, *short, "--spares", "0", "--out", str(tmp_path / "c"))
+    assert clean.returncode == 0, clean.stderr
+    rf = json.loads((tmp_path / "f" / "report.json").read_text())
+    rc = json.loads((tmp_path / "c" / "report.json").read_text())
+    assert rf["final_state_sha256"] == rc["final_state_sha256"]  # the digest covers the fp32 masters
+    (fault,) = rf["faults"]
+    assert fault["lost_steps"] == 0 and fault["replaced_by"] == "s0"

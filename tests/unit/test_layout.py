@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -46,3 +47,23 @@ def test_core_modules_never_import_the_layers_above_them() -> None:
         text = path.read_text()
         for name in above:
             assert f"import {name}" not in text and f"from {name}" not in text, f"{path.name} imports {name}"
+
+
+def test_event_kinds_and_reasons_are_named_from_the_vocabulary() -> None:
+    """No emitter or reader in the package or the benchmarks spells an event kind or a reason as a string."""
+    import ast
+
+    from checkpointless.control.vocab import Event, Phase, Reason
+
+    # values that are also words of another vocabulary (fault kinds, roles, key names, dry-run rows)
+    shared = {"exception", "fatal", "spare", "done", "starting", "start_failure", "compute"}
+    words = {m.value for vocab in (Event, Phase, Reason) for m in vocab} - shared
+    root = Path(__file__).resolve().parents[2]
+    found = []
+    for path in sorted([*(root / "checkpointless").rglob("*.py"), *(root / "bench").rglob("*.py")]):
+        if path.name == "vocab.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and node.value in words:
+                found.append(f"{path.relative_to(root)}:{node.lineno}: {node.value!r}")
+    assert found == []
