@@ -7,7 +7,14 @@ Memory model (per rank, model state only; activations, temporary buffers and the
 communication buckets are not included):
 
 * ``float32``: params 4 B, grads 4 B, AdamW moments 2 x 4 B per parameter.
-* ``bfloat16``: params 2 B, grads 2 B, AdamW moments 2 x 4 B plus fp32 master weights 4 B.
+* ``bfloat16``: params 2 B, grads 2 B, AdamW moments 2 x 4 B plus fp32 master weights 4 B
+  (``checkpointless.recipes.precision.MasterWeightAdamW``). During the optimizer step it
+  also holds an fp32 copy of the grads, 4 B per parameter, freed when the step ends
+  (reported as the transient ``fp32 grads in step``).
+
+These are the bytes of the tensors a recipe really allocates (``tests/unit/test_precision.py``
+counts them after a real step). AdamW also keeps one fp32 scalar step counter per parameter
+tensor, a few KB, which is left out.
 
 With FSDP shard degree ``shards`` every rank holds ``1 / shards`` of all of that;
 ``replicas = workers / shards`` ranks hold each shard. During forward/backward FSDP also
@@ -16,8 +23,10 @@ gathers one full decoder layer at a time (reported as the transient ``gathered l
 Recovery: a spare that replaces a failed rank receives that rank's shard of the params and
 optimizer state (master weights and moments) from the rank holding the same shard in a
 healthy replica. Gradients are not moved: recovery happens at a step boundary, where they
-are recomputed. The bytes moved therefore depend only on the model and ``shards``, not on
-the number of workers. With a single replica there is no donor and the state is lost.
+are recomputed. A tied parameter (input embedding = LM head) is moved once per name, as
+the model's ``state_dict`` lists it (``recovery_bytes`` counts that too). The bytes moved
+therefore depend only on the model and ``shards``, not on the number of workers. With a
+single replica there is no donor and the state is lost.
 
 Run as ``python -m checkpointless.recipes.dryrun RECIPE.yaml [--set key=value ...]``.
 """
@@ -31,7 +40,7 @@ from typing import Any
 
 from checkpointless.recipes.config import RecipeConfig, load_recipe
 
-__all__ = ["dry_run", "format_dry_run", "main", "state_bytes_per_param"]
+__all__ = ["dry_run", "format_dry_run", "main", "master_bytes_per_param", "state_bytes_per_param"]
 
 GIB = 1024**3
 
@@ -49,6 +58,15 @@ def state_bytes_per_param(dtype: str) -> dict[str, int]:
     raise ValueError(f"parallel.dtype: unsupported dtype {dtype!r}")
 
 
+def master_bytes_per_param(dtype: str) -> int:
+    """Bytes per parameter of the fp32 master weights (part of ``optimizer``): 4 in bf16, else 0.
+
+    The fp32 grad copy that exists only during the optimizer step has the same size.
+    """
+    state_bytes_per_param(dtype)  # validates the dtype
+    return 4 if dtype == "bfloat16" else 0
+
+
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -60,10 +78,13 @@ def dry_run(cfg: RecipeConfig) -> dict[str, Any]:
     ``embedding_params``, ``expert_params``, ``layer_params``), the layout (``workers``,
     ``spares``, ``shards``, ``replicas``, ``world_size``, ``micro_batch``,
     ``tokens_per_step``), per-rank bytes (``rank_params_bytes``, ``rank_grads_bytes``,
-    ``rank_optimizer_bytes``, ``rank_total_bytes``, ``gathered_layer_bytes``), totals
+    ``rank_optimizer_bytes``, of which ``rank_master_bytes`` are fp32 master weights,
+    ``rank_total_bytes``; transient: ``gathered_layer_bytes``, ``step_grads_bytes`` the fp32
+    grad copy during a master-weight optimizer step), totals
     (``replica_state_bytes``: one full copy of params+grads+optimizer state;
     ``cluster_state_bytes``: all replicas), recovery (``recovery_bytes``: what one failed
-    rank's replacement receives; ``recovery_donors``: healthy ranks holding that shard;
+    rank's replacement receives, params and optimizer state, a tied parameter under each
+    of its names; ``recovery_donors``: healthy ranks holding that shard;
     ``recoverable``) and ``approx_flops_per_step`` (6 x active params x tokens).
     """
     from checkpointless.recipes.models import parameter_breakdown
@@ -74,6 +95,8 @@ def dry_run(cfg: RecipeConfig) -> dict[str, Any]:
     n = counts["total"]
     shard_params = _ceil_div(n, par.shards)  # FSDP pads the flat parameter to a multiple of shards
     rank = {part: shard_params * b for part, b in per_param.items()}
+    master = shard_params * master_bytes_per_param(par.dtype)
+    tied = _ceil_div(counts["tied"], par.shards) * per_param["params"]  # sent again under its 2nd name
     rank_total = sum(rank.values())
     return {
         "name": cfg.name,
@@ -95,11 +118,13 @@ def dry_run(cfg: RecipeConfig) -> dict[str, Any]:
         "rank_params_bytes": rank["params"],
         "rank_grads_bytes": rank["grads"],
         "rank_optimizer_bytes": rank["optimizer"],
+        "rank_master_bytes": master,
         "rank_total_bytes": rank_total,
         "gathered_layer_bytes": counts["per_layer"] * per_param["params"] if par.shards > 1 else 0,
+        "step_grads_bytes": master,  # fp32 grad copies, same size as the masters
         "replica_state_bytes": rank_total * par.shards,
         "cluster_state_bytes": rank_total * par.workers,
-        "recovery_bytes": rank["params"] + rank["optimizer"],
+        "recovery_bytes": rank["params"] + tied + rank["optimizer"],
         "recovery_donors": par.replicas - 1,
         "recoverable": par.replicas > 1,
         "approx_flops_per_step": 6 * counts["active"] * cfg.tokens_per_step,
@@ -155,6 +180,10 @@ def format_dry_run(report: dict[str, Any]) -> str:
     if report["gathered_layer_bytes"]:
         rows.append(
             ("  + gathered layer", f"{_gib(report['gathered_layer_bytes'])} transient (FSDP all-gather)")
+        )
+    if report["step_grads_bytes"]:
+        rows.append(
+            ("  + fp32 grads in step", f"{_gib(report['step_grads_bytes'])} transient (optimizer step only)")
         )
     rows += [
         ("one replica", _gib(report["replica_state_bytes"])),

@@ -189,10 +189,17 @@ def build_model(cfg: ModelConfig, seed: int, *, dtype: torch.dtype = torch.float
     ``llama`` / ``gpt_oss`` come wrapped in :class:`CausalLMWithLoss`; ``tiny_gpt`` is the
     project's ``TinyGPT``, which has that interface natively. Weights are initialised in
     fp32 from ``seed`` (bitwise identical across processes) and then cast to ``dtype``.
+
+    Only the parameters are cast: buffers keep the dtype the model gave them (the rotary
+    embeddings' ``inv_freq`` stays fp32, as ``transformers`` keeps it when it loads a
+    model in bf16; rounding it to bf16 would shift the RoPE phases of far positions).
     """
     model = build_hf_model(cfg, seed)
     if dtype != torch.float32:
-        model = model.to(dtype)
+        with torch.no_grad():
+            for p in model.parameters():  # each parameter once, tied ones included
+                if p.is_floating_point():
+                    p.data = p.data.to(dtype)
     return model if cfg.family == "tiny_gpt" else CausalLMWithLoss(model)
 
 
@@ -202,10 +209,13 @@ def parameter_breakdown(cfg: ModelConfig) -> dict[str, int]:
     Keys: ``total``; ``embedding`` (input embedding and LM head; one matrix when tied);
     ``experts`` (MoE expert weights, all experts); ``active`` (parameters one token uses:
     total minus the experts it is not routed to); ``per_layer`` (the largest decoder
-    layer, the unit FSDP gathers at once).
+    layer, the unit FSDP gathers at once); ``tied`` (elements the model's ``state_dict``
+    repeats because a parameter has more than one name, as tied embeddings do: counted
+    once in ``total``, but ``state_dict`` and so a state transfer carry them twice).
     """
     model = build_hf_model(cfg, seed=0, device="meta")
     total = embedding = experts = 0
+    tied = sum(p.numel() for _, p in model.named_parameters(remove_duplicate=False))
     layers: dict[str, int] = {}
     for name, p in model.named_parameters():  # de-duplicates tied weights
         n = p.numel()
@@ -222,6 +232,7 @@ def parameter_breakdown(cfg: ModelConfig) -> dict[str, int]:
                     key = ".".join(parts[: i + 2])
                     layers[key] = layers.get(key, 0) + n
                 break
+    tied -= total
     active = total
     if cfg.family == "gpt_oss" and cfg.num_local_experts and cfg.num_experts_per_tok:
         active = total - experts + experts * cfg.num_experts_per_tok // cfg.num_local_experts
@@ -231,6 +242,7 @@ def parameter_breakdown(cfg: ModelConfig) -> dict[str, int]:
         "experts": experts,
         "active": active,
         "per_layer": max(layers.values(), default=0),
+        "tied": tied,
     }
 
 

@@ -9,10 +9,20 @@ from __future__ import annotations
 import argparse
 import math
 import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 from checkpointless.control.client import ENV_JOB_ID, ENV_STORE
+from checkpointless.control.vocab import Event
+from checkpointless.recipes.precision import MasterWeightAdamW
+
+if TYPE_CHECKING:
+    from checkpointless.recipes.config import RecipeConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def lr_lambda(step: int, warmup: int, total: int, schedule: str) -> float:
@@ -24,12 +34,63 @@ def lr_lambda(step: int, warmup: int, total: int, schedule: str) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
+@dataclass
+class Training:
+    """A recipe's model, the optimizer that updates it and that optimizer's LR schedule.
+
+    ``float32``: ``torch.optim.AdamW`` on the fp32 model. ``bfloat16``: a bf16 model and
+    :class:`~checkpointless.recipes.precision.MasterWeightAdamW` (fp32 master weights and
+    moments; the masters are part of its ``state_dict``, so they are transferred).
+    """
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    grad_clip: float | None
+
+    def update(self) -> float:
+        """The update of one step, once its grads are reduced: clip, step, advance the LR, zero grads.
+
+        Clipping acts on the grads the optimizer uses: the fp32 model's grads, or with
+        master weights their fp32 copies. Returns the learning rate this update used.
+        """
+        if self.grad_clip:
+            if isinstance(self.optimizer, MasterWeightAdamW):
+                self.optimizer.clip_grad_norm_(self.grad_clip)
+            else:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        lr = float(self.scheduler.get_last_lr()[0])
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=False)
+        return lr
+
+
+def build_training(cfg: RecipeConfig) -> Training:
+    """Build the model, optimizer and LR schedule of recipe ``cfg`` (what every worker trains)."""
+    from checkpointless.recipes.models import build_model
+
+    dtype = DTYPES[cfg.parallel.dtype]
+    model = build_model(cfg.model, seed=cfg.train.seed, dtype=dtype)
+    oc = cfg.optim
+    hyper: dict[str, Any] = {"lr": oc.lr, "betas": oc.betas, "eps": oc.eps, "weight_decay": oc.weight_decay}
+    optimizer: torch.optim.Optimizer
+    if dtype == torch.float32:
+        optimizer = torch.optim.AdamW(model.parameters(), **hyper)
+    else:
+        optimizer = MasterWeightAdamW(model.parameters(), **hyper)
+    steps = cfg.train.steps
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_lambda(s, oc.warmup_steps, steps, oc.schedule)
+    )
+    return Training(model, optimizer, scheduler, oc.grad_clip)
+
+
 def main(argv: list[str] | None = None) -> int:
     import checkpointless as cl
     from checkpointless.data.corpus import TokenDataset
     from checkpointless.data.shm_cache import CachedDataset, ShmBatchCache
     from checkpointless.recipes.config import load_recipe, open_dataset
-    from checkpointless.recipes.models import build_model
 
     p = argparse.ArgumentParser(prog="python -m checkpointless.recipes.train")
     p.add_argument("recipe")
@@ -39,16 +100,9 @@ def main(argv: list[str] | None = None) -> int:
         args.recipe, args.overrides, check_data=False
     )  # the launcher checked; the dataset checks again
     torch.set_num_threads(1)
-    dtype = torch.bfloat16 if cfg.parallel.dtype == "bfloat16" else torch.float32
-    model = build_model(cfg.model, seed=cfg.train.seed, dtype=dtype)
-    oc = cfg.optim
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=oc.lr, betas=oc.betas, eps=oc.eps, weight_decay=oc.weight_decay
-    )
+    training = build_training(cfg)
+    model, optimizer, scheduler = training.model, training.optimizer, training.scheduler
     steps = cfg.train.steps
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_lambda(s, oc.warmup_steps, steps, oc.schedule)
-    )
 
     dc = cfg.data
 
@@ -70,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
 
     session = cl.Session(model, optimizer, state={"scheduler": scheduler}, seed=cfg.train.seed)
     if session.rank == 0 and session.step == 0 and dc.eval_every:
-        session.emit("eval", heldout_loss=heldout_loss())
+        session.emit(Event.EVAL, heldout_loss=heldout_loss())
     for step in session.steps(steps):
         with session.attempt() as attempt:
             data.prefetch(range(step + 1, min(steps, step + 3)), session.dp_rank, session.dp_size)
@@ -78,12 +132,7 @@ def main(argv: list[str] | None = None) -> int:
             loss = model(inputs, targets)
             loss.backward()
             session.reduce_gradients()
-            if oc.grad_clip:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), oc.grad_clip)
-            lr = scheduler.get_last_lr()[0]  # the rate this step's update uses
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=False)
+            lr = training.update()  # clip, optimizer step, LR schedule, zero grads; the rate it used
             session.log(loss=loss.item(), tokens=inputs.numel(), lr=lr)
         if not attempt.committed:
             continue  # failed and recovered: steps() yields the same step again
@@ -92,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"step {step + 1}/{steps} loss {loss.item():.4f} lr {lr:.3e}", flush=True
             )  # into logs/w0.log
         if session.rank == 0 and dc.eval_every and ((step + 1) % dc.eval_every == 0 or step + 1 == steps):
-            session.emit("eval", heldout_loss=heldout_loss())
+            session.emit(Event.EVAL, heldout_loss=heldout_loss())
     data.stop(timeout=5)
     session.finish()
     if session.rank == 0 and not os.environ.get(ENV_STORE):
