@@ -135,7 +135,7 @@ def machine_info() -> dict[str, Any]:
     )
     lscpu_lines = [ln for ln in lscpu.splitlines() if ln.startswith(keep) and "NUMA" not in ln]
     return {
-        "date": _dt.datetime.now(_dt.timezone.utc).astimezone().isoformat(timespec="seconds"),
+        "date": _dt.datetime.now(_dt.UTC).astimezone().isoformat(timespec="seconds"),
         "hostname": platform.node(),
         "platform": platform.platform(),
         "python": platform.python_version(),

@@ -534,11 +534,8 @@ def send_state(group: Group, dst: int, state: dict[str, Any], *, key: bytes | No
 
 
 def _accelerator() -> torch.device | None:
-    """The current accelerator, on any torch the package allows (``torch.accelerator`` is 2.6+)."""
-    api = getattr(torch, "accelerator", None)
-    if api is not None:
-        return api.current_accelerator() if api.is_available() else None  # type: ignore[no-any-return]
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    """The current accelerator (CUDA, XPU, ...), or None on a CPU-only machine."""
+    return torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
 
 
 def recv_state(

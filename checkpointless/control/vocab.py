@@ -1,29 +1,19 @@
 """The control plane's vocabulary: event kinds, process phases, failure reasons, roles.
 
 Every emitter and reader of the event log and the heartbeats names these members,
-the way every store key is built in ``keys.py``. Members are strings (a ``str``
-mixin), so they serialise to JSON as their values and compare equal to them:
+the way every store key is built in ``keys.py``. Members are strings
+(``StrEnum``), so they serialise to JSON as their values and compare equal to them:
 ``events.jsonl`` reads as before.
 """
 
 from __future__ import annotations
 
 import time
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 
-class _Name(str, Enum):
-    """A string-valued member that prints as its value (``f"{Phase.IDLE}"`` is ``idle``)."""
-
-    def __str__(self) -> str:
-        return str(self.value)
-
-    def __format__(self, spec: str) -> str:
-        return str(self.value).__format__(spec)
-
-
-class Event(_Name):
+class Event(StrEnum):
     """``kind`` of an event in ``events.jsonl``."""
 
     JOB_STARTED = "job_started"
@@ -47,7 +37,7 @@ class Event(_Name):
     EVAL = "eval"  # the recipes' held-out loss (user code may emit kinds of its own)
 
 
-class Phase(_Name):
+class Phase(StrEnum):
     """``phase`` of a process's heartbeat."""
 
     STARTING = "starting"
@@ -60,7 +50,7 @@ class Phase(_Name):
     DONE = "done"
 
 
-class Reason(_Name):
+class Reason(StrEnum):
     """``reason`` of a ``fault_detected`` event or a failure report."""
 
     PROCESS_EXIT = "process_exit"
@@ -74,7 +64,7 @@ class Reason(_Name):
     PEER_FAILURE = "peer_failure"  # a finished rank joins a recovery
 
 
-class Role(_Name):
+class Role(StrEnum):
     """What a process is to the coordinator."""
 
     WORKER = "worker"

@@ -67,3 +67,21 @@ def test_event_kinds_and_reasons_are_named_from_the_vocabulary() -> None:
             if isinstance(node, ast.Constant) and node.value in words:
                 found.append(f"{path.relative_to(root)}:{node.lineno}: {node.value!r}")
     assert found == []
+
+
+def test_the_declared_floors_are_what_ci_tests() -> None:
+    """pyproject's torch floor is the version the Makefile installs for CI; Python's is the one running."""
+    import re
+
+    import torch
+
+    root = Path(__file__).resolve().parents[2]
+    pyproject = (root / "pyproject.toml").read_text()
+    floor = re.search(r'"torch>=(\d+)\.(\d+)"', pyproject)
+    pinned = re.search(r"TORCH_SPEC \?= torch==(\d+)\.(\d+)\.\d+", (root / "Makefile").read_text())
+    assert floor and pinned, "torch floor (pyproject) or pin (Makefile) not found"
+    assert floor.groups() == pinned.groups(), "CI must test the torch floor that pyproject.toml declares"
+    installed = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    assert installed >= tuple(int(x) for x in floor.groups())
+    py = re.search(r'requires-python = ">=3\.(\d+)"', pyproject)
+    assert py and sys.version_info[:2] >= (3, int(py.group(1)))
