@@ -1,13 +1,15 @@
 """Training recipes: typed YAML configs, Hugging Face model builders and a dry-run estimator.
 
-``config`` has no heavy dependencies; ``models`` and ``dryrun`` import ``torch`` and,
-lazily, ``transformers`` (the ``recipes`` extra).
+``config`` is the recipe schema and ``loader`` the schema-free YAML-to-dataclass loader it
+uses (PyYAML only); ``models`` and ``dryrun`` import ``torch`` and, lazily,
+``transformers`` (the ``recipes`` extra).
 """
 
 from __future__ import annotations
 
 from checkpointless.recipes.config import (
     DataConfig,
+    FaultToleranceConfig,
     ModelConfig,
     OptimConfig,
     ParallelConfig,
@@ -15,12 +17,14 @@ from checkpointless.recipes.config import (
     RecipeError,
     TrainConfig,
     apply_overrides,
+    check_recipe_data,
     load_recipe,
     recipe_from_dict,
 )
 
 __all__ = [
     "DataConfig",
+    "FaultToleranceConfig",
     "ModelConfig",
     "OptimConfig",
     "ParallelConfig",
@@ -28,6 +32,7 @@ __all__ = [
     "RecipeError",
     "TrainConfig",
     "apply_overrides",
+    "check_recipe_data",
     "load_recipe",
     "recipe_from_dict",
 ]

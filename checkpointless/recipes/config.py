@@ -1,22 +1,20 @@
-"""Typed training recipes: YAML files loaded into validated dataclasses.
+"""Typed training recipes: the schema of a recipe YAML file, as validated dataclasses.
 
-A recipe is a YAML file with the sections ``model``, ``data``, ``optim``, ``parallel``
-and ``train`` plus a top-level ``name``. :func:`load_recipe` turns it into a
-:class:`RecipeConfig`, checking every key and type on the way and naming the dotted key
-(``optim.lr``) and the file in every error, so a typo never silently falls back to a
+A recipe is a YAML file with the sections ``model``, ``data``, ``optim``, ``parallel``,
+``train`` and ``fault_tolerance`` plus a top-level ``name``. :func:`load_recipe` turns it
+into a :class:`RecipeConfig`, checking every key and type on the way and naming the dotted
+key (``optim.lr``) and the file in every error, so a typo never silently falls back to a
 default. ``--set``-style overrides (``"optim.lr=1e-3"``) are applied to the raw YAML
 before validation, so they go through exactly the same checks.
+
+This module is the schema; reading YAML safely (alias, size and depth limits: see
+:data:`MAX_YAML_NODES`, :data:`MAX_YAML_DEPTH`), the strict type checks and the overrides
+are the schema-free :mod:`checkpointless.recipes.loader`.
 
 Every dataclass validates its own values in ``__post_init__`` and raises
 :class:`RecipeError` (a :class:`ValueError`) naming the offending field, so configs built
 directly in Python are checked too. Float fields must be finite (``.nan``/``.inf`` are
 refused).
-
-The YAML loader is ``safe_load`` with limits: an alias that refers to the node containing
-it (a recursive structure), a document that expands to more than
-:data:`MAX_YAML_NODES` values once every alias is expanded (a "billion laughs"), or nesting
-deeper than :data:`MAX_YAML_DEPTH` is refused with a one-line error; ordinary anchors and
-aliases (``&seq 128`` ... ``*seq``) keep working.
 
 With ``check_data`` (the default, and what ``checkpointless run`` uses before launching
 anything), :func:`load_recipe` also opens the corpus exactly as every worker will, so a
@@ -29,26 +27,25 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
-import types
 import typing
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Union
-
-if TYPE_CHECKING:
-    from checkpointless.data.corpus import TokenDataset
-
-import yaml
+from typing import TYPE_CHECKING, Any, Literal
 
 from checkpointless.data.corpus import BYTE_VOCAB_SIZE  # 256 byte values + end-of-document
 from checkpointless.errors import RecipeError
+from checkpointless.recipes import loader
+from checkpointless.recipes.loader import MAX_YAML_DEPTH, MAX_YAML_NODES
+
+if TYPE_CHECKING:
+    from checkpointless.data.corpus import TokenDataset
 
 __all__ = [
     "MAX_YAML_DEPTH",
     "MAX_YAML_NODES",
     "DataConfig",
+    "FaultToleranceConfig",
     "ModelConfig",
     "OptimConfig",
     "ParallelConfig",
@@ -58,6 +55,7 @@ __all__ = [
     "apply_overrides",
     "check_recipe_data",
     "load_recipe",
+    "open_dataset",
     "recipe_from_dict",
 ]
 
@@ -66,11 +64,6 @@ Tokenizer = Literal["byte", "bpe"]
 Schedule = Literal["constant", "cosine"]
 DType = Literal["float32", "bfloat16"]
 LayerType = Literal["sliding_attention", "full_attention"]
-
-MAX_YAML_NODES = 100_000
-"""Most values a recipe may hold once every YAML alias is expanded (a real recipe has ~100)."""
-MAX_YAML_DEPTH = 64
-"""Deepest nesting of mappings and sequences a recipe may have (a real recipe has 4)."""
 
 
 def _choice(key: str, value: object, choices: tuple[object, ...]) -> None:
@@ -491,303 +484,17 @@ class RecipeConfig:
         return typing.cast(dict[str, Any], plain(dataclasses.asdict(self)))
 
 
-# ----------------------------------------------------------------------------- loading
-
-
-class _YAMLLimitError(yaml.YAMLError):
-    """Internal: a document exceeds the loader's limits (message is one line)."""
-
-
-def _at(mark: Any) -> str:
-    return f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "unknown position"
-
-
-class _Loader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` with YAML 1.2 exponent floats and limits on aliases and nesting.
-
-    PyYAML implements YAML 1.1, where ``1e-3`` is a *string*; YAML 1.2 (and every human)
-    reads it as a number. Aliases are checked while the document is composed, before any
-    Python object is built: one that refers to a node still being composed (its own
-    container) is refused, and so is a document whose size with every alias expanded
-    exceeds :data:`MAX_YAML_NODES`, or that nests deeper than :data:`MAX_YAML_DEPTH`.
-    Everything else is plain ``safe_load``.
-    """
-
-    def __init__(self, stream: str) -> None:
-        super().__init__(stream)
-        self._open_anchors: set[str] = set()
-        self._expanded = 0  # values in the document so far, aliases expanded
-        self._sizes: dict[int, int] = {}  # id(node) -> its expanded size (nodes are alive meanwhile)
-        self._depth = 0
-
-    def _grow(self, n: int, mark: Any) -> None:
-        self._expanded += n
-        if self._expanded > MAX_YAML_NODES:
-            raise _YAMLLimitError(
-                f"document expands to more than {MAX_YAML_NODES} values once its aliases are expanded "
-                f"(at {_at(mark)}); refusing it (nested aliases, a 'billion laughs'?)"
-            )
-
-    def _size(self, node: yaml.Node) -> int:
-        known = self._sizes.get(id(node))
-        if known is not None:
-            return known
-        total = 1
-        if isinstance(node, yaml.SequenceNode):
-            total += sum(self._size(child) for child in node.value)
-        elif isinstance(node, yaml.MappingNode):
-            total += sum(self._size(k) + self._size(v) for k, v in node.value)
-        self._sizes[id(node)] = total
-        return total
-
-    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
-        event = self.peek_event()
-        if isinstance(event, yaml.AliasEvent):
-            if event.anchor in self._open_anchors:
-                raise _YAMLLimitError(
-                    f"recursive alias *{event.anchor} at {_at(event.start_mark)}: it refers to a node "
-                    f"that contains it"
-                )
-            node = super().compose_node(parent, index)
-            if node is not None:
-                self._grow(self._size(node), event.start_mark)
-            return node
-        self._grow(1, event.start_mark)
-        if self._depth >= MAX_YAML_DEPTH:
-            raise _YAMLLimitError(f"nesting deeper than {MAX_YAML_DEPTH} levels at {_at(event.start_mark)}")
-        anchor = getattr(event, "anchor", None)
-        if anchor is not None:
-            self._open_anchors.add(anchor)
-        self._depth += 1
-        try:
-            return super().compose_node(parent, index)
-        finally:
-            self._depth -= 1
-            if anchor is not None:
-                self._open_anchors.discard(anchor)
-
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-    list("-+0123456789"),
-)
-
-
-def _safe_load(text: str) -> Any:
-    """``yaml.safe_load`` with YAML 1.2-style exponent floats and alias limits (see :class:`_Loader`)."""
-    try:
-        return yaml.load(text, Loader=_Loader)  # _Loader is a SafeLoader subclass
-    except RecursionError:
-        raise _YAMLLimitError("nested too deeply") from None
-
-
-def _yaml_message(exc: yaml.YAMLError) -> str:
-    """One line: what PyYAML found wrong, and where."""
-    if isinstance(exc, yaml.MarkedYAMLError):
-        parts = [p for p in (exc.context, exc.problem) if p]
-        mark = exc.problem_mark or exc.context_mark
-        return f"{': '.join(parts) or 'syntax error'} ({_at(mark)})"
-    return " ".join(str(exc).split())
-
-
-def _type_name(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
-    if origin in (Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in typing.get_args(tp))
-    if tp is type(None):
-        return "null"
-    if dataclasses.is_dataclass(tp):
-        return "mapping"
-    if origin is not None:
-        args = ", ".join(_type_name(a) for a in typing.get_args(tp))
-        return f"{getattr(origin, '__name__', str(origin))}[{args}]"
-    return getattr(tp, "__name__", str(tp))
-
-
-class _TypeMismatch(Exception):
-    """Internal: a value does not fit a type."""
-
-
-def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
-    """Check ``value`` against the annotation ``tp`` and return it in canonical form."""
-    origin = typing.get_origin(tp)
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, Mapping):
-            raise _TypeMismatch
-        return _build(typing.cast(type, tp), value, key, source)
-    if tp is Any:
-        return value
-    if origin in (Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None:
-            if type(None) in args:
-                return None
-            raise _TypeMismatch
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(value, arg, key, source)
-            except _TypeMismatch:
-                continue
-        raise _TypeMismatch
-    if origin is Literal:
-        if any(value == a and type(value) is type(a) for a in typing.get_args(tp)):
-            return value
-        raise _TypeMismatch
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise _TypeMismatch
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise _TypeMismatch
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        raise _TypeMismatch
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise _TypeMismatch
-    if origin is list:
-        if not isinstance(value, list):
-            raise _TypeMismatch
-        (item,) = typing.get_args(tp)
-        return [_coerce_item(v, item, f"{key}[{i}]", source) for i, v in enumerate(value)]
-    if origin is tuple:
-        items = typing.get_args(tp)
-        if not isinstance(value, (list, tuple)) or len(value) != len(items):
-            raise _TypeMismatch
-        return tuple(
-            _coerce_item(v, t, f"{key}[{i}]", source)
-            for i, (v, t) in enumerate(zip(value, items, strict=True))
-        )
-    if origin is dict:
-        if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
-            raise _TypeMismatch
-        return dict(value)
-    raise TypeError(f"unsupported annotation {tp!r} for {key}")
-
-
-def _coerce_item(value: Any, tp: Any, key: str, source: str) -> Any:
-    """Coerce a container element, reporting mismatches with the element's own key."""
-    try:
-        return _coerce(value, tp, key, source)
-    except _TypeMismatch:
-        raise RecipeError(key, _mismatch(tp, value), source=source) from None
-
-
-def _mismatch(tp: Any, value: Any) -> str:
-    return f"expected {_type_name(tp)}, got {type(value).__name__} ({value!r})"
-
-
-def _fields(cls: type) -> dict[str, dataclasses.Field[Any]]:
-    return {f.name: f for f in dataclasses.fields(cls) if f.init}
-
-
-def _build(cls: type, raw: Mapping[str, Any], prefix: str, source: str) -> Any:
-    """Build dataclass ``cls`` from mapping ``raw``; ``prefix`` is the dotted path so far."""
-    hints = typing.get_type_hints(cls)
-    fields = _fields(cls)
-
-    def dotted(name: str) -> str:
-        return f"{prefix}.{name}" if prefix else name
-
-    for key in raw:
-        if key not in fields:
-            full = dotted(str(key))
-            known = ", ".join(fields)
-            raise RecipeError(
-                full,
-                f"unknown key (known keys here: {known})",
-                source=source,
-                text=f"unknown key '{full}' (known keys here: {known})",
-            )
-    kwargs: dict[str, Any] = {}
-    for name, f in fields.items():
-        if name not in raw:
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-                raise RecipeError(dotted(name), "missing required key", source=source)
-            continue
-        try:
-            kwargs[name] = _coerce(raw[name], hints[name], dotted(name), source)
-        except _TypeMismatch:
-            raise RecipeError(dotted(name), _mismatch(hints[name], raw[name]), source=source) from None
-    try:
-        return cls(**kwargs)
-    except RecipeError as err:
-        if err.source:
-            raise  # already located by a nested section
-        raise err.located(dotted(err.key) if err.key else prefix, source) from None
-
-
-def _parse_override(item: str) -> tuple[list[str], Any]:
-    if "=" not in item:
-        raise RecipeError("", f"override {item!r} is not of the form key=value")
-    key, _, text = item.partition("=")
-    key = key.strip()
-    parts = key.split(".")
-    if not key or any(not p for p in parts):
-        raise RecipeError("", f"override {item!r} has an empty key")
-    try:
-        value = _safe_load(text) if text.strip() else None
-    except yaml.YAMLError as exc:
-        raise RecipeError(key, f"override value {text!r} is not valid YAML: {_yaml_message(exc)}") from None
-    return parts, value
+# ----------------------------------------------------------------------------- loading (see loader.py)
 
 
 def apply_overrides(raw: dict[str, Any], overrides: Iterable[str], *, source: str = "") -> dict[str, Any]:
     """Apply ``key=value`` overrides to a raw recipe mapping (in place) and return it.
 
-    Keys are dotted paths (``optim.lr``); values are parsed with ``yaml.safe_load``
-    (``"optim.betas=[0.9, 0.99]"``). Keys are checked against the config dataclasses, so
-    an override can only set a field that exists; below ``model.extra`` any key is allowed.
+    Keys are dotted paths (``optim.lr``); values are YAML (``"optim.betas=[0.9, 0.99]"``).
+    Keys are checked against the config dataclasses, so an override can only set a field
+    that exists; below ``model.extra`` any key is allowed.
     """
-    for item in overrides:
-        parts, value = _parse_override(item)
-        key = ".".join(parts)
-        cls: Any = RecipeConfig
-        node = raw
-        for depth, part in enumerate(parts):
-            last = depth == len(parts) - 1
-            if cls is not None:
-                fields = _fields(cls)
-                if part not in fields:
-                    raise RecipeError(
-                        key,
-                        "unknown key",
-                        source=source,
-                        text=f"override {item!r}: unknown key '{'.'.join(parts[: depth + 1])}'",
-                    )
-                hint = typing.get_type_hints(cls)[part]
-                if dataclasses.is_dataclass(hint):
-                    cls = hint
-                elif typing.get_origin(hint) is dict or hint is Any:
-                    cls = None  # free-form mapping (model.extra): any sub-key is fine
-                elif not last:
-                    raise RecipeError(
-                        key,
-                        "not a section",
-                        source=source,
-                        text=f"override {item!r}: '{'.'.join(parts[: depth + 1])}' is not a section",
-                    )
-            if last:
-                node[part] = value
-                break
-            child = node.get(part)
-            if child is None:
-                child = node[part] = {}
-            elif not isinstance(child, dict):
-                raise RecipeError(
-                    ".".join(parts[: depth + 1]), "is not a mapping; cannot override below it", source=source
-                )
-            node = child
-    return raw
+    return loader.apply_overrides(RecipeConfig, raw, overrides, source=source)
 
 
 def recipe_from_dict(
@@ -799,14 +506,12 @@ def recipe_from_dict(
 ) -> RecipeConfig:
     """Validate a raw mapping (as read from YAML) into a :class:`RecipeConfig`.
 
+    ``raw`` is copied (refusing recursive or oversized structures), not changed.
     ``source`` names the origin in error messages. With ``check_data`` a directory
     ``data.source`` must exist and the corpus is opened as the workers will open it (see
     :func:`check_recipe_data`).
     """
-    if not isinstance(raw, Mapping):
-        raise RecipeError("", f"top level must be a mapping, got {type(raw).__name__}", source=source)
-    data = apply_overrides(_deep_copy(dict(raw), source), overrides, source=source)
-    recipe = typing.cast(RecipeConfig, _build(RecipeConfig, data, "", source))
+    recipe = loader.from_mapping(RecipeConfig, raw, overrides, source=source, what="recipe")
     if check_data:
         check_recipe_data(recipe, source=source)
     return recipe
@@ -857,37 +562,6 @@ def check_recipe_data(recipe: RecipeConfig, *, source: str = "") -> None:
         raise RecipeError("data.source", f"cannot prepare the token cache: {exc}", source=source) from None
 
 
-def _deep_copy(obj: Any, source: str = "") -> Any:
-    """Copy nested dicts and lists, refusing self-containing or oversized structures.
-
-    YAML from :func:`load_recipe` is already limited by the loader; this guards mappings
-    passed to :func:`recipe_from_dict` directly (shared sub-objects are copied per use).
-    """
-    budget = MAX_YAML_NODES
-    active: set[int] = set()
-
-    def copy(o: Any, depth: int) -> Any:
-        nonlocal budget
-        budget -= 1
-        if budget < 0:
-            raise RecipeError("", f"recipe holds more than {MAX_YAML_NODES} values", source=source)
-        if not isinstance(o, (dict, list)):
-            return o
-        if id(o) in active:
-            raise RecipeError("", "recipe is a recursive structure (a value contains itself)", source=source)
-        if depth >= MAX_YAML_DEPTH:
-            raise RecipeError("", f"recipe nests deeper than {MAX_YAML_DEPTH} levels", source=source)
-        active.add(id(o))
-        try:
-            if isinstance(o, dict):
-                return {k: copy(v, depth + 1) for k, v in o.items()}
-            return [copy(v, depth + 1) for v in o]
-        finally:
-            active.discard(id(o))
-
-    return copy(obj, 0)
-
-
 def load_recipe(
     path: str | Path,
     overrides: Iterable[str] = (),
@@ -903,16 +577,5 @@ def load_recipe(
     another machine). Every problem raises :class:`RecipeError` (a :class:`ValueError`)
     naming the file and the dotted key, in one line.
     """
-    path = Path(path)
-    source = str(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise RecipeError("", f"cannot read recipe: {exc}", source=source) from None
-    try:
-        raw = _safe_load(text)
-    except yaml.YAMLError as exc:
-        raise RecipeError("", f"invalid YAML: {_yaml_message(exc)}", source=source) from None
-    if raw is None:
-        raise RecipeError("", "recipe is empty", source=source)
-    return recipe_from_dict(raw, overrides, source=source, check_data=check_data)
+    raw = loader.load_file(path, what="recipe")
+    return recipe_from_dict(raw, overrides, source=str(path), check_data=check_data)

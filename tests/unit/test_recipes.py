@@ -438,6 +438,11 @@ def _billion_laughs(levels: int) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _alias_chain(levels: int, per: int) -> list[str]:
+    """Anchors each nesting the previous one ``per`` levels deeper: ``levels * per`` deep once expanded."""
+    return [f"a{i}: &a{i} {'[' * per}{f'*a{i - 1}' if i else '1'}{']' * per}" for i in range(levels + 1)]
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     ("text", "needle"),
@@ -446,8 +451,9 @@ def _billion_laughs(levels: int) -> str:
         ("name: x\nmodel: &m\n  self: *m\n", "recursive alias *m at line 3"),
         (_billion_laughs(7), "expands to more than 100000 values"),  # 9**7 = 4.8M strings
         ("name: " + "[" * 5000 + "]" * 5000 + "\n", "nesting deeper than 64 levels"),
+        ("\n".join(_alias_chain(1000, 8)) + "\n", "nesting deeper than 64 levels at line 8"),
     ],
-    ids=["recursive-list", "recursive-mapping", "billion-laughs", "deep-nesting"],
+    ids=["recursive-list", "recursive-mapping", "billion-laughs", "deep-nesting", "deep-alias-chain"],
 )
 def test_hostile_yaml_is_refused_in_one_line(
     tmp_path: Path, text: str, needle: str, capsys: pytest.CaptureFixture[str]
@@ -467,6 +473,25 @@ def test_hostile_yaml_is_refused_in_one_line(
     assert main(["run", str(path), "--dry-run"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and needle in err and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.timeout(120)
+def test_hostile_override_value_is_refused_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    # 1800 levels deep and ~55k values once expanded: this used to end in a RecursionError.
+    override = "model.extra.chain={" + ", ".join(_alias_chain(60, 30)) + "}"
+    start = time.perf_counter()
+    with pytest.raises(RecipeError) as info:
+        load_recipe(TINY["llama"], [override], check_data=False)
+    assert time.perf_counter() - start < 2
+    msg = str(info.value)
+    assert msg.startswith("model.extra.chain: override value '{a0: &a0 [[[[")
+    assert "...' is not valid YAML: nesting deeper than 64 levels" in msg and "*a1 is expanded" in msg
+    assert "\n" not in msg and len(msg) < 250, msg
+    from checkpointless.launch.cli import main
+
+    assert main(["run", str(TINY["llama"]), "--dry-run", "--set", override]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "nesting deeper than 64 levels" in err and len(err.splitlines()) == 1
 
 
 @pytest.mark.timeout(120)

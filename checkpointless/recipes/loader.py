@@ -1,0 +1,473 @@
+"""Typed YAML configs: a limited ``safe_load`` and a strict mapping-to-dataclass builder.
+
+This module knows nothing about recipes; :mod:`checkpointless.recipes.config` is its one
+schema. It gives:
+
+* :func:`safe_load`: ``yaml.safe_load`` with YAML 1.2 exponent floats (``1e-3`` is a
+  number) and limits: an alias that refers to the node containing it (a recursive
+  structure), a document that expands to more than :data:`MAX_YAML_NODES` values once
+  every alias is expanded (a "billion laughs"), or nesting deeper than
+  :data:`MAX_YAML_DEPTH`, counted with aliases expanded, is refused with a one-line
+  error while the document is composed, before any Python object is built. Ordinary
+  anchors and aliases (``&seq 128`` ... ``*seq``) keep working.
+* :func:`build`: a mapping (as read from YAML) into a tree of ``kw_only`` dataclasses,
+  checked against their annotations (``int``, ``float``, ``bool``, ``str``, ``Literal``,
+  ``X | None``, ``list[X]``, ``tuple[X, ...]`` of fixed length, ``dict[str, X]``,
+  ``Any``, nested dataclasses). Types are strict: ``"3"`` is not an ``int``, ``True`` is
+  not an ``int`` and ``1`` is not a ``bool``; an ``int`` is accepted for a ``float``
+  (and stored as one). Unknown and missing keys are refused, naming the dotted key.
+* :func:`apply_overrides`: ``"a.b=value"`` strings (the command line's ``--set``) applied
+  to the raw mapping before :func:`build`, so they pass exactly the same checks.
+
+Every problem is a :class:`~checkpointless.errors.RecipeError` (one line, exit code 2 on
+the command line) naming the source file and the dotted key (``optim.betas[1]``). A
+dataclass's ``__post_init__`` may raise ``RecipeError(field, message)`` itself; the
+builder re-keys it to the full dotted path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import types
+import typing
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, Literal, TypeVar, Union
+
+import yaml
+
+from checkpointless.errors import RecipeError
+
+__all__ = [
+    "MAX_YAML_DEPTH",
+    "MAX_YAML_NODES",
+    "apply_overrides",
+    "build",
+    "copy_limited",
+    "from_mapping",
+    "load_file",
+    "safe_load",
+    "type_name",
+    "yaml_message",
+]
+
+T = TypeVar("T")
+
+MAX_YAML_NODES = 100_000
+"""Most values a document may hold once every YAML alias is expanded (a real recipe has ~100)."""
+MAX_YAML_DEPTH = 64
+"""Deepest nesting of mappings and sequences, aliases expanded (a real recipe has 4)."""
+
+
+# ----------------------------------------------------------------------------- YAML
+
+
+class _YAMLLimitError(yaml.YAMLError):
+    """Internal: a document exceeds the loader's limits (message is one line)."""
+
+
+def _at(mark: Any) -> str:
+    return f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "unknown position"
+
+
+class _Loader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` with YAML 1.2 exponent floats and limits on aliases and nesting.
+
+    PyYAML implements YAML 1.1, where ``1e-3`` is a *string*; YAML 1.2 (and every human)
+    reads it as a number. Aliases are checked while the document is composed, before any
+    Python object is built: one that refers to a node still being composed (its own
+    container) is refused, and so is a document whose size with every alias expanded
+    exceeds :data:`MAX_YAML_NODES`, or that nests deeper than :data:`MAX_YAML_DEPTH`
+    (an alias counts with the height of the node it stands for). Everything else is
+    plain ``safe_load``.
+    """
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._open_anchors: set[str] = set()
+        self._expanded = 0  # values in the document so far, aliases expanded
+        # id(node) -> (expanded size, expanded height); nodes stay alive while composing
+        self._measured: dict[int, tuple[int, int]] = {}
+        self._depth = 0
+
+    def _grow(self, n: int, mark: Any) -> None:
+        self._expanded += n
+        if self._expanded > MAX_YAML_NODES:
+            raise _YAMLLimitError(
+                f"document expands to more than {MAX_YAML_NODES} values once its aliases are expanded "
+                f"(at {_at(mark)}); refusing it (nested aliases, a 'billion laughs'?)"
+            )
+
+    def _measure(self, node: yaml.Node) -> tuple[int, int]:
+        """``(values, levels)`` of ``node`` with aliases expanded (memoized; levels <= MAX_YAML_DEPTH)."""
+        known = self._measured.get(id(node))
+        if known is not None:
+            return known
+        size, below = 1, 0
+        if isinstance(node, (yaml.SequenceNode, yaml.MappingNode)):
+            children: list[yaml.Node] = (
+                list(node.value)
+                if isinstance(node, yaml.SequenceNode)
+                else [n for pair in node.value for n in pair]
+            )
+            for child in children:
+                s, h = self._measure(child)
+                size += s
+                below = max(below, h)
+        height = 1 + below  # levels the node occupies, itself included
+        self._measured[id(node)] = (size, height)
+        return size, height
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
+        event = self.peek_event()
+        if isinstance(event, yaml.AliasEvent):
+            if event.anchor in self._open_anchors:
+                raise _YAMLLimitError(
+                    f"recursive alias *{event.anchor} at {_at(event.start_mark)}: it refers to a node "
+                    f"that contains it"
+                )
+            node = super().compose_node(parent, index)
+            if node is not None:
+                size, height = self._measure(node)
+                self._grow(size, event.start_mark)
+                if self._depth + height > MAX_YAML_DEPTH:
+                    raise _YAMLLimitError(
+                        f"nesting deeper than {MAX_YAML_DEPTH} levels at {_at(event.start_mark)} "
+                        f"once alias *{event.anchor} is expanded"
+                    )
+            return node
+        self._grow(1, event.start_mark)
+        if self._depth >= MAX_YAML_DEPTH:
+            raise _YAMLLimitError(f"nesting deeper than {MAX_YAML_DEPTH} levels at {_at(event.start_mark)}")
+        anchor = getattr(event, "anchor", None)
+        if anchor is not None:
+            self._open_anchors.add(anchor)
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+            if anchor is not None:
+                self._open_anchors.discard(anchor)
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def safe_load(text: str) -> Any:
+    """``yaml.safe_load`` with YAML 1.2-style exponent floats and the limits above.
+
+    Raises :class:`yaml.YAMLError`; :func:`yaml_message` turns it into one line.
+    """
+    try:
+        return yaml.load(text, Loader=_Loader)  # _Loader is a SafeLoader subclass
+    except RecursionError:
+        raise _YAMLLimitError("nested too deeply") from None
+
+
+def yaml_message(exc: yaml.YAMLError) -> str:
+    """One line: what PyYAML found wrong, and where."""
+    if isinstance(exc, yaml.MarkedYAMLError):
+        parts = [p for p in (exc.context, exc.problem) if p]
+        mark = exc.problem_mark or exc.context_mark
+        return f"{': '.join(parts) or 'syntax error'} ({_at(mark)})"
+    return " ".join(str(exc).split())
+
+
+def load_file(path: str | Path, *, what: str = "file") -> Any:
+    """Read and :func:`safe_load` the YAML file at ``path``.
+
+    An unreadable file, invalid YAML, a document over the limits or an empty one raises
+    :class:`RecipeError` naming the file (``what`` names the kind of file: ``"recipe"``).
+    """
+    source = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RecipeError("", f"cannot read {what}: {exc}", source=source) from None
+    try:
+        raw = safe_load(text)
+    except yaml.YAMLError as exc:
+        raise RecipeError("", f"invalid YAML: {yaml_message(exc)}", source=source) from None
+    if raw is None:
+        raise RecipeError("", f"{what} is empty", source=source)
+    return raw
+
+
+def copy_limited(obj: Any, *, source: str = "", what: str = "config") -> Any:
+    """Copy nested dicts and lists, refusing self-containing or oversized structures.
+
+    YAML from :func:`safe_load` is already limited; this guards mappings built in Python
+    (shared sub-objects are copied per use, so the same limits hold). ``what`` names the
+    kind of data in the messages.
+    """
+    budget = MAX_YAML_NODES
+    active: set[int] = set()
+
+    def copy(o: Any, depth: int) -> Any:
+        nonlocal budget
+        budget -= 1
+        if budget < 0:
+            raise RecipeError("", f"{what} holds more than {MAX_YAML_NODES} values", source=source)
+        if not isinstance(o, (dict, list)):
+            return o
+        if id(o) in active:
+            raise RecipeError("", f"{what} is a recursive structure (a value contains itself)", source=source)
+        if depth >= MAX_YAML_DEPTH:
+            raise RecipeError("", f"{what} nests deeper than {MAX_YAML_DEPTH} levels", source=source)
+        active.add(id(o))
+        try:
+            if isinstance(o, dict):
+                return {k: copy(v, depth + 1) for k, v in o.items()}
+            return [copy(v, depth + 1) for v in o]
+        finally:
+            active.discard(id(o))
+
+    return copy(obj, 0)
+
+
+# ----------------------------------------------------------------------------- typed building
+
+
+def type_name(tp: Any) -> str:
+    """How an annotation reads in an error message (``mapping``, ``one of 'a', 'b'``, ...)."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " or ".join(type_name(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    if dataclasses.is_dataclass(tp):
+        return "mapping"
+    if origin is not None:
+        args = ", ".join(type_name(a) for a in typing.get_args(tp))
+        return f"{getattr(origin, '__name__', str(origin))}[{args}]"
+    return getattr(tp, "__name__", str(tp))
+
+
+class _TypeMismatch(Exception):
+    """Internal: a value does not fit a type."""
+
+
+def _coerce(value: Any, tp: Any, key: str, source: str) -> Any:
+    """Check ``value`` against the annotation ``tp`` and return it in canonical form."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, Mapping):
+            raise _TypeMismatch
+        return _build(typing.cast(type, tp), value, key, source)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None:
+            if type(None) in args:
+                return None
+            raise _TypeMismatch
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key, source)
+            except _TypeMismatch:
+                continue
+        raise _TypeMismatch
+    if origin is Literal:
+        if any(value == a and type(value) is type(a) for a in typing.get_args(tp)):
+            return value
+        raise _TypeMismatch
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise _TypeMismatch
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise _TypeMismatch
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise _TypeMismatch
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise _TypeMismatch
+    if origin is list:
+        if not isinstance(value, list):
+            raise _TypeMismatch
+        (item,) = typing.get_args(tp)
+        return [_coerce_item(v, item, f"{key}[{i}]", source) for i, v in enumerate(value)]
+    if origin is tuple:
+        items = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)) or len(value) != len(items):
+            raise _TypeMismatch
+        return tuple(
+            _coerce_item(v, t, f"{key}[{i}]", source)
+            for i, (v, t) in enumerate(zip(value, items, strict=True))
+        )
+    if origin is dict:
+        key_type, value_type = typing.get_args(tp)
+        if key_type is not str:
+            raise TypeError(f"unsupported annotation {tp!r} for {key}: mapping keys must be str")
+        if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+            raise _TypeMismatch
+        return {k: _coerce_item(v, value_type, f"{key}.{k}", source) for k, v in value.items()}
+    raise TypeError(f"unsupported annotation {tp!r} for {key}")
+
+
+def _coerce_item(value: Any, tp: Any, key: str, source: str) -> Any:
+    """Coerce a container element, reporting mismatches with the element's own key."""
+    try:
+        return _coerce(value, tp, key, source)
+    except _TypeMismatch:
+        raise RecipeError(key, _mismatch(tp, value), source=source) from None
+
+
+def _mismatch(tp: Any, value: Any) -> str:
+    return f"expected {type_name(tp)}, got {type(value).__name__} ({value!r})"
+
+
+def _fields(cls: type) -> dict[str, dataclasses.Field[Any]]:
+    return {f.name: f for f in dataclasses.fields(cls) if f.init}
+
+
+def _build(cls: type, raw: Mapping[str, Any], prefix: str, source: str) -> Any:
+    """Build dataclass ``cls`` from mapping ``raw``; ``prefix`` is the dotted path so far."""
+    hints = typing.get_type_hints(cls)
+    fields = _fields(cls)
+
+    def dotted(name: str) -> str:
+        return f"{prefix}.{name}" if prefix else name
+
+    for key in raw:
+        if key not in fields:
+            full = dotted(str(key))
+            known = ", ".join(fields)
+            raise RecipeError(
+                full,
+                f"unknown key (known keys here: {known})",
+                source=source,
+                text=f"unknown key '{full}' (known keys here: {known})",
+            )
+    kwargs: dict[str, Any] = {}
+    for name, f in fields.items():
+        if name not in raw:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise RecipeError(dotted(name), "missing required key", source=source)
+            continue
+        try:
+            kwargs[name] = _coerce(raw[name], hints[name], dotted(name), source)
+        except _TypeMismatch:
+            raise RecipeError(dotted(name), _mismatch(hints[name], raw[name]), source=source) from None
+    try:
+        return cls(**kwargs)
+    except RecipeError as err:
+        if err.source:
+            raise  # already located by a nested section
+        raise err.located(dotted(err.key) if err.key else prefix, source) from None
+
+
+def build(cls: type[T], raw: Mapping[str, Any], *, source: str = "") -> T:
+    """Build the dataclass ``cls`` (and its nested dataclasses) from the mapping ``raw``.
+
+    Keys and types are checked as the module docstring says; ``source`` names the origin
+    in error messages. ``raw`` should come from :func:`safe_load` or
+    :func:`copy_limited` (this recurses as deep as the data).
+    """
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(f"{cls!r} is not a dataclass")
+    if not isinstance(raw, Mapping):
+        raise RecipeError("", f"top level must be a mapping, got {type(raw).__name__}", source=source)
+    return typing.cast(T, _build(cls, raw, "", source))
+
+
+# ----------------------------------------------------------------------------- overrides
+
+
+def _parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise RecipeError("", f"override {item!r} is not of the form key=value")
+    key, _, text = item.partition("=")
+    key = key.strip()
+    parts = key.split(".")
+    if not key or any(not p for p in parts):
+        raise RecipeError("", f"override {item!r} has an empty key")
+    try:
+        value = safe_load(text) if text.strip() else None
+    except yaml.YAMLError as exc:
+        shown = text if len(text) <= 60 else text[:57] + "..."
+        raise RecipeError(key, f"override value {shown!r} is not valid YAML: {yaml_message(exc)}") from None
+    return parts, value
+
+
+def apply_overrides(
+    cls: type, raw: dict[str, Any], overrides: Iterable[str], *, source: str = ""
+) -> dict[str, Any]:
+    """Apply ``key=value`` overrides to ``raw``, a raw mapping for dataclass ``cls`` (in place).
+
+    Keys are dotted paths (``optim.lr``); values are parsed with :func:`safe_load`
+    (``"optim.betas=[0.9, 0.99]"``). Keys are checked against the dataclasses, so an
+    override can only set a field that exists; below a ``dict`` or ``Any`` field any key
+    is allowed. Returns ``raw``.
+    """
+    for item in overrides:
+        parts, value = _parse_override(item)
+        key = ".".join(parts)
+        schema: Any = cls
+        node = raw
+        for depth, part in enumerate(parts):
+            last = depth == len(parts) - 1
+            if schema is not None:
+                fields = _fields(schema)
+                if part not in fields:
+                    raise RecipeError(
+                        key,
+                        "unknown key",
+                        source=source,
+                        text=f"override {item!r}: unknown key '{'.'.join(parts[: depth + 1])}'",
+                    )
+                hint = typing.get_type_hints(schema)[part]
+                if dataclasses.is_dataclass(hint):
+                    schema = hint
+                elif typing.get_origin(hint) is dict or hint is Any:
+                    schema = None  # free-form mapping (model.extra): any sub-key is fine
+                elif not last:
+                    raise RecipeError(
+                        key,
+                        "not a section",
+                        source=source,
+                        text=f"override {item!r}: '{'.'.join(parts[: depth + 1])}' is not a section",
+                    )
+            if last:
+                node[part] = value
+                break
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            elif not isinstance(child, dict):
+                raise RecipeError(
+                    ".".join(parts[: depth + 1]), "is not a mapping; cannot override below it", source=source
+                )
+            node = child
+    return raw
+
+
+def from_mapping(
+    cls: type[T],
+    raw: Mapping[str, Any],
+    overrides: Iterable[str] = (),
+    *,
+    source: str = "",
+    what: str = "config",
+) -> T:
+    """:func:`copy_limited`, :func:`apply_overrides`, then :func:`build`: ``raw`` is left as it was."""
+    if not isinstance(raw, Mapping):
+        raise RecipeError("", f"top level must be a mapping, got {type(raw).__name__}", source=source)
+    data = apply_overrides(cls, copy_limited(dict(raw), source=source, what=what), overrides, source=source)
+    return build(cls, data, source=source)
