@@ -40,6 +40,9 @@ ENV_CONFIG = "CHECKPOINTLESS_CONFIG"
 ENV_JOB_ID = "CHECKPOINTLESS_JOB_ID"
 
 _POLL = timedelta(seconds=0.5)
+# A spare waits on its assignment key in long rounds: each timed-out wait makes c10d log two
+# warning lines, and an idle spare may wait for hours. At job end the launcher wakes it (``keys.STOP``).
+_SPARE_POLL = timedelta(seconds=30)
 
 
 def connect(addr: str, timeout: timedelta) -> TCPStore:
@@ -203,7 +206,9 @@ class ControlClient:
     def wait_assignment(self) -> int:
         """A spare blocks here until given a generation to join; ``JobStopped`` at job end."""
         while True:
-            value = self.store.wait(keys.assign(self.proc), _POLL)
+            value = self.store.wait(keys.assign(self.proc), _SPARE_POLL)
+            if value == keys.STOP:
+                raise JobStopped("job ended before this spare was needed")
             if value is not None:
                 return int(value)
             if self._stopped():

@@ -12,7 +12,7 @@ protocol can be read in one place. Values are sealed with the job's secret
     gen/<n>/abort               set by the coordinator once generation n has failed
     gen/<n>/layout/<rank>       JSON list of (name, shape, dtype) of a rank's parameters
     hb/<proc>                   JSON heartbeat of a process (worker or spare)
-    assign/<proc>               generation a spare joins (decimal)
+    assign/<proc>               generation a spare joins (decimal), or ``stop`` at job end
     events/<proc>/count         counter: chunks of events a process has written
     events/<proc>/<i>           chunk i of a process's events (JSON lines); the launcher deletes it once read
     done/<rank>                 JSON {digest, step, proc} when a rank finished training
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 LATEST_GEN = "gen/latest"
 JOB_STOP = "job/stop"
+STOP = "stop"  # the assignment that wakes a waiting spare at job end
 FATAL_COUNT = "fatal/count"
 
 

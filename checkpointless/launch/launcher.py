@@ -214,6 +214,7 @@ class Launcher:
         self.timeout_s = timeout_s
         self.children: dict[str, _Child] = {}
         self._next_spare = 0
+        self._spares: list[str] = []  # every spare started, in order
         self._events: list[dict[str, Any]] = []
         self._chunks_read: dict[str, int] = {}
         self._stream: IO[str] | None = None
@@ -265,6 +266,7 @@ class Launcher:
     def _spawn_spare(self) -> _Child:
         name = f"s{self._next_spare}"
         self._next_spare += 1
+        self._spares.append(name)
         return self._spawn(name, Role.SPARE)
 
     # -- events ---------------------------------------------------------------------
@@ -429,6 +431,16 @@ class Launcher:
             elif child.popen.returncode != 0:
                 log.warning("%s exited with code %s after finishing", name, child.popen.returncode)
 
+    def _wake_waiting_spares(self) -> None:
+        """Give every spare never assigned the ``stop`` assignment: it is waiting on that key."""
+        for name in self._spares:
+            try:
+                if self.store.get(keys.assign(name)) is None:
+                    self.store.set(keys.assign(name), keys.STOP)
+            except (RuntimeError, OSError) as e:
+                log.warning("could not wake the waiting spare %s (%s); it is stopped by signal", name, e)
+                return
+
     def _cleanup(self) -> None:
         """Stop every child (politely, then by force), collect their last events, free the node cache."""
         try:
@@ -438,6 +450,8 @@ class Launcher:
             OSError,
         ) as e:  # the store may be what failed (torch's DistError is a RuntimeError)
             log.warning("could not tell the processes to stop (%s); they are stopped by signal", e)
+        else:
+            self._wake_waiting_spares()
         deadline = time.monotonic() + 5
         for child in self.children.values():
             try:

@@ -136,3 +136,16 @@ def _event_lines(store: _SlowStore, proc: str) -> list[str]:
         for text in _opened(store, keys.events(proc, i))[-1:]:
             out += text.splitlines()
     return out
+
+
+def test_a_waiting_spare_is_woken_by_the_stop_assignment_at_once(store: _SlowStore) -> None:
+    """The launcher's job-end wake-up: no 30 s round of waiting, and no int('stop')."""
+    from checkpointless.errors import JobStopped
+
+    client = ControlClient("127.0.0.1:1", "s0", SECRET, heartbeat_interval=60)
+    _writer(store).set(keys.assign("s0"), keys.STOP)
+    t0 = time.monotonic()
+    with pytest.raises(JobStopped):
+        client.wait_assignment()
+    assert time.monotonic() - t0 < 5
+    client.close()
