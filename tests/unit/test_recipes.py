@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import sys
 import time
@@ -521,3 +522,16 @@ def test_recursive_or_huge_python_mappings_are_refused() -> None:
     raw["model"]["extra"]["laughs"] = leaf
     with pytest.raises(RecipeError, match="more than 100000 values"):
         recipe_from_dict(raw, check_data=False)
+
+
+def test_cosine_schedule_decays_to_a_tenth_of_lr_as_documented() -> None:
+    from checkpointless.recipes.train import lr_lambda
+
+    source = Path(__import__("checkpointless.recipes.config").recipes.config.__file__).read_text()
+    assert "decay from ``lr`` to ``0.1 * lr``" in source  # what the schema documents
+    factors = [lr_lambda(s, warmup=10, total=110, schedule="cosine") for s in range(110)]
+    assert factors[:10] == [(s + 1) / 10 for s in range(10)]  # linear warm-up
+    assert factors[10] == 1.0 and all(a >= b for a, b in itertools.pairwise(factors[10:]))
+    assert lr_lambda(110, warmup=10, total=110, schedule="cosine") == pytest.approx(0.1)  # the floor, not 0
+    assert lr_lambda(500, warmup=10, total=110, schedule="cosine") == pytest.approx(0.1)
+    assert lr_lambda(50, warmup=10, total=110, schedule="constant") == 1.0
