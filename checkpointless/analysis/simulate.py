@@ -193,6 +193,13 @@ def _build_parser() -> _Parser:
         "--mc-hours", type=float, default=None, help="also run a Monte-Carlo of this many hours per point"
     )
     parser.add_argument("--seed", type=int, default=0, help="Monte-Carlo seed (default: %(default)s)")
+    parser.add_argument(
+        "--params",
+        type=Path,
+        default=None,
+        help="JSON file of parameters (field: value, or a simulate.json / bench result with a 'params' "
+        "object), e.g. measured ones; flags given on the command line override it",
+    )
     for f in fields(ClusterParams):
         if f.name == "n_accelerators":  # set by --sizes
             continue
@@ -200,10 +207,52 @@ def _build_parser() -> _Parser:
         parser.add_argument(
             "--" + f.name.replace("_", "-"),
             type=conv,
-            default=f.default,
-            help=f"{f.metadata.get('help', '')} (default: %(default)s)",
+            default=None,
+            help=f"{f.metadata.get('help', '')} (default: {f.default}, illustrative)",
         )
     return parser
+
+
+def _params_file(path: Path) -> dict[str, Any]:
+    """The ClusterParams fields a ``--params`` file sets (ValueError naming the file and key)."""
+    try:
+        data = json.loads(path.read_text())
+    except OSError as exc:
+        raise ValueError(f"--params {path}: {exc.strerror or exc}") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--params {path}: not JSON ({exc.msg} at line {exc.lineno})") from None
+    if isinstance(data, dict) and isinstance(data.get("params"), dict):
+        data = data["params"]
+    if not isinstance(data, dict):
+        raise ValueError(f"--params {path}: expected a JSON object of parameters")
+    known = {f.name for f in fields(ClusterParams)}
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if key == "n_accelerators":
+            continue  # the sizes come from --sizes
+        if key not in known:
+            raise ValueError(f"--params {path}: unknown parameter {key!r}")
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"--params {path}: {key} must be a number, got {value!r}")
+        out[key] = int(value) if key in _INT_FIELDS else float(value)
+    return out
+
+
+def _provenance(from_file: set[str], from_flags: set[str], path: Path | None) -> str:
+    """One line saying where the parameters came from: printed on every run."""
+    names = [f.name for f in fields(ClusterParams) if f.name != "n_accelerators"]
+    defaults = [n for n in names if n not in from_file and n not in from_flags]
+    parts = []
+    if from_file:
+        parts.append(f"{len(from_file)} from {path}")
+    if from_flags:
+        parts.append(f"{len(from_flags)} from flags")
+    if defaults:
+        parts.append(
+            f"{len(defaults)} illustrative defaults, not measurements ({', '.join(defaults)}); "
+            "bench/scale.py runs the model on parameters measured on this machine"
+        )
+    return "parameters: " + "; ".join(parts)
 
 
 def _format_table(rows: Sequence[dict[str, Any]]) -> str:
@@ -241,8 +290,13 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # --help
         return exc.code if isinstance(exc.code, int) else 0
     try:
-        kwargs = {f.name: getattr(args, f.name) for f in fields(ClusterParams) if f.name != "n_accelerators"}
-        base = ClusterParams(n_accelerators=args.sizes[0], **kwargs)
+        from_file = _params_file(args.params) if args.params is not None else {}
+        flags = {
+            f.name: getattr(args, f.name)
+            for f in fields(ClusterParams)
+            if f.name != "n_accelerators" and getattr(args, f.name) is not None
+        }
+        base = ClusterParams(n_accelerators=args.sizes[0], **(from_file | flags))
         for n in args.sizes:
             replace(base, n_accelerators=n)  # validate every size
         if args.mc_hours is not None:
@@ -251,6 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
+    print(_provenance(set(from_file) - set(flags), set(flags), args.params))
     print(_format_table(rows))
     if args.out is not None:
         try:

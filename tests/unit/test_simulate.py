@@ -381,7 +381,7 @@ def test_main_writes_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
 def test_main_default_prints_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert sim.main(["--mc-hours", "100", "--sizes", "2048"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert len(out) == 2 and "2048" in out[1]
+    assert len(out) == 3 and out[0].startswith("parameters: ") and "2048" in out[2]
 
 
 @pytest.mark.timeout(60)
@@ -424,3 +424,44 @@ def test_main_help_returns_zero(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     for opt in ("--sizes", "--out", "--checkpoint-cost-s", "--spare-replace-s", "--reform-per-rank-s"):
         assert opt in out
+
+
+def test_every_run_says_where_its_parameters_come_from(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert sim.main(["--sizes", "1000"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("parameters: 17 illustrative defaults, not measurements")
+    measured = tmp_path / "measured.json"
+    measured.write_text(
+        json.dumps({"params": {"detect_base_s": 0.05, "restart_base_s": 30.0, "n_accelerators": 8}})
+    )
+    assert sim.main(["--sizes", "1000", "--params", str(measured), "--restart-base-s", "45"]) == 0
+    out = capsys.readouterr().out
+    first = out.splitlines()[0]
+    assert f"1 from {measured}" in first and "1 from flags" in first and "15 illustrative defaults" in first
+    with_file = sim.main(["--sizes", "1000", "--params", str(measured), "--out", str(tmp_path / "o")])
+    assert with_file == 0
+    params = json.loads((tmp_path / "o" / "simulate.json").read_text())["params"]
+    assert (
+        params["detect_base_s"] == 0.05 and params["restart_base_s"] == 30.0
+    )  # the file, where no flag says
+
+
+@pytest.mark.parametrize(
+    ("content", "needle"),
+    [
+        ("{not json", "not JSON"),
+        ('{"warp_factor": 9}', "unknown parameter 'warp_factor'"),
+        ('{"detect_base_s": "fast"}', "detect_base_s must be a number"),
+        ("[1, 2]", "expected a JSON object"),
+    ],
+)
+def test_bad_params_file_is_one_line_exit_2(
+    content: str, needle: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = tmp_path / "p.json"
+    bad.write_text(content)
+    assert sim.main(["--params", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and len(err.strip().splitlines()) == 1
