@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-unit lint typecheck bench bench-install bench-quick clean
+.PHONY: install demo test test-unit lint typecheck bench bench-install bench-quick bench-render clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,9 @@ bench: bench-install
 
 bench-quick: bench-install
 	OMP_NUM_THREADS=1 $(PY) bench/run_all.py --quick
+
+bench-render:
+	$(PY) bench/run_all.py --render
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache

@@ -22,7 +22,10 @@ from typing import Any
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO = BENCH_DIR.parent
-OUT = BENCH_DIR / "out"
+OUT = BENCH_DIR / "out"  # scratch: logs, plots, full raw data (git-ignored)
+RESULTS = (
+    BENCH_DIR / "results"
+)  # committed: one small JSON per benchmark, what docs/benchmarks.md is made from
 PYTHON = sys.executable
 
 # Every process of every benchmark runs with one intra-op thread (the Makefile sets it too).
@@ -97,6 +100,18 @@ def write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, default=str) + "\n")
 
 
+def rel(path: Path | str) -> str:
+    """``path`` relative to the repository root (POSIX), or unchanged if it lies outside the repository.
+
+    Every path written into ``docs/benchmarks.md`` goes through this: no machine's absolute path in the page.
+    """
+    p = Path(path)
+    try:
+        return p.resolve().relative_to(REPO).as_posix()
+    except ValueError:
+        return p.as_posix()
+
+
 def fresh_dir(path: Path) -> Path:
     shutil.rmtree(path, ignore_errors=True)
     path.mkdir(parents=True, exist_ok=True)
@@ -136,7 +151,6 @@ def machine_info() -> dict[str, Any]:
     lscpu_lines = [ln for ln in lscpu.splitlines() if ln.startswith(keep) and "NUMA" not in ln]
     return {
         "date": _dt.datetime.now(_dt.UTC).astimezone().isoformat(timespec="seconds"),
-        "hostname": platform.node(),
         "platform": platform.platform(),
         "python": platform.python_version(),
         "torch": torch.__version__,

@@ -1,0 +1,148 @@
+"""``bench/run_all.py --render``: the page from committed results alone, with repository-relative paths;
+``bench/scale.py``'s two formation fits."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+if str(BENCH) not in sys.path:
+    sys.path.insert(0, str(BENCH))
+
+import common  # noqa: E402
+import scale  # noqa: E402
+
+XS = [2.0, 4.0, 8.0, 16.0]
+
+
+def test_fit_linear_recovers_known_parameters() -> None:
+    fit = scale.fit_linear(XS, [0.02 + 0.004 * x for x in XS])
+    assert fit["a_s"] == pytest.approx(0.02)
+    assert fit["b_s_per_rank"] == pytest.approx(0.004)
+    assert fit["r2"] == pytest.approx(1.0)
+    assert fit["rmse_s"] == pytest.approx(0.0, abs=1e-12)
+    assert all(r == pytest.approx(0.0, abs=1e-12) for r in fit["residuals_s"])
+
+
+def test_fit_power_recovers_known_parameters() -> None:
+    fit = scale.fit_power(XS, [0.003 * x**1.7 for x in XS])
+    assert fit["c_s"] == pytest.approx(0.003)
+    assert fit["k"] == pytest.approx(1.7)
+    assert fit["r2_log"] == pytest.approx(1.0)
+    assert fit["rmse_s"] == pytest.approx(0.0, abs=1e-12)
+    assert scale.formation_power(100_000, fit) == pytest.approx(0.003 * 100_000**1.7)
+
+
+def test_fit_power_rejects_non_positive() -> None:
+    with pytest.raises(ValueError):
+        scale.fit_power([0.0, 2.0], [1.0, 2.0])
+    with pytest.raises(ValueError):
+        scale.fit_linear([1.0], [1.0])
+
+
+def _formation(times: dict[int, float]) -> dict[str, Any]:
+    rows = [
+        {"world": w, "times_s": [t * 0.9, t, t * 1.2], "median_s": t, "wake_lag_median_s": 0.001}
+        for w, t in times.items()
+    ]
+    xs, ys = [float(w) for w in times], list(times.values())
+    return {
+        "world_sizes": list(times),
+        "reps": 3,
+        "cores": 2,
+        "rows": rows,
+        "fit": scale.fit_linear(xs, ys),
+        "fit_power": scale.fit_power(xs, ys),
+        "loadavg": [1.0, 1.0, 1.0],
+    }
+
+
+def _results_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "results"
+    d.mkdir()
+    machine = {
+        "date": "2026-01-01T00:00:00+00:00",
+        "hostname": "h",
+        "platform": "Linux",
+        "python": "3.12",
+        "torch": "2.x",
+        "nproc": "2",
+        "lscpu": ["CPU(s): 2"],
+        "free": "Mem: 8Gi",
+        "loadavg": [0.5, 0.5, 0.5],
+        "run": {"argv": ["--only", "scale"], "quick": True, "wall_s": 60.0, "loadavg_end": [1.0, 1.0, 1.0]},
+    }
+    common.write_json(d / "machine.json", machine)
+    res = scale.analyse(
+        _formation({2: 0.010, 4: 0.016, 8: 0.030, 16: 0.110}),
+        recipe=None,
+        recovery_json=None,
+        compare_json=None,
+        steady_json=None,
+        mc_hours=None,
+    )
+    # an older run wrote the plot's absolute path: the page must not show it
+    res["plot"] = str(common.OUT / "scale" / "goodput.png")
+    res["_command"] = "OMP_NUM_THREADS=1 python bench/run_all.py --only scale"
+    res["_date"] = machine["date"]
+    common.write_json(d / "scale.json", res)
+    return d
+
+
+def test_render_from_results_has_no_absolute_paths(tmp_path: Path) -> None:
+    import run_all
+
+    results = _results_dir(tmp_path)
+    doc = tmp_path / "benchmarks.md"
+    assert run_all.main(["--render", "--results", str(results), "--doc", str(doc)]) == 0
+    text = doc.read_text()
+    for bad in ("/work", "/tmp", "/home", str(common.REPO), str(tmp_path)):
+        assert bad not in text, bad
+    assert "`bench/out/scale/goodput.png`" in text
+    assert "upper bound" not in text
+    # both fit forms and the side-by-side sweep, with the beyond-measurement labels
+    assert "power law c·N^k" in text and "linear a + b·N" in text
+    assert "goodput CL, power" in text and "extrapolation + assumption" in text
+    assert "https://github.com/NVIDIA/nccl/issues/1156" in text
+    # benchmarks without a result are marked, not crashing the page
+    assert "not run" in text
+
+
+def test_render_without_results_fails_cleanly(tmp_path: Path) -> None:
+    import run_all
+
+    assert run_all.main(["--render", "--results", str(tmp_path), "--doc", str(tmp_path / "x.md")]) == 2
+    assert not (tmp_path / "x.md").exists()
+
+
+def test_power_sweep_uses_power_formation(tmp_path: Path) -> None:
+    res = json.loads((_results_dir(tmp_path) / "scale.json").read_text())
+    pfit = res["formation"]["fit_power"]
+    for r in res["rows_power"]:
+        assert r["formation_s"] == pytest.approx(scale.formation_power(r["n_accelerators"], pfit))
+    lin = {r["n_accelerators"]: r for r in res["rows"]}
+    big = res["rows_power"][-1]
+    # superlinear growth measured (k > 1): the power law predicts more formation, hence less goodput, at 100k
+    assert pfit["k"] > 1 and not math.isclose(
+        big["formation_s"], lin[big["n_accelerators"]]["formation_linear_s"]
+    )
+    assert big["goodput_checkpointless"] < lin[big["n_accelerators"]]["goodput_checkpointless"]
+
+
+def test_slim_drops_raw_series() -> None:
+    import run_all
+
+    res = {
+        "jobs": [{"analysis": {"curve": [[0.0, 1]] * 1000, "faults": []}}],
+        "runs": {"ddp": [{"intervals": [0.1] * 1000, "inner": [0.1] * 10, "digest": "x"}]},
+    }
+    assert "curve" not in run_all.slim("compare", res)["jobs"][0]["analysis"]
+    ss = run_all.slim("steady_state", res)["runs"]["ddp"][0]
+    assert ss["n_intervals"] == 1000 and "intervals" not in ss and ss["digest"] == "x"
+    assert "curve" in res["jobs"][0]["analysis"]  # the caller's data is untouched
