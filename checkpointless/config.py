@@ -26,6 +26,11 @@ class RecoveryConfig:
     spare_restart_limit: int = 3
     """Spares that die before they are ready are restarted with exponential backoff
     (0.5 s, 1 s, 2 s, ...); after this many such deaths in a row the pool is not refilled."""
+    spare_start_nice: int = 10
+    """Spares start at this nice value (0-19), so that their start-up (importing torch, building
+    the model) takes the CPU left idle by training instead of preempting a worker (every rank
+    waits for the slowest); a spare restores normal priority before it reports ready. Applied
+    only where the spare can undo it (root, or an RLIMIT_NICE that allows nice 0); 0 turns it off."""
     heartbeat_interval_s: float = 0.1
     """How often each process reports to the coordinator."""
     collective_timeout_s: float = 60.0
@@ -48,6 +53,8 @@ class RecoveryConfig:
                 f"heartbeat_interval_s must be in (0, hang_timeout_s={self.hang_timeout_s}), "
                 f"got {self.heartbeat_interval_s}"
             )
+        if not 0 <= self.spare_start_nice <= 19:
+            raise ValueError(f"spare_start_nice must be in 0..19, got {self.spare_start_nice}")
         if self.max_retries_per_step < 1:
             raise ValueError(f"max_retries_per_step must be >= 1, got {self.max_retries_per_step}")
 

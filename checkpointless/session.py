@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import hashlib
 import json
 import logging
@@ -104,6 +105,21 @@ def scalar(name: str, value: Any) -> int | float | str | bool:
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         return value.item()
     raise TypeError(f"{name}={value!r}: expected a number, a string or a one-element tensor")
+
+
+def _restore_priority() -> None:
+    """Nice 0 for every thread of this process (nice is per thread on Linux), if it was raised."""
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        tids = [0]
+    for tid in tids:
+        try:
+            if os.getpriority(os.PRIO_PROCESS, tid) > 0:
+                os.setpriority(os.PRIO_PROCESS, tid, 0)
+        except OSError as e:  # not allowed (the launcher only nices where it is), or the thread ended
+            if e.errno != errno.ESRCH:
+                log.warning("could not restore normal priority of thread %d: %s", tid, e)
 
 
 def _release_frames(exc: BaseException) -> None:
@@ -248,6 +264,7 @@ class Session:
         # A spare's model is built like the workers' but is not the job's state until it receives it.
         self._has_state = os.environ.get(ENV_ROLE, Role.WORKER) != Role.SPARE
         if not self._has_state:
+            _restore_priority()  # started niced (launcher): start-up is over, a spare must not lag
             self._client.update(phase=Phase.SPARE)
             self._client.emit(Event.SPARE_READY, sync=True)
             try:

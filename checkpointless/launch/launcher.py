@@ -63,6 +63,7 @@ RUN_FILES = ("events.jsonl", "report.json", "timeline.png", "summary.txt", "logs
 
 _LIBC: Any = None
 _LAUNCHER_PID = 0  # set before each fork: the parent a child must still have after prctl
+_CHILD_NICE = 0  # set before each fork: the nice value the child starts at
 
 
 def _die_with_launcher() -> None:
@@ -70,6 +71,15 @@ def _die_with_launcher() -> None:
     _LIBC.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     if os.getppid() != _LAUNCHER_PID:  # the launcher died before prctl took effect (reparented)
         os._exit(1)
+    if _CHILD_NICE:
+        os.nice(_CHILD_NICE)
+
+
+def can_restore_priority() -> bool:
+    """Whether a process of this user may lower its nice value back to 0 (root, or RLIMIT_NICE >= 20)."""
+    import resource
+
+    return os.geteuid() == 0 or resource.getrlimit(resource.RLIMIT_NICE)[0] >= 20
 
 
 class _Child:
@@ -225,10 +235,12 @@ class Launcher:
 
     # -- processes ------------------------------------------------------------------
     def _spawn(self, name: str, role: str) -> _Child:
-        global _LIBC, _LAUNCHER_PID
+        global _LIBC, _LAUNCHER_PID, _CHILD_NICE
         if _LIBC is None:
             _LIBC = ctypes.CDLL("libc.so.6", use_errno=True)
         _LAUNCHER_PID = os.getpid()
+        nice = self.job.recovery.spare_start_nice if role == Role.SPARE else 0
+        _CHILD_NICE = nice if nice and can_restore_priority() else 0
         env = dict(os.environ)
         env.update(self.env)
         read_end, write_end = os.pipe()

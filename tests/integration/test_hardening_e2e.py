@@ -3,19 +3,22 @@ world size, a wrong or reset result is never reported as ok, and a mistake is na
 
 from __future__ import annotations
 
+import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from checkpointless.control.coordinator import Coordinator
-from checkpointless.launch.launcher import JobResult, Launcher
+from checkpointless.launch.launcher import JobResult, Launcher, can_restore_priority
 from tests.jobs import injected_fired, logs_of, reference_digest, run_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 SCRIPT = str(Path(__file__).resolve().parents[1] / "scripts" / "misbehave.py")
+PROBE = str(Path(__file__).resolve().parents[1] / "scripts" / "nice_probe.py")
 
 
 def _kinds(result: JobResult, kind: str) -> list[dict[str, Any]]:
@@ -181,3 +184,19 @@ def test_an_exception_at_step_zero_is_recovered_by_the_demo_loop() -> None:
     assert result.digest == reference_digest(2, 10)
     losses = [(e["rank"], e["step"]) for e in _kinds(result, "step_committed") if "loss" in e]
     assert len(losses) == len(set(losses)) == 20  # one record per (rank, step), none from the failed try
+
+
+@pytest.mark.skipif(not can_restore_priority(), reason="this user may not lower a nice value back to 0")
+def test_spares_start_niced_and_are_at_normal_priority_once_ready(tmp_path: Path) -> None:
+    """A spare's start-up yields the CPU to training; a ready spare (and every thread of it) is back at 0."""
+    from checkpointless.launch.demo import DemoModel
+    from tests.jobs import TINY
+
+    spec = DemoModel(steps=12, **TINY)  # type: ignore[arg-type]
+    command = [sys.executable, PROBE, "--worker", json.dumps(asdict(spec))]
+    result = run_job(steps=12, spares=1, faults=["kill:rank=1@step=4"], command=command, out=tmp_path)
+    assert result.ok, logs_of(result)
+    logs = {p.stem: p.read_text() for p in (tmp_path / "logs").glob("*.log")}
+    assert "nice at start: 10" in logs["s0"] and "nice at start: 10" in logs["s1"], logs
+    assert "nice at start: 0" in logs["w0"]
+    assert "thread nices with a session: [0]" in logs["s0"], logs["s0"]  # the spare that took rank 1
