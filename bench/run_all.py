@@ -16,8 +16,11 @@ Benchmarks (each also runs alone: ``python bench/NAME.py [--quick]``):
 - ``recovery_stall``: survivor stall after real kill and hang faults, with its time split;
 - ``steady_state``: step time against plain ``DistributedDataParallel``, interleaved;
 - ``compare``: recovery, goodput under repeated kills and exactness against torchrun + DCP
-  checkpoint-restart, torchft and plain DDP (``make bench`` uses 4-minute goodput windows to stay
-  near an hour; ``python bench/compare.py`` alone runs the issue's 10-minute windows, ~2 h);
+  checkpoint-restart, torchft (at a 2,000 ms and a 300 ms lighthouse heartbeat) and plain DDP;
+  goodput against each system's own fault-free twin, 5 interleaved repetitions (``make bench``
+  uses 30 s windows and one kill interval to stay near an hour; ``python bench/compare.py`` alone
+  runs 120 s windows at two intervals, ~2 h);
+- ``kill_cost``: where a kill's time goes (stall vs slowdown after it), spares started niced or not;
 - ``steady_compare``: fault-free step time of every system against plain DDP at two model sizes;
 - ``scale``: goodput of checkpoint-restart vs checkpointless from 1,000 to 100,000 accelerators,
   simulated with parameters taken from the measurements above.
@@ -37,6 +40,7 @@ from typing import Any
 
 import common
 import compare
+import kill_cost
 import recovery_stall
 import scale
 import steady_compare
@@ -52,6 +56,7 @@ BENCHES: list[tuple[str, str, Any]] = [
     ("recovery_stall", "Recovery stall (kill, hang)", recovery_stall),
     ("steady_state", "Steady-state overhead against DDP", steady_state),
     ("compare", "Side by side: torchrun + DCP, torchft, plain DDP, checkpointless", compare),
+    ("kill_cost", "Where the time of a kill goes", kill_cost),
     ("steady_compare", "Steady state side by side, two model sizes", steady_compare),
     ("scale", "Goodput at cluster scale (simulation from these measurements)", scale),
 ]

@@ -26,11 +26,13 @@ class RecoveryConfig:
     spare_restart_limit: int = 3
     """Spares that die before they are ready are restarted with exponential backoff
     (0.5 s, 1 s, 2 s, ...); after this many such deaths in a row the pool is not refilled."""
-    spare_start_nice: int = 10
-    """Spares start at this nice value (0-19), so that their start-up (importing torch, building
-    the model) takes the CPU left idle by training instead of preempting a worker (every rank
-    waits for the slowest); a spare restores normal priority before it reports ready. Applied
-    only where the spare can undo it (root, or an RLIMIT_NICE that allows nice 0); 0 turns it off."""
+    spare_start_nice: int = 0
+    """Spares start at this nice value (0-19; their scheduling autogroup too, where the kernel has
+    them) and restore normal priority before they report ready. On a host where the workers leave
+    CPU idle (GPU training), this keeps a refilled spare's start-up (importing torch, building the
+    model) from preempting a worker, whom every rank waits for. Off by default: on a host whose
+    cores the workers keep busy it cannot hide that CPU time and only delays the refill (measured:
+    ``bench/kill_cost.py``). Applied only where the spare can undo it (root, or RLIMIT_NICE)."""
     heartbeat_interval_s: float = 0.1
     """How often each process reports to the coordinator."""
     collective_timeout_s: float = 60.0

@@ -33,6 +33,7 @@ def run_job(
     hang_timeout_s: float = 2.0,
     progress_timeout_s: float = 60.0,
     spare_restart_limit: int = 3,
+    spare_start_nice: int = 0,
     timeout_s: float = 150.0,
     command: list[str] | None = None,
     global_batch: int | None = None,
@@ -51,6 +52,7 @@ def run_job(
         collective_timeout_s=30.0,
         plan_timeout_s=60.0,
         spare_restart_limit=spare_restart_limit,
+        spare_start_nice=spare_start_nice,
     )
     job = JobConfig(workers=workers, spares=spares, faults=parse_faults(faults or []), recovery=recovery)
     spec = {**TINY, "global_batch": global_batch or TINY["global_batch"]}

@@ -73,6 +73,10 @@ def _die_with_launcher() -> None:
         os._exit(1)
     if _CHILD_NICE:
         os.nice(_CHILD_NICE)
+        # The child leads a new session, hence (with CONFIG_SCHED_AUTOGROUP) its own scheduling group,
+        # which competes with the workers' groups as an equal whatever its threads' nice: nice the group.
+        with contextlib.suppress(OSError), open("/proc/self/autogroup", "w") as f:
+            f.write(str(_CHILD_NICE))
 
 
 def can_restore_priority() -> bool:

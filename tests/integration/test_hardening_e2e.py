@@ -194,9 +194,12 @@ def test_spares_start_niced_and_are_at_normal_priority_once_ready(tmp_path: Path
 
     spec = DemoModel(steps=12, **TINY)  # type: ignore[arg-type]
     command = [sys.executable, PROBE, "--worker", json.dumps(asdict(spec))]
-    result = run_job(steps=12, spares=1, faults=["kill:rank=1@step=4"], command=command, out=tmp_path)
+    result = run_job(steps=12, spares=1, faults=["kill:rank=1@step=4"], command=command, out=tmp_path,
+                     spare_start_nice=10)  # fmt: skip
     assert result.ok, logs_of(result)
     logs = {p.stem: p.read_text() for p in (tmp_path / "logs").glob("*.log")}
-    assert "nice at start: 10" in logs["s0"] and "nice at start: 10" in logs["s1"], logs
-    assert "nice at start: 0" in logs["w0"]
-    assert "thread nices with a session: [0]" in logs["s0"], logs["s0"]  # the spare that took rank 1
+    group = Path("/proc/self/autogroup").exists()  # scheduling autogroups: the spare's group is niced too
+    assert f"nice at start: 10, group nice {10 if group else 'none'}" in logs["s0"], logs["s0"]
+    assert "nice at start: 10" in logs["s1"] and "nice at start: 0, group nice" in logs["w0"], logs
+    back = f"thread nices with a session: [0], group nice {0 if group else 'none'}"
+    assert back in logs["s0"], logs["s0"]  # the spare that took rank 1 is back at normal priority

@@ -4,7 +4,16 @@ built (for a spare: after it was assigned a rank), the nice values of all its th
 import os
 import sys
 
-print(f"nice at start: {os.getpriority(os.PRIO_PROCESS, 0)}", flush=True)
+
+def _group() -> str:
+    try:
+        with open("/proc/self/autogroup") as f:
+            return f.read().split()[-1]
+    except OSError:
+        return "none"
+
+
+print(f"nice at start: {os.getpriority(os.PRIO_PROCESS, 0)}, group nice {_group()}", flush=True)
 
 import checkpointless as cl  # noqa: E402
 from checkpointless.launch.demo import main  # noqa: E402
@@ -15,7 +24,7 @@ _init = cl.Session.__init__
 def _init_and_report(self, *args, **kwargs):  # type: ignore[no-untyped-def]
     _init(self, *args, **kwargs)
     nices = sorted({os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir("/proc/self/task")})
-    print(f"thread nices with a session: {nices}", flush=True)
+    print(f"thread nices with a session: {nices}, group nice {_group()}", flush=True)
 
 
 cl.Session.__init__ = _init_and_report  # type: ignore[method-assign]
