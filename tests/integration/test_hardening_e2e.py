@@ -200,6 +200,8 @@ def test_spares_start_niced_and_are_at_normal_priority_once_ready(tmp_path: Path
     logs = {p.stem: p.read_text() for p in (tmp_path / "logs").glob("*.log")}
     group = Path("/proc/self/autogroup").exists()  # scheduling autogroups: the spare's group is niced too
     assert f"nice at start: 10, group nice {10 if group else 'none'}" in logs["s0"], logs["s0"]
-    assert "nice at start: 10" in logs["s1"] and "nice at start: 0, group nice" in logs["w0"], logs
+    assert "nice at start: 0, group nice" in logs["w0"], logs["w0"]  # workers are not niced
+    # the refill (s1) may be stopped before its interpreter prints, the job being this short
+    assert "nice at start: 10" in logs.get("s1", "") or "nice at start" not in logs.get("s1", "")
     back = f"thread nices with a session: [0], group nice {0 if group else 'none'}"
     assert back in logs["s0"], logs["s0"]  # the spare that took rank 1 is back at normal priority
