@@ -103,11 +103,11 @@ def targets(results: dict[str, Any]) -> str:
 def slim(key: str, res: dict[str, Any]) -> dict[str, Any]:
     """What the committed ``bench/results/KEY.json`` keeps: what the tables need, not raw series.
 
-    Dropped (they stay in ``bench/out/``): ``compare``'s per-job step curves (only its plot uses them)
+    Dropped (they stay in ``bench/out/``): ``compare``'s and ``kill_cost``'s per-job step curves
     and ``steady_state``'s per-step intervals (its tables use the summaries).
     """
     res = json.loads(json.dumps(res, default=str))  # a deep copy, JSON types only
-    if key == "compare":
+    if key in ("compare", "kill_cost"):
         for job in res.get("jobs", []):
             if isinstance(job.get("analysis"), dict):
                 job["analysis"].pop("curve", None)
@@ -163,9 +163,8 @@ def render(argv: list[str], quick: bool, machine: dict[str, Any], results: dict[
         f"- **Date:** {machine['date']}, total wall time {wall / 60:.1f} min",
         f"- **Software:** torch {machine['torch']}, Python {machine['python']}, {machine['platform']}",
         f"- **Machine:** CPUs = {machine['nproc']}; load average (1, 5, 15 min) at start "
-        f"{machine['loadavg']}, at end {load_end}. This machine is shared: another engineer's tests ran "
-        "on the same 2 cores during the run, so absolute times are noisy (hence medians, p95, and "
-        "interleaved repetitions).",
+        f"{machine['loadavg']}, at end {load_end}. A shared 2-core VM: absolute times are noisy (hence "
+        "medians, p95, ranges and interleaved repetitions; ratios are taken within a repetition).",
         "- Every process runs with `OMP_NUM_THREADS=1` and `torch.set_num_threads(1)`; collectives are "
         "gloo over loopback TCP.",
         "",
