@@ -197,8 +197,8 @@ def _build_parser() -> _Parser:
         "--params",
         type=Path,
         default=None,
-        help="JSON file of parameters (field: value, or a simulate.json / bench result with a 'params' "
-        "object), e.g. measured ones; flags given on the command line override it",
+        help="JSON file of parameters (field: value, a simulate.json, or bench/results/scale.json for "
+        "the ones measured by make bench); flags given on the command line override it",
     )
     for f in fields(ClusterParams):
         if f.name == "n_accelerators":  # set by --sizes
@@ -221,8 +221,8 @@ def _params_file(path: Path) -> dict[str, Any]:
         raise ValueError(f"--params {path}: {exc.strerror or exc}") from None
     except json.JSONDecodeError as exc:
         raise ValueError(f"--params {path}: not JSON ({exc.msg} at line {exc.lineno})") from None
-    if isinstance(data, dict) and isinstance(data.get("params"), dict):
-        data = data["params"]
+    if isinstance(data, dict):  # a simulate.json ("params") or bench/results/scale.json ("cluster_params")
+        data = next((data[k] for k in ("params", "cluster_params") if isinstance(data.get(k), dict)), data)
     if not isinstance(data, dict):
         raise ValueError(f"--params {path}: expected a JSON object of parameters")
     known = {f.name for f in fields(ClusterParams)}
@@ -250,7 +250,7 @@ def _provenance(from_file: set[str], from_flags: set[str], path: Path | None) ->
     if defaults:
         parts.append(
             f"{len(defaults)} illustrative defaults, not measurements ({', '.join(defaults)}); "
-            "bench/scale.py runs the model on parameters measured on this machine"
+            "--params bench/results/scale.json uses the ones make bench measured"
         )
     return "parameters: " + "; ".join(parts)
 

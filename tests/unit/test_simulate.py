@@ -465,3 +465,10 @@ def test_bad_params_file_is_one_line_exit_2(
     assert sim.main(["--params", str(bad)]) == 2
     err = capsys.readouterr().err
     assert needle in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_parameters_make_bench_measured_are_accepted(capsys: pytest.CaptureFixture[str]) -> None:
+    scale = Path(__file__).resolve().parents[2] / "bench" / "results" / "scale.json"
+    assert sim.main(["--sizes", "16384", "--params", str(scale)]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith(f"parameters: 17 from {scale}")
