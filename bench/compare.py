@@ -738,7 +738,7 @@ def reading(r: dict[str, Any]) -> str:
 
 
 #: what ``bench/run_all.py`` runs in full mode: 30 s goodput windows and one kill interval, to stay near an hour
-BENCH = replace(FULL, goodput_s=30.0, intervals=(10.0,))
+BENCH = replace(FULL, reps=6, goodput_s=30.0, intervals=(10.0,))
 
 
 def run_bench(quick: bool, out: Path) -> dict[str, Any]:

@@ -2,8 +2,8 @@
 
 Usage::
 
-    OMP_NUM_THREADS=1 python bench/run_all.py           # full: ~15-20 min on 2 cores
-    OMP_NUM_THREADS=1 python bench/run_all.py --quick   # smoke: ~5 min
+    OMP_NUM_THREADS=1 python bench/run_all.py           # full: ~70 min on 2 cores
+    OMP_NUM_THREADS=1 python bench/run_all.py --quick   # smoke: ~12 min
     python bench/run_all.py --render                    # rebuild the page from bench/results/, run nothing
 
 ``bench/results/`` (committed) holds one small JSON per benchmark plus ``machine.json`` (the machine and
@@ -20,6 +20,8 @@ Benchmarks (each also runs alone: ``python bench/NAME.py [--quick]``):
   goodput against each system's own fault-free twin, 5 interleaved repetitions (``make bench``
   uses 30 s windows and one kill interval to stay near an hour; ``python bench/compare.py`` alone
   runs 120 s windows at two intervals, ~2 h);
+- ``large_state``: the same side by side at 1.5 GB of state and a 2 s step (where a restart costs
+  seconds): training lost per kill, recovery, against each system's own fault-free rate;
 - ``kill_cost``: where a kill's time goes (stall vs slowdown after it), spares started niced or not;
 - ``steady_compare``: fault-free step time of every system against plain DDP at two model sizes;
 - ``scale``: goodput of checkpoint-restart vs checkpointless from 1,000 to 100,000 accelerators,
@@ -41,6 +43,7 @@ from typing import Any
 import common
 import compare
 import kill_cost
+import large_state
 import recovery_stall
 import scale
 import steady_compare
@@ -57,6 +60,7 @@ BENCHES: list[tuple[str, str, Any]] = [
     ("steady_state", "Steady-state overhead against DDP", steady_state),
     ("compare", "Side by side: torchrun + DCP, torchft, plain DDP, checkpointless", compare),
     ("kill_cost", "Where the time of a kill goes", kill_cost),
+    ("large_state", "Side by side at 1.5 GB of state", large_state),
     ("steady_compare", "Steady state side by side, two model sizes", steady_compare),
     ("scale", "Goodput at cluster scale (simulation from these measurements)", scale),
 ]

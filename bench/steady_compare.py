@@ -23,7 +23,7 @@ import common
 import compare
 from baselines import THREAD_ENV, torchft_ddp
 
-STEPS = 520
+STEPS = 260
 QUICK_STEPS = 60
 SIZES: dict[str, dict[str, int]] = {
     "small (0.4M params)": {},  # compare.model_spec's defaults: d_model 128, 2 layers
