@@ -80,6 +80,20 @@ class Group:
             works.clear()  # a live Work keeps the group's sockets open (see module doc)
             raise CollectiveError(f"gen {self.gen}: allreduce failed: {e}") from None
 
+    def broadcast_(self, tensors: list[torch.Tensor], root: int = 0) -> None:
+        """Overwrite each tensor with ``root``'s, in place on every member (all issued, then all awaited)."""
+        works: list[Any] = []
+        try:
+            for t in tensors:
+                opts = dist.BroadcastOptions()
+                opts.rootRank = root
+                works.append(self.pg.broadcast([t], opts))
+            for w in works:
+                w.wait()
+        except RuntimeError as e:  # gloo and NCCL errors (torch.distributed.DistError is one)
+            works.clear()  # a live Work keeps the group's sockets open (see module doc)
+            raise CollectiveError(f"gen {self.gen}: broadcast failed: {e}") from None
+
     def allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every member's ``tensor`` (same shape and dtype on all), in rank order."""
         out = [torch.empty_like(tensor) for _ in range(self.world_size)]

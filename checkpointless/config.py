@@ -41,6 +41,11 @@ class RecoveryConfig:
     """How long a survivor waits for the coordinator's recovery plan."""
     max_retries_per_step: int = 5
     """Recoveries that may resume at the same step before the job is failed."""
+    consistency_every: int = 100
+    """Replicas compare a digest of their state (BLAKE3 of every tensor, one 32-byte all-gather)
+    after the first step and then after every this many committed steps (0: after the first step
+    only). A replica that differs from a majority is re-synced from a healthy one; with no majority
+    (two replicas) the job stops, naming the state entry that differs."""
 
     def __post_init__(self) -> None:
         for name in ("hang_timeout_s", "progress_timeout_s", "heartbeat_interval_s", "collective_timeout_s",
@@ -57,6 +62,8 @@ class RecoveryConfig:
             )
         if not 0 <= self.spare_start_nice <= 19:
             raise ValueError(f"spare_start_nice must be in 0..19, got {self.spare_start_nice}")
+        if self.consistency_every < 0:
+            raise ValueError(f"consistency_every must be >= 0 steps, got {self.consistency_every}")
         if self.max_retries_per_step < 1:
             raise ValueError(f"max_retries_per_step must be >= 1, got {self.max_retries_per_step}")
 

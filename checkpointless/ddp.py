@@ -69,3 +69,63 @@ class GradientReducer:
         for p, view in zip(self.params, self._views, strict=True):
             if p.grad is not None and p.grad is not view:
                 p.grad = None
+
+
+class BufferSync:
+    """A module's buffers (BatchNorm running statistics, counters) across replicas and failed attempts.
+
+    - ``sync``: every replica takes rank 0's buffers. ``DistributedDataParallel(broadcast_buffers=True)``,
+      its default, broadcasts rank 0's buffers before every forward pass, so every rank's forward sees
+      rank 0's statistics. ``sync`` does the same once per step, after the forward and backward passes
+      (from ``reduce_gradients``): every forward still sees rank 0's buffers of the step before, and,
+      unlike with DDP, every replica also *holds* them when the step commits, so any replica can be
+      the source of a recovery. One broadcast per dtype (buffers packed into flat buckets).
+    - ``commit`` / ``restore``: a failed attempt's forward pass has already updated the buffers
+      (BatchNorm does so in place); ``restore`` puts back the copy ``commit`` took at the last
+      committed step, so that the step re-executes from exactly the committed state.
+    """
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.buffers = [b for _, b in module.named_buffers()]
+        by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+        for b in self.buffers:
+            by_dtype.setdefault((b.dtype, b.device), []).append(b)
+        self._groups = [
+            (torch.zeros(sum(b.numel() for b in members), dtype=dtype, device=device), members)
+            for (dtype, device), members in by_dtype.items()
+        ]
+        self._saved = [torch.zeros_like(flat) for flat, _ in self._groups]
+        self.commit()
+
+    def __bool__(self) -> bool:
+        return bool(self.buffers)
+
+    def _pack(self, into: list[torch.Tensor]) -> None:
+        for (_, members), flat in zip(self._groups, into, strict=True):
+            if members:
+                torch.cat([b.detach().reshape(-1) for b in members], out=flat)
+
+    def _unpack(self, source: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for (_, members), flat in zip(self._groups, source, strict=True):
+                off = 0
+                for b in members:
+                    b.copy_(flat[off : off + b.numel()].view_as(b))
+                    off += b.numel()
+
+    def sync(self, group: Group | None, root: int = 0) -> None:
+        """Overwrite every member's buffers with ``root``'s (no-op alone)."""
+        if group is None or group.world_size == 1 or not self.buffers:
+            return
+        flats = [flat for flat, _ in self._groups]
+        self._pack(flats)
+        group.broadcast_(flats, root)
+        self._unpack(flats)
+
+    def commit(self) -> None:
+        """Remember the buffers as they are (at a committed step)."""
+        self._pack(self._saved)
+
+    def restore(self) -> None:
+        """Put back the buffers ``commit`` remembered (after a failed attempt)."""
+        self._unpack(self._saved)

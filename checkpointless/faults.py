@@ -8,12 +8,16 @@ the peers are already waiting in the collective: the worst moment).
 
 Grammar of a spec (``--fault`` on the command line)::
 
-    KIND:rank=R@step=S          KIND in kill | hang | exception
+    KIND:rank=R@step=S          KIND in kill | hang | exception | corrupt
     KIND:rank=R1,R2@step=S      several ranks at the same step
     kill:spare@recovery         kill the spare that receives state in the next recovery
     kill:spare@join             kill the spare taking a rank before its generation's group forms
     kill:source@recovery        kill the survivor that sends state in the next recovery
     none                        no fault at all
+
+``corrupt`` flips the lowest bit of the first element of the rank's first
+parameter (silent data corruption: the process runs on, its replica now differs;
+the replicas' consistency check finds it).
 
 Every fault fires once: a replacement that re-executes the step is not hit again.
 Firing is claimed atomically in the control store per (fault, rank) for step faults,
@@ -26,13 +30,14 @@ from __future__ import annotations
 import os
 import re
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 from checkpointless.control import keys
 from checkpointless.errors import InjectedFault
 
-KINDS = ("kill", "hang", "exception")
+KINDS = ("kill", "hang", "exception", "corrupt")
 _RECOVERY_SPECS = {
     "recovery": "kill:spare@recovery",
     "join": "kill:spare@join",
@@ -125,8 +130,8 @@ def validate_schedule(faults: list[FaultSpec], *, workers: int, spares: int, ste
                 raise ValueError(f"fault {f}: rank {r} is out of range for --workers {workers}")
         if f.step >= steps:
             raise ValueError(f"fault {f}: step {f.step} is beyond --steps {steps} (steps are 0..{steps - 1})")
-        if f.kind == "exception":
-            continue  # the rank stays alive and re-executes the step in place
+        if f.kind in ("exception", "corrupt"):
+            continue  # the rank stays alive (re-executes the step, or is re-synced) in place
         ranks = per_step.setdefault(f.step, set())
         if ranks & set(f.ranks):
             raise ValueError(f"fault {f}: rank already faulted at step {f.step}")
@@ -158,7 +163,15 @@ class FaultInjector:
         self._faults = list(enumerate(faults))
         self._claimer = claimer
 
-    def _fire(self, index: int, fault: FaultSpec, on_fire: _OnFire | None, rank: int, step: int) -> None:
+    def _fire(
+        self,
+        index: int,
+        fault: FaultSpec,
+        on_fire: _OnFire | None,
+        rank: int,
+        step: int,
+        corrupt: Callable[[], None] | None = None,
+    ) -> None:
         # A step fault fires once per rank it names; a recovery fault once per job, whichever
         # recovery comes first (never again in a later one).
         who = rank if fault.at == "step" else -1
@@ -170,14 +183,25 @@ class FaultInjector:
             os.kill(os.getpid(), signal.SIGKILL)
         elif fault.kind == "hang":
             os.kill(os.getpid(), signal.SIGSTOP)
+        elif fault.kind == "corrupt":
+            if corrupt is None:
+                raise InjectedFault(f"injected fault {fault} on rank {rank}: nothing to corrupt here")
+            corrupt()
         else:
             raise InjectedFault(f"injected fault {fault} on rank {rank}")
 
-    def at_step(self, rank: int, step: int, on_fire: _OnFire | None = None) -> None:
-        """Called by a worker inside step ``step``, before the gradient reduction."""
+    def at_step(
+        self,
+        rank: int,
+        step: int,
+        on_fire: _OnFire | None = None,
+        corrupt: Callable[[], None] | None = None,
+    ) -> None:
+        """Called by a worker inside step ``step``, before the gradient reduction; ``corrupt``
+        flips a bit of its state (the ``corrupt`` kind)."""
         for i, f in self._faults:
             if f.at == "step" and f.step == step and rank in f.ranks:
-                self._fire(i, f, on_fire, rank, step)
+                self._fire(i, f, on_fire, rank, step, corrupt)
 
     def at_recovery(
         self, rank: int, step: int, on_fire: _OnFire | None = None, *, at: str = "recovery"

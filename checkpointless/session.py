@@ -82,10 +82,20 @@ from checkpointless.control.client import (
 )
 from checkpointless.control.plan import Plan
 from checkpointless.control.vocab import Event, Phase, Reason, Role
-from checkpointless.ddp import GradientReducer
+from checkpointless.ddp import BufferSync, GradientReducer
 from checkpointless.errors import FatalError
 from checkpointless.faults import FaultInjector, FaultSpec
-from checkpointless.state import IntegrityError, Stateful, StateRegistry, digest_state, recv_state, send_state
+from checkpointless.state import (
+    IntegrityError,
+    Stateful,
+    StateRegistry,
+    combined_digest,
+    digest_state,
+    entry_digests,
+    first_difference,
+    recv_state,
+    send_state,
+)
 
 log = logging.getLogger(__name__)
 
@@ -216,6 +226,13 @@ class Session:
             attempt from (seed, step, rank). This makes dropout and any other
             randomness re-executable after a failure; turn it off only if the
             step uses no randomness.
+        broadcast_buffers: make every replica's module buffers (BatchNorm
+            running statistics, ...) rank 0's at every ``reduce_gradients``, as
+            ``DistributedDataParallel``'s default does before every forward
+            (``ddp.BufferSync``). Turn it off only for buffers that stay equal
+            on every rank by themselves: replicas are compared after the first
+            step and every ``recovery.consistency_every`` steps, and a job whose
+            replicas differ stops there, naming the entry.
     """
 
     def __init__(
@@ -226,6 +243,7 @@ class Session:
         state: dict[str, Stateful] | None = None,
         seed: int = 0,
         reseed_rng: bool = True,
+        broadcast_buffers: bool = True,
     ) -> None:
         self.model, self.optimizer = model, optimizer
         self.seed, self.reseed_rng = seed, reseed_rng
@@ -237,6 +255,8 @@ class Session:
             self._registry.register(name, obj)
         self._registry.register("progress", _Progress(self))
         self._reducer = GradientReducer(list(model.parameters()))
+        self._buffers = BufferSync(model)
+        self._broadcast_buffers = broadcast_buffers
         self._committed = -1
         self._next_step = 0
         self._attempted = False
@@ -325,6 +345,12 @@ class Session:
         the step the job is at.
         """
         while self._next_step < total:
+            if self._consistency_due():
+                try:
+                    self._check_consistency()
+                except (CollectiveError, IntegrityError, TimeoutError) as e:
+                    self._on_failure(e, self._next_step)
+                    continue
             self._attempted = False
             yield self._next_step
             if not self._attempted:
@@ -380,10 +406,12 @@ class Session:
         if self._current is None:
             self._fatal("session.reduce_gradients() called outside `with session.attempt():`")
         if self._faults is not None:
-            self._faults.at_step(self.rank, self._next_step, self._fault_fired)
+            self._faults.at_step(self.rank, self._next_step, self._fault_fired, corrupt=self._flip_bit)
         if self._client is not None:
             self._client.update(phase=Phase.REDUCE)
         self._reducer.reduce(self._group)
+        if self._broadcast_buffers:
+            self._buffers.sync(self._group)
         self._reduced = True
 
     def log(self, **metrics: Any) -> None:
@@ -447,8 +475,83 @@ class Session:
         client.close()
         return digest
 
+    # -- replica consistency -------------------------------------------------
+    def _flip_bit(self) -> None:
+        """The ``corrupt`` fault: flip the lowest bit of the first element of the first parameter."""
+        p = next(p for p in self.model.parameters() if p.numel())
+        with torch.no_grad():
+            p.view(-1)[:1].view(torch.uint8)[:1].bitwise_xor_(1)
+
+    def _consistency_due(self) -> bool:
+        """Whether the replicas compare their state before the next step: a function of the
+        committed step only, so that every rank of a generation agrees (a replacement too)."""
+        c = self._committed
+        if self._client is None or self._group is None or self.world_size < 2 or c < 0:
+            return False
+        every = self.job.recovery.consistency_every
+        return c == 0 or (every > 0 and (c + 1) % every == 0)
+
+    def _check_consistency(self) -> None:
+        """Compare a digest of every replica's state (one 32-byte all-gather); act on a difference.
+
+        The state is the registered one (model with its buffers, optimizer, user state) at the
+        committed step, without the per-rank RNG state. After the first step a difference is a
+        program error (state each rank updates from its own batch): the job stops naming the
+        entry. Later it is corruption: the replicas that differ from a strict majority receive
+        the state of the majority's lowest rank; without a majority the job stops.
+        """
+        assert self._client is not None and self._group is not None
+        client, group, step = self._client, self._group, self._committed
+        entries = entry_digests({k: v for k, v in self._registry.state_dict().items() if k != "progress"})
+        mine = torch.frombuffer(bytearray(combined_digest(entries)), dtype=torch.uint8)
+        digests = [bytes(d.tolist()) for d in group.allgather(mine)]
+        if len(set(digests)) == 1:
+            return
+        client.publish(keys.state_digests(self.generation, step, self.rank), json.dumps(entries))
+        by_rank = {
+            r: [(str(p), str(d)) for p, d in client.wait_json(keys.state_digests(self.generation, step, r),
+                                                           self._plan_timeout)]
+            for r in range(self.world_size)
+        }  # fmt: skip
+        counts: dict[bytes, list[int]] = {}
+        for r, d in enumerate(digests):
+            counts.setdefault(d, []).append(r)
+        majority = max(counts.values(), key=len)
+        healthy = majority if len(majority) * 2 > self.world_size else []
+        odd = [r for r in range(self.world_size) if r not in healthy]
+        ref = healthy[0] if healthy else 0
+        other = next(r for r in range(self.world_size) if digests[r] != digests[ref])
+        entry = first_difference(by_rank[ref], by_rank[other])
+        where = f"{entry!r} differs between rank {ref} and rank {other}"
+        if self.rank == min(healthy or [0]):
+            client.emit(Event.STATE_DIVERGED, sync=True, rank=self.rank, gen=self.generation, step=step,
+                        entry=str(entry), ranks=odd, healthy=healthy)  # fmt: skip
+        if step == 0:
+            self._fatal(
+                f"replicas differ after the first step: {where}. Every replica must hold the same "
+                "state; state each rank updates from its own batch (BatchNorm running statistics) "
+                "needs Session(broadcast_buffers=True), the default"
+            )
+        if not healthy:
+            self._fatal(
+                f"replicas differ at step {step} and no majority tells which is right: {where} "
+                "(silent data corruption, or a non-deterministic update); stopping rather than "
+                "training on a state that may be corrupt"
+            )
+        if self.rank == ref:
+            for dst in odd:
+                send_state(group, dst, self._registry.state_dict(), key=self._secret)
+        elif self.rank in odd:
+            state, stats = recv_state(group, ref, key=self._secret)
+            self._registry.load_state_dict(state)
+            self._buffers.commit()
+            client.emit(Event.STATE_RESYNCED, sync=True, rank=self.rank, gen=self.generation, step=step,
+                        src=ref, entry=str(entry), bytes=stats.bytes, seconds=stats.seconds)  # fmt: skip
+        group.barrier()
+
     # -- commit and failure ----------------------------------------------------
     def _commit(self, step: int, seconds: float) -> None:
+        self._buffers.commit()
         self._committed = step
         self._next_step = step + 1
         self._local_failures = 0
@@ -511,6 +614,7 @@ class Session:
                 self._group.abort()
                 self._group = None
             self._reducer.zero_()
+            self._buffers.restore()  # the failed attempt's forward pass updated them in place
             self._client.update(phase=Phase.RECOVERING)
             self._client.report_failure(self.generation, self.rank, self._committed, reason, self._has_state)
             plan = self._client.wait_plan(self.generation + 1, self._plan_timeout)
@@ -600,6 +704,7 @@ class Session:
 
             state, stats = recv_state(self._group, src, between=hook, key=self._secret)
             self._registry.load_state_dict(state)
+            self._buffers.commit()
             self._has_state = True
             client.emit(
                 Event.TRANSFER_ENDED, rank=rank, gen=plan.gen, step=plan.resume_step, src=src,

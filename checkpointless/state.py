@@ -78,6 +78,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+import blake3
 import numpy as np
 import torch
 
@@ -612,6 +613,64 @@ def recv_state(
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     stats = TransferStats(nbytes, time.perf_counter() - t0, _content_digest(meta_digest, tensor_digest))
     return _unflatten(skeleton, tensors), stats
+
+
+# -- replica consistency ----------------------------------------------------------------
+
+
+def _leaf_digest(value: Any) -> str:
+    """BLAKE3 of one leaf: a tensor's dtype, shape and bytes; anything else by its ``repr``."""
+    if isinstance(value, torch.Tensor):
+        t = value.detach().contiguous().cpu()
+        h = blake3.blake3(f"{t.dtype}{list(t.shape)}".encode())
+        h.update(_bytes_of(t))
+        return h.hexdigest()
+    if isinstance(value, np.ndarray):
+        return blake3.blake3(f"{value.dtype}{list(value.shape)}".encode() + value.tobytes()).hexdigest()
+    return blake3.blake3(repr(value).encode()).hexdigest()
+
+
+def entry_digests(state: dict[str, Any]) -> list[tuple[str, str]]:
+    """``(path, digest)`` of every leaf of ``state``, in order: what replicas compare.
+
+    Paths join the keys with ``/`` (``model/bn1.running_mean``, ``optimizer/state/0/exp_avg``),
+    so a difference can be named. Tensors are hashed in the thread pool (BLAKE3 releases the GIL).
+    """
+    leaves: list[tuple[str, Any]] = []
+
+    def walk(obj: Any, path: str) -> None:
+        if isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(v, f"{path}/{k}" if path else str(k))
+        elif isinstance(obj, list | tuple) and any(
+            isinstance(v, dict | list | tuple | torch.Tensor) for v in obj
+        ):
+            for i, v in enumerate(obj):
+                walk(v, f"{path}/{i}")
+        else:
+            leaves.append((path, obj))
+
+    walk(state, "")
+    digests = _pool().map(_leaf_digest, [v for _, v in leaves])
+    return [(path, d) for (path, _), d in zip(leaves, digests, strict=True)]
+
+
+def combined_digest(entries: list[tuple[str, str]]) -> bytes:
+    """One 32-byte digest of ``entry_digests``' output (paths included)."""
+    h = blake3.blake3()
+    for path, d in entries:
+        h.update(f"{len(path)}:{path}={d};".encode())
+    return h.digest()
+
+
+def first_difference(a: list[tuple[str, str]], b: list[tuple[str, str]]) -> str | None:
+    """The path of the first entry that differs between two ``entry_digests`` (None if none does)."""
+    db = dict(b)
+    for path, d in a:
+        if db.get(path) != d:
+            return path
+    extra = [p for p, _ in b if p not in dict(a)]
+    return extra[0] if extra else None
 
 
 def digest_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, step: int) -> str:

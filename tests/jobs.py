@@ -34,6 +34,7 @@ def run_job(
     progress_timeout_s: float = 60.0,
     spare_restart_limit: int = 3,
     spare_start_nice: int = 0,
+    consistency_every: int = RecoveryConfig().consistency_every,
     timeout_s: float = 150.0,
     command: list[str] | None = None,
     global_batch: int | None = None,
@@ -53,6 +54,7 @@ def run_job(
         plan_timeout_s=60.0,
         spare_restart_limit=spare_restart_limit,
         spare_start_nice=spare_start_nice,
+        consistency_every=consistency_every,
     )
     job = JobConfig(workers=workers, spares=spares, faults=parse_faults(faults or []), recovery=recovery)
     spec = {**TINY, "global_batch": global_batch or TINY["global_batch"]}

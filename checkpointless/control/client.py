@@ -166,6 +166,13 @@ class ControlClient:
             raise RuntimeError(f"{key} is missing or not sealed by this job")
         return json.loads(value)
 
+    def wait_json(self, key: str, timeout: timedelta) -> Any:
+        """The value of ``key`` once a process of this job has published it (``TimeoutError`` after ``timeout``)."""
+        value = self.store.wait(key, timeout)
+        if value is None:
+            raise TimeoutError(f"{key} was not published within {timeout.total_seconds():g} s")
+        return json.loads(value)
+
     def _stopped(self) -> bool:
         return self.store.is_set(keys.JOB_STOP)
 

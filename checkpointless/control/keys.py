@@ -50,6 +50,11 @@ def layout(gen: int, rank: int) -> str:
     return f"gen/{gen}/layout/{rank}"
 
 
+def state_digests(gen: int, step: int, rank: int) -> str:
+    """A rank's per-entry state digests, published when replicas disagree at ``step``."""
+    return f"consistency/{gen}/{step}/{rank}"
+
+
 def heartbeat(proc: str) -> str:
     return f"hb/{proc}"
 

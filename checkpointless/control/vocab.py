@@ -32,6 +32,8 @@ class Event(StrEnum):
     TRANSFER_BEGUN = "transfer_begun"
     TRANSFER_ENDED = "transfer_ended"
     RECOVERY_DONE = "recovery_done"
+    STATE_DIVERGED = "state_diverged"  # replicas' state digests differ (names the entry and ranks)
+    STATE_RESYNCED = "state_resynced"  # the odd replica received a healthy replica's state
     MESSAGE_REJECTED = "message_rejected"
     FATAL = "fatal"
     EVAL = "eval"  # the recipes' held-out loss (user code may emit kinds of its own)
@@ -61,6 +63,7 @@ class Reason(StrEnum):
     FATAL = "fatal"
     COLLECTIVE_ERROR = "collective_error"  # a consequence (a peer failed), never a fault of its own
     EXCEPTION = "exception"
+    STATE_DIVERGED = "state_diverged"  # a replica's state digest differs from the majority's
     PEER_FAILURE = "peer_failure"  # a finished rank joins a recovery
 
 

@@ -39,7 +39,7 @@ def _add_job_args(p: argparse.ArgumentParser, *, workers: int, spares: int) -> N
     p.add_argument("--workers", type=int, default=workers, help="data-parallel workers (ranks)")
     p.add_argument("--spares", type=int, default=spares, help="hot spare processes kept warm")
     p.add_argument("--fault", action="append", default=None, metavar="SPEC",
-                   help="KIND:rank=R[,R]@step=S (kill|hang|exception), kill:spare@recovery, or none")  # fmt: skip
+                   help="KIND:rank=R[,R]@step=S (kill|hang|exception|corrupt), kill:spare@recovery, or none")  # fmt: skip
     p.add_argument("--out", type=Path, default=None, help="write events.jsonl, report.json and logs here")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--port", type=int, default=0, help="control store port (0: any free port)")
@@ -54,6 +54,9 @@ def _add_detection_args(p: argparse.ArgumentParser, *, defaults: bool = True) ->
     p.add_argument("--progress-timeout", type=float, default=d.progress_timeout_s if defaults else None,
                    help="seconds a step may run, heartbeat alive, while peers wait for it, before it is "
                    f"declared stuck (default {d.progress_timeout_s})")  # fmt: skip
+    p.add_argument("--consistency-every", type=int, default=d.consistency_every if defaults else None,
+                   metavar="STEPS", help="replicas compare a digest of their state after the first step and "
+                   f"every this many steps (0: first step only; default {d.consistency_every})")  # fmt: skip
 
 
 def _check_out(out: Path | None) -> None:
@@ -87,9 +90,14 @@ def _job(args: argparse.Namespace, steps: int | None, default_faults: list[str])
         ):
             if not math.isfinite(value) or value <= 0:
                 raise UsageError(f"{flag} must be a positive number of seconds, got {value}")
+        if args.consistency_every is not None and args.consistency_every < 0:
+            raise UsageError(f"--consistency-every must be >= 0 steps, got {args.consistency_every}")
         recovery = RecoveryConfig(
             hang_timeout_s=args.hang_timeout, heartbeat_interval_s=min(0.1, args.hang_timeout / 4),
             progress_timeout_s=args.progress_timeout,
+            consistency_every=RecoveryConfig().consistency_every
+            if args.consistency_every is None
+            else args.consistency_every,
         )  # fmt: skip
         return JobConfig(
             workers=args.workers, spares=args.spares, seed=args.seed, faults=faults, recovery=recovery

@@ -23,10 +23,10 @@ Definitions (the contract other tools read):
 
 Per fault:
 
-- ``kind``: the injected kind (``kill``, ``hang``, ``exception``) or, for a real
-  fault, what was detected (:data:`KIND_OF_CAUSE`: ``crash``, ``hang``,
-  ``stuck``, ``exception``, ``start_failure``; a ``start_timeout`` is a
-  ``start_failure`` too).
+- ``kind``: the injected kind (``kill``, ``hang``, ``exception``, ``corrupt``) or,
+  for a real fault, what was detected (:data:`KIND_OF_CAUSE`: ``crash``, ``hang``,
+  ``stuck``, ``exception``, ``start_failure``, ``corrupt``; a ``start_timeout``
+  is a ``start_failure`` too).
 - ``cause``: the detection reason (see above) or None (injected, undetected).
 - ``injected`` / ``spec``: whether the fault was injected, and its spec string.
 - ``ranks``: the ranks hit (every rank an injected spec names; [] for a spare
@@ -50,6 +50,9 @@ Per fault:
   following the detection (comma-separated), ``"in-place"`` for an exception
   whose rank committed again, None otherwise.
 - ``error``: the exception message or the process's log tail, when known.
+- ``detected_step`` / ``detection_steps``: for a state that diverged (``corrupt``),
+  the committed step whose consistency check found it and how many steps after
+  the injection that was; None otherwise.
 """
 
 from __future__ import annotations
@@ -88,12 +91,19 @@ KIND_OF_CAUSE: dict[str, str] = {
     Reason.EXCEPTION: "exception",
     Reason.START_FAILURE: "start_failure",
     Reason.START_TIMEOUT: "start_failure",  # never joined: killed by the coordinator
+    Reason.STATE_DIVERGED: "corrupt",  # a replica's state differs from the majority's
 }
 #: Detection reasons that are root causes (a ``collective_error`` is a consequence).
 FAULT_CAUSES: tuple[str, ...] = tuple(KIND_OF_CAUSE)
 #: Event kinds that can create or change a fault (others only add figures to it).
 FAULT_EVENT_KINDS: frozenset[str] = frozenset(
-    {Event.FAULT_INJECTED, Event.FAULT_DETECTED, Event.FAILURE_REPORTED, Event.PROCESS_EXITED}
+    {
+        Event.FAULT_INJECTED,
+        Event.FAULT_DETECTED,
+        Event.FAILURE_REPORTED,
+        Event.PROCESS_EXITED,
+        Event.STATE_DIVERGED,
+    }
 )
 
 _PROCESS_CAUSES = frozenset(
@@ -161,6 +171,7 @@ class Fault:
     lost_steps: int
     replaced_by: str | None
     error: str | None = None
+    detected_step: int | None = None  # a diverged state: the committed step its check found it at
     #: stable identities (injection index, process or (generation, rank) of each detection):
     #: a consumer counting faults while events still arrive counts a fault once by these
     keys: tuple[str, ...] = ()
@@ -194,6 +205,12 @@ class Fault:
             "lost_steps": self.lost_steps,
             "replaced_by": self.replaced_by,
             "error": self.error,
+            "detected_step": self.detected_step,
+            "detection_steps": (
+                self.detected_step - self.step
+                if self.detected_step is not None and self.step is not None
+                else None
+            ),
         }
 
 
@@ -239,6 +256,15 @@ def _incidents(timed: list[tuple[float, dict[str, Any]]]) -> list[_Incident]:
         reason = _str(e.get("reason"))
         rank, gen = _int(e.get("rank")), _int(e.get("gen"))
         proc = _str(e.get("proc"))
+        if kind == Event.STATE_DIVERGED:  # one incident per replica that differed from the majority
+            odd = e.get("ranks")
+            for r in (_int(x) for x in (odd if isinstance(odd, list) else [])):
+                dkey = f"diverged gen {gen} rank {r}"
+                if r is not None and dkey not in by_key:
+                    by_key[dkey] = _Incident(dkey, Reason.STATE_DIVERGED, t, gen, r, members.get(r), "worker",
+                                             step=_int(e.get("step")), error=_str(e.get("entry")))  # fmt: skip
+                    out.append(by_key[dkey])
+            continue
         # only the coordinator detects these (a worker reports exceptions and collective errors)
         is_process_event = kind == Event.PROCESS_EXITED or (
             kind == Event.FAULT_DETECTED and reason in _PROCESS_CAUSES
@@ -318,6 +344,8 @@ def _matches(inj: dict[str, Any], inc: _Incident, t_inj: float) -> bool:
     if inc.claimed or inc.t < t_inj:
         return False
     if (inj.get("fault") == "exception") != (inc.cause == Reason.EXCEPTION):
+        return False
+    if (inj.get("fault") == "corrupt") != (inc.cause == Reason.STATE_DIVERGED):
         return False
     proc = _str(inj.get("proc"))
     if proc is not None and inc.proc is not None and proc not in _NOT_PROCESSES:
@@ -420,6 +448,7 @@ def derive_faults(events: list[dict[str, Any]]) -> list[Fault]:
                 if name and name not in _NOT_PROCESSES and name not in procs:
                     procs.append(name)
         exitcode = next((i.exitcode for i in incs if i.exitcode is not None), None)
+        detected_step = next((i.step for i in incs if i.cause == Reason.STATE_DIVERGED), None)
         error = next((i.error for i in incs if i.error), None)
         if inj is not None:
             ranks = [r for r in (_int(x) for x in (inj.get("ranks") or [inj.get("rank")])) if r is not None]
@@ -471,6 +500,7 @@ def derive_faults(events: list[dict[str, Any]]) -> list[Fault]:
                 lost_steps=lost,
                 replaced_by=replaced_by,
                 error=error,
+                detected_step=detected_step,
                 keys=tuple(keys),
             )
         )
