@@ -542,8 +542,10 @@ class Session:
             for dst in odd:
                 send_state(group, dst, self._registry.state_dict(), key=self._secret)
         elif self.rank in odd:
-            state, stats = recv_state(group, ref, key=self._secret)
+            self._has_state = False
+            state, stats = recv_state(group, ref, key=self._secret, into=self._registry.state_dict())
             self._registry.load_state_dict(state)
+            self._has_state = True
             self._buffers.commit()
             client.emit(Event.STATE_RESYNCED, sync=True, rank=self.rank, gen=self.generation, step=step,
                         src=ref, entry=str(entry), bytes=stats.bytes, seconds=stats.seconds)  # fmt: skip
@@ -702,7 +704,11 @@ class Session:
                 if self._faults is not None and rank in plan.replaced:
                     self._faults.at_recovery(rank, plan.resume_step, self._fault_fired)
 
-            state, stats = recv_state(self._group, src, between=hook, key=self._secret)
+            # received in place, into this process's own tensors: it holds no valid state until loaded
+            self._has_state = False
+            mine = self._registry.state_dict()
+            state, stats = recv_state(self._group, src, between=hook, key=self._secret, into=mine)
+            del mine
             self._registry.load_state_dict(state)
             self._buffers.commit()
             self._has_state = True

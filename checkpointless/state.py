@@ -16,13 +16,16 @@ generation's group, source to receiver, in this order:
    the tag before it parses a byte of ``meta``;
 3. every tensor, one message each (tag = index + 1), all posted at once;
 4. a trailer, 32 bytes, ``F(ctx || b"T" || sha256(meta) || D)`` where ``D`` is
-   the SHA-256 over the per-tensor SHA-256s in index order, which both sides
-   compute in a thread pool while the tensors are on the wire.
+   the SHA-256 over the per-tensor BLAKE3 digests (32 bytes each) in index
+   order, which both sides compute in a thread pool while the tensors are on
+   the wire. BLAKE3 is a cryptographic hash (collision resistant, so the MAC
+   over ``D`` authenticates every byte) about four times faster than SHA-256
+   here; it releases the GIL.
 
-``ctx`` is ``b"checkpointless/state/v1\\0"`` followed by the generation, the
+``ctx`` is ``b"checkpointless/state/v2\\0"`` followed by the generation, the
 source rank and the receiving rank as little-endian int64s, so a transfer is
 only valid for the one (generation, source, receiver) it was made for. ``F`` is
-HMAC-SHA256 when there is a key, under ``HMAC(key, b"checkpointless/state/v1
+HMAC-SHA256 when there is a key, under ``HMAC(key, b"checkpointless/state/v2
 transfer key")`` so that no MAC of another use of the same secret can pass for
 one of the transfer's; plain SHA-256 otherwise. Both sides compare with
 ``hmac.compare_digest``. The receiver allocates, receives, checks the trailer,
@@ -93,14 +96,14 @@ class Stateful(Protocol):
     def load_state_dict(self, state_dict: dict[str, Any]) -> Any: ...
 
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2  # 2: per-tensor BLAKE3 (1: SHA-256)
 MAX_META_BYTES = 64 * 2**20  # the metadata of a state; its tensors are not counted
 MIN_KEY_BYTES = 16
 _MAX_DEPTH = 100  # nesting of the metadata (a state dict is a handful of levels deep)
 _MAX_DIMS = 64
 _FORMAT = "checkpointless-state"
-_CTX = b"checkpointless/state/v1\0"
-_KEY_LABEL = b"checkpointless/state/v1 transfer key"
+_CTX = b"checkpointless/state/v2\0"
+_KEY_LABEL = b"checkpointless/state/v2 transfer key"
 _TAG_BYTES = 32
 
 _TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -407,18 +410,19 @@ def _pool() -> ThreadPoolExecutor:
     return _POOL
 
 
-def _sha256(t: torch.Tensor) -> bytes:
-    return hashlib.sha256(_bytes_of(t if t.device.type == "cpu" else t.cpu())).digest()
+def _tensor_digest(t: torch.Tensor) -> bytes:
+    """BLAKE3 of one contiguous tensor's bytes (32 bytes)."""
+    return blake3.blake3(_bytes_of(t if t.device.type == "cpu" else t.cpu())).digest()
 
 
 def _combine(digests: list[bytes]) -> bytes:
-    """The tensor digest: SHA-256 over the per-tensor SHA-256s, in index order."""
+    """The tensor digest: SHA-256 over the per-tensor digests, in index order."""
     return hashlib.sha256(b"".join(digests)).digest()
 
 
 def _hash_tensors(tensors: list[torch.Tensor]) -> str:
     """The tensor digest of ``tensors``, in hex (what the transfer computes on both sides)."""
-    return _combine(list(_pool().map(_sha256, [t.contiguous() for t in tensors]))).hex()
+    return _combine(list(_pool().map(_tensor_digest, [t.contiguous() for t in tensors]))).hex()
 
 
 def _check_key(key: bytes | None) -> None:
@@ -523,7 +527,7 @@ def send_state(group: Group, dst: int, state: dict[str, Any], *, key: bytes | No
     works: list[Any] = []
     try:
         works.extend(group.isend(_wire(t), dst, tag=i + 1) for i, t in enumerate(tensors) if t.numel())
-        hashes = [_pool().submit(_sha256, t) for t in tensors]
+        hashes = [_pool().submit(_tensor_digest, t) for t in tensors]
         for i in range(len(works)):  # no local name may keep a Work alive in a traceback
             group.wait(works[i])
     finally:
@@ -545,6 +549,7 @@ def recv_state(
     *,
     between: Callable[[], None] | None = None,
     key: bytes | None = None,
+    into: dict[str, Any] | None = None,
 ) -> tuple[dict[str, Any], TransferStats]:
     """Receive a state sent by ``send_state`` from rank ``src``; verify it before returning it.
 
@@ -557,6 +562,13 @@ def recv_state(
 
     ``between`` runs after the metadata arrived and before the tensors do (the
     fault-injection point for a receiver killed mid-transfer).
+
+    ``into``: the receiver's own state of the same structure (``StateRegistry.state_dict()``,
+    whose tensors share storage with the parameters, buffers and optimizer state). A tensor at
+    the same path with the same dtype and shape, contiguous, receives its bytes in place: no
+    allocation (page faults cost more than the wire here) and nothing to copy when the state is
+    loaded. The receiver's state is overwritten even if the transfer then fails its check, so only
+    a process that discards its state may pass ``into``.
     """
     _check_key(key)
     t0 = time.perf_counter()
@@ -586,10 +598,12 @@ def recv_state(
     if between is not None:
         between()
     accel = _accelerator()
+    reuse = _receive_buffers(skeleton, into, len(refs)) if into is not None else [None] * len(refs)
     tensors = [
-        torch.empty(ref.shape, dtype=ref.dtype, device=accel if ref.on_accelerator and accel else "cpu")
-        for ref in refs
-    ]
+        r if r is not None
+        else torch.empty(ref.shape, dtype=ref.dtype, device=accel if ref.on_accelerator and accel else "cpu")
+        for ref, r in zip(refs, reuse, strict=True)
+    ]  # fmt: skip
     works: dict[int, Any] = {}
     hashes = []
     try:
@@ -597,7 +611,7 @@ def recv_state(
         for i, t in enumerate(tensors):  # hash each tensor once it arrived, while the rest is on the wire
             if i in works:
                 group.wait(works[i])
-            hashes.append(_pool().submit(_sha256, t))
+            hashes.append(_pool().submit(_tensor_digest, t))
     finally:
         works.clear()  # a pending Work keeps the group's sockets open (comm module doc)
     trailer = torch.empty(_TAG_BYTES, dtype=torch.uint8)
@@ -671,6 +685,36 @@ def first_difference(a: list[tuple[str, str]], b: list[tuple[str, str]]) -> str 
             return path
     extra = [p for p, _ in b if p not in dict(a)]
     return extra[0] if extra else None
+
+
+def _receive_buffers(skeleton: Any, into: Any, n: int) -> list[torch.Tensor | None]:
+    """For each tensor of ``skeleton``, the tensor at the same path of ``into`` that can receive it."""
+    out: list[torch.Tensor | None] = [None] * n
+    seen: set[int] = set()
+
+    def walk(sk: Any, mine: Any) -> None:
+        if type(sk) is _TensorRef:
+            if (
+                isinstance(mine, torch.Tensor)
+                and mine.dtype == sk.dtype
+                and tuple(mine.shape) == sk.shape
+                and mine.is_contiguous()
+                and (mine.device.type != "cpu") == sk.on_accelerator
+                and mine.data_ptr() not in seen
+            ):
+                if mine.numel():
+                    seen.add(mine.data_ptr())
+                out[sk.index] = mine.detach()
+        elif isinstance(sk, dict) and isinstance(mine, dict):
+            for k, v in sk.items():
+                if k in mine:
+                    walk(v, mine[k])
+        elif isinstance(sk, list | tuple) and isinstance(mine, list | tuple) and len(sk) == len(mine):
+            for a, b in zip(sk, mine, strict=True):
+                walk(a, b)
+
+    walk(skeleton, into)
+    return out
 
 
 def digest_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, step: int) -> str:

@@ -218,6 +218,54 @@ def test_send_recv_moves_model_and_optimizer_exactly() -> None:
     assert digest_state(dst_model, dst_opt, 0) == digest_state(src_model, src_opt, 0)
 
 
+def test_recv_into_own_tensors_receives_in_place_and_loads_exactly() -> None:
+    """A replacement receives straight into its built model and optimizer: no new tensors."""
+    src_model, src_opt = trained_pair()
+    dst_model, dst_opt = trained_pair()
+    with torch.no_grad():
+        for p in dst_model.parameters():
+            p.mul_(-1)  # same structure, other values
+    src_model.head.weight = src_model.tok.weight  # tied weights: one tensor under two names
+    dst_model.head.weight = dst_model.tok.weight
+    registry = {0: StateRegistry(), 1: StateRegistry()}
+    for r, (m, o) in enumerate([(src_model, src_opt), (dst_model, dst_opt)]):
+        registry[r].register("model", m)
+        registry[r].register("optimizer", o)
+    mine = registry[1].state_dict()
+    ptrs = {name: t.data_ptr() for name, t in mine["model"].items()}
+    ptrs_opt = {i: s["exp_avg"].data_ptr() for i, s in mine["optimizer"]["state"].items()}
+
+    def fn(group: Group) -> Any:
+        if group.rank == 0:
+            return send_state(group, 1, registry[0].state_dict(), key=KEY)
+        state, _ = recv_state(group, 0, key=KEY, into=mine)
+        return state
+
+    _, got = run_pair(fn)
+    in_place = [n for n, t in got["model"].items() if t.data_ptr() == ptrs[n]]
+    assert len(in_place) == len(ptrs) - 1  # the second name of the tied tensor got its own buffer
+    assert all(s["exp_avg"].data_ptr() == ptrs_opt[i] for i, s in got["optimizer"]["state"].items())
+    registry[1].load_state_dict(got)
+    assert digest_state(dst_model, dst_opt, 0) == digest_state(src_model, src_opt, 0)
+
+
+def test_recv_into_a_different_structure_allocates() -> None:
+    sent = {"a": torch.arange(6.0), "b": [torch.ones(2, 2)], "c": torch.zeros(3, dtype=torch.int64)}
+    mine = {"a": torch.zeros(2, 3), "b": [torch.zeros(2, 2)], "c": torch.zeros(3)}  # shape, dtype differ
+    before = {k: (v[0] if isinstance(v, list) else v).data_ptr() for k, v in mine.items()}
+
+    def fn(group: Group) -> Any:
+        if group.rank == 0:
+            return send_state(group, 1, sent)
+        return recv_state(group, 0, into=mine)[0]
+
+    _, got = run_pair(fn)
+    assert got["a"].data_ptr() != before["a"] and got["c"].data_ptr() != before["c"]
+    assert got["b"][0].data_ptr() == before["b"]  # same path, dtype and shape: received in place
+    assert torch.equal(got["a"], sent["a"]) and torch.equal(got["b"][0], sent["b"][0])
+    assert torch.equal(got["c"], sent["c"])
+
+
 @pytest.mark.parametrize("key", [None, KEY])
 def test_every_supported_type_crosses_the_wire_exactly(key: bytes | None) -> None:
     state = every_type()
@@ -496,7 +544,13 @@ def test_trailer_covers_the_metadata() -> None:
 
 
 def _doc(state: Any, tensors: int = 0, **fields: Any) -> bytes:
-    doc = {"format": "checkpointless-state", "version": 1, "tensors": tensors, "state": state, **fields}
+    doc = {
+        "format": "checkpointless-state",
+        "version": S.WIRE_VERSION,
+        "tensors": tensors,
+        "state": state,
+        **fields,
+    }
     return json.dumps(doc).encode()
 
 
@@ -519,9 +573,9 @@ TENSOR = ["tensor", 0, "float32", [2], False]
         b"[]",
         b'{"format": "checkpointless-state"}',
         _doc(["dict"], extra=1),
-        _doc(["dict"]).replace(b'"version": 1', b'"version": 2'),
-        _doc(["dict"]).replace(b'"version": 1', b'"version": true'),
-        _doc(["dict"]).replace(b'"version": 1, ', b'"version": 1, "version": 1, '),
+        _doc(["dict"]).replace(b'"version": 2', b'"version": 1'),  # the SHA-256 wire format: refused
+        _doc(["dict"]).replace(b'"version": 2', b'"version": true'),
+        _doc(["dict"]).replace(b'"version": 2, ', b'"version": 2, "version": 2, '),
         _doc(["list"]),  # the state is not a dict
         _doc(["dict", "x", {"a": 1}]),  # a JSON object inside the state
         _doc(["dict", "x", "@"]).replace(b'"@"', b"NaN"),  # not JSON (nan is tagged)
