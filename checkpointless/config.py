@@ -46,6 +46,12 @@ class RecoveryConfig:
     after the first step and then after every this many committed steps (0: after the first step
     only). A replica that differs from a majority is re-synced from a healthy one; with no majority
     (two replicas) the job stops, naming the state entry that differs."""
+    durable_every: int = 0
+    """The last-resort durable tier: every this many committed steps, rank 0 of each shard writes an
+    asynchronous ``torch.distributed.checkpoint`` snapshot under ``durable_dir``, used only when no
+    live replica holds some shard. 0 (the default): off."""
+    durable_dir: str | None = None
+    """Where the durable tier writes (required with ``durable_every``; a directory every host sees)."""
 
     def __post_init__(self) -> None:
         for name in ("hang_timeout_s", "progress_timeout_s", "heartbeat_interval_s", "collective_timeout_s",
@@ -62,6 +68,10 @@ class RecoveryConfig:
             )
         if not 0 <= self.spare_start_nice <= 19:
             raise ValueError(f"spare_start_nice must be in 0..19, got {self.spare_start_nice}")
+        if self.durable_every < 0:
+            raise ValueError(f"durable_every must be >= 0 steps, got {self.durable_every}")
+        if self.durable_every and not self.durable_dir:
+            raise ValueError("durable_dir must name a directory when durable_every is set")
         if self.consistency_every < 0:
             raise ValueError(f"consistency_every must be >= 0 steps, got {self.consistency_every}")
         if self.max_retries_per_step < 1:

@@ -6,6 +6,7 @@ User mistakes end with one line on stderr and exit code 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import math
 import os
@@ -14,7 +15,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from rich.console import Console
 
@@ -54,9 +55,27 @@ def _add_detection_args(p: argparse.ArgumentParser, *, defaults: bool = True) ->
     p.add_argument("--progress-timeout", type=float, default=d.progress_timeout_s if defaults else None,
                    help="seconds a step may run, heartbeat alive, while peers wait for it, before it is "
                    f"declared stuck (default {d.progress_timeout_s})")  # fmt: skip
-    p.add_argument("--consistency-every", type=int, default=d.consistency_every if defaults else None,
-                   metavar="STEPS", help="replicas compare a digest of their state after the first step and "
-                   f"every this many steps (0: first step only; default {d.consistency_every})")  # fmt: skip
+    p.add_argument("--consistency-every", type=int, default=None, metavar="STEPS",
+                   help="replicas compare a digest of their state after the first step and every this many "
+                   f"steps (0: first step only; default {d.consistency_every})")  # fmt: skip
+    p.add_argument("--durable-every", type=int, default=None, metavar="STEPS",
+                   help="last-resort durable tier: an asynchronous snapshot every this many steps, used only "
+                   "when no live replica holds some shard (default off)")  # fmt: skip
+    p.add_argument("--durable-dir", type=Path, default=None, help="where the durable tier writes")
+
+
+def _check_durable(recovery: RecoveryConfig, key: str) -> None:
+    """The durable tier's directory must be writable (or creatable): checked without writing anything."""
+    if not recovery.durable_every or recovery.durable_dir is None:
+        return
+    path = Path(recovery.durable_dir)
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        raise UsageError(f"{key} {path}: {probe} exists and is not a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise UsageError(f"{key} {path}: not writable ({probe} does not let this user create files)")
 
 
 def _check_out(out: Path | None) -> None:
@@ -74,7 +93,13 @@ def _check_out(out: Path | None) -> None:
         raise UsageError(f"--out {out}: not a writable directory ({e.strerror or e})") from None
 
 
-def _job(args: argparse.Namespace, steps: int | None, default_faults: list[str]) -> JobConfig:
+def _job(
+    args: argparse.Namespace,
+    steps: int | None,
+    default_faults: list[str],
+    recovery: RecoveryConfig | None = None,
+) -> JobConfig:
+    """The job the flags describe; ``recovery``: the recipe's settings, which the flags override."""
     _positive("workers", args.workers)
     _positive("spares", args.spares, 0)
     if not 0 <= args.port < 65536:
@@ -90,15 +115,23 @@ def _job(args: argparse.Namespace, steps: int | None, default_faults: list[str])
         ):
             if not math.isfinite(value) or value <= 0:
                 raise UsageError(f"{flag} must be a positive number of seconds, got {value}")
-        if args.consistency_every is not None and args.consistency_every < 0:
-            raise UsageError(f"--consistency-every must be >= 0 steps, got {args.consistency_every}")
-        recovery = RecoveryConfig(
-            hang_timeout_s=args.hang_timeout, heartbeat_interval_s=min(0.1, args.hang_timeout / 4),
-            progress_timeout_s=args.progress_timeout,
-            consistency_every=RecoveryConfig().consistency_every
-            if args.consistency_every is None
-            else args.consistency_every,
-        )  # fmt: skip
+        base = recovery or RecoveryConfig()
+        changes: dict[str, Any] = {
+            "hang_timeout_s": args.hang_timeout,
+            "heartbeat_interval_s": min(base.heartbeat_interval_s, args.hang_timeout / 4),
+            "progress_timeout_s": args.progress_timeout,
+        }
+        for name in ("consistency_every", "durable_every"):
+            if getattr(args, name) is not None:
+                if getattr(args, name) < 0:
+                    raise UsageError(
+                        f"--{name.replace('_', '-')} must be >= 0 steps, got {getattr(args, name)}"
+                    )
+                changes[name] = getattr(args, name)
+        if args.durable_dir is not None:
+            changes["durable_dir"] = str(args.durable_dir)
+        recovery = dataclasses.replace(base, **changes)
+        _check_durable(recovery, "recovery.durable_dir" if args.durable_dir is None else "--durable-dir")
         return JobConfig(
             workers=args.workers, spares=args.spares, seed=args.seed, faults=faults, recovery=recovery
         )
@@ -266,7 +299,7 @@ def cmd_run(argv: list[str]) -> int:
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
-    _add_detection_args(p, defaults=False)  # the recipe's fault_tolerance section unless given
+    _add_detection_args(p, defaults=False)  # the recipe's recovery section unless given
     p.add_argument("--dry-run", action="store_true", help="print sizes and memory, train nothing")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
@@ -286,15 +319,15 @@ def cmd_run(argv: list[str]) -> int:
         return 0
     args.workers, args.spares, args.seed = cfg.parallel.workers, cfg.parallel.spares, cfg.train.seed
     if args.hang_timeout is None:
-        args.hang_timeout = cfg.fault_tolerance.hang_timeout_s
+        args.hang_timeout = cfg.recovery.hang_timeout_s
     if args.progress_timeout is None:
-        args.progress_timeout = cfg.fault_tolerance.progress_timeout_s
+        args.progress_timeout = cfg.recovery.progress_timeout_s
     if cfg.parallel.shards != 1:
         raise UsageError(
             f"{args.recipe}: parallel.shards={cfg.parallel.shards}: sharded (FSDP/HSDP) training is not "
             "supported by `checkpointless run` yet; use shards: 1 (--dry-run sizes sharded layouts)"
         )
-    job = _job(args, cfg.train.steps, [])
+    job = _job(args, cfg.train.steps, [], cfg.recovery)
     command = [sys.executable, "-m", "checkpointless.recipes.train", str(args.recipe)]
     for o in overrides:
         command += ["--set", o]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from checkpointless.recipes.config import (
     DataConfig,
-    FaultToleranceConfig,
     ModelConfig,
     OptimConfig,
     ParallelConfig,
@@ -24,7 +23,6 @@ from checkpointless.recipes.config import (
 
 __all__ = [
     "DataConfig",
-    "FaultToleranceConfig",
     "ModelConfig",
     "OptimConfig",
     "ParallelConfig",

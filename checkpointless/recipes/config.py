@@ -1,7 +1,7 @@
 """Typed training recipes: the schema of a recipe YAML file, as validated dataclasses.
 
 A recipe is a YAML file with the sections ``model``, ``data``, ``optim``, ``parallel``,
-``train`` and ``fault_tolerance`` plus a top-level ``name``. :func:`load_recipe` turns it
+``train`` and ``recovery`` plus a top-level ``name``. :func:`load_recipe` turns it
 into a :class:`RecipeConfig`, checking every key and type on the way and naming the dotted
 key (``optim.lr``) and the file in every error, so a typo never silently falls back to a
 default. ``--set``-style overrides (``"optim.lr=1e-3"``) are applied to the raw YAML
@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from checkpointless.config import RecoveryConfig
 from checkpointless.data.corpus import BYTE_VOCAB_SIZE  # 256 byte values + end-of-document
 from checkpointless.errors import RecipeError
 from checkpointless.recipes import loader
@@ -45,7 +46,6 @@ __all__ = [
     "MAX_YAML_DEPTH",
     "MAX_YAML_NODES",
     "DataConfig",
-    "FaultToleranceConfig",
     "ModelConfig",
     "OptimConfig",
     "ParallelConfig",
@@ -393,24 +393,6 @@ class TrainConfig:
 
 
 @dataclass(kw_only=True)
-class FaultToleranceConfig:
-    """How failures are detected (the same settings as ``--hang-timeout`` / ``--progress-timeout``,
-    which override them)."""
-
-    hang_timeout_s: float = 2.0
-    """A process with no heartbeat for this long is declared hung, killed and replaced."""
-
-    progress_timeout_s: float = 60.0
-    """A step running this long (heartbeat alive) while its peers wait for it is declared stuck."""
-
-    def __post_init__(self) -> None:
-        for key in ("hang_timeout_s", "progress_timeout_s"):
-            value = getattr(self, key)
-            if not math.isfinite(value) or value <= 0:
-                raise RecipeError(key, f"must be a positive finite number of seconds, got {value}")
-
-
-@dataclass(kw_only=True)
 class RecipeConfig:
     """A complete training recipe."""
 
@@ -432,8 +414,9 @@ class RecipeConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     """Run length, seed, logging."""
 
-    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
-    """Failure detection."""
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    """Every recovery setting (``checkpointless.RecoveryConfig``: detection timeouts, consistency
+    checks, the durable tier); ``--hang-timeout`` and the other flags override them."""
 
     def __post_init__(self) -> None:
         if not self.name:

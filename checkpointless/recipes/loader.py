@@ -371,6 +371,12 @@ def _build(cls: type, raw: Mapping[str, Any], prefix: str, source: str) -> Any:
         if err.source:
             raise  # already located by a nested section
         raise err.located(dotted(err.key) if err.key else prefix, source) from None
+    except ValueError as err:  # a dataclass of the core (RecoveryConfig): its message starts with the field
+        text = str(err)
+        name = text.split(" ", 1)[0]
+        if name in fields:
+            raise RecipeError(dotted(name), text.split(" ", 1)[1], source=source) from None
+        raise RecipeError(prefix, text, source=source) from None
 
 
 def build(cls: type[T], raw: Mapping[str, Any], *, source: str = "") -> T:

@@ -102,19 +102,30 @@ def test_dry_run_of_full_size_recipes(capsys: pytest.CaptureFixture[str]) -> Non
 
 def test_recipe_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = str(ROOT / "recipes" / "llama-tiny.yaml")
+    blocker = tmp_path / "a-file"  # a durable_dir below a file cannot be created
+    blocker.write_text("")
     for extra, needle in (
         (["--set", "model.nope=1"], "model.nope"),
         (["--set", "data.global_batch=15"], "global_batch"),
         (["--set", "data.source=/no/such/dir"], "/no/such/dir"),
         (["--workers", "0"], "workers"),
-        (["--set", "fault_tolerance.progress_timeout_s=.nan"], "progress_timeout_s"),
+        (["--set", "recovery.progress_timeout_s=.nan"], "progress_timeout_s"),
         (["--progress-timeout", "inf"], "--progress-timeout"),
         (["--hang-timeout", "0"], "--hang-timeout"),
         (["--set", "parallel.shards=2"], "sharded"),
+        (["--set", "recovery.consistency_every=-1"], "recovery.consistency_every"),
+        (["--set", "recovery.durable_every=5"], "recovery.durable_dir"),
+        (
+            ["--set", "recovery.durable_every=5", "--set", f"recovery.durable_dir={blocker}/sub"],
+            "recovery.durable_dir",
+        ),
+        (["--fault", "corrupt:rank=9@step=1"], "rank 9 is out of range"),
+        (["--set", "recovery.nope=1"], "recovery.nope"),
     ):
         assert main(["run", path, *extra]) == 2
         err = capsys.readouterr().err
         assert needle in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]  # nothing written
     assert main(["run", str(tmp_path / "missing.yaml")]) == 2
     assert "missing.yaml" in capsys.readouterr().err
 
@@ -123,8 +134,8 @@ def test_detection_settings_come_from_the_recipe_unless_a_flag_says_otherwise() 
     from checkpointless.recipes.config import load_recipe
 
     path = ROOT / "recipes" / "llama-tiny.yaml"
-    cfg = load_recipe(path, ["fault_tolerance.progress_timeout_s=7.5"], check_data=False)
-    assert cfg.fault_tolerance.progress_timeout_s == 7.5 and cfg.fault_tolerance.hang_timeout_s == 2.0
+    cfg = load_recipe(path, ["recovery.progress_timeout_s=7.5"], check_data=False)
+    assert cfg.recovery.progress_timeout_s == 7.5 and cfg.recovery.hang_timeout_s == 2.0
 
 
 def test_bf16_recipe_with_kill_equals_fault_free(tmp_path: Path) -> None:
