@@ -112,11 +112,14 @@ def parse_faults(specs: list[str]) -> list[FaultSpec]:
     return [parse_fault(s) for s in specs]
 
 
-def validate_schedule(faults: list[FaultSpec], *, workers: int, spares: int, steps: int) -> None:
+def validate_schedule(
+    faults: list[FaultSpec], *, workers: int, spares: int, steps: int, durable: bool = False
+) -> None:
     """Check a schedule against the job's shape; raise ``ValueError`` naming the problem.
 
     Without an elastic mode a job needs a spare for every rank that fails at once,
-    and at least one survivor to hold the state.
+    and at least one survivor to hold the state, unless the durable tier (``durable``)
+    is there to roll back to.
     """
     per_step: dict[int, set[int]] = {}  # ranks that need a replacement, by step
     for f in faults:
@@ -143,8 +146,11 @@ def validate_schedule(faults: list[FaultSpec], *, workers: int, spares: int, ste
                 f"{n_replaced} ranks fail at step {step} but only {spares} spare(s) are configured "
                 "(elastic shrink without spares is not supported yet)"
             )
-        if n_replaced >= workers:
-            raise ValueError(f"every rank fails at step {step}: no live replica would hold the state")
+        if n_replaced >= workers and not durable:
+            raise ValueError(
+                f"every rank fails at step {step}: no live replica would hold the state "
+                "(set recovery.durable_every and durable_dir to roll back to a durable snapshot)"
+            )
 
 
 class _Claimer(Protocol):

@@ -83,6 +83,8 @@ from checkpointless.control.client import (
 from checkpointless.control.plan import Plan
 from checkpointless.control.vocab import Event, Phase, Reason, Role
 from checkpointless.ddp import BufferSync, GradientReducer
+from checkpointless.durable import DurableWriter
+from checkpointless.durable import load as load_durable
 from checkpointless.errors import FatalError
 from checkpointless.faults import FaultInjector, FaultSpec
 from checkpointless.state import (
@@ -272,6 +274,7 @@ class Session:
         self.rank, self.world_size, self.generation = 0, 1, 0
         self._client: ControlClient | None = None
         self._faults: FaultInjector | None = None
+        self._durable: DurableWriter | None = None
         if ENV_STORE not in os.environ:
             self.job = JobConfig(workers=1, spares=0, seed=seed)
             self._has_state = True
@@ -288,6 +291,8 @@ class Session:
             heartbeat_interval=rc.heartbeat_interval_s,
         )
         self._faults = FaultInjector(self.job.faults, self._client)
+        if rc.durable_every and rc.durable_dir:
+            self._durable = DurableWriter(rc.durable_dir, rc.durable_every)
         atexit.register(self._at_exit)
         # A spare's model is built like the workers' but is not the job's state until it receives it.
         self._has_state = os.environ.get(ENV_ROLE, Role.WORKER) != Role.SPARE
@@ -452,6 +457,8 @@ class Session:
         """
         digest = self.state_digest()
         client = self._client
+        if self._durable is not None:
+            self._durable.wait()  # a snapshot still being written completes before the job ends
         if client is None:
             self._finished = True
             return digest
@@ -563,6 +570,11 @@ class Session:
                 Event.STEP_COMMITTED, sync=True, rank=self.rank, gen=self.generation, step=step,
                 step_time_s=seconds, **self._metrics,
             )  # fmt: skip
+            durable = self._durable
+            if durable is not None and durable.due(step) and self.dp_rank == 0:  # one writer per shard
+                durable.shard = self.rank % self.job.shards
+                if durable.save(step, self._registry.state_dict()):
+                    self._client.emit(Event.DURABLE_SAVED, rank=self.rank, gen=self.generation, step=step)
 
     def _fatal(self, message: str) -> None:
         """End the job: report ``message`` (naming this rank) to the coordinator and raise ``FatalError``."""
@@ -666,6 +678,23 @@ class Session:
         group: Group = result["group"]
         return group
 
+    def _restore_durable(self, plan: Plan) -> None:
+        """Every rank rolls back to the durable snapshot the plan names (no live replica held a shard)."""
+        assert self._client is not None and plan.restore is not None
+        rc = self.job.recovery
+        if self._durable is not None:
+            self._durable.wait()  # this process's own save may still be writing
+        self._has_state = False
+        try:
+            assert rc.durable_dir is not None
+            state = load_durable(rc.durable_dir, plan.restore, shard=self.rank % self.job.shards)
+        except IntegrityError as e:
+            self._fatal(f"cannot roll back to the durable snapshot: {e}")
+        self._registry.load_state_dict(state)
+        self._buffers.commit()
+        self._has_state = True
+        self._client.emit(Event.DURABLE_RESTORED, sync=True, rank=self.rank, gen=plan.gen, step=plan.restore)
+
     def _check_layout(self, plan: Plan) -> None:
         """Every rank's parameters must have the same names, shapes and dtypes (one tiny all-gather)."""
         assert self._client is not None and self._group is not None
@@ -695,6 +724,8 @@ class Session:
         self._group = self._form_group(plan)
         if plan.world_size > 1:
             self._check_layout(plan)
+        if plan.restore is not None:
+            self._restore_durable(plan)
         if rank in plan.sources:
             src = plan.sources[rank]
             client.emit(Event.TRANSFER_BEGUN, rank=rank, gen=plan.gen, step=plan.resume_step, src=src)

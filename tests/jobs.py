@@ -35,6 +35,8 @@ def run_job(
     spare_restart_limit: int = 3,
     spare_start_nice: int = 0,
     consistency_every: int = RecoveryConfig().consistency_every,
+    durable_every: int = 0,
+    durable_dir: Path | None = None,
     timeout_s: float = 150.0,
     command: list[str] | None = None,
     global_batch: int | None = None,
@@ -55,6 +57,8 @@ def run_job(
         spare_restart_limit=spare_restart_limit,
         spare_start_nice=spare_start_nice,
         consistency_every=consistency_every,
+        durable_every=durable_every,
+        durable_dir=None if durable_dir is None else str(durable_dir),
     )
     job = JobConfig(workers=workers, spares=spares, faults=parse_faults(faults or []), recovery=recovery)
     spec = {**TINY, "global_batch": global_batch or TINY["global_batch"]}

@@ -47,6 +47,7 @@ from checkpointless.control import keys
 from checkpointless.control.auth import SignedStore
 from checkpointless.control.plan import Plan, PlanError, initial_plan, make_plan
 from checkpointless.control.vocab import Event, Phase, Reason, Role, event
+from checkpointless.durable import latest_complete
 from checkpointless.errors import JobFailed
 
 log = logging.getLogger(__name__)
@@ -475,7 +476,12 @@ class Coordinator:
                 )
             return  # wait for spares that are still starting
         try:
-            plan = make_plan(self.plan, committed, spares, holders=f.holders)
+            rc = self.job.recovery
+            durable_on = bool(rc.durable_every and rc.durable_dir)
+            step = latest_complete(rc.durable_dir, self.job.shards) if durable_on and rc.durable_dir else None
+            plan = make_plan(
+                self.plan, committed, spares, holders=f.holders, durable_on=durable_on, durable_step=step
+            )
         except PlanError as e:
             raise JobFailed(f"generation {f.gen}: {e}") from e
         self._retries[plan.resume_step] += 1
@@ -496,7 +502,7 @@ class Coordinator:
         self.plan = plan
         self._emit(
             Event.GENERATION_STARTED, gen=plan.gen, members=plan.members, resume_step=plan.resume_step,
-            sources=plan.sources, replaced=plan.replaced, committed=f.reported,
+            sources=plan.sources, replaced=plan.replaced, committed=f.reported, restore=plan.restore,
         )  # fmt: skip
         for rank, old in plan.replaced.items():
             self._emit(Event.SPARE_ASSIGNED, rank=rank, gen=plan.gen, target=plan.members[rank], replaces=old)

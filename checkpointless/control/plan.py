@@ -54,6 +54,8 @@ class Plan:
     resume_step: int
     sources: dict[int, int] = field(default_factory=dict)
     replaced: dict[int, str] = field(default_factory=dict)  # rank -> proc that left
+    #: every rank loads the durable snapshot of this step (no live replica held some shard)
+    restore: int | None = None
 
     def to_json(self) -> str:
         return json.dumps(
@@ -65,6 +67,7 @@ class Plan:
                 "resume_step": self.resume_step,
                 "sources": {str(k): v for k, v in self.sources.items()},
                 "replaced": {str(k): v for k, v in self.replaced.items()},
+                "restore": self.restore,
             }
         )
 
@@ -79,6 +82,7 @@ class Plan:
             resume_step=int(d["resume_step"]),
             sources={int(k): int(v) for k, v in d["sources"].items()},
             replaced={int(k): str(v) for k, v in d["replaced"].items()},
+            restore=None if d.get("restore") is None else int(d["restore"]),
         )
 
     def rank_of(self, proc: str) -> int | None:
@@ -94,7 +98,13 @@ def initial_plan(world_size: int, shards: int, procs: list[str]) -> Plan:
 
 
 def make_plan(
-    prev: Plan, committed: dict[int, int], spares: list[str], holders: set[int] | None = None
+    prev: Plan,
+    committed: dict[int, int],
+    spares: list[str],
+    holders: set[int] | None = None,
+    *,
+    durable_on: bool = False,
+    durable_step: int | None = None,
 ) -> Plan:
     """The next generation after a failure in ``prev``.
 
@@ -108,6 +118,11 @@ def make_plan(
     survivor receives state from an up-to-date holder of its own shard, the
     load spread round-robin over the sources. No holder of some shard is a
     ``PlanError``: the job never silently restarts from scratch.
+
+    ``durable_on``: whether the durable tier is configured; ``durable_step``: the step of its
+    newest complete snapshot (``durable.latest_complete``), None if none. When some shard has no
+    holder and there is a snapshot, every rank rolls back to it: a plan with ``restore`` set,
+    resuming after the snapshot's step, with no transfers.
     """
     layout = ReplicaMap(prev.world_size, prev.shards)
     holders = set(committed) if holders is None else holders & set(committed)
@@ -120,11 +135,15 @@ def make_plan(
     for shard in range(prev.shards):
         alive = [r for r in layout.replica_group(shard) if r in holders]
         if not alive:
+            if durable_on and durable_step is not None:
+                return _restore_plan(prev, dead, spares, durable_step)
             what = "the state" if prev.shards == 1 else f"shard {shard} of the state"
-            raise PlanError(
-                f"every live copy of {what} is lost: no surviving rank holds it "
-                "(no durable checkpoint tier is configured)"
+            why = (
+                "the durable tier holds no complete snapshot yet"
+                if durable_on
+                else "no durable copy exists (recovery.durable_every is off)"
             )
+            raise PlanError(f"every live copy of {what} is lost: no surviving rank holds it, and {why}")
         best[shard] = max(committed[r] for r in alive)
     resume = min(best.values()) + 1
     ahead = [r for r, c in committed.items() if c >= resume]
@@ -152,4 +171,22 @@ def make_plan(
         resume_step=resume,
         sources=sources,
         replaced=replaced,
+    )
+
+
+def _restore_plan(prev: Plan, dead: list[int], spares: list[str], step: int) -> Plan:
+    """Every rank rolls back to the durable snapshot of ``step``; dead ranks get spares."""
+    members = dict(prev.members)
+    replaced: dict[int, str] = {}
+    for rank, proc in zip(dead, spares, strict=False):
+        replaced[rank] = members[rank]
+        members[rank] = proc
+    return Plan(
+        gen=prev.gen + 1,
+        world_size=prev.world_size,
+        shards=prev.shards,
+        members=members,
+        resume_step=step + 1,
+        replaced=replaced,
+        restore=step,
     )

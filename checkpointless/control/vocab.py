@@ -34,6 +34,8 @@ class Event(StrEnum):
     RECOVERY_DONE = "recovery_done"
     STATE_DIVERGED = "state_diverged"  # replicas' state digests differ (names the entry and ranks)
     STATE_RESYNCED = "state_resynced"  # the odd replica received a healthy replica's state
+    DURABLE_SAVED = "durable_saved"  # a durable snapshot was started (the write is asynchronous)
+    DURABLE_RESTORED = "durable_restored"  # a rank rolled back to a durable snapshot
     MESSAGE_REJECTED = "message_rejected"
     FATAL = "fatal"
     EVAL = "eval"  # the recipes' held-out loss (user code may emit kinds of its own)

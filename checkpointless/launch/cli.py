@@ -107,8 +107,6 @@ def _job(
     _check_out(args.out)
     try:
         faults = parse_faults(args.fault if args.fault is not None else default_faults)
-        if steps is not None:
-            validate_schedule(faults, workers=args.workers, spares=args.spares, steps=steps)
         for flag, value in (
             ("--hang-timeout", args.hang_timeout),
             ("--progress-timeout", args.progress_timeout),
@@ -132,6 +130,9 @@ def _job(
             changes["durable_dir"] = str(args.durable_dir)
         recovery = dataclasses.replace(base, **changes)
         _check_durable(recovery, "recovery.durable_dir" if args.durable_dir is None else "--durable-dir")
+        if steps is not None:
+            validate_schedule(faults, workers=args.workers, spares=args.spares, steps=steps,
+                              durable=bool(recovery.durable_every))  # fmt: skip
         return JobConfig(
             workers=args.workers, spares=args.spares, seed=args.seed, faults=faults, recovery=recovery
         )

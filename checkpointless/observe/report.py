@@ -512,15 +512,21 @@ def _stall(
 ) -> tuple[float, int]:
     stall = 0.0
     lost = 0
-    for rank, cs in commits.items():
-        if rank in ranks:
-            continue
-        before = [c for c in cs if c[0] <= t_ref]
-        after = [c for c in cs if c[0] > t_ref]
-        if not before or not after:
-            continue
-        stall = max(stall, after[0][0] - before[-1][0] - step_time)
-        lost = max(lost, max(c[1] for c in before) - after[0][1] + 1)
+    seen = False
+    # the healthy ranks; when every rank was hit (rolled back to a durable snapshot), the ranks themselves
+    for healthy_only in (True, False):
+        for rank, cs in commits.items():
+            if healthy_only and rank in ranks:
+                continue
+            before = [c for c in cs if c[0] <= t_ref]
+            after = [c for c in cs if c[0] > t_ref]
+            if not before or not after:
+                continue
+            seen = True
+            stall = max(stall, after[0][0] - before[-1][0] - step_time)
+            lost = max(lost, max(c[1] for c in before) - after[0][1] + 1)
+        if seen:
+            break
     return round(max(0.0, stall), 4), max(0, lost)
 
 

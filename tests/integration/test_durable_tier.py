@@ -1,0 +1,38 @@
+"""Every live copy lost at once: the durable tier rolls every rank back, or the job stops in one line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from checkpointless.control.vocab import Event
+from tests.jobs import logs_of, reference_digest, run_job
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+STEPS = 24
+
+
+def test_both_replicas_killed_roll_back_to_the_durable_snapshot(tmp_path: Path) -> None:
+    r = run_job(
+        workers=2, spares=2, steps=STEPS, faults=["kill:rank=0,1@step=16"], durable_every=5,
+        durable_dir=tmp_path / "durable", out=tmp_path / "run",
+    )  # fmt: skip
+    assert r.ok, logs_of(r)
+    assert r.digest == reference_digest(2, STEPS)  # rolled back and re-ran: the fault-free result
+    restored = [e for e in r.events if e["kind"] == Event.DURABLE_RESTORED]
+    assert sorted(e["rank"] for e in restored) == [0, 1]
+    (step,) = {e["step"] for e in restored}
+    assert step in (9, 14)  # the newest complete snapshot before the kill (step 14's may still be writing)
+    (fault,) = r.report["faults"]
+    assert fault["ranks"] == [0, 1]
+    assert fault["lost_steps"] == 15 - step  # committed up to 15, resumed at step + 1
+
+
+def test_without_the_durable_tier_the_job_stops_in_one_line(tmp_path: Path) -> None:
+    r = run_job(workers=2, spares=2, steps=STEPS, faults=["kill:rank=0,1@step=6"], expect_fired=False)
+    assert not r.ok
+    assert "every live copy of the state is lost" in (r.error or ""), r.error
+    assert "no durable copy exists" in (r.error or ""), r.error
+    assert "\n" not in (r.error or "")
