@@ -16,7 +16,7 @@ STEPS = 24
 
 def test_both_replicas_killed_roll_back_to_the_durable_snapshot(tmp_path: Path) -> None:
     r = run_job(
-        workers=2, spares=2, steps=STEPS, faults=["kill:rank=0,1@step=16"], durable_every=5,
+        workers=2, spares=2, steps=STEPS, faults=["kill:rank=0,1@step=18"], durable_every=5,
         durable_dir=tmp_path / "durable", out=tmp_path / "run",
     )  # fmt: skip
     assert r.ok, logs_of(r)
@@ -24,10 +24,12 @@ def test_both_replicas_killed_roll_back_to_the_durable_snapshot(tmp_path: Path) 
     restored = [e for e in r.events if e["kind"] == Event.DURABLE_RESTORED]
     assert sorted(e["rank"] for e in restored) == [0, 1]
     (step,) = {e["step"] for e in restored}
-    assert step in (9, 14)  # the newest complete snapshot before the kill (step 14's may still be writing)
+    # the newest complete snapshot before the kill: a save still writing when the next is due is
+    # skipped, and the newest may still be writing when the kill strikes (a loaded machine)
+    assert step % 5 == 4 and step < 18, step
     (fault,) = r.report["faults"]
     assert fault["ranks"] == [0, 1]
-    assert fault["lost_steps"] == 15 - step  # committed up to 15, resumed at step + 1
+    assert fault["lost_steps"] == 17 - step  # committed up to 17, resumed at step + 1
 
 
 def test_without_the_durable_tier_the_job_stops_in_one_line(tmp_path: Path) -> None:
