@@ -26,9 +26,9 @@ def _classifier(steps: int, *extra: str) -> list[str]:
 
 
 def test_image_classifier_with_kill_and_exception_matches_fault_free() -> None:
-    steps = 16
+    steps = 12
     faulted = run_job(
-        steps=steps, faults=["kill:rank=1@step=5", "exception:rank=0@step=10"], command=_classifier(steps),
+        steps=steps, faults=["kill:rank=1@step=4", "exception:rank=0@step=8"], command=_classifier(steps),
         consistency_every=4,
     )  # fmt: skip
     assert faulted.ok, logs_of(faulted)
@@ -49,19 +49,19 @@ def test_per_rank_buffers_stop_the_job_after_the_first_step_naming_the_entry() -
 
 
 def test_corruption_on_one_of_three_replicas_is_found_and_resynced() -> None:
-    steps = 14
-    r = run_job(workers=3, spares=0, steps=steps, faults=["corrupt:rank=1@step=3"], consistency_every=5)
+    steps = 10
+    r = run_job(workers=3, spares=0, steps=steps, faults=["corrupt:rank=1@step=2"], consistency_every=4)
     assert r.ok, logs_of(r)
     (fault,) = r.report["faults"]
     assert fault["kind"] == "corrupt" and fault["ranks"] == [1] and fault["injected"]
-    # injected in step 3, so the state committed at step 3 differs; the check after step 4 finds it
-    assert fault["detected_step"] == 4 and fault["detection_steps"] == 1
+    # injected in step 2, so the state committed at step 2 differs; the check after step 3 finds it
+    assert fault["detected_step"] == 3 and fault["detection_steps"] == 1
     assert fault["detection_s"] is not None and fault["detection_s"] >= 0
     assert r.digest is not None  # all three replicas identical at the end
 
 
 def test_corruption_with_two_replicas_stops_the_job() -> None:
-    r = run_job(workers=2, spares=0, steps=14, faults=["corrupt:rank=0@step=2"], consistency_every=5,
+    r = run_job(workers=2, spares=0, steps=10, faults=["corrupt:rank=0@step=2"], consistency_every=4,
                 expect_fired=False)  # fmt: skip
     assert not r.ok
     assert "no majority" in (r.error or ""), r.error
