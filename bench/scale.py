@@ -37,7 +37,8 @@ replica's shards, deduplicated) and load (read once per shard, then broadcast). 
 table re-evaluates the sweep with each assumption changed.
 
 Usage: ``python bench/scale.py [--quick]`` (writes ``bench/out/scale.json`` and
-``bench/out/scale/goodput.png``; the plot shows the linear fit's sweep).
+``bench/out/scale/goodput.png``; the plot shows the linear fit's sweep, solid, and the power-law
+fit's, dashed).
 """
 
 from __future__ import annotations
@@ -782,7 +783,7 @@ def run(quick: bool, out: Path) -> dict[str, Any]:
     )
     dest = out / "scale"
     dest.mkdir(parents=True, exist_ok=True)
-    png = plot_sweep(res["rows"], dest / "goodput.png")
+    png = plot_sweep(res["rows"], dest / "goodput.png", res["rows_power"], "power-law formation fit")
     shutil.copy(png, common.REPO / "docs" / "bench-scale-goodput.png")
     res.update(
         quick=quick, plot=common.rel(png), image="bench-scale-goodput.png", wall_s=time.monotonic() - t0

@@ -114,12 +114,18 @@ def sweep(
     return rows
 
 
-def plot_sweep(rows: Sequence[dict[str, Any]], path: str | Path) -> Path:
+def plot_sweep(
+    rows: Sequence[dict[str, Any]],
+    path: str | Path,
+    alternative: Sequence[dict[str, Any]] | None = None,
+    alternative_label: str = "alternative model",
+) -> Path:
     """Draw goodput vs cluster size (log x) for both systems to ``path`` (PNG) and return it.
 
     Uses matplotlib's Agg canvas directly (no pyplot, no global backend switch); matplotlib is
     imported here so the rest of the module does not need it. Monte-Carlo points are drawn as
-    markers when the rows carry them.
+    markers when the rows carry them; ``alternative`` rows (the same keys, another model of some
+    cost, e.g. a power-law fit of group formation) are drawn dashed, labelled ``alternative_label``.
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -138,6 +144,11 @@ def plot_sweep(rows: Sequence[dict[str, Any]], path: str | Path) -> Path:
         ax.plot(xs, [r[key] for r in rows], "-o", color=color, label=label, markersize=4)
         if all(mc_key in r for r in rows):
             ax.plot(xs, [r[mc_key] for r in rows], "x", color=color, label=f"{label}, Monte-Carlo")
+    if alternative:
+        axs = [r["n_accelerators"] for r in alternative]
+        for key, _, label, color in series:
+            ax.plot(axs, [r[key] for r in alternative], "--", color=color, alpha=0.7,
+                    label=f"{label}, {alternative_label}")  # fmt: skip
     ax.set_xscale("log")
     ax.set_xlabel("accelerators")
     ax.set_ylabel("goodput (useful time / wall time)")
