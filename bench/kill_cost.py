@@ -128,14 +128,14 @@ def markdown(res: dict[str, Any]) -> str:
 
 
 def run_bench(quick: bool, out: Path) -> dict[str, Any]:
-    """Entry point for ``bench/run_all.py``: 2 repetitions of 40 s windows, a kill every 10 s (quick: 1 of 30 s)."""
+    """Entry point for ``bench/run_all.py``: 2 repetitions of 40 s windows, a kill every 10 s (quick: 1 of 20 s)."""
     import os
 
     import baselines
 
     common.pin_threads()
     os.environ.update(baselines.THREAD_ENV)
-    return run(1 if quick else 2, 30.0 if quick else 40.0, 10.0, out / "kill_cost")
+    return run(1 if quick else 2, 20.0 if quick else 40.0, 10.0, out / "kill_cost")
 
 
 def main(argv: list[str] | None = None) -> int:

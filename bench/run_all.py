@@ -3,7 +3,7 @@
 Usage::
 
     OMP_NUM_THREADS=1 python bench/run_all.py           # full: ~70 min on 2 cores
-    OMP_NUM_THREADS=1 python bench/run_all.py --quick   # smoke: ~12 min
+    OMP_NUM_THREADS=1 python bench/run_all.py --quick   # smoke: ~10 min
     python bench/run_all.py --render                    # rebuild the page from bench/results/, run nothing
 
 ``bench/results/`` (committed) holds one small JSON per benchmark plus ``machine.json`` (the machine and
