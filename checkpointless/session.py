@@ -335,6 +335,11 @@ class Session:
         return self.rank // self.job.shards
 
     @property
+    def shard(self) -> int:
+        """Which shard of the state this rank holds (0 when the state is replicated)."""
+        return self.rank % self.job.shards
+
+    @property
     def dp_size(self) -> int:
         return self.world_size // self.job.shards
 
@@ -572,7 +577,7 @@ class Session:
             )  # fmt: skip
             durable = self._durable
             if durable is not None and durable.due(step) and self.dp_rank == 0:  # one writer per shard
-                durable.shard = self.rank % self.job.shards
+                durable.shard = self.shard
                 if durable.save(step, self._registry.state_dict()):
                     self._client.emit(Event.DURABLE_SAVED, rank=self.rank, gen=self.generation, step=step)
 
@@ -687,7 +692,7 @@ class Session:
         self._has_state = False
         try:
             assert rc.durable_dir is not None
-            state = load_durable(rc.durable_dir, plan.restore, shard=self.rank % self.job.shards)
+            state = load_durable(rc.durable_dir, plan.restore, shard=self.shard)
         except IntegrityError as e:
             self._fatal(f"cannot roll back to the durable snapshot: {e}")
         self._registry.load_state_dict(state)
