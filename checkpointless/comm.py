@@ -34,6 +34,18 @@ from checkpointless.errors import CollectiveError
 log = logging.getLogger(__name__)
 
 
+_BACKEND_MARKS = ("gloo", "NCCL", "ProcessGroup", "Connection reset", "Connection closed")
+
+
+def is_collective_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is a failed collective: ours (``CollectiveError``) or one raised inside a
+    library's collective (FSDP2's all-gather in ``forward``: gloo raises a bare ``RuntimeError``
+    naming its transport, so the message is the only mark)."""
+    if isinstance(exc, CollectiveError | dist.DistError):
+        return True
+    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _BACKEND_MARKS)
+
+
 class Group:
     """The data-plane group of one generation (gloo on CPU, NCCL on GPU)."""
 
@@ -68,6 +80,18 @@ class Group:
             raise
         except RuntimeError as e:  # gloo and NCCL errors (torch.distributed.DistError is one)
             raise CollectiveError(f"gen {gen}: group formation failed: {e}") from None
+        self._owned = True
+
+    @classmethod
+    def wrap(cls, pg: Any, gen: int, rank: int, world_size: int) -> Group:
+        """A ``Group`` over an existing ``ProcessGroup`` (a sharded generation's default group).
+
+        Its owner tears it down (``fsdp.Generation.close``); ``abort`` only drops the reference.
+        """
+        self = cls.__new__(cls)
+        self.gen, self.rank, self.world_size, self.pg = gen, rank, world_size, pg
+        self._owned = False
+        return self
 
     def allreduce_(self, tensors: list[torch.Tensor]) -> None:
         """Sum each tensor in place across the group (all issued, then all awaited)."""
@@ -149,7 +173,7 @@ class Group:
         failure's traceback first); the group is unusable afterwards.
         """
         pg, self.pg = self.pg, None
-        if pg is None:
+        if pg is None or not self._owned:
             return
         try:
             pg.abort()

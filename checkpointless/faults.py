@@ -113,7 +113,7 @@ def parse_faults(specs: list[str]) -> list[FaultSpec]:
 
 
 def validate_schedule(
-    faults: list[FaultSpec], *, workers: int, spares: int, steps: int, durable: bool = False
+    faults: list[FaultSpec], *, workers: int, spares: int, steps: int, durable: bool = False, shards: int = 1
 ) -> None:
     """Check a schedule against the job's shape; raise ``ValueError`` naming the problem.
 
@@ -151,6 +151,14 @@ def validate_schedule(
                 f"every rank fails at step {step}: no live replica would hold the state "
                 "(set recovery.durable_every and durable_dir to roll back to a durable snapshot)"
             )
+        for shard in range(shards):
+            copies = set(range(shard, workers, shards))
+            if copies <= ranks and not durable:
+                raise ValueError(
+                    f"ranks {', '.join(map(str, sorted(copies)))} (every copy of shard {shard}) fail at step "
+                    f"{step}: no live replica would hold that shard (set recovery.durable_every and "
+                    "durable_dir to roll back to a durable snapshot)"
+                )
 
 
 class _Claimer(Protocol):

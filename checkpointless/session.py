@@ -65,8 +65,9 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
-from checkpointless.comm import CollectiveError, Group
+from checkpointless.comm import CollectiveError, Group, is_collective_failure
 from checkpointless.config import JobConfig
 from checkpointless.control import keys
 from checkpointless.control.auth import pg_token, secret_from_env
@@ -80,13 +81,14 @@ from checkpointless.control.client import (
     connect,
     die_with_parent,
 )
-from checkpointless.control.plan import Plan
+from checkpointless.control.plan import Plan, ReplicaMap
 from checkpointless.control.vocab import Event, Phase, Reason, Role
 from checkpointless.ddp import BufferSync, GradientReducer
 from checkpointless.durable import DurableWriter
 from checkpointless.durable import load as load_durable
 from checkpointless.errors import FatalError
 from checkpointless.faults import FaultInjector, FaultSpec
+from checkpointless.fsdp import Build, Generation, ShardedState, fsdp_modules
 from checkpointless.state import (
     IntegrityError,
     Stateful,
@@ -219,8 +221,18 @@ class Session:
     """One process's membership in a fault-tolerant data-parallel job.
 
     Args:
-        model: the module whose gradients are averaged and whose state is moved.
+        model: the module whose gradients are averaged and whose state is moved
+            (replicated data parallelism; give ``build`` instead for a sharded model).
         optimizer: its optimizer (state moved with it).
+        build: for a sharded model (FSDP2, HSDP): ``build(mesh)`` returns ``(model, optimizer)``
+            or ``(model, optimizer, {name: stateful})``, with ``fully_shard(..., mesh=mesh)``
+            applied to the model; ``mesh`` is a 2-D ``DeviceMesh`` with dimensions
+            ``("replicate", "shard")``. The session calls it once per generation (FSDP2 binds a
+            module to its process groups for good), so the loop must use ``session.model``,
+            ``session.optimizer`` and ``session.state[name]``, which change after a recovery.
+            The model must be built identically (seeded) on every rank; gradients are reduced
+            by FSDP2 inside ``backward()``, and every rank reads its own slice of the batch
+            (``dp_rank`` is the rank).
         state: more ``Stateful`` objects to move (LR scheduler, data loader, ...);
             they must be identical on every replica.
         seed: base of the per-(step, rank) RNG seeds.
@@ -239,26 +251,34 @@ class Session:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: torch.nn.Module | None = None,
         optimizer: torch.optim.Optimizer | None = None,
         *,
+        build: Build | None = None,
         state: dict[str, Stateful] | None = None,
         seed: int = 0,
         reseed_rng: bool = True,
         broadcast_buffers: bool = True,
     ) -> None:
-        self.model, self.optimizer = model, optimizer
+        if (model is None) == (build is None):
+            raise TypeError("Session() takes a model (replicated) or build= (sharded), exactly one of them")
+        if build is not None and (optimizer is not None or state):
+            raise TypeError(
+                "with build=, the optimizer and more state come from build(mesh), not from arguments"
+            )
         self.seed, self.reseed_rng = seed, reseed_rng
-        self._registry = StateRegistry()
-        self._registry.register("model", model)
-        if optimizer is not None:
-            self._registry.register("optimizer", optimizer)
-        for name, obj in (state or {}).items():
-            self._registry.register(name, obj)
-        self._registry.register("progress", _Progress(self))
-        self._reducer = GradientReducer(list(model.parameters()))
-        self._buffers = BufferSync(model)
+        self._build = build
+        self._generation_state: Generation | None = None  # sharded: this generation's groups and mesh
+        self._saved: dict[str, Any] | None = None  # sharded: the state carried between generations
         self._broadcast_buffers = broadcast_buffers
+        self.model: torch.nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.state: dict[str, Stateful] = dict(state or {})
+        self._registry = StateRegistry()
+        self._reducer: GradientReducer | None = None
+        self._buffers = BufferSync(torch.nn.Module())
+        if model is not None:
+            self._install(model, optimizer, self.state)
         self._committed = -1
         self._next_step = 0
         self._attempted = False
@@ -275,9 +295,17 @@ class Session:
         self._client: ControlClient | None = None
         self._faults: FaultInjector | None = None
         self._durable: DurableWriter | None = None
+        # sharded: a group formation an abort abandoned, and its result (joined at the next one)
+        self._forming: tuple[threading.Thread, dict[str, Any]] | None = None
         if ENV_STORE not in os.environ:
             self.job = JobConfig(workers=1, spares=0, seed=seed)
             self._has_state = True
+            if build is not None:  # one process: a 1 x 1 mesh
+                self._generation_state = Generation(
+                    dist.HashStore(), gen=0, prefix="local/", rank=0, world=1, shards=1
+                )
+                self._group = self._generation_state.group
+                self._build_generation()
             return
         die_with_parent()
         self.job = JobConfig.from_json(os.environ[ENV_CONFIG])
@@ -318,6 +346,66 @@ class Session:
                               reason=Reason.COLLECTIVE_ERROR, error=str(e)[:300])  # fmt: skip
             self._recover(Reason.COLLECTIVE_ERROR)
 
+    def _install(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Stateful]
+    ) -> None:
+        """Make ``model``/``optimizer``/``state`` the session's (once; per generation when sharded)."""
+        self.model, self.optimizer, self.state = model, optimizer, state
+        self._registry = StateRegistry()
+        if self._build is None:
+            self._registry.register("model", model)
+            if optimizer is not None:
+                self._registry.register("optimizer", optimizer)
+            self._reducer = GradientReducer(list(model.parameters()))
+        else:
+            self._registry.register("model", ShardedState(model, optimizer))
+            self._reducer = None  # FSDP2 reduces inside backward()
+        for name, obj in state.items():
+            self._registry.register(name, obj)
+        self._registry.register("progress", _Progress(self))
+        self._buffers = BufferSync(model)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the model is sharded (``Session(build=...)``)."""
+        return self._build is not None
+
+    def _build_generation(self) -> None:
+        """Sharded: build this generation's model on its mesh and give it the state carried over."""
+        assert self._build is not None and self._generation_state is not None
+        built = self._build(self._generation_state.mesh)
+        if not isinstance(built, tuple) or len(built) not in (2, 3):
+            self._fatal(
+                "Session(build=...): build(mesh) must return (model, optimizer) or (model, optimizer, state)"
+            )
+        model, optimizer = built[0], built[1]
+        extra: dict[str, Stateful] = dict(built[2]) if len(built) == 3 else {}  # type: ignore[misc]
+        if not fsdp_modules(model):
+            self._fatal(
+                "Session(build=...): build(mesh) returned a model without fully_shard(..., mesh=mesh)"
+            )
+        self._install(model, optimizer, extra)
+        if self._saved is not None:
+            self._registry.load_state_dict(self._saved)
+            self._saved = None
+            self._buffers.commit()
+
+    def _leave_generation(self) -> None:
+        """Sharded: keep this rank's state as plain tensors, drop the model, release the peers."""
+        if self.model is not None:
+            for m in fsdp_modules(self.model):
+                m.reshard()  # a failed forward or backward may have left parameters gathered
+            self._buffers.restore()
+            if self._has_state:
+                self._saved = self._registry.state_dict()
+            self.model = self.optimizer = None
+            self.state = {}
+            self._registry = StateRegistry()
+        self._group = None
+        if self._generation_state is not None:
+            self._generation_state.close()
+            self._generation_state = None
+
     # -- public properties --------------------------------------------------------
     @property
     def step(self) -> int:
@@ -331,8 +419,13 @@ class Session:
 
     @property
     def dp_rank(self) -> int:
-        """Data-parallel rank: which slice of the global batch this rank reads."""
-        return self.rank // self.job.shards
+        """Data-parallel rank: which slice of the global batch this rank reads (every rank reads
+        its own, sharded or not: FSDP is data parallel too)."""
+        return self.rank
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size
 
     @property
     def shard(self) -> int:
@@ -340,8 +433,9 @@ class Session:
         return self.rank % self.job.shards
 
     @property
-    def dp_size(self) -> int:
-        return self.world_size // self.job.shards
+    def replica(self) -> int:
+        """Which copy of its shard this rank holds (the rank when the state is replicated)."""
+        return self.rank // self.job.shards
 
     @property
     def _plan_timeout(self) -> timedelta:
@@ -419,7 +513,8 @@ class Session:
             self._faults.at_step(self.rank, self._next_step, self._fault_fired, corrupt=self._flip_bit)
         if self._client is not None:
             self._client.update(phase=Phase.REDUCE)
-        self._reducer.reduce(self._group)
+        if self._reducer is not None:
+            self._reducer.reduce(self._group)
         if self._broadcast_buffers:
             self._buffers.sync(self._group)
         self._reduced = True
@@ -452,7 +547,14 @@ class Session:
             self._client.emit(kind, **event)
 
     def state_digest(self) -> str:
-        """SHA-256 of model, optimizer state and committed step (see ``digest_state``)."""
+        """SHA-256 of model, optimizer state and committed step (see ``digest_state``); sharded:
+        of this rank's shard (equal on every replica of the shard)."""
+        if self.sharded:
+            entries = entry_digests({k: v for k, v in self._registry.state_dict().items() if k != "progress"})
+            return hashlib.sha256(
+                combined_digest(entries) + self._committed.to_bytes(8, "little", signed=True)
+            ).hexdigest()
+        assert self.model is not None
         return digest_state(self.model, self.optimizer, self._committed)
 
     def finish(self) -> str:
@@ -490,7 +592,13 @@ class Session:
     # -- replica consistency -------------------------------------------------
     def _flip_bit(self) -> None:
         """The ``corrupt`` fault: flip the lowest bit of the first element of the first parameter."""
-        p = next(p for p in self.model.parameters() if p.numel())
+        assert self.model is not None
+        local = (
+            [t for t in self._registry.state_dict()["model"]["params"].values()]
+            if self.sharded
+            else list(self.model.parameters())
+        )
+        p = next(p for p in local if p.numel())
         with torch.no_grad():
             p.view(-1)[:1].view(torch.uint8)[:1].bitwise_xor_(1)
 
@@ -507,17 +615,20 @@ class Session:
         """Compare a digest of every replica's state (one 32-byte all-gather); act on a difference.
 
         The state is the registered one (model with its buffers, optimizer, user state) at the
-        committed step, without the per-rank RNG state. After the first step a difference is a
-        program error (state each rank updates from its own batch): the job stops naming the
-        entry. Later it is corruption: the replicas that differ from a strict majority receive
-        the state of the majority's lowest rank; without a majority the job stops.
+        committed step, without the per-rank RNG state; a sharded job compares the replicas of
+        each shard. After the first step a difference is a program error (state each rank
+        updates from its own batch): the job stops naming the entry. Later it is corruption: the
+        replicas that differ from a strict majority of their shard's replicas receive the state
+        of the majority's lowest rank; without a majority the job stops.
         """
         assert self._client is not None and self._group is not None
         client, group, step = self._client, self._group, self._committed
         entries = entry_digests({k: v for k, v in self._registry.state_dict().items() if k != "progress"})
         mine = torch.frombuffer(bytearray(combined_digest(entries)), dtype=torch.uint8)
         digests = [bytes(d.tolist()) for d in group.allgather(mine)]
-        if len(set(digests)) == 1:
+        layout = ReplicaMap(self.world_size, self.job.shards)
+        replica_groups = [layout.replica_group(shard) for shard in range(self.job.shards)]
+        if all(len({digests[r] for r in ranks}) == 1 for ranks in replica_groups):
             return
         client.publish(keys.state_digests(self.generation, step, self.rank), json.dumps(entries))
         by_rank = {
@@ -525,43 +636,54 @@ class Session:
                                                            self._plan_timeout)]
             for r in range(self.world_size)
         }  # fmt: skip
-        counts: dict[bytes, list[int]] = {}
-        for r, d in enumerate(digests):
-            counts.setdefault(d, []).append(r)
-        majority = max(counts.values(), key=len)
-        healthy = majority if len(majority) * 2 > self.world_size else []
-        odd = [r for r in range(self.world_size) if r not in healthy]
-        ref = healthy[0] if healthy else 0
-        other = next(r for r in range(self.world_size) if digests[r] != digests[ref])
-        entry = first_difference(by_rank[ref], by_rank[other])
-        where = f"{entry!r} differs between rank {ref} and rank {other}"
-        if self.rank == min(healthy or [0]):
-            client.emit(Event.STATE_DIVERGED, sync=True, rank=self.rank, gen=self.generation, step=step,
-                        entry=str(entry), ranks=odd, healthy=healthy)  # fmt: skip
-        if step == 0:
-            self._fatal(
-                f"replicas differ after the first step: {where}. Every replica must hold the same "
-                "state; state each rank updates from its own batch (BatchNorm running statistics) "
-                "needs Session(broadcast_buffers=True), the default"
-            )
-        if not healthy:
-            self._fatal(
-                f"replicas differ at step {step} and no majority tells which is right: {where} "
-                "(silent data corruption, or a non-deterministic update); stopping rather than "
-                "training on a state that may be corrupt"
-            )
-        if self.rank == ref:
-            for dst in odd:
-                send_state(group, dst, self._registry.state_dict(), key=self._secret)
-        elif self.rank in odd:
-            self._has_state = False
-            state, stats = recv_state(group, ref, key=self._secret, into=self._registry.state_dict())
-            self._registry.load_state_dict(state)
-            self._has_state = True
-            self._buffers.commit()
-            client.emit(Event.STATE_RESYNCED, sync=True, rank=self.rank, gen=self.generation, step=step,
-                        src=ref, entry=str(entry), bytes=stats.bytes, seconds=stats.seconds)  # fmt: skip
+        resyncs: list[tuple[int, list[int], str | None]] = []
+        for ranks in replica_groups:
+            counts: dict[bytes, list[int]] = {}
+            for r in ranks:
+                counts.setdefault(digests[r], []).append(r)
+            if len(counts) == 1:
+                continue
+            majority = max(counts.values(), key=len)
+            healthy = majority if len(majority) * 2 > len(ranks) else []
+            odd = [r for r in ranks if r not in healthy]
+            ref = healthy[0] if healthy else ranks[0]
+            other = next(r for r in ranks if digests[r] != digests[ref])
+            entry = first_difference(by_rank[ref], by_rank[other])
+            where = f"{entry!r} differs between rank {ref} and rank {other}"
+            if self.job.shards > 1:
+                where += f" (replicas of shard {self.shard_of(ref)})"
+            if self.rank == min(healthy or ranks):
+                client.emit(Event.STATE_DIVERGED, sync=True, rank=self.rank, gen=self.generation, step=step,
+                            entry=str(entry), ranks=odd, healthy=healthy)  # fmt: skip
+            if step == 0:
+                self._fatal(
+                    f"replicas differ after the first step: {where}. Every replica must hold the same "
+                    "state; state each rank updates from its own batch (BatchNorm running statistics) "
+                    "needs Session(broadcast_buffers=True), the default"
+                )
+            if not healthy:
+                self._fatal(
+                    f"replicas differ at step {step} and no majority tells which is right: {where} "
+                    "(silent data corruption, or a non-deterministic update); stopping rather than "
+                    "training on a state that may be corrupt"
+                )
+            resyncs.append((ref, odd, entry))
+        for ref, odd, entry in resyncs:
+            if self.rank == ref:
+                for dst in odd:
+                    send_state(group, dst, self._registry.state_dict(), key=self._secret)
+            elif self.rank in odd:
+                self._has_state = False
+                state, stats = recv_state(group, ref, key=self._secret, into=self._registry.state_dict())
+                self._registry.load_state_dict(state)
+                self._has_state = True
+                self._buffers.commit()
+                client.emit(Event.STATE_RESYNCED, sync=True, rank=self.rank, gen=self.generation, step=step,
+                            src=ref, entry=str(entry), bytes=stats.bytes, seconds=stats.seconds)  # fmt: skip
         group.barrier()
+
+    def shard_of(self, rank: int) -> int:
+        return rank % self.job.shards
 
     # -- commit and failure ----------------------------------------------------
     def _commit(self, step: int, seconds: float) -> None:
@@ -576,7 +698,7 @@ class Session:
                 step_time_s=seconds, **self._metrics,
             )  # fmt: skip
             durable = self._durable
-            if durable is not None and durable.due(step) and self.dp_rank == 0:  # one writer per shard
+            if durable is not None and durable.due(step) and self.replica == 0:  # one writer per shard
                 durable.shard = self.shard
                 if durable.save(step, self._registry.state_dict()):
                     self._client.emit(Event.DURABLE_SAVED, rank=self.rank, gen=self.generation, step=step)
@@ -609,7 +731,7 @@ class Session:
 
     def _on_failure(self, exc: Exception, step: int) -> None:
         _release_frames(exc)
-        reason = Reason.COLLECTIVE_ERROR if isinstance(exc, CollectiveError) else Reason.EXCEPTION
+        reason = Reason.COLLECTIVE_ERROR if is_collective_failure(exc) else Reason.EXCEPTION
         if reason == Reason.EXCEPTION:
             self._local_failures += 1
             if self._local_failures > self.job.recovery.max_retries_per_step:
@@ -629,11 +751,15 @@ class Session:
         """Leave the broken generation and enter the next one (loops if that one fails too)."""
         assert self._client is not None
         while True:
-            if self._group is not None:
-                self._group.abort()
-                self._group = None
-            self._reducer.zero_()
-            self._buffers.restore()  # the failed attempt's forward pass updated them in place
+            if self.sharded:
+                self._leave_generation()
+            else:
+                if self._group is not None:
+                    self._group.abort()
+                    self._group = None
+                assert self._reducer is not None
+                self._reducer.zero_()
+                self._buffers.restore()  # the failed attempt's forward pass updated them in place
             self._client.update(phase=Phase.RECOVERING)
             self._client.report_failure(self.generation, self.rank, self._committed, reason, self._has_state)
             plan = self._client.wait_plan(self.generation + 1, self._plan_timeout)
@@ -662,13 +788,31 @@ class Session:
         timeout = timedelta(seconds=self.job.recovery.collective_timeout_s)
         prefix = keys.pg_prefix(plan.gen, pg_token(self._secret, plan.gen))
 
+        if self._forming is not None:
+            # a sharded formation abandoned by an abort: the default group is global, so it must
+            # end (it fails at the latest at the collective timeout) before the next one starts
+            stale, stale_result = self._forming
+            stale.join(timeout.total_seconds() + 5)
+            if stale.is_alive():
+                self._fatal(f"a group formation abandoned before generation {plan.gen} did not end")
+            if "generation" in stale_result:
+                stale_result["generation"].close()
+            self._forming = None
+
         def form() -> None:
             try:
                 store = connect(client.addr, timeout)
-                result["group"] = Group(
-                    store, plan.gen, self.rank, plan.world_size, prefix=prefix,
-                    backend=self.job.backend, timeout=timeout,
-                )  # fmt: skip
+                if self.sharded:
+                    result["generation"] = Generation(
+                        store, gen=plan.gen, prefix=prefix, rank=self.rank, world=plan.world_size,
+                        shards=plan.shards, backend=self.job.backend, timeout=timeout,
+                        store_port=int(client.addr.rsplit(":", 1)[1]),
+                    )  # fmt: skip
+                else:
+                    result["group"] = Group(
+                        store, plan.gen, self.rank, plan.world_size, prefix=prefix,
+                        backend=self.job.backend, timeout=timeout,
+                    )  # fmt: skip
             except Exception as e:
                 result["error"] = f"{type(e).__name__}: {e}"
 
@@ -677,9 +821,14 @@ class Session:
         while t.is_alive():
             t.join(timeout=0.01)
             if t.is_alive() and client.is_set(keys.abort(plan.gen)):
+                if self.sharded:
+                    self._forming = (t, result)
                 raise CollectiveError(f"gen {plan.gen}: aborted by the coordinator during group formation")
         if "error" in result:
             raise CollectiveError(str(result["error"]))
+        if self.sharded:
+            self._generation_state = result["generation"]
+            return self._generation_state.group
         group: Group = result["group"]
         return group
 
@@ -703,6 +852,7 @@ class Session:
     def _check_layout(self, plan: Plan) -> None:
         """Every rank's parameters must have the same names, shapes and dtypes (one tiny all-gather)."""
         assert self._client is not None and self._group is not None
+        assert self.model is not None
         mine = _layout(self.model)
         text = json.dumps(mine)
         self._client.publish(keys.layout(plan.gen, self.rank), text)
@@ -727,6 +877,8 @@ class Session:
         if self._faults is not None and rank in plan.replaced:
             self._faults.at_recovery(rank, plan.resume_step, self._fault_fired, at="join")
         self._group = self._form_group(plan)
+        if self.sharded:
+            self._build_generation()
         if plan.world_size > 1:
             self._check_layout(plan)
         if plan.restore is not None:

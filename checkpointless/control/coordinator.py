@@ -33,6 +33,7 @@ exactly and no survivor is left behind in a dead group.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import statistics
@@ -546,10 +547,18 @@ class Coordinator:
                 return  # a report of a process that has since been replaced
         if len({d["step"] for d in done.values()}) != 1:
             return  # a rank is still re-executing a step after a late recovery
-        digests = {d["digest"] for d in done.values()}
-        if len(digests) != 1:
-            raise JobFailed(f"replicas diverged: {len(digests)} different final states across ranks")
-        self.digest = digests.pop()
+        shards = self.job.shards
+        per_shard: list[str] = []
+        for shard in range(shards):
+            digests = {d["digest"] for r, d in done.items() if r % shards == shard}
+            if len(digests) != 1:
+                of = "" if shards == 1 else f" of shard {shard}"
+                raise JobFailed(f"replicas{of} diverged: {len(digests)} different final states across ranks")
+            per_shard.append(digests.pop())
+        # one shard: its digest; several: the SHA-256 of the shards' digests in shard order
+        self.digest = (
+            per_shard[0] if shards == 1 else hashlib.sha256(":".join(per_shard).encode()).hexdigest()
+        )
         self.finished = True
         self.store.set(keys.JOB_STOP, "1")  # the launcher re-asserts it while the ranks exit
         self._emit(Event.JOB_FINISHED, ok=True, step=done[0]["step"], digest=self.digest)

@@ -105,6 +105,10 @@ def _job(
     if not 0 <= args.port < 65536:
         raise UsageError(f"--port must be in 0..65535, got {args.port}")
     _check_out(args.out)
+    shards = getattr(args, "shards", 1)
+    _positive("shards", shards)
+    if args.workers % shards:
+        raise UsageError(f"--shards {shards} must divide --workers {args.workers} (replicas x shards ranks)")
     try:
         faults = parse_faults(args.fault if args.fault is not None else default_faults)
         for flag, value in (
@@ -132,9 +136,14 @@ def _job(
         _check_durable(recovery, "recovery.durable_dir" if args.durable_dir is None else "--durable-dir")
         if steps is not None:
             validate_schedule(faults, workers=args.workers, spares=args.spares, steps=steps,
-                              durable=bool(recovery.durable_every))  # fmt: skip
+                              durable=bool(recovery.durable_every), shards=shards)  # fmt: skip
         return JobConfig(
-            workers=args.workers, spares=args.spares, seed=args.seed, faults=faults, recovery=recovery
+            workers=args.workers,
+            spares=args.spares,
+            shards=shards,
+            seed=args.seed,
+            faults=faults,
+            recovery=recovery,
         )
     except ValueError as e:
         raise UsageError(str(e)) from e
@@ -274,6 +283,8 @@ def cmd_launch(argv: list[str]) -> int:
     p = _Parser(prog="checkpointless launch", description="Run any script that uses checkpointless.Session.")
     _add_job_args(p, workers=2, spares=1)
     p.add_argument("--steps", type=int, default=None, help="the script's step count (checks --fault steps)")
+    p.add_argument("--shards", type=int, default=1,
+                   help="ranks that split one copy of the state (FSDP2/HSDP, Session(build=...)); 1: replicated")  # fmt: skip
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(own)
     job = _job(args, args.steps, [])
@@ -323,11 +334,7 @@ def cmd_run(argv: list[str]) -> int:
         args.hang_timeout = cfg.recovery.hang_timeout_s
     if args.progress_timeout is None:
         args.progress_timeout = cfg.recovery.progress_timeout_s
-    if cfg.parallel.shards != 1:
-        raise UsageError(
-            f"{args.recipe}: parallel.shards={cfg.parallel.shards}: sharded (FSDP/HSDP) training is not "
-            "supported by `checkpointless run` yet; use shards: 1 (--dry-run sizes sharded layouts)"
-        )
+    args.shards = cfg.parallel.shards
     job = _job(args, cfg.train.steps, [], cfg.recovery)
     command = [sys.executable, "-m", "checkpointless.recipes.train", str(args.recipe)]
     for o in overrides:

@@ -1,0 +1,265 @@
+"""Sharded state (FSDP2 / HSDP): one ``torch.distributed`` world and device mesh per generation.
+
+A sharded job runs PyTorch's own FSDP2 (``fully_shard``) on a 2-D device mesh, ``replicate x
+shard`` (HSDP): rank ``r`` holds shard ``r % shards`` of the state and is replica
+``r // shards`` of it, the layout ``control.plan.ReplicaMap`` plans recoveries with. FSDP2
+keeps its process groups inside the module, its parameters (DTensors) and DTensor's caches, and
+cannot be applied to a module twice, so a generation is built from scratch and torn down
+whole (measured in docs/spikes/fsdp2/REPORT.md):
+
+- ``Generation`` forms the generation's default process group on its own store prefix, one
+  sub-group per mesh row and column (explicit timeouts: ``init_device_mesh`` would give gloo's
+  30-minute default) and the ``DeviceMesh``; the session then calls the user's ``build(mesh)``
+  for a fresh model and optimizer and loads the state into them.
+- ``Generation.close`` releases the peers: gloo closes a group's connections only when the last
+  reference to it goes, and the user's loop may still hold the old model or a loss whose
+  autograd graph does (measured: a peer blocked on such a rank waits out the full timeout). So
+  the connections this generation opened are shut down at the socket level (``shutdown(2)``,
+  listening sockets and the control store's connections excluded), which fails every pending
+  collective on them at once, here and on the peers; NCCL groups are aborted. Then the default
+  group is destroyed and DTensor's caches cleared (group names repeat across generations, so a
+  cached plan must never outlive its mesh).
+- ``ShardedState`` is the transferable state of one rank: its shard of every parameter and of
+  the optimizer state as plain tensors (no DTensor on the wire), so ``send_state``/
+  ``recv_state`` and the durable tier move it unchanged, and a replacement receives only its own
+  shard from a survivor of the same shard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import os
+import socket
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from checkpointless.comm import Group
+from checkpointless.errors import CollectiveError
+
+log = logging.getLogger(__name__)
+
+MESH_DIMS = ("replicate", "shard")
+
+#: what ``Session(build=...)`` calls once per generation: the model (``fully_shard`` applied on
+#: ``mesh``), its optimizer and, optionally, more named state built on them (an LR scheduler)
+Build = Callable[
+    [Any], "tuple[nn.Module, torch.optim.Optimizer] | tuple[nn.Module, torch.optim.Optimizer, dict[str, Any]]"
+]
+
+
+def _sockets() -> dict[int, str]:
+    """This process's socket descriptors (fd -> ``socket:[inode]``)."""
+    out: dict[int, str] = {}
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            link = os.readlink(f"/proc/self/fd/{name}")
+            if link.startswith("socket:"):
+                out[int(name)] = link
+    return out
+
+
+def _shutdown(fds: dict[int, str], keep_port: int | None) -> int:
+    """Shut down the connected TCP sockets among ``fds`` (still the same sockets, not a listener,
+    not a connection to ``keep_port``); returns how many."""
+    current = _sockets()
+    n = 0
+    for fd, link in fds.items():
+        if current.get(fd) != link:
+            continue  # closed since, and the number maybe reused
+        try:
+            s = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            if s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                continue  # gloo's listener: shutting it down makes gloo's accept loop terminate the process
+            if keep_port is not None and s.getpeername()[1] == keep_port:
+                continue
+            s.shutdown(socket.SHUT_RDWR)
+            n += 1
+        except OSError:
+            pass  # not connected (anymore), or not TCP
+        finally:
+            s.close()  # the duplicate only
+    return n
+
+
+def clear_dtensor_caches() -> None:
+    """Drop DTensor's sharding-propagation and redistribution caches (they hold meshes and groups).
+
+    Private APIs of torch 2.13, pinned by tests/unit/test_fsdp.py.
+    """
+    from torch.distributed.tensor import DTensor, _collective_utils, _redistribute, debug
+
+    debug._clear_sharding_prop_cache()
+    DTensor._op_dispatcher.sharding_propagator._propagate_tensor_meta_cached.cache_clear()  # type: ignore[attr-defined]
+    _redistribute._planner_cache.clear()  # type: ignore[attr-defined]
+    _redistribute._gen_transform_infos.cache_clear()
+    _collective_utils.MeshTopoInfo.build_from_mesh.cache_clear()
+
+
+class Generation:
+    """The ``torch.distributed`` world of one generation: default group, mesh groups, ``DeviceMesh``.
+
+    Collective over all ``world`` ranks (each calls it with its rank). ``store_port``: the control
+    store's port, whose connections ``close`` leaves alone.
+    """
+
+    def __init__(
+        self,
+        store: dist.Store,
+        *,
+        gen: int,
+        prefix: str,
+        rank: int,
+        world: int,
+        shards: int,
+        backend: str = "gloo",
+        timeout: timedelta = timedelta(seconds=60),
+        store_port: int | None = None,
+    ) -> None:
+        if dist.is_initialized():
+            raise RuntimeError("a torch.distributed default group already exists in this process")
+        self.gen, self.rank, self.world, self.shards = gen, rank, world, shards
+        self.backend, self._store_port = backend, store_port
+        self._closed = False
+        before = _sockets()
+        try:
+            dist.init_process_group(
+                backend, store=dist.PrefixStore(prefix, store), rank=rank, world_size=world, timeout=timeout
+            )
+            grid = torch.arange(world).reshape(world // shards, shards)
+            mine: dict[int, Any] = {}
+            # every rank creates every sub-group, in the same order (new_group's rule)
+            for dim, lines in ((0, grid.T.tolist()), (1, grid.tolist())):
+                for ranks in lines:
+                    pg = dist.new_group(ranks, timeout=timeout)
+                    if rank in ranks:
+                        mine[dim] = pg
+            from torch.distributed.device_mesh import DeviceMesh
+
+            device = "cuda" if backend == "nccl" else "cpu"
+            self.mesh: Any = DeviceMesh.from_group(
+                [mine[0], mine[1]], device, mesh=grid, mesh_dim_names=MESH_DIMS
+            )
+        except RuntimeError as e:  # gloo, NCCL and store errors (DistError is one)
+            self._fds = {fd: link for fd, link in _sockets().items() if before.get(fd) != link}
+            self.close()
+            raise CollectiveError(f"gen {gen}: group formation failed: {e}") from None
+        self._fds = {fd: link for fd, link in _sockets().items() if before.get(fd) != link}
+        self.group = Group.wrap(dist.group.WORLD, gen, rank, world)
+
+    def close(self) -> None:
+        """Leave the generation: fail every pending collective (here and on the peers), drop its groups."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.backend == "nccl" and dist.is_initialized():
+            for pg in list(dist.distributed_c10d._world.pg_map):
+                with contextlib.suppress(Exception):
+                    pg.abort()
+        n = _shutdown(self._fds, self._store_port)
+        log.debug("gen %d rank %d: shut down %d connections", self.gen, self.rank, n)
+        if dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+        self.mesh = None
+        clear_dtensor_caches()
+        gc.collect()
+
+
+def fsdp_modules(model: nn.Module) -> list[Any]:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local part of a DTensor (a view of its storage), or the tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    with torch.no_grad():
+        return (t.to_local() if isinstance(t, DTensor) else t).detach()
+
+
+class ShardedState:
+    """One rank's state of an FSDP2 model and its optimizer, as plain tensors (``Stateful``).
+
+    ``state_dict()`` returns views of the live shards (receiving into it writes the model in
+    place): ``params`` and ``buffers`` by name, ``optim`` (per parameter name, every state
+    value; ``sharded`` lists which are shards of a DTensor) and the optimizer's ``param_groups``
+    hyper-parameters. ``load_state_dict`` copies parameters and buffers into the model and
+    installs the optimizer state (wrapping shards back into DTensors on the current mesh).
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+        self.model, self.optimizer = model, optimizer
+
+    def _params(self) -> dict[str, nn.Parameter]:
+        return dict(self.model.named_parameters())
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.tensor import DTensor
+
+        params = self._params()
+        out: dict[str, Any] = {
+            "params": {n: _local(p) for n, p in params.items()},
+            "buffers": {n: b.detach() for n, b in self.model.named_buffers()},
+        }
+        if self.optimizer is not None:
+            optim: dict[str, dict[str, Any]] = {}
+            sharded: dict[str, list[str]] = {}
+            for n, p in params.items():
+                st = self.optimizer.state.get(p)
+                if not st:
+                    continue
+                optim[n] = {k: _local(v) if isinstance(v, torch.Tensor) else v for k, v in st.items()}
+                keys = sorted(k for k, v in st.items() if isinstance(v, DTensor))
+                if keys:
+                    sharded[n] = keys
+            out["optim"] = optim
+            out["sharded"] = sharded
+            out["param_groups"] = [
+                {k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups
+            ]
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from torch.distributed.tensor import DTensor
+
+        params = self._params()
+        if set(state["params"]) != set(params):
+            raise ValueError(f"parameter names differ: {sorted(set(state['params']) ^ set(params))[:3]}")
+        with torch.no_grad():
+            for n, t in state["params"].items():
+                mine = _local(params[n])
+                if mine.data_ptr() != t.data_ptr():
+                    mine.copy_(t)
+            buffers = dict(self.model.named_buffers())
+            for n, t in state["buffers"].items():
+                if buffers[n].data_ptr() != t.data_ptr():
+                    buffers[n].copy_(t)
+        if self.optimizer is None:
+            return
+        for n, st in state["optim"].items():
+            p = params[n]
+            keys = set(state["sharded"].get(n, ()))
+            new: dict[str, Any] = {}
+            for k, v in st.items():
+                if k in keys:
+                    assert isinstance(p, DTensor)
+                    new[k] = DTensor.from_local(
+                        v, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False
+                    )
+                else:
+                    new[k] = v
+            self.optimizer.state[p] = new
+        for group, saved in zip(self.optimizer.param_groups, state["param_groups"], strict=True):
+            group.update(saved)
