@@ -66,12 +66,34 @@ class Training:
         return lr
 
 
-def build_training(cfg: RecipeConfig) -> Training:
-    """Build the model, optimizer and LR schedule of recipe ``cfg`` (what every worker trains)."""
+def shard_model(model: nn.Module, mesh: Any) -> nn.Module:
+    """Apply FSDP2 on ``mesh``: each transformer layer is one unit (one all-gather in forward and
+    in backward), the rest (embeddings, final norm, tied head) the root's.
+
+    The layers are the modules whose class a ``transformers`` model lists in ``_no_split_modules``
+    (``LlamaDecoderLayer``, ``GptOssDecoderLayer``) or the project's ``TinyGPT`` blocks.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    layer_types = {"_Block"}
+    for m in model.modules():
+        layer_types.update(getattr(m, "_no_split_modules", None) or ())
+    for m in model.modules():
+        if type(m).__name__ in layer_types and m is not model:
+            fully_shard(m, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def build_training(cfg: RecipeConfig, mesh: Any = None) -> Training:
+    """Build the model, optimizer and LR schedule of recipe ``cfg`` (what every worker trains);
+    with a device ``mesh``, the model is sharded on it first (``shard_model``)."""
     from checkpointless.recipes.models import build_model
 
     dtype = DTYPES[cfg.parallel.dtype]
     model = build_model(cfg.model, seed=cfg.train.seed, dtype=dtype)
+    if mesh is not None:
+        model = shard_model(model, mesh)
     oc = cfg.optim
     hyper: dict[str, Any] = {"lr": oc.lr, "betas": oc.betas, "eps": oc.eps, "weight_decay": oc.weight_decay}
     optimizer: torch.optim.Optimizer
@@ -100,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         args.recipe, args.overrides, check_data=False
     )  # the launcher checked; the dataset checks again
     torch.set_num_threads(1)
+    if cfg.parallel.shards > 1:
+        return train_sharded(cfg)
     training = build_training(cfg)
     model, optimizer, scheduler = training.model, training.optimizer, training.scheduler
     steps = cfg.train.steps
@@ -142,6 +166,70 @@ def main(argv: list[str] | None = None) -> int:
             )  # into logs/w0.log
         if session.rank == 0 and dc.eval_every and ((step + 1) % dc.eval_every == 0 or step + 1 == steps):
             session.emit(Event.EVAL, heldout_loss=heldout_loss())
+    data.stop(timeout=5)
+    session.finish()
+    if session.rank == 0 and not os.environ.get(ENV_STORE):
+        cache.cleanup()
+    return 0
+
+
+def train_sharded(cfg: RecipeConfig) -> int:
+    """The loop of a sharded recipe (``parallel.shards > 1``, FSDP2 HSDP).
+
+    The model is built again in every generation (``Session(build=...)``), so the loop reads
+    ``session.model``. Evaluation gathers parameters, a collective of every rank: it runs
+    inside the step's attempt, before the forward pass (so a failure in it is recovered like
+    any other), and the value is the loss of the state after the step before; the event carries
+    that step.
+    """
+    import checkpointless as cl
+    from checkpointless.data.corpus import TokenDataset
+    from checkpointless.data.shm_cache import CachedDataset, ShmBatchCache
+    from checkpointless.recipes.config import open_dataset
+
+    steps, dc = cfg.train.steps, cfg.data
+
+    def build(mesh: Any) -> tuple[nn.Module, torch.optim.Optimizer, dict[str, Any]]:
+        t = build_training(cfg, mesh)
+        return t.model, t.optimizer, {"scheduler": t.scheduler}
+
+    def dataset() -> TokenDataset:
+        return open_dataset(cfg)
+
+    cache = ShmBatchCache(os.environ.get(ENV_JOB_ID, f"local-{os.getpid()}"), cleanup_on_exit=False)
+    data = CachedDataset(dataset, cache)
+
+    def heldout_loss(model: nn.Module) -> float:
+        model.eval()
+        with torch.no_grad():
+            losses = [
+                model(x, y).item() for x, y in (data.batch(i, 0, 1, split="val") for i in range(dc.eval_batches))
+            ]
+        model.train()
+        return sum(losses) / len(losses)
+
+    session = cl.Session(build=build, seed=cfg.train.seed)
+    for step in session.steps(steps):
+        with session.attempt() as attempt:
+            model, optimizer = session.model, session.optimizer
+            assert model is not None and optimizer is not None
+            scheduler = session.state["scheduler"]
+            assert isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR)
+            training = Training(model, optimizer, scheduler, cfg.optim.grad_clip)
+            evaluated = heldout_loss(model) if dc.eval_every and step % dc.eval_every == 0 else None
+            data.prefetch(range(step + 1, min(steps, step + 3)), session.dp_rank, session.dp_size)
+            inputs, targets = data.batch(step, session.dp_rank, session.dp_size)
+            loss = model(inputs, targets)
+            loss.backward()
+            session.reduce_gradients()
+            lr = training.update()
+            session.log(loss=loss.item(), tokens=inputs.numel(), lr=lr)
+        if not attempt.committed:
+            continue
+        if session.rank == 0 and evaluated is not None:
+            session.emit(Event.EVAL, step=step - 1, heldout_loss=evaluated)
+        if session.rank == 0 and cfg.train.log_every and (step + 1) % cfg.train.log_every == 0:
+            print(f"step {step + 1}/{steps} loss {loss.item():.4f} lr {lr:.3e}", flush=True)
     data.stop(timeout=5)
     session.finish()
     if session.rank == 0 and not os.environ.get(ENV_STORE):
