@@ -203,7 +203,8 @@ def train_sharded(cfg: RecipeConfig) -> int:
         model.eval()
         with torch.no_grad():
             losses = [
-                model(x, y).item() for x, y in (data.batch(i, 0, 1, split="val") for i in range(dc.eval_batches))
+                model(x, y).item()
+                for x, y in (data.batch(i, 0, 1, split="val") for i in range(dc.eval_batches))
             ]
         model.train()
         return sum(losses) / len(losses)
