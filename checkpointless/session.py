@@ -518,7 +518,9 @@ class Session:
         current.committed = True
 
     def reduce_gradients(self) -> None:
-        """Average gradients across data-parallel ranks. Every rank calls it once per attempt.
+        """Average gradients across data-parallel ranks. Every rank calls it once per attempt,
+        after ``backward()`` and before the optimizer update. Sharded, FSDP2 has reduced them
+        already and this is one barrier over the ranks (every rank commits the step, or none).
 
         Raises ``CollectiveError`` if a peer failed; ``attempt`` handles it.
         """
@@ -530,6 +532,13 @@ class Session:
             self._client.update(phase=Phase.REDUCE)
         if self._reducer is not None:
             self._reducer.reduce(self._group)
+        elif self._group is not None and self._group.world_size > 1:
+            # Sharded: FSDP2 reduced the gradients inside backward(), group by group, so a failure
+            # there may have spared some ranks. Every rank passes this point or none does: a step
+            # then commits everywhere or nowhere (as a DDP reduction makes it), and only the ranks
+            # that lost their state receive any (gradient clipping's norm all-reduce, after this,
+            # is the one collective left that can split a step).
+            self._group.barrier()
         if self._broadcast_buffers:
             self._buffers.sync(self._group)
         self._reduced = True

@@ -27,6 +27,7 @@ def run_job(
     *,
     workers: int = 2,
     spares: int = 1,
+    shards: int = 1,
     steps: int = 10,
     faults: list[str] | None = None,
     out: Path | None = None,
@@ -60,7 +61,9 @@ def run_job(
         durable_every=durable_every,
         durable_dir=None if durable_dir is None else str(durable_dir),
     )
-    job = JobConfig(workers=workers, spares=spares, faults=parse_faults(faults or []), recovery=recovery)
+    job = JobConfig(
+        workers=workers, spares=spares, shards=shards, faults=parse_faults(faults or []), recovery=recovery
+    )
     spec = {**TINY, "global_batch": global_batch or TINY["global_batch"]}
     cmd = command or worker_command(DemoModel(steps=steps, **spec))  # type: ignore[arg-type]
     runner = Launcher(job, cmd, total_steps=steps, out_dir=out, timeout_s=timeout_s, on_tick=on_tick)

@@ -104,7 +104,6 @@ def _job(
     _positive("spares", args.spares, 0)
     if not 0 <= args.port < 65536:
         raise UsageError(f"--port must be in 0..65535, got {args.port}")
-    _check_out(args.out)
     shards = getattr(args, "shards", 1)
     _positive("shards", shards)
     if args.workers % shards:
@@ -137,6 +136,7 @@ def _job(
         if steps is not None:
             validate_schedule(faults, workers=args.workers, spares=args.spares, steps=steps,
                               durable=bool(recovery.durable_every), shards=shards)  # fmt: skip
+        _check_out(args.out)  # created only once everything else is known to be right
         return JobConfig(
             workers=args.workers,
             spares=args.spares,

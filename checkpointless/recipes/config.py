@@ -359,7 +359,10 @@ class ParallelConfig:
         _positive("spares", self.spares, allow_zero=True)
         _positive("shards", self.shards)
         if self.workers % self.shards:
-            raise RecipeError("workers", f"workers={self.workers} is not divisible by shards={self.shards}")
+            raise RecipeError(
+                "shards",
+                f"shards={self.shards} does not divide workers={self.workers} (replicas x shards ranks)",
+            )
         _choice("dtype", self.dtype, typing.get_args(DType))
 
     @property

@@ -29,19 +29,31 @@ def run_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("recipe", ["llama-tiny", "gpt-oss-tiny"])
-def test_recipe_with_kill_equals_fault_free(recipe: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("recipe", "shards", "killed"),
+    [("llama-tiny", 1, 1), ("gpt-oss-tiny", 1, 1), ("llama-tiny", 2, 3), ("gpt-oss-tiny", 2, 0)],
+    ids=["llama-tiny", "gpt-oss-tiny", "llama-tiny-hsdp2x2", "gpt-oss-tiny-hsdp2x2"],
+)
+def test_recipe_with_kill_equals_fault_free(recipe: str, shards: int, killed: int, tmp_path: Path) -> None:
+    """shards=2: 4 workers as 2 replicas x 2 shards (FSDP2 HSDP); the spare receives the killed rank's shard."""
     path = str(ROOT / "recipes" / f"{recipe}.yaml")
-    faulted = run_cli(path, *SMALL, "--fault", "kill:rank=1@step=5", "--out", str(tmp_path / "f"))
+    layout = [] if shards == 1 else ["--workers", "4", "--set", f"parallel.shards={shards}"]
+    spec = f"kill:rank={killed}@step=5"
+    faulted = run_cli(path, *SMALL, *layout, "--fault", spec, "--out", str(tmp_path / "f"))
     assert faulted.returncode == 0, faulted.stderr
-    clean = run_cli(path, *SMALL, "--spares", "0", "--out", str(tmp_path / "c"))
+    clean = run_cli(path, *SMALL, *layout, "--spares", "0", "--out", str(tmp_path / "c"))
     assert clean.returncode == 0, clean.stderr
     rf = json.loads((tmp_path / "f" / "report.json").read_text())
     rc = json.loads((tmp_path / "c" / "report.json").read_text())
     assert rf["final_state_sha256"] == rc["final_state_sha256"]
     (fault,) = rf["faults"]
-    assert fault["injected"] and fault["spec"] == "kill:rank=1@step=5"  # it fired
+    assert fault["injected"] and fault["spec"] == spec  # it fired
     assert fault["lost_steps"] == 0 and fault["replaced_by"] == "s0"
+    if shards > 1:
+        events = [json.loads(line) for line in (tmp_path / "f" / "events.jsonl").read_text().splitlines()]
+        transfers = [e for e in events if e["kind"] == "transfer_ended"]
+        assert killed in {e["rank"] for e in transfers}
+        assert all(e["src"] % shards == e["rank"] % shards for e in transfers)  # from a copy of its own shard
     losses = [loss for _, loss in rf["heldout_loss"]]
     assert len(losses) >= 2 and losses[-1] < losses[0]
     assert (tmp_path / "f" / "timeline.png").stat().st_size > 10_000
@@ -112,7 +124,11 @@ def test_recipe_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]
         (["--set", "recovery.progress_timeout_s=.nan"], "progress_timeout_s"),
         (["--progress-timeout", "inf"], "--progress-timeout"),
         (["--hang-timeout", "0"], "--hang-timeout"),
-        (["--set", "parallel.shards=2"], "sharded"),
+        (["--set", "parallel.shards=3"], "parallel.shards"),
+        (
+            ["--workers", "4", "--set", "parallel.shards=2", "--set", "parallel.dtype=bfloat16"],
+            "float32 only",
+        ),
         (["--set", "recovery.consistency_every=-1"], "recovery.consistency_every"),
         (["--set", "recovery.durable_every=5"], "recovery.durable_dir"),
         (
