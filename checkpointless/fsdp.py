@@ -80,7 +80,7 @@ def _shutdown(fds: dict[int, str], keep_port: int | None) -> int:
         try:
             if s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
                 continue  # gloo's listener: shutting it down makes gloo's accept loop terminate the process
-            if keep_port is not None and s.getpeername()[1] == keep_port:
+            if keep_port is not None and keep_port in (s.getpeername()[1], s.getsockname()[1]):
                 continue
             s.shutdown(socket.SHUT_RDWR)
             n += 1
