@@ -50,6 +50,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import errno
+import gc
 import hashlib
 import json
 import logging
@@ -297,6 +298,11 @@ class Session:
         self._durable: DurableWriter | None = None
         # sharded: a group formation an abort abandoned, and its result (joined at the next one)
         self._forming: tuple[threading.Thread, dict[str, Any]] | None = None
+        if build is not None:
+            # Every recovery drops a whole model, optimizer and mesh and collects them (cycles),
+            # which scans every object of the process: keep what exists before the first
+            # build (torch, transformers, the user's data) out of those scans.
+            gc.freeze()
         if ENV_STORE not in os.environ:
             self.job = JobConfig(workers=1, spares=0, seed=seed)
             self._has_state = True
@@ -406,7 +412,13 @@ class Session:
             warm.close()
 
     def _leave_generation(self) -> None:
-        """Sharded: keep this rank's state as plain tensors, drop the model, release the peers."""
+        """Sharded: release the peers, keep this rank's state as plain tensors, drop the model.
+
+        The generation's groups are closed later (``_close_generation``), after the failure is
+        reported, so that their cleanup overlaps the coordinator's planning.
+        """
+        if self._generation_state is not None:
+            self._generation_state.release()
         if self.model is not None:
             for m in fsdp_modules(self.model):
                 m.reshard()  # a failed forward or backward may have left parameters gathered
@@ -417,6 +429,8 @@ class Session:
             self.state = {}
             self._registry = StateRegistry()
         self._group = None
+
+    def _close_generation(self) -> None:
         if self._generation_state is not None:
             self._generation_state.close()
             self._generation_state = None
@@ -786,6 +800,7 @@ class Session:
                 self._buffers.restore()  # the failed attempt's forward pass updated them in place
             self._client.update(phase=Phase.RECOVERING)
             self._client.report_failure(self.generation, self.rank, self._committed, reason, self._has_state)
+            self._close_generation()  # sharded: overlaps the coordinator's planning
             plan = self._client.wait_plan(self.generation + 1, self._plan_timeout)
             try:
                 self._enter(plan)
