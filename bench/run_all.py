@@ -2,7 +2,7 @@
 
 Usage::
 
-    OMP_NUM_THREADS=1 python bench/run_all.py           # full: ~70 min on 2 cores
+    OMP_NUM_THREADS=1 python bench/run_all.py           # full: ~80 min on 2 cores
     OMP_NUM_THREADS=1 python bench/run_all.py --quick   # smoke: ~10 min
     python bench/run_all.py --render                    # rebuild the page from bench/results/, run nothing
 
@@ -23,6 +23,8 @@ Benchmarks (each also runs alone: ``python bench/NAME.py [--quick]``):
 - ``large_state``: the same side by side at 1.5 GB of state and a 2 s step (where a restart costs
   seconds): training lost per kill, recovery, against each system's own fault-free rate;
 - ``consistency``: the replica consistency check's cost per step at its default interval;
+- ``hsdp``: sharded (FSDP2 HSDP 2x2) kill stall and bytes moved per recovery against DDP on the same
+  model, and steady-state step time against plain FSDP2 HSDP;
 - ``kill_cost``: where a kill's time goes (stall vs slowdown after it), spares started niced or not;
 - ``steady_compare``: fault-free step time of every system against plain DDP at two model sizes;
 - ``scale``: goodput of checkpoint-restart vs checkpointless from 1,000 to 100,000 accelerators,
@@ -44,6 +46,7 @@ from typing import Any
 import common
 import compare
 import consistency
+import hsdp
 import kill_cost
 import large_state
 import recovery_stall
@@ -64,6 +67,7 @@ BENCHES: list[tuple[str, str, Any]] = [
     ("kill_cost", "Where the time of a kill goes", kill_cost),
     ("large_state", "Side by side at 1.5 GB of state", large_state),
     ("consistency", "Cost of the replica consistency check", consistency),
+    ("hsdp", "Sharded (FSDP2 HSDP): kill stall, bytes per recovery, steady state vs plain FSDP2", hsdp),
     ("steady_compare", "Steady state side by side, two model sizes", steady_compare),
     ("scale", "Goodput at cluster scale (simulation from these measurements)", scale),
 ]
@@ -120,6 +124,26 @@ def targets(results: dict[str, Any]) -> str:
                     [f"consistency check per step, every {r['every']} steps, {r['model']}", "≤ 1%",
                      f"{100 * r['overhead']:.2f}%", _verdict(r["overhead"] <= 0.01)]
                 )  # fmt: skip
+    hs = results.get("hsdp")
+    if hs and "kill" in hs:
+        by = {r["layout"]: r for r in hs["kill"] if r.get("ok")}
+        if "HSDP 2x2" in by and "DDP 4x1" in by:
+            h, d = by["HSDP 2x2"]["stall_s"], by["DDP 4x1"]["stall_s"]
+            rows.append(
+                ["HSDP 2x2 kill stall (DDP 4x1 on the same model)", "–",
+                 f"{h['median']:.3f} s, p95 {h['p95']:.3f} s, n={h['n']} (DDP {d['median']:.3f} s)", "–"]
+            )  # fmt: skip
+        ratio = hs.get("bytes_ratio_hsdp_to_ddp")
+        if ratio is not None:
+            rows.append(["bytes moved per recovery, HSDP 2x2 / DDP", "≈ 1/shards = 0.50", f"{ratio:.2f}",
+                         _verdict(0.4 <= ratio <= 0.6)])  # fmt: skip
+        r = hs.get("steady", {}).get("ratio", {})
+        if r.get("n"):
+            rows.append(
+                ["HSDP steady-state step time vs plain FSDP2 HSDP (median of pairs)", "≤ 3%",
+                 f"{100 * (r['median'] - 1):+.1f}% (pairs {r['min']:.3f}-{r['max']:.3f}, n={r['n']})",
+                 _verdict(r["median"] <= 1.03)]
+            )  # fmt: skip
     return common.md_table(["what", "target", "measured", "verdict"], rows)
 
 
