@@ -915,6 +915,11 @@ class Session:
         client.update(rank=rank, gen=plan.gen, phase=Phase.JOINING)
         if self._faults is not None and rank in plan.replaced:
             self._faults.at_recovery(rank, plan.resume_step, self._fault_fired, at="join")
+        if plan.shards > 1 and not self.sharded:
+            self._fatal(
+                f"the job has {plan.shards} shards per replica (--shards / parallel.shards) but "
+                "Session(model) replicates the model: shard it with Session(build=...)"
+            )
         self._group = self._form_group(plan)
         if self.sharded:
             self._build_generation()

