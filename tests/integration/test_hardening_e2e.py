@@ -42,7 +42,6 @@ def _misbehave(mode: str, target: str = "", *, steps: int = 12, **kw: Any) -> Jo
     [
         (4, "kill:rank=2@step=4"),
         (4, "hang:rank=1@step=4"),
-        (5, "kill:rank=0@step=3"),
         (8, "kill:rank=5@step=3"),
     ],
 )
