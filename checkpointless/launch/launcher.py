@@ -229,6 +229,7 @@ class Launcher:
         self.children: dict[str, _Child] = {}
         self._next_spare = 0
         self._spares: list[str] = []  # every spare started, in order
+        self._coord: Coordinator | None = None
         self._events: list[dict[str, Any]] = []
         self._chunks_read: dict[str, int] = {}
         self._stream: IO[str] | None = None
@@ -360,6 +361,7 @@ class Launcher:
                   spares=self.job.spares, steps=self.total_steps, faults=[str(f) for f in self.job.faults])
         )  # fmt: skip
         coord = Coordinator(self.store, self.job, self.total_steps, self._spawn_spare, self._record)
+        self._coord = coord
         error: str | None = None
         interrupted: int | None = None
         try:
@@ -447,12 +449,20 @@ class Launcher:
             elif child.popen.returncode != 0:
                 log.warning("%s exited with code %s after finishing", name, child.popen.returncode)
 
+    def _spare_ready(self, name: str) -> bool:
+        return self._coord is not None and name in self._coord.ready_spares()
+
     def _wake_waiting_spares(self) -> None:
-        """Give every spare never assigned the ``stop`` assignment: it is waiting on that key."""
+        """Give every spare never assigned the ``stop`` assignment (a ready one waits on that key);
+        one still starting (importing torch, building its model) holds no state and would see the
+        key only seconds later: it is killed at once."""
         for name in self._spares:
             try:
                 if self.store.get(keys.assign(name)) is None:
                     self.store.set(keys.assign(name), keys.STOP)
+                    child = self.children.get(name)
+                    if child is not None and child.alive() and not self._spare_ready(name):
+                        child.kill()
             except (RuntimeError, OSError) as e:
                 log.warning("could not wake the waiting spare %s (%s); it is stopped by signal", name, e)
                 return
