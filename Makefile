@@ -30,7 +30,7 @@ lint: install
 typecheck: install
 	$(VENV)/bin/mypy
 
-# tests/unit: in-process, fast (~30 s); tests/integration: real processes, real signals (~7 min)
+# tests/unit: in-process, fast (~50 s); tests/integration: real processes, real signals (~8.5 min)
 test: install lint typecheck
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
 

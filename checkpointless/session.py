@@ -40,6 +40,12 @@ Semantics (torchft-style failure as state, STYLE.md 4):
   without ``finish``) end the job with a ``FatalError`` naming the rank, instead
   of burning spares.
 
+A sharded model (FSDP2 on a ``replicate x shard`` mesh, HSDP) is given as a factory,
+``Session(build=lambda mesh: (model, optimizer))``, called once per generation: the loop reads
+``session.model`` / ``session.optimizer`` / ``session.state[...]`` inside the block, FSDP2 reduces
+the gradients in ``backward()`` and ``reduce_gradients()`` is a barrier (``fsdp.py`` says how a
+generation is built and left).
+
 Without a launcher (no ``CHECKPOINTLESS_STORE`` in the environment) the session
 runs as a single process with no fault tolerance, so the same script can be
 debugged with plain ``python train.py``.
