@@ -85,6 +85,15 @@ def shard_model(model: nn.Module, mesh: Any) -> nn.Module:
     return model
 
 
+def heldout_loss(model: nn.Module, data: Any, batches: int) -> float:
+    """Mean loss of ``model`` over the first ``batches`` held-out batches (eval mode, no grad)."""
+    model.eval()
+    with torch.no_grad():
+        losses = [model(x, y).item() for x, y in (data.batch(i, 0, 1, split="val") for i in range(batches))]
+    model.train()
+    return sum(losses) / len(losses)
+
+
 def build_training(cfg: RecipeConfig, mesh: Any = None) -> Training:
     """Build the model, optimizer and LR schedule of recipe ``cfg`` (what every worker trains);
     with a device ``mesh``, the model is sharded on it first (``shard_model``)."""
@@ -136,19 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     cache = ShmBatchCache(os.environ.get(ENV_JOB_ID, f"local-{os.getpid()}"), cleanup_on_exit=False)
     data = CachedDataset(dataset, cache)
 
-    def heldout_loss() -> float:
-        model.eval()
-        with torch.no_grad():
-            losses = [
-                model(x, y).item()
-                for x, y in (data.batch(i, 0, 1, split="val") for i in range(dc.eval_batches))
-            ]
-        model.train()
-        return sum(losses) / len(losses)
-
     session = cl.Session(model, optimizer, state={"scheduler": scheduler}, seed=cfg.train.seed)
     if session.rank == 0 and session.step == 0 and dc.eval_every:
-        session.emit(Event.EVAL, heldout_loss=heldout_loss())
+        session.emit(Event.EVAL, heldout_loss=heldout_loss(model, data, dc.eval_batches))
     for step in session.steps(steps):
         with session.attempt() as attempt:
             data.prefetch(range(step + 1, min(steps, step + 3)), session.dp_rank, session.dp_size)
@@ -165,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"step {step + 1}/{steps} loss {loss.item():.4f} lr {lr:.3e}", flush=True
             )  # into logs/w0.log
         if session.rank == 0 and dc.eval_every and ((step + 1) % dc.eval_every == 0 or step + 1 == steps):
-            session.emit(Event.EVAL, heldout_loss=heldout_loss())
+            session.emit(Event.EVAL, heldout_loss=heldout_loss(model, data, dc.eval_batches))
     data.stop(timeout=5)
     session.finish()
     if session.rank == 0 and not os.environ.get(ENV_STORE):
@@ -199,16 +198,6 @@ def train_sharded(cfg: RecipeConfig) -> int:
     cache = ShmBatchCache(os.environ.get(ENV_JOB_ID, f"local-{os.getpid()}"), cleanup_on_exit=False)
     data = CachedDataset(dataset, cache)
 
-    def heldout_loss(model: nn.Module) -> float:
-        model.eval()
-        with torch.no_grad():
-            losses = [
-                model(x, y).item()
-                for x, y in (data.batch(i, 0, 1, split="val") for i in range(dc.eval_batches))
-            ]
-        model.train()
-        return sum(losses) / len(losses)
-
     session = cl.Session(build=build, seed=cfg.train.seed)
     for step in session.steps(steps):
         with session.attempt() as attempt:
@@ -217,7 +206,11 @@ def train_sharded(cfg: RecipeConfig) -> int:
             scheduler = session.state["scheduler"]
             assert isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR)
             training = Training(model, optimizer, scheduler, cfg.optim.grad_clip)
-            evaluated = heldout_loss(model) if dc.eval_every and step % dc.eval_every == 0 else None
+            evaluated = (
+                heldout_loss(model, data, dc.eval_batches)
+                if dc.eval_every and step % dc.eval_every == 0
+                else None
+            )
             data.prefetch(range(step + 1, min(steps, step + 3)), session.dp_rank, session.dp_size)
             inputs, targets = data.batch(step, session.dp_rank, session.dp_size)
             loss = model(inputs, targets)
