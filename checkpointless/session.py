@@ -695,7 +695,7 @@ class Session:
             entry = first_difference(by_rank[ref], by_rank[other])
             where = f"{entry!r} differs between rank {ref} and rank {other}"
             if self.job.shards > 1:
-                where += f" (replicas of shard {self.shard_of(ref)})"
+                where += f" (replicas of shard {layout.shard_of(ref)})"
             if self.rank == min(healthy or ranks):
                 client.emit(Event.STATE_DIVERGED, sync=True, rank=self.rank, gen=self.generation, step=step,
                             entry=str(entry), ranks=odd, healthy=healthy)  # fmt: skip
@@ -725,9 +725,6 @@ class Session:
                 client.emit(Event.STATE_RESYNCED, sync=True, rank=self.rank, gen=self.generation, step=step,
                             src=ref, entry=str(entry), bytes=stats.bytes, seconds=stats.seconds)  # fmt: skip
         group.barrier()
-
-    def shard_of(self, rank: int) -> int:
-        return rank % self.job.shards
 
     # -- commit and failure ----------------------------------------------------
     def _commit(self, step: int, seconds: float) -> None:
