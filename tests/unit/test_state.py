@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import pickle
 import random
 import struct
@@ -413,11 +414,12 @@ def send_raw(
     ctx = S._context(group.gen if gen is None else gen, group.rank, 1)
     meta_digest = hashlib.sha256(meta if sealed_meta is None else sealed_meta).digest()
     sealed = tensors if sealed_tensors is None else sealed_tensors
+    salt = os.urandom(16)
     group.send(torch.tensor([S.WIRE_VERSION, len(meta)], dtype=torch.int64), 1)
-    group.send(S._u8(meta + S._meta_tag(key, ctx, meta_digest)), 1)
+    group.send(S._u8(meta + salt + S._meta_tag(key, ctx, salt, meta_digest)), 1)
     for w in [group.isend(t, 1, tag=i + 1) for i, t in enumerate(tensors)]:
         group.wait(w)
-    group.send(S._u8(S._trailer(key, ctx, meta_digest, bytes.fromhex(S._hash_tensors(sealed)))), 1)
+    group.send(S._u8(S._trailer(key, ctx, meta_digest, S._seal_tensors(key, ctx, salt, sealed))), 1)
 
 
 class _CreateFile:
@@ -520,6 +522,43 @@ def test_corrupted_tensor_is_caught(key: bytes | None) -> None:
     assert isinstance(err, IntegrityError) and "tensors or metadata failed" in str(err)
 
 
+@pytest.mark.parametrize("key", [None, KEY])
+def test_every_mac_piece_of_a_large_tensor_is_checked(
+    monkeypatch: pytest.MonkeyPatch, key: bytes | None
+) -> None:
+    """A tensor larger than one GMAC piece gets one tag per piece: a flipped bit in a later piece
+    and two swapped pieces (same bytes, other order) are both refused; the intact one arrives."""
+    monkeypatch.setattr(S, "_MAC_PIECE", 256)
+    w = torch.arange(1000, dtype=torch.float32)  # 4000 bytes: 16 pieces
+    meta, tensors = S._encode_state({"w": w})
+    flipped = tensors[0].clone()
+    flipped.view(torch.uint8)[3 * 256 + 17] ^= 0x10
+    swapped = tensors[0].clone()
+    swapped.view(torch.uint8)[:512] = torch.cat(
+        [tensors[0].view(torch.uint8)[256:512], tensors[0].view(torch.uint8)[:256]]
+    )
+    assert S._tensor_tags(S._mac(key, b"c", b"s" * 16), 0, w) != S._tensor_tags(
+        S._mac(key, b"c", b"s" * 16), 0, swapped
+    )
+    for altered in (flipped, swapped):
+
+        def fn(group: Group, altered: torch.Tensor = altered) -> Any:
+            if group.rank == 0:
+                return send_raw(group, meta, [altered], key=key, sealed_tensors=tensors)
+            return recv_state(group, 0, key=key)
+
+        err = run_pair(fn, timeout_s=REFUSED)[1]
+        assert isinstance(err, IntegrityError) and "tensors or metadata failed" in str(err)
+
+    def honest(group: Group) -> Any:
+        if group.rank == 0:
+            return send_state(group, 1, {"w": w}, key=key)
+        return recv_state(group, 0, key=key)
+
+    (sent, (got, received)) = run_pair(honest)
+    assert torch.equal(got["w"], w) and sent.sha256 == received.sha256
+
+
 def test_trailer_covers_the_metadata() -> None:
     """Without a key anyone can reseal forged metadata, but not the trailer the source computed."""
     meta, tensors = S._encode_state({"lr": 0.1, "w": torch.ones(4)})
@@ -531,10 +570,13 @@ def test_trailer_covers_the_metadata() -> None:
             # the metadata tag is recomputed for the forgery, the trailer is the honest one
             ctx = S._context(group.gen, 0, 1)
             honest = hashlib.sha256(meta).digest()
+            salt = os.urandom(16)
             group.send(torch.tensor([S.WIRE_VERSION, len(forged)], dtype=torch.int64), 1)
-            group.send(S._u8(forged + S._meta_tag(None, ctx, hashlib.sha256(forged).digest())), 1)
+            group.send(
+                S._u8(forged + salt + S._meta_tag(None, ctx, salt, hashlib.sha256(forged).digest())), 1
+            )
             group.wait(group.isend(tensors[0], 1, tag=1))
-            trailer = S._trailer(None, ctx, honest, bytes.fromhex(S._hash_tensors(tensors)))
+            trailer = S._trailer(None, ctx, honest, S._seal_tensors(None, ctx, salt, tensors))
             group.send(S._u8(trailer), 1)
             return None
         return recv_state(group, 0)
@@ -546,7 +588,7 @@ def test_trailer_covers_the_metadata() -> None:
 def _doc(state: Any, tensors: int = 0, **fields: Any) -> bytes:
     doc = {
         "format": "checkpointless-state",
-        "version": S.WIRE_VERSION,
+        "version": S._META_VERSION,
         "tensors": tensors,
         "state": state,
         **fields,
