@@ -125,6 +125,14 @@ def _reuse_or_clear_caches(signature: tuple[Any, ...]) -> None:
         _cache_signature = signature
 
 
+def forget_dtensor_caches() -> None:
+    """Clear DTensor's caches and forget their layout (the next generation starts them afresh)."""
+    global _cache_signature
+    clear_dtensor_caches()
+    _cache_signature = None
+    gc.collect()
+
+
 class Generation:
     """The ``torch.distributed`` world of one generation: default group, mesh groups, ``DeviceMesh``.
 
@@ -147,6 +155,12 @@ class Generation:
     ) -> None:
         if dist.is_initialized():
             raise RuntimeError("a torch.distributed default group already exists in this process")
+        # Imported for the first time while a group exists, torch.distributed.tensor.debug (which
+        # clear_dtensor_caches uses) keeps that group alive for good (found with the spare's
+        # warm-up: one gloo group, whose event loop wakes 100 times a second, left in a process
+        # that should sleep). Import it before there is any.
+        import torch.distributed.tensor.debug
+
         self.gen, self.rank, self.world, self.shards = gen, rank, world, shards
         self.backend, self._store_port = backend, store_port
         self._closed = self._released = False

@@ -95,7 +95,7 @@ from checkpointless.durable import DurableWriter
 from checkpointless.durable import load as load_durable
 from checkpointless.errors import FatalError
 from checkpointless.faults import FaultInjector, FaultSpec
-from checkpointless.fsdp import Build, Generation, ShardedState, fsdp_modules
+from checkpointless.fsdp import Build, Generation, ShardedState, forget_dtensor_caches, fsdp_modules
 from checkpointless.state import (
     IntegrityError,
     Stateful,
@@ -416,6 +416,9 @@ class Session:
             del built
         finally:
             warm.close()
+            # DTensor's caches hold the warm-up mesh and with it its groups, whose gloo event loops
+            # wake up 100 times a second each: an idle spare must not take the CPU from the workers
+            forget_dtensor_caches()
 
     def _leave_generation(self) -> None:
         """Sharded: release the peers, keep this rank's state as plain tensors, drop the model.

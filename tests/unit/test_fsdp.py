@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 from typing import Any
 
@@ -95,3 +96,47 @@ def test_shutdown_fails_connections_but_leaves_listeners_and_the_store() -> None
     finally:
         for s in (listener, store_side, peer, mine, store_conn, store_peer):
             s.close()
+
+
+_SPARE_WARMUP = """
+import os, sys, time
+import torch, torch.distributed as dist
+sys.path.insert(0, {tests!r})
+from unit.test_fsdp import _build, _train
+from checkpointless.fsdp import Generation, forget_dtensor_caches
+
+def loops():
+    tasks = os.listdir("/proc/self/task")
+    return sum(open(f"/proc/self/task/{{t}}/comm").read().strip() == "gloo_tcp_loop" for t in tasks)
+
+torch.set_num_threads(1)
+warm = Generation(dist.HashStore(), gen=-1, prefix="prewarm/", rank=0, world=1, shards=1)
+model, opt = _build(warm.mesh)
+_train(model, opt, 2)
+live = loops()
+del model, opt
+warm.close()
+del warm
+forget_dtensor_caches()
+time.sleep(0.2)
+print(live, loops())
+"""
+
+
+def test_a_closed_generation_leaves_no_gloo_thread_behind() -> None:
+    """What a sharded spare does while it waits (Session._prewarm): build and use a model on a
+    1 x 1 mesh, then close it. Nothing of it may keep waking up: every gloo event loop wakes 100
+    times a second, CPU the workers beside an idle spare need. Runs in a fresh interpreter: the
+    leak this guards against came from importing DTensor's modules while a group was alive."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = str(Path(__file__).resolve().parents[1])
+    out = subprocess.run(
+        [sys.executable, "-c", _SPARE_WARMUP.format(tests=tests)],
+        capture_output=True, text=True, timeout=50, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    live, left = (int(x) for x in out.stdout.split())
+    assert live >= 1 and left == 0, f"gloo event loops: {live} while the model lived, {left} after close"
