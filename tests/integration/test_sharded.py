@@ -72,6 +72,28 @@ def test_both_copies_of_a_shard_lost_roll_back_to_the_durable_snapshot(tmp_path:
     assert sorted((tmp_path / "durable").iterdir())  # the snapshots of both shards were written
 
 
+def test_a_spare_killed_while_it_receives_its_shard_is_replaced_by_the_next() -> None:
+    """A second fault inside the recovery: the replacement dies during the formation or the
+    transfer of its shard; the next spare takes the rank, and the result stays exact."""
+    r = _run(spares=2, faults=["kill:rank=1@step=6", "kill:spare@recovery"])
+    assert r.ok, logs_of(r)
+    assert r.digest == _reference()
+    assert len(r.report["faults"]) == 2 and all(f["lost_steps"] == 0 for f in r.report["faults"])
+    assert {int(e["rank"]) for e in _transfers(r)} == {1}  # type: ignore[call-overload]
+
+
+def test_the_last_source_of_a_shard_killed_during_its_transfer_rolls_back(tmp_path: Path) -> None:
+    """The one survivor holding shard 1 dies while it sends it: no live copy is left, so every rank
+    rolls back to the durable snapshot, consistently, and the job still ends exact."""
+    faults = ["kill:rank=1@step=10", "kill:source@recovery"]
+    r = _run(spares=2, faults=faults, durable_every=4, durable_dir=tmp_path / "durable")
+    assert r.ok, logs_of(r)
+    assert r.digest == _reference()
+    restored = [e for e in r.events if e["kind"] == Event.DURABLE_RESTORED]
+    assert sorted(int(e["rank"]) for e in restored) == [0, 1, 2, 3]  # type: ignore[call-overload]
+    assert sum(int(f["lost_steps"] or 0) for f in r.report["faults"]) > 0
+
+
 def test_both_copies_of_a_shard_lost_without_durable_tier_stop_in_one_line() -> None:
     # steps unknown to the launcher (as with `launch` without --steps): the schedule is not
     # refused up front, the loss happens at run time
