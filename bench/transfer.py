@@ -64,6 +64,21 @@ def _tensors(state: dict[str, Any]) -> list[Any]:
 
 
 # -- the two processes ------------------------------------------------------------------
+def _raw_wire(group: Any, tensors: list[Any] | None, n: int, dest: Any) -> float:
+    """Seconds for plain ``Group.send``/``Group.recv`` of ``tensors`` (rank 0) into ``dest(i)``
+    (rank 1; the reference is dropped right after each receive), barrier to barrier."""
+    group.barrier()
+    t0 = time.perf_counter()
+    if tensors is not None:
+        for t in tensors:
+            group.send(t, 1)
+    else:
+        for i in range(n):
+            group.recv(dest(i), 0)
+    group.barrier()
+    return time.perf_counter() - t0
+
+
 def worker(rank: int, port: int, sizes: list[int], reps: int, out: Path) -> None:
     common.pin_threads()
     import torch
@@ -118,33 +133,13 @@ def worker(rank: int, port: int, sizes: list[int], reps: int, out: Path) -> None
             row["e2e_s"].append(time.perf_counter() - t0)
             row["stats_s"].append(stats.seconds)
             row["moved_bytes"] = stats.bytes
-            # raw wire: the same tensors, plain send/recv
-            group.barrier()
-            t0 = time.perf_counter()
-            if rank == 0:
-                assert tensors is not None
-                for t in tensors:
-                    group.send(t, 1)
-            else:
-                for k in recv_shapes:
-                    buf = torch.empty(k, dtype=torch.float32)
-                    group.recv(buf, 0)
-                    del buf
-            group.barrier()
-            row["wire_s"].append(time.perf_counter() - t0)
+            # raw wire: the same tensors, plain send/recv, into one buffer allocated and freed per tensor
+            row["wire_s"].append(
+                _raw_wire(group, tensors, len(recv_shapes), lambda i, s=recv_shapes: torch.empty(s[i]))
+            )
             # raw wire into the receiver's own tensors: the same bytes to the same place as ``into``
-            group.barrier()
-            t0 = time.perf_counter()
-            if rank == 0:
-                assert tensors is not None
-                for t in tensors:
-                    group.send(t, 1)
-            else:
-                assert mine is not None
-                for t in _tensors(mine):
-                    group.recv(t, 0)
-            group.barrier()
-            row["wire_into_s"].append(time.perf_counter() - t0)
+            own = _tensors(mine) if mine is not None else []
+            row["wire_into_s"].append(_raw_wire(group, tensors, len(recv_shapes), lambda i, own=own: own[i]))
             # the protocol's check alone, in this process
             if rank == 0:
                 assert tensors is not None
