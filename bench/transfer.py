@@ -22,7 +22,8 @@ receives. Per repetition, after a barrier, the receiver times:
 The floor is a plain in-memory copy of the same bytes in one process (``clone()`` and ``copy_``
 into a preallocated buffer), single-threaded like every worker.
 
-Usage: ``python bench/transfer.py [--quick]`` (writes ``bench/out/transfer.json``).
+Usage: ``python bench/transfer.py [--quick] [--sizes BYTES,...] [--reps N]`` (writes
+``bench/out/transfer.json`` and prints the tables).
 """
 
 from __future__ import annotations
@@ -185,11 +186,15 @@ def copy_floor(sizes: list[int], reps: int) -> list[dict[str, Any]]:
 
 
 # -- orchestration -----------------------------------------------------------------------
-def run(quick: bool, out_dir: Path) -> dict[str, Any]:
+def run(
+    quick: bool, out_dir: Path, sizes: list[int] | None = None, reps: int | None = None
+) -> dict[str, Any]:
     from checkpointless.launch.launcher import open_store
 
-    sizes = [10 * MB, 100 * MB] if quick else [10 * MB, 100 * MB, 1000 * MB, 2000 * MB]
-    reps = 3 if quick else 5
+    if sizes is None:
+        sizes = [10 * MB, 100 * MB] if quick else [10 * MB, 100 * MB, 1000 * MB, 2000 * MB]
+    if reps is None:
+        reps = 3 if quick else 5
     work = common.fresh_dir(out_dir / "transfer")
     store = open_store("127.0.0.1", 0)
     procs: list[subprocess.Popen[bytes]] = []
@@ -321,7 +326,8 @@ def markdown(res: dict[str, Any]) -> str:
     return (
         f"Median of {res['reps']} repetitions per size. GB/s = 10^9 bytes per second of tensor payload; "
         "the check is GMAC (AES-128-GCM over the bytes as associated data, OpenSSL via `cryptography`) "
-        "per 64 MiB piece on both sides (wire format 3; BLAKE3 in 2, SHA-256 in 1). Both processes share "
+        "per 4 MiB piece, one message each, on both sides (wire format 4; 3: per 64 MiB, one message per "
+        "tensor; BLAKE3 in 2, SHA-256 in 1). Both processes share "
         "this machine's 2 cores with gloo's own threads, so the check cannot overlap the wire as it does "
         "between two hosts. *ratio* = raw gloo time / send/recv_state time into the same tensors, per "
         "repetition, median and range: the target (≥ 0.8).\n\n"
@@ -335,14 +341,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
-    p.add_argument("--sizes", help=argparse.SUPPRESS)
-    p.add_argument("--reps", type=int, default=3, help=argparse.SUPPRESS)
+    p.add_argument("--sizes", help="comma-separated state sizes in bytes (default: by --quick)")
+    p.add_argument("--reps", type=int, help="repetitions per size (default: 3 quick, 5 full)")
     p.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.worker is not None:
         worker(a.worker, a.port, [int(s) for s in a.sizes.split(",")], a.reps, a.out)
         return 0
-    res = run(a.quick, common.OUT)
+    sizes = [int(s) for s in a.sizes.split(",")] if a.sizes else None
+    res = run(a.quick, common.OUT, sizes, a.reps)
     common.write_json(common.OUT / "transfer.json", res)
     print(markdown(res))
     return 0

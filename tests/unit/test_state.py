@@ -417,7 +417,7 @@ def send_raw(
     salt = os.urandom(16)
     group.send(torch.tensor([S.WIRE_VERSION, len(meta)], dtype=torch.int64), 1)
     group.send(S._u8(meta + salt + S._meta_tag(key, ctx, salt, meta_digest)), 1)
-    for w in [group.isend(t, 1, tag=i + 1) for i, t in enumerate(tensors)]:
+    for w in [group.isend(data, 1, tag=k + 1) for k, (_, _, data) in enumerate(S._pieces(tensors))]:
         group.wait(w)
     group.send(S._u8(S._trailer(key, ctx, meta_digest, S._seal_tensors(key, ctx, salt, sealed))), 1)
 
@@ -537,9 +537,8 @@ def test_every_mac_piece_of_a_large_tensor_is_checked(
     swapped.view(torch.uint8)[:512] = torch.cat(
         [tensors[0].view(torch.uint8)[256:512], tensors[0].view(torch.uint8)[:256]]
     )
-    assert S._tensor_tags(S._mac(key, b"c", b"s" * 16), 0, w) != S._tensor_tags(
-        S._mac(key, b"c", b"s" * 16), 0, swapped
-    )
+    assert len(S._pieces([w])) == 16
+    assert S._seal_tensors(key, b"c", b"s" * 16, [w]) != S._seal_tensors(key, b"c", b"s" * 16, [swapped])
     for altered in (flipped, swapped):
 
         def fn(group: Group, altered: torch.Tensor = altered) -> Any:
