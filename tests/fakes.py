@@ -43,6 +43,9 @@ class FakeStore:
             raise DistStoreError(f"{key!r} is not set (a real store would block until its timeout)")
         return self.data[key]
 
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return [self.get(k) for k in keys]
+
     def check(self, keys: list[str]) -> bool:
         return all(k in self.data for k in keys)
 
@@ -161,6 +164,7 @@ class FakeWorker:
             json.dumps({"committed": committed, "reason": reason, "proc": self.proc, "has_state": has_state}),
         )
         self.store.add(keys.fail_count(gen), 1)
+        self.store.set(keys.REPORT_BELL, "1")
 
     def report_done(self, rank: int, digest: str, step: int) -> None:
         self.store.set(keys.done(rank), json.dumps({"digest": digest, "step": step, "proc": self.proc}))

@@ -126,12 +126,14 @@ class ControlClient:
             status = dict(self._status)
             status["seq"] = self._status["seq"] = int(self._status["seq"]) + 1
             status["t"] = time.time()
+            # Only ``set``s: a store ``set`` is one message with no reply, so a commit's sync flush
+            # never waits for the launcher (a counter ``add`` would be a round trip). The launcher
+            # finds chunk n+1 after chunk n, which this connection delivered first.
             if lines:
                 self._hb_store.set(
                     keys.events(self.proc, self._chunks), "".join(line + "\n" for line in lines)
                 )
                 self._chunks += 1
-                self._hb_store.add(keys.events_count(self.proc), 1)
             self._hb_store.set(keys.heartbeat(self.proc), json.dumps(status))
 
     def _heartbeat_loop(self) -> None:
@@ -209,6 +211,7 @@ class ControlClient:
         self._failure_report = (keys.fail(gen, rank), report)
         self.store.set(*self._failure_report)
         self.store.add(keys.fail_count(gen), 1)
+        self.store.set(keys.REPORT_BELL, "1")
 
     def wait_assignment(self) -> int:
         """A spare blocks here until given a generation to join; ``JobStopped`` at job end."""

@@ -110,8 +110,13 @@ class Coordinator:
         spawn_spare: Callable[[], ProcessHandle],
         emit: Callable[[dict[str, Any]], None],
         clock: Callable[[], float] = time.monotonic,
+        report_bell: Callable[[], bool] | None = None,
     ) -> None:
+        """``report_bell``: true once after a process reported a failure (``ReportBell.rung``);
+        with it, failure reports are read when it rings (else at the heartbeat pace) instead of
+        every tick."""
         self.store, self.job, self.total_steps = store, job, total_steps
+        self._report_bell = report_bell
         self._spawn_spare, self._emit_cb, self._clock = spawn_spare, emit, clock
         self.procs: dict[str, _Proc] = {}
         self.plan: Plan | None = None
@@ -190,7 +195,7 @@ class Coordinator:
         self._start_due_spares(now)
         if self._failure is None and poll:
             self._check_progress(now)
-        self._check_reports()
+        self._check_reports(poll)
         if self._failure is not None:
             self._try_recover(now)
         elif self._recovering is not None:
@@ -199,9 +204,15 @@ class Coordinator:
             self._check_done()
 
     def _read_heartbeats(self, now: float) -> None:
-        for name, p in self.procs.items():
+        live = [(name, p) for name, p in self.procs.items() if p.role != Role.GONE]
+        # a heartbeat key, once written, stays: those read before come in one round trip
+        known = [name for name, p in live if p.raw_hb]
+        raws = dict(
+            zip(known, self.store.get_sealed_present([keys.heartbeat(n) for n in known]), strict=True)
+        )
+        for name, p in live:
             key = keys.heartbeat(name)
-            raw = None if p.role == Role.GONE else self.store.get_sealed(key)
+            raw = raws[name] if name in raws else self.store.get_sealed(key)
             if raw is not None and raw != p.raw_hb:
                 text = self.store.open(key, raw)
                 if text is None:
@@ -348,7 +359,7 @@ class Coordinator:
                  keys.abort(gen), keys.fail_count(gen)]  # fmt: skip
         names += [keys.done(r) for r in self.members] + [keys.fail(gen, r) for r in self.members]
         for proc in self.procs:
-            names += [keys.heartbeat(proc), keys.assign(proc), keys.fatal(proc), keys.events_count(proc)]
+            names += [keys.heartbeat(proc), keys.assign(proc), keys.fatal(proc), keys.events(proc, 0)]
         for key in names:
             if self.store.raw.check([key]):
                 self._emit(Event.MESSAGE_REJECTED, key=key, why="written outside the job's secret namespace")
@@ -420,8 +431,11 @@ class Coordinator:
             self._recovering = None
         return self._failure
 
-    def _check_reports(self) -> None:
+    def _check_reports(self, poll: bool) -> None:
         assert self.plan is not None
+        quiet = self._failure is None and self._recovering is None and not poll
+        if quiet and self._report_bell is not None and not self._report_bell():
+            return
         gen = self.plan.gen
         if self.store.add(keys.fail_count(gen), 0) == 0:
             return  # the counter is only a hint (anyone can bump it): the sealed reports decide

@@ -13,9 +13,11 @@ protocol can be read in one place. Values are sealed with the job's secret
     gen/<n>/layout/<rank>       JSON list of (name, shape, dtype) of a rank's parameters
     hb/<proc>                   JSON heartbeat of a process (worker or spare)
     assign/<proc>               generation a spare joins (decimal), or ``stop`` at job end
-    events/<proc>/count         counter: chunks of events a process has written
-    events/<proc>/<i>           chunk i of a process's events (JSON lines); the launcher deletes it once read
+    events/<proc>/<i>           chunk i of a process's events (JSON lines, i from 0, written in order with
+                                no reply awaited); the launcher reads them in order, deletes each once read
     done/<rank>                 JSON {digest, step, proc} when a rank finished training
+    report/bell                 set after a failure report; the launcher's bell thread waits on it
+                                and deletes it (a hint: wakes the coordinator, control/bell.py)
     fatal/count                 counter: fatal reports (hint)
     fatal/<proc>                JSON {rank, error}: a mistake no recovery can fix; ends the job
     fault/<i>/rank/<r>/fired    counter: 1 for the process that fires fault i on rank r
@@ -28,6 +30,7 @@ LATEST_GEN = "gen/latest"
 JOB_STOP = "job/stop"
 STOP = "stop"  # the assignment that wakes a waiting spare at job end
 FATAL_COUNT = "fatal/count"
+REPORT_BELL = "report/bell"  # set after a failure report: wakes the coordinator (control/bell.py)
 
 
 def plan(gen: int) -> str:
@@ -61,10 +64,6 @@ def heartbeat(proc: str) -> str:
 
 def assign(proc: str) -> str:
     return f"assign/{proc}"
-
-
-def events_count(proc: str) -> str:
-    return f"events/{proc}/count"
 
 
 def events(proc: str, chunk: int) -> str:

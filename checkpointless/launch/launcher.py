@@ -50,6 +50,7 @@ from torch.distributed import TCPStore
 from checkpointless.config import JobConfig
 from checkpointless.control import keys
 from checkpointless.control.auth import ENV_SECRET_FD, SignedStore, job_namespace, new_secret
+from checkpointless.control.bell import ReportBell
 from checkpointless.control.client import ENV_CONFIG, ENV_JOB_ID, ENV_PROC, ENV_ROLE, ENV_STORE
 from checkpointless.control.coordinator import Coordinator, JobFailed
 from checkpointless.control.vocab import Event, Role, event
@@ -230,6 +231,7 @@ class Launcher:
         self._next_spare = 0
         self._spares: list[str] = []  # every spare started, in order
         self._coord: Coordinator | None = None
+        self._bell: ReportBell | None = None
         self._events: list[dict[str, Any]] = []
         self._chunks_read: dict[str, int] = {}
         self._stream: IO[str] | None = None
@@ -314,12 +316,11 @@ class Launcher:
         """Move the processes' new event chunks from the store into the log (and the file)."""
         for name in self.children:
             seen = self._chunks_read.get(name, 0)
-            count = self.store.add(keys.events_count(name), 0)
-            while seen < count:
+            while True:  # chunks are numbered from 0 and written in order: read until a gap
                 key = keys.events(name, seen)
                 raw = self.store.get_sealed(key)
                 if raw is None:
-                    break  # not written yet (or a stranger bumped the counter)
+                    break  # not written yet
                 text = self.store.open(key, raw)
                 if text is None:
                     break  # forged: the real chunk will overwrite it
@@ -360,7 +361,16 @@ class Launcher:
             event(Event.JOB_STARTED, proc="launcher", gen=0, job_id=self.job_id, workers=self.job.workers,
                   spares=self.job.spares, steps=self.total_steps, faults=[str(f) for f in self.job.faults])
         )  # fmt: skip
-        coord = Coordinator(self.store, self.job, self.total_steps, self._spawn_spare, self._record)
+        try:
+            self._bell = ReportBell(
+                lambda: TCPStore(self.host, self.store.raw.port, is_master=False, wait_for_workers=False,
+                                 timeout=timedelta(seconds=30)),
+                self.store.name(keys.REPORT_BELL),
+            )  # fmt: skip
+        except RuntimeError as e:  # the coordinator then reads failure reports every tick
+            log.warning("no report bell (%s); failure reports are polled", e)
+        coord = Coordinator(self.store, self.job, self.total_steps, self._spawn_spare, self._record,
+                            report_bell=self._bell.rung if self._bell is not None else None)  # fmt: skip
         self._coord = coord
         error: str | None = None
         interrupted: int | None = None
@@ -469,6 +479,8 @@ class Launcher:
 
     def _cleanup(self) -> None:
         """Stop every child (politely, then by force), collect their last events, free the node cache."""
+        if self._bell is not None:
+            self._bell.close()
         try:
             self.store.set(keys.JOB_STOP, "1")
         except (

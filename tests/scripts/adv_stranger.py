@@ -104,10 +104,8 @@ def attack(store: TCPStore, forged: SignedStore, rnd: int, attacks: set[str], wr
         written.add(keys.FATAL_COUNT)
     if "events" in attacks:
         for proc in PROCS:
-            # a chunk in a slot ahead of the process's next one (the counter only counts up to the
-            # chunks it has written), announced by bumping the counter: the launcher reads it
-            chunk = store.add(keys.events_count(proc), 1)
-            written.add(keys.events_count(proc))
+            # a chunk in a slot a reader looks at (chunks are numbered from 0, read in order)
+            chunk = rnd
             line = json.dumps({"t": time.time(), "kind": "job_finished", "ok": False, "error": "stranger"})
             key = keys.events(proc, chunk)
             forged.set(key, line + "\n")

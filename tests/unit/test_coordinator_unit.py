@@ -42,7 +42,7 @@ RECOVERY: dict[str, Any] = {
 class Job:
     """A coordinator with its fake store, processes and clock."""
 
-    def __init__(self, workers: int = 2, spares: int = 1, **recovery: Any) -> None:
+    def __init__(self, workers: int = 2, spares: int = 1, *, bell: bool = False, **recovery: Any) -> None:
         self.clock = ManualClock()
         self.t0 = self.clock.now
         self.raw = FakeStore()
@@ -60,9 +60,12 @@ class Job:
         self.config = JobConfig(
             workers=workers, spares=spares, recovery=RecoveryConfig(**{**RECOVERY, **recovery})
         )
+        # the launcher's ReportBell, at its boundary: the store's bell key, taken (deleted) when read
+        bell_name = self.signed.name(keys.REPORT_BELL)
         self.coord = Coordinator(
-            self.signed, self.config, 100, self._spawn_spare, self.events.append, clock=self.clock
-        )
+            self.signed, self.config, 100, self._spawn_spare, self.events.append, clock=self.clock,
+            report_bell=(lambda: self.raw.delete_key(bell_name)) if bell else None,
+        )  # fmt: skip
         self.coord.start(
             [self._proc(f"w{r}") for r in range(workers)], [self._proc(f"s{i}") for i in range(spares)]
         )
@@ -772,3 +775,34 @@ def test_receiver_left_alone_after_its_source_died(has_state: bool) -> None:
         gen=2, world_size=2, shards=1, members={0: "s1", 1: "s0"}, resume_step=5, sources={0: 1},
         replaced={0: "w0"},
     )  # fmt: skip
+
+
+@pytest.mark.parametrize("bell", [False, True])
+def test_a_failure_report_is_read_within_a_tick_with_or_without_the_bell(bell: bool) -> None:
+    """Between heartbeat polls (ticks of a tenth of the interval) the coordinator reads failure
+    reports every tick, or, with the launcher's report bell, only when a reporter rang it (no
+    store read per tick in steady state): either way the tick after the report fails the generation."""
+    job = Job(workers=2, spares=1, bell=bell)
+    job.steady(committed=4)
+    reads: list[str] = []
+    add = job.raw.add
+    job.raw.add = lambda key, amount: (reads.append(key), add(key, amount))[1]  # type: ignore[method-assign]
+    job.tick(5, dt=DT / 10)
+    assert len([k for k in reads if k.endswith(keys.fail_count(0))]) == (0 if bell else 5)
+    job["w1"].report_failure(0, 1, 4, "exception", True)
+    job.coord.tick()  # same instant: no heartbeat poll is due
+    assert job.store.get(keys.abort(0)) is not None
+    assert [e["rank"] for e in job.kinds("failure_reported")] == [1]
+
+
+def test_with_the_bell_silent_the_reports_are_still_read_at_the_heartbeat_pace() -> None:
+    """A report whose bell rang for nobody (the bell thread had a store error) is read at the next
+    heartbeat poll."""
+    job = Job(workers=2, spares=1, bell=True)
+    job.steady(committed=4)
+    job["w1"].report_failure(0, 1, 4, "exception", True)
+    job.raw.delete_key(job.signed.name(keys.REPORT_BELL))  # the ring is lost
+    job.coord.tick()
+    assert job.store.get(keys.abort(0)) is None
+    job.tick(1)  # a heartbeat interval later
+    assert job.store.get(keys.abort(0)) is not None
