@@ -95,6 +95,7 @@ class BufferSync:
             for (dtype, device), members in by_dtype.items()
         ]
         self._saved = [torch.zeros_like(flat) for flat, _ in self._groups]
+        self.synced = False  # whether ``sync`` ran since this object was made (a generation's first)
         self.commit()
 
     def __bool__(self) -> bool:
@@ -121,6 +122,17 @@ class BufferSync:
         self._pack(flats)
         group.broadcast_(flats, root)
         self._unpack(flats)
+        self.synced = True
+
+    def changed(self) -> bool:
+        """Whether any buffer differs, bit for bit, from the copy ``commit`` took (a forward pass in
+        training mode moved BatchNorm's statistics; a constant buffer such as a rotary table never)."""
+        flats = [flat for flat, _ in self._groups]
+        self._pack(flats)
+        return any(
+            not torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+            for a, b in zip(flats, self._saved, strict=True)
+        )
 
     def commit(self) -> None:
         """Remember the buffers as they are (at a committed step)."""

@@ -555,15 +555,23 @@ class Session:
             self._client.update(phase=Phase.REDUCE)
         if self._reducer is not None:
             self._reducer.reduce(self._group)
+            if self._broadcast_buffers:
+                self._buffers.sync(self._group)
         elif self._group is not None and self._group.world_size > 1:
             # Sharded: FSDP2 reduced the gradients inside backward(), group by group, so a failure
             # there may have spared some ranks. Every rank passes this point or none does: a step
             # then commits everywhere or nowhere (as a DDP reduction makes it), and only the ranks
             # that lost their state receive any (gradient clipping's norm all-reduce, after this,
-            # is the one collective left that can split a step).
-            self._group.barrier()
-        if self._broadcast_buffers:
-            self._buffers.sync(self._group)
+            # is the one collective left that can split a step). The barrier is a one-number
+            # all-reduce that also tells whether any rank's buffers moved since the last commit:
+            # rank 0's are broadcast then (and at a generation's first step), not for a model whose
+            # buffers are constant (a transformer's rotary table), every rank agreeing either way.
+            buffers = self._buffers
+            moved = self._broadcast_buffers and bool(buffers) and (not buffers.synced or buffers.changed())
+            flag = torch.tensor([1.0 if moved else 0.0])
+            self._group.allreduce_([flag])
+            if flag.item() > 0:
+                buffers.sync(self._group)
         self._reduced = True
 
     def log(self, **metrics: Any) -> None:

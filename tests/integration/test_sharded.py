@@ -22,11 +22,14 @@ from tests.jobs import logs_of, run_job
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "sharded_loop.py"
+BATCHNORM = Path(__file__).resolve().parents[2] / "tests" / "scripts" / "sharded_batchnorm.py"
 STEPS = 20
 
 
-def _run(*, shards: int = 2, workers: int = 4, steps: int | None = STEPS, **kw: object) -> JobResult:
-    cmd = [sys.executable, str(EXAMPLE), "--steps", str(STEPS)]
+def _run(
+    *, shards: int = 2, workers: int = 4, steps: int | None = STEPS, script: Path = EXAMPLE, **kw: object
+) -> JobResult:
+    cmd = [sys.executable, str(script), "--steps", str(STEPS)]
     return run_job(workers=workers, shards=shards, steps=steps or STEPS, command=cmd, **kw)  # type: ignore[arg-type]
 
 
@@ -57,6 +60,17 @@ def test_kill_exception_and_hang_end_bitwise_equal_to_the_fault_free_run() -> No
     # a replicated rank receives (bench/hsdp.py measures it against DDP on the same model: 0.49)
     moved = {int(e["rank"]): int(e["bytes"]) for e in transfers}  # type: ignore[call-overload]
     assert 0.4 < moved[1] / (moved[0] + moved[1]) < 0.6, moved
+
+
+def test_batchnorm_buffers_stay_replicated_and_are_recovered_bitwise() -> None:
+    """Every rank moves BatchNorm's statistics from its own batch: the step's barrier finds that
+    and rank 0's buffers are broadcast (the first consistency check, after step 0, would stop the
+    job otherwise); a killed rank's replacement ends bitwise equal to the fault-free run."""
+    reference = _run(spares=0, script=BATCHNORM, consistency_every=5)
+    assert reference.ok, logs_of(reference)
+    r = _run(spares=1, script=BATCHNORM, consistency_every=5, faults=["kill:rank=3@step=7"])
+    assert r.ok, logs_of(r)
+    assert r.digest == reference.digest
 
 
 def test_both_copies_of_a_shard_lost_roll_back_to_the_durable_snapshot(tmp_path: Path) -> None:

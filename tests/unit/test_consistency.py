@@ -69,6 +69,28 @@ def test_buffer_sync_alone_changes_nothing() -> None:
     assert not BufferSync(nn.Linear(2, 2))
 
 
+def test_buffer_sync_sees_any_bit_a_forward_pass_moved_and_nothing_else() -> None:
+    """``changed`` decides whether a sharded step broadcasts the buffers: a BatchNorm forward in
+    training mode moves them, one in eval mode and a restore do not, and a sign flip of a zero
+    (equal as a number, not as bits) is a change."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    model.register_buffer("zero", torch.zeros(2))
+    sync = BufferSync(model)
+    assert not sync.changed()
+    model.eval()
+    model(torch.randn(5, 3))
+    assert not sync.changed()
+    model.train()
+    model(torch.randn(5, 3))
+    assert sync.changed()
+    sync.restore()
+    assert not sync.changed()
+    model.get_buffer("zero")[1] = -0.0
+    assert sync.changed()
+    sync.commit()
+    assert not sync.changed()
+
+
 def test_corrupt_fault_parses_needs_no_spare_and_checks_its_rank() -> None:
     assert parse_fault("corrupt:rank=1@step=3") == FaultSpec("corrupt", (1,), 3)
     validate_schedule([parse_fault("corrupt:rank=1@step=3")], workers=2, spares=0, steps=10)
