@@ -28,8 +28,11 @@ _WAIT = timedelta(hours=1)
 class ReportBell:
     """``rung()`` is true once after the bell key was set since the last ``rung()``."""
 
-    def __init__(self, connect: Callable[[], Any], name: str) -> None:
-        self._store, self._name = connect(), name
+    def __init__(
+        self, connect: Callable[[], Any], name: str, on_ring: Callable[[], None] | None = None
+    ) -> None:
+        """``on_ring`` is called from the bell's thread at each ring (the launcher's wake-up)."""
+        self._store, self._name, self._on_ring = connect(), name, on_ring
         self._waker = connect()  # ``close`` must not share the waiting thread's connection
         self._rung = threading.Event()
         self._stop = threading.Event()
@@ -48,6 +51,8 @@ class ReportBell:
                 self._stop.wait(0.1)  # the coordinator still reads the reports at the heartbeat pace
                 continue
             self._rung.set()
+            if self._on_ring is not None and not self._stop.is_set():
+                self._on_ring()
 
     def rung(self) -> bool:
         if not self._rung.is_set():

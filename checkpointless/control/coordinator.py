@@ -175,6 +175,17 @@ class Coordinator:
         return statistics.median(self._step_times[-50:]) if self._step_times else 0.0
 
     # -- the loop -----------------------------------------------------------------
+    def next_tick_s(self, tick_s: float = 0.01) -> float:
+        """How long the caller may wait before the next ``tick`` if nothing wakes it earlier: one
+        ``tick_s`` during a failure or a recovery; in steady state until the next heartbeat poll or
+        due spare start. The caller must also tick at once when a process exits or a failure
+        report rings (``ReportBell``): what a steady state waits for besides the clock."""
+        if self._failure is not None or self._recovering is not None or self.plan is None:
+            return tick_s
+        now = self._clock()
+        due = [self._last_poll + self.job.recovery.heartbeat_interval_s, *self._spares_due]
+        return max(tick_s, min(due) - now)
+
     def tick(self) -> None:
         """One round of observe, decide, publish. Raises ``JobFailed``."""
         assert self.plan is not None

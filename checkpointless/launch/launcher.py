@@ -30,6 +30,7 @@ import ctypes
 import json
 import logging
 import os
+import selectors
 import shutil
 import signal
 import socket
@@ -98,6 +99,13 @@ class _Child:
     def alive(self) -> bool:
         return self.popen.poll() is None
 
+    def exit_fd(self) -> int | None:
+        """A descriptor that becomes readable when the process exits (a pidfd), or None."""
+        try:
+            return os.pidfd_open(self.popen.pid)
+        except (AttributeError, OSError):  # Linux < 5.3, or not Linux
+            return None
+
     def kill(self) -> None:
         if self.alive():
             self.popen.kill()
@@ -113,6 +121,75 @@ class _Child:
                 lines = [ln.strip() for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
                 return lines[-1][:300] if lines else ""
         return ""
+
+
+class _Wakeups:
+    """What ends the launcher's wait between two ticks besides the clock: a child's exit (its
+    pidfd becomes readable) or a failure report (the report bell writes a byte to a pipe). In
+    steady state the launcher then ticks at the heartbeat pace, not every 10 ms: each wake-up on a
+    machine the workers keep busy delays one of them (1.5% of an HSDP 2x2 step here). Without
+    pidfds (Linux < 5.3) it ticks every 10 ms as before."""
+
+    def __init__(self) -> None:
+        self._selector: selectors.BaseSelector | None = None  # opened with the first child
+        self._read = self._write = -1
+        self._exits: dict[str, int] = {}
+        self._lock = threading.Lock()  # ``ring`` comes from the bell's thread
+        self.complete = True  # every child's exit ends a wait
+
+    def _open(self) -> selectors.BaseSelector:
+        if self._selector is None:
+            self._selector = selectors.DefaultSelector()
+            self._read, self._write = os.pipe()
+            os.set_blocking(self._read, False)
+            os.set_blocking(self._write, False)
+            self._selector.register(self._read, selectors.EVENT_READ)
+        return self._selector
+
+    def watch(self, child: _Child) -> None:
+        selector = self._open()
+        fd = child.exit_fd()
+        if fd is None:
+            self.complete = False
+            return
+        self._exits[child.name] = fd
+        selector.register(fd, selectors.EVENT_READ)
+
+    def watched(self) -> list[str]:
+        return list(self._exits)
+
+    def forget(self, name: str) -> None:
+        """Stop watching a child whose exit was handled (its pidfd stays readable)."""
+        fd = self._exits.pop(name, None)
+        if fd is not None and self._selector is not None:
+            self._selector.unregister(fd)
+            os.close(fd)
+
+    def ring(self) -> None:
+        with self._lock:
+            if self._selector is not None:
+                with contextlib.suppress(BlockingIOError):  # the pipe is full: a wake-up is pending
+                    os.write(self._write, b"x")
+
+    def wait(self, timeout: float) -> None:
+        if self._selector is None:
+            time.sleep(timeout)
+            return
+        for key, _ in self._selector.select(timeout):
+            if key.fd == self._read:
+                with contextlib.suppress(BlockingIOError):
+                    while os.read(self._read, 4096):
+                        pass
+
+    def close(self) -> None:
+        with self._lock:
+            for name in list(self._exits):
+                self.forget(name)
+            if self._selector is not None:
+                self._selector.close()
+                os.close(self._read)
+                os.close(self._write)
+                self._selector = None
 
 
 @dataclass
@@ -232,6 +309,7 @@ class Launcher:
         self._spares: list[str] = []  # every spare started, in order
         self._coord: Coordinator | None = None
         self._bell: ReportBell | None = None
+        self._wakeups = _Wakeups()
         self._events: list[dict[str, Any]] = []
         self._chunks_read: dict[str, int] = {}
         self._stream: IO[str] | None = None
@@ -280,6 +358,7 @@ class Launcher:
             os.close(write_end)
         child = _Child(name, popen, log_file, log_path)
         self.children[name] = child
+        self._wakeups.watch(child)
         return child
 
     def _spawn_spare(self) -> _Child:
@@ -366,6 +445,7 @@ class Launcher:
                 lambda: TCPStore(self.host, self.store.raw.port, is_master=False, wait_for_workers=False,
                                  timeout=timedelta(seconds=30)),
                 self.store.name(keys.REPORT_BELL),
+                on_ring=self._wakeups.ring,
             )  # fmt: skip
         except RuntimeError as e:  # the coordinator then reads failure reports every tick
             log.warning("no report bell (%s); failure reports are polled", e)
@@ -417,6 +497,11 @@ class Launcher:
         last_collect = 0.0
         while not coord.finished:
             coord.tick()
+            for name in self._wakeups.watched():  # exits the coordinator has handled
+                proc = coord.procs.get(name)
+                handled = proc.role == Role.GONE if proc is not None else not self.children[name].alive()
+                if handled:
+                    self._wakeups.forget(name)
             now = time.monotonic()
             if now - last_collect > 0.2:
                 self._collect_events()
@@ -425,7 +510,7 @@ class Launcher:
                 callback(coord)
             if now > deadline:
                 raise JobFailed(f"job did not finish within {self.timeout_s:.0f}s")
-            time.sleep(0.01)
+            self._wakeups.wait(min(coord.next_tick_s(), 0.2) if self._wakeups.complete else 0.01)
         self._wait_workers(coord)
 
     def _write_outputs(self, events: list[dict[str, Any]], report: dict[str, Any]) -> str | None:
@@ -506,3 +591,4 @@ class Launcher:
         from checkpointless.data.shm_cache import ShmBatchCache
 
         ShmBatchCache(self.job_id, cleanup_on_exit=False).cleanup()
+        self._wakeups.close()
