@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import shutil
 import sys
 import time
 import traceback
@@ -280,6 +281,9 @@ def main(argv: list[str] | None = None) -> int:
         run: Callable[[bool, Path], dict[str, Any]] = getattr(mod, "run_bench", mod.run)
         try:
             res = run(a.quick, common.OUT)
+            if res.get("image_src"):  # a plot the section shows: beside the page written (--doc)
+                a.doc.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(res.pop("image_src"), a.doc.parent / res["image"])
             res["_command"] = f"OMP_NUM_THREADS=1 python bench/run_all.py {' '.join(argv)}".strip()
             res["_date"] = machine["date"]
             common.write_json(common.OUT / f"{key}.json", res)  # full raw data (git-ignored)
