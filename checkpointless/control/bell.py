@@ -1,8 +1,9 @@
 """The report bell: a failure report wakes the coordinator without a store poll per tick.
 
-The coordinator ticks every 10 ms and must see a failure report within a tick (the
-survivors' stall waits for it), but reading the store at that rate costs the launcher a
-round trip per tick, 100 a second, taken from the cores the workers train on. Instead a
+The coordinator must see a failure report at once (the survivors' stall waits for it), but
+polling the store for it every 10 ms cost the launcher 100 round trips a second, taken from
+the cores the workers train on, and kept the launcher from sleeping between heartbeat polls
+(``launch/launcher.py``, ``_Wakeups``). Instead a
 daemon thread blocks in the store's ``wait`` on one key (``keys.REPORT_BELL``, in the job's
 namespace), on a connection of its own; a reporter writes its sealed report and then sets
 the bell (a ``set``: no reply to wait for). The thread deletes the key and marks the bell
