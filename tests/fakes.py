@@ -172,3 +172,4 @@ class FakeWorker:
     def report_fatal(self, rank: int, error: str) -> None:
         self.store.set(keys.fatal(self.proc), json.dumps({"rank": rank, "error": error}))
         self.store.add(keys.FATAL_COUNT, 1)
+        self.store.set(keys.REPORT_BELL, "1")

@@ -88,6 +88,7 @@ class ControlClient:
         self._interval = heartbeat_interval
         self._events: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._chunks = 0
+        self._last_flush = 0.0
         self._failure_report: tuple[str, str] | None = None
         self._status: dict[str, Any] = {"seq": 0, "phase": Phase.STARTING}
         self._stop = threading.Event()
@@ -123,23 +124,30 @@ class ControlClient:
                     lines.append(self._events.get_nowait())
                 except queue.Empty:
                     break
-            status = dict(self._status)
-            status["seq"] = self._status["seq"] = int(self._status["seq"]) + 1
-            status["t"] = time.time()
             # Only ``set``s: a store ``set`` is one message with no reply, so a commit's sync flush
-            # never waits for the launcher (a counter ``add`` would be a round trip). The launcher
-            # finds chunk n+1 after chunk n, which this connection delivered first.
+            # never waits for the launcher (a counter ``add`` would be a round trip). The heartbeat
+            # says how many event chunks came before it on this connection, which delivered them
+            # first: the launcher reads exactly those, with no probe for the next one.
             if lines:
                 self._hb_store.set(
                     keys.events(self.proc, self._chunks), "".join(line + "\n" for line in lines)
                 )
                 self._chunks += 1
+            status = dict(self._status)
+            status["seq"] = self._status["seq"] = int(self._status["seq"]) + 1
+            status["t"] = time.time()
+            status["chunks"] = self._chunks
             self._hb_store.set(keys.heartbeat(self.proc), json.dumps(status))
+            self._last_flush = time.monotonic()
 
     def _heartbeat_loop(self) -> None:
         parent = os.getppid()
-        while not self._stop.wait(self._interval):
+        # A commit's flush is a heartbeat too: the thread beats only when the main thread has not
+        # for an interval (each beat wakes the launcher's store on the cores the ranks train on)
+        while not self._stop.wait(max(0.0, self._last_flush + self._interval - time.monotonic())):
             try:
+                if time.monotonic() - self._last_flush < self._interval * 0.999:
+                    continue
                 self._flush()
             except (RuntimeError, OSError):  # the store is gone with the launcher: nothing left to serve
                 os._exit(3)
@@ -238,3 +246,4 @@ class ControlClient:
         self.emit(Event.FATAL, sync=True, rank=rank, error=error[:500])
         self.store.set(keys.fatal(self.proc), json.dumps({"rank": rank, "error": error}))
         self.store.add(keys.FATAL_COUNT, 1)
+        self.store.set(keys.REPORT_BELL, "1")

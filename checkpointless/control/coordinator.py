@@ -53,6 +53,9 @@ from checkpointless.errors import JobFailed
 
 log = logging.getLogger(__name__)
 
+_SWEEP_S = 1.0  # steady state: how often the keys behind the wake-ups are read anyway
+_INTRUDER_CHECK_S = 5.0  # how often the plain (un-namespaced) key names are checked for strangers' writes
+
 
 class ProcessHandle(Protocol):
     """What the coordinator needs of a process the launcher started."""
@@ -130,6 +133,7 @@ class Coordinator:
         self._last_spare_death = ""
         self._pool_exhausted = False
         self._last_poll = float("-inf")
+        self._last_sweep = float("-inf")
         self._last_intruder_check = float("-inf")
         self._published: dict[str, str] = {}  # sealed values to re-publish if a stranger overwrites them
         self.digest: str | None = None
@@ -165,6 +169,12 @@ class Coordinator:
         """Latest heartbeat of every rank (for progress display and metrics)."""
         return {r: self.procs[p].hb for r, p in self.members.items() if p in self.procs}
 
+    def announced_chunks(self) -> dict[str, int]:
+        """How many event chunks each live process's last heartbeat says it has written."""
+        return {
+            n: int(p.hb["chunks"]) for n, p in self.procs.items() if p.role != Role.GONE and "chunks" in p.hb
+        }
+
     def ready_spares(self) -> list[str]:
         return [
             n for n, p in self.procs.items()
@@ -187,32 +197,58 @@ class Coordinator:
         return max(tick_s, min(due) - now)
 
     def tick(self) -> None:
-        """One round of observe, decide, publish. Raises ``JobFailed``."""
+        """One round of observe, decide, publish. Raises ``JobFailed``.
+
+        Every store read is a round trip that wakes the launcher and the store's thread on cores
+        the workers train on (and a worker preempted for it delays every rank). So in steady state
+        a tick reads only the heartbeats (one ``multi_get``), at their own pace; what a steady
+        state waits for besides them comes with a wake-up: a failure or fatal report rings the
+        report bell, an exit is a pidfd, a finished rank says so in its heartbeat. The keys
+        behind those hints are also swept once a ``_SWEEP_S`` (a lost ring must not stall a job),
+        strangers' writes once an ``_INTRUDER_CHECK_S``. During a failure or a recovery, every tick
+        reads everything.
+        """
         assert self.plan is not None
         now = self._clock()
-        # In steady state, read heartbeats at their own pace; during a recovery, every tick.
         steady = self._failure is None and self._recovering is None
         poll = not steady or now - self._last_poll >= self.job.recovery.heartbeat_interval_s
+        bell = self._report_bell
+        # without a bell (a coordinator driven by hand, or the bell failed), the keys it stands
+        # for are read every tick
+        hinted = bell() if bell is not None else True
+        sweep = not steady or hinted or now - self._last_sweep >= _SWEEP_S
+        if sweep:
+            self._last_sweep = now
         if poll:
             self._last_poll = now
-            self._check_fatal()
             self._read_heartbeats(now)
+        if sweep:
+            self._check_fatal()
             self._prune_published()
             self._check_published()
-            if now - self._last_intruder_check >= 1.0:
-                self._last_intruder_check = now
-                self._check_intruders()
+        if now - self._last_intruder_check >= _INTRUDER_CHECK_S:
+            self._last_intruder_check = now
+            self._check_intruders()
         self._check_processes(now)
         self._start_due_spares(now)
         if self._failure is None and poll:
             self._check_progress(now)
-        self._check_reports(poll)
+        if sweep:
+            self._check_reports()
         if self._failure is not None:
             self._try_recover(now)
         elif self._recovering is not None:
             self._check_recovered()
-        if self._failure is None and self._recovering is None and poll:
+        if self._failure is None and self._recovering is None and (sweep or (poll and self._any_done())):
             self._check_done()
+            if self.finished:
+                self._check_intruders()  # a stranger's last writes are recorded too
+
+    def _any_done(self) -> bool:
+        """Whether a member's heartbeat says it finished its loop (its done report is then written)."""
+        return any(
+            self.procs[n].hb.get("phase") == Phase.DONE for n in self.members.values() if n in self.procs
+        )
 
     def _read_heartbeats(self, now: float) -> None:
         live = [(name, p) for name, p in self.procs.items() if p.role != Role.GONE]
@@ -366,8 +402,10 @@ class Coordinator:
         if not self.store.namespace or self.plan is None:
             return
         gen = self.plan.gen
-        names = [keys.LATEST_GEN, keys.JOB_STOP, keys.FATAL_COUNT, keys.plan(gen), keys.plan(gen + 1),
-                 keys.abort(gen), keys.fail_count(gen)]  # fmt: skip
+        names = [keys.LATEST_GEN, keys.JOB_STOP, keys.FATAL_COUNT, keys.abort(gen), keys.fail_count(gen)]
+        names += [
+            keys.plan(g) for g in range(gen + 2)
+        ]  # an earlier generation's too: checks are seconds apart
         names += [keys.done(r) for r in self.members] + [keys.fail(gen, r) for r in self.members]
         for proc in self.procs:
             names += [keys.heartbeat(proc), keys.assign(proc), keys.fatal(proc), keys.events(proc, 0)]
@@ -442,11 +480,8 @@ class Coordinator:
             self._recovering = None
         return self._failure
 
-    def _check_reports(self, poll: bool) -> None:
+    def _check_reports(self) -> None:
         assert self.plan is not None
-        quiet = self._failure is None and self._recovering is None and not poll
-        if quiet and self._report_bell is not None and not self._report_bell():
-            return
         gen = self.plan.gen
         if self.store.add(keys.fail_count(gen), 0) == 0:
             return  # the counter is only a hint (anyone can bump it): the sealed reports decide

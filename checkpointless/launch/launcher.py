@@ -391,24 +391,34 @@ class Launcher:
         log.warning("ignored a value on %r that is not sealed with this job's secret", key)
         self._record(event(Event.MESSAGE_REJECTED, proc="coordinator", key=key))
 
-    def _collect_events(self) -> None:
-        """Move the processes' new event chunks from the store into the log (and the file)."""
+    def _collect_events(self, announced: dict[str, int] | None = None) -> None:
+        """Move the processes' new event chunks from the store into the log (and the file).
+
+        ``announced``: how many chunks each process's last heartbeat says it wrote. Those are
+        read in one round trip for every process (they exist: a process writes its chunks before
+        the heartbeat that counts them); a process not in it (at the end, or not heartbeating)
+        is probed chunk by chunk until a gap.
+        """
+        announced = announced or {}
+        known: list[tuple[str, int]] = [
+            (name, i)
+            for name in self.children
+            if name in announced
+            for i in range(self._chunks_read.get(name, 0), announced[name])
+        ]
+        raws = self.store.get_sealed_present([keys.events(name, i) for name, i in known])
+        for (name, i), raw in zip(known, raws, strict=True):
+            self._record_chunk(name, keys.events(name, i), raw)
+            self._chunks_read[name] = i + 1
         for name in self.children:
+            if name in announced:
+                continue
             seen = self._chunks_read.get(name, 0)
             while True:  # chunks are numbered from 0 and written in order: read until a gap
                 key = keys.events(name, seen)
-                raw = self.store.get_sealed(key)
-                if raw is None:
-                    break  # not written yet
-                text = self.store.open(key, raw)
-                if text is None:
-                    break  # forged: the real chunk will overwrite it
-                for line in text.splitlines():
-                    if line.strip():
-                        ev = json.loads(line)
-                        ev["proc"] = name  # a chunk speaks for the process whose key it is under
-                        self._record(ev)
-                self.store.delete(key)
+                sealed = self.store.get_sealed(key)
+                if sealed is None or not self._record_chunk(name, key, sealed):
+                    break  # not written yet, or forged (the real chunk will overwrite it)
                 seen += 1
             self._chunks_read[name] = seen
         if self._stream is not None:
@@ -416,6 +426,19 @@ class Launcher:
                 self._stream.flush()
             except OSError as e:
                 self._stream_failed(e)
+
+    def _record_chunk(self, name: str, key: str, raw: bytes) -> bool:
+        """Record the events of one sealed chunk of process ``name`` and delete it; False if forged."""
+        text = self.store.open(key, raw)
+        if text is None:
+            return False
+        for line in text.splitlines():
+            if line.strip():
+                ev = json.loads(line)
+                ev["proc"] = name  # a chunk speaks for the process whose key it is under
+                self._record(ev)
+        self.store.delete(key)
+        return True
 
     @property
     def events(self) -> list[dict[str, Any]]:
@@ -504,7 +527,7 @@ class Launcher:
                     self._wakeups.forget(name)
             now = time.monotonic()
             if now - last_collect > 0.2:
-                self._collect_events()
+                self._collect_events(coord.announced_chunks())
                 last_collect = now
             for callback in self.on_tick:
                 callback(coord)

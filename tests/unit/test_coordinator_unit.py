@@ -579,25 +579,25 @@ def test_a_spare_that_gets_ready_resets_the_backoff() -> None:
 # == 8. fatal reports =============================================================================
 
 
+@pytest.mark.parametrize("bell", [False, True])
 @pytest.mark.parametrize(
-    ("exits", "dt", "ticks_before"),
+    ("exits", "dt"),
     [
-        (False, DT, 0),  # read at the next poll
-        (False, 0.01, 1),  # a tick that does not poll does not read it; the next poll does
-        (True, DT, 0),  # the reporter exits right after: its report wins over its exit
-        (True, 0.01, 0),  # ... also when the exit is seen on a tick that does not poll
+        (False, DT),  # read at the next tick (with the bell: the report rang it)
+        (False, 0.01),  # ... also a tick that does not poll the heartbeats
+        (True, DT),  # the reporter exits right after: its report wins over its exit
+        (True, 0.01),  # ... also when the exit is seen on a tick that does not poll
     ],
 )
-def test_fatal_report_ends_the_job_with_its_message(exits: bool, dt: float, ticks_before: int) -> None:
-    job = Job(workers=2, spares=1)
+def test_fatal_report_ends_the_job_with_its_message(exits: bool, dt: float, bell: bool) -> None:
+    job = Job(workers=2, spares=1, bell=bell)
     job.steady(committed=2)
     message = "rank 1: step 3 ended without session.reduce_gradients()"
     job["w1"].report_fatal(1, message)
     if exits:
         job.exit("w1", 1)
-    job.tick(ticks_before, dt=dt)
     with pytest.raises(JobFailed) as failed:
-        job.tick(dt=dt if exits else DT)
+        job.tick(dt=dt)
     assert str(failed.value) == message
     fault = job.kinds("fault_detected")[-1]
     assert (fault["reason"], fault["target"], fault["rank"], fault["error"]) == ("fatal", "w1", 1, message)
@@ -666,8 +666,8 @@ def test_forged_fatal_report_is_ignored(how: str) -> None:
 
 
 @pytest.mark.parametrize("how", ["other_secret", "unsealed"])
-def test_current_plan_overwritten_by_a_stranger_is_published_again_on_the_next_poll(how: str) -> None:
-    job = Job(workers=2, spares=1)
+def test_current_plan_overwritten_by_a_stranger_is_published_again_at_the_next_sweep(how: str) -> None:
+    job = Job(workers=2, spares=1, bell=True)
     job.steady(committed=4)
     job.exit("w1", -9)
     job["w0"].recover()
@@ -681,7 +681,7 @@ def test_current_plan_overwritten_by_a_stranger_is_published_again_on_the_next_p
     job.tick(dt=0.01)  # during a recovery every tick polls
     assert job.store.get(keys.plan(1)) == real and job.store.get(keys.LATEST_GEN) == "1"
     assert sorted(set(job.rejected)) == ["gen/1/plan", "gen/latest"]
-    # in steady state, at the next heartbeat poll
+    # in steady state, at the next sweep of the published keys (a second after the last)
     job["w0"].enter(0, 1, 4)
     job["s0"].enter(1, 1, 4)
     job["w0"].commit(5, 0.5)
@@ -690,7 +690,9 @@ def test_current_plan_overwritten_by_a_stranger_is_published_again_on_the_next_p
     assert job.kinds("recovery_done")
     _forge(job, keys.plan(1), json.dumps(forged) + " ", how)
     job.tick(dt=0.01)
-    assert job.store.get(keys.plan(1)) is None  # no poll yet
+    assert job.store.get(keys.plan(1)) is None  # no sweep yet
+    job.tick(3)
+    assert job.store.get(keys.plan(1)) is None
     job.tick()
     assert job.store.get(keys.plan(1)) == real
     assert job.raw.sets[keys.plan(1)] == 5  # published, forged, repaired, forged, repaired
@@ -779,30 +781,32 @@ def test_receiver_left_alone_after_its_source_died(has_state: bool) -> None:
 
 @pytest.mark.parametrize("bell", [False, True])
 def test_a_failure_report_is_read_within_a_tick_with_or_without_the_bell(bell: bool) -> None:
-    """Between heartbeat polls (ticks of a tenth of the interval) the coordinator reads failure
-    reports every tick, or, with the launcher's report bell, only when a reporter rang it (no
-    store read per tick in steady state): either way the tick after the report fails the generation."""
+    """Without the launcher's report bell the coordinator reads failure reports every tick; with
+    it, only when a reporter rang it (and once a second, ``_SWEEP_S``): no store read per tick in
+    steady state, not even at a heartbeat poll. Either way the tick after the report fails the
+    generation."""
     job = Job(workers=2, spares=1, bell=bell)
     job.steady(committed=4)
     reads: list[str] = []
     add = job.raw.add
     job.raw.add = lambda key, amount: (reads.append(key), add(key, amount))[1]  # type: ignore[method-assign]
-    job.tick(5, dt=DT / 10)
-    assert len([k for k in reads if k.endswith(keys.fail_count(0))]) == (0 if bell else 5)
+    job.tick(3, dt=DT)  # three heartbeat polls, less than a second
+    job.tick(5, dt=DT / 100)
+    assert len([k for k in reads if k.endswith(keys.fail_count(0))]) == (0 if bell else 8)
     job["w1"].report_failure(0, 1, 4, "exception", True)
     job.coord.tick()  # same instant: no heartbeat poll is due
     assert job.store.get(keys.abort(0)) is not None
     assert [e["rank"] for e in job.kinds("failure_reported")] == [1]
 
 
-def test_with_the_bell_silent_the_reports_are_still_read_at_the_heartbeat_pace() -> None:
+def test_with_the_bell_silent_the_reports_are_still_read_once_a_second() -> None:
     """A report whose bell rang for nobody (the bell thread had a store error) is read at the next
-    heartbeat poll."""
+    sweep of the hinted keys, a second after the last (``_SWEEP_S``)."""
     job = Job(workers=2, spares=1, bell=True)
-    job.steady(committed=4)
+    job.steady(committed=4)  # its tick swept
     job["w1"].report_failure(0, 1, 4, "exception", True)
     job.raw.delete_key(job.signed.name(keys.REPORT_BELL))  # the ring is lost
-    job.coord.tick()
+    job.tick(3)  # three heartbeat polls: 0.75 s
     assert job.store.get(keys.abort(0)) is None
-    job.tick(1)  # a heartbeat interval later
+    job.tick(1)  # a second after the last sweep
     assert job.store.get(keys.abort(0)) is not None
