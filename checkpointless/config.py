@@ -27,8 +27,8 @@ class RecoveryConfig:
     """Spares that die before they are ready are restarted with exponential backoff
     (0.5 s, 1 s, 2 s, ...); after this many such deaths in a row the pool is not refilled."""
     spare_start_nice: int = 0
-    """Spares start at this nice value (0-19; their scheduling autogroup too, where the kernel has
-    them) and restore normal priority before they report ready. On a host where the workers leave
+    """Spares start at this nice value (0-19) and restore normal priority before they report ready
+    (they share the launcher's scheduling autogroup with the workers, so the nice value counts). On a host where the workers leave
     CPU idle (GPU training), this keeps a refilled spare's start-up (importing torch, building the
     model) from preempting a worker, whom every rank waits for. Off by default: on a host whose
     cores the workers keep busy it cannot hide that CPU time and only delays the refill (measured:

@@ -129,15 +129,8 @@ def scalar(name: str, value: Any) -> int | float | str | bool:
 
 
 def _restore_priority() -> None:
-    """Nice 0 for this process's scheduling group and every thread of it (nice is per thread on Linux)."""
-    try:
-        with open("/proc/self/autogroup") as f:
-            group_nice = int(f.read().rsplit("nice", 1)[1])
-        if group_nice > 0:
-            with open("/proc/self/autogroup", "w") as f:
-                f.write("0")
-    except (OSError, ValueError, IndexError) as e:  # no autogroups on this kernel, or not allowed
-        log.debug("autogroup nice left as it is: %s", e)
+    """Nice 0 for every thread of this process (nice is per thread on Linux). Its scheduling
+    autogroup is the launcher's, shared with the workers: left as it is."""
     try:
         tids = [int(t) for t in os.listdir("/proc/self/task")]
     except OSError:

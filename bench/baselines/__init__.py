@@ -335,10 +335,12 @@ def free_port() -> int:
 
 
 def start(cmd: list[str], log_path: Path, env: dict[str, str]) -> subprocess.Popen[bytes]:
-    """A child in its own session (process group), output to ``log_path``."""
+    """A child in its own process group, output to ``log_path``. Not its own session: it stays in
+    the caller's scheduling autogroup (Linux), as checkpointless's workers stay in their launcher's
+    (ranks in an autogroup each wait longer for one another at every collective)."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as out:
-        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, process_group=0)
 
 
 def end_group(p: subprocess.Popen[Any], grace_s: float = 5.0) -> None:
