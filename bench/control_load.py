@@ -13,14 +13,21 @@ time, voluntary context switches: a thread that blocks and is woken again), and 
 - the idle spare;
 - each worker's main thread: CPU and wake-ups per step, against the plain baseline's.
 
+And the cost of a process layout: plain FSDP2 HSDP 2x2 with its ranks in one session against a
+session each (``fsdp2_plain.py --session-each``; with Linux's scheduling autogroups, a group
+each: how the launcher started its children before it gave them a process group each instead),
+``AB_STEPS`` steps, alternating ``AB_REPS`` pairs, the median gap between rank 0's steps.
+
 Usage: ``python bench/control_load.py [--quick]`` -> ``bench/out/control_load.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -36,6 +43,8 @@ SETS = ["data.eval_every=0", "optim.warmup_steps=2"]
 STEPS, QUICK_STEPS = 400, 200
 SKIP = 20
 WINDOW_S, QUICK_WINDOW_S = 40.0, 15.0
+AB_STEPS, AB_REPS, QUICK_AB_REPS = 80, 4, 1
+WARMUP = 10
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -203,11 +212,34 @@ def measure(system: str, steps: int, window: float, out: Path) -> dict[str, Any]
     }
 
 
+def plain_step(out: Path, session_each: bool) -> float | None:
+    cmd = [common.PYTHON, str(common.BENCH_DIR / "baselines" / "fsdp2_plain.py"), str(RECIPE), "--workers", "4",
+           "--shards", "2", "--out", str(out), *_sets([*SETS, f"train.steps={AB_STEPS}"])]  # fmt: skip
+    if session_each:
+        cmd.append("--session-each")
+    p = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=900, env=common.child_env(), cwd=common.REPO
+    )
+    if p.returncode != 0:
+        print(p.stderr[-2000:], file=sys.stderr)
+        return None
+    t = json.loads((out / "times.json").read_text())[WARMUP:]
+    return statistics.median(b - a for a, b in itertools.pairwise(t))
+
+
 def run(quick: bool, out: Path) -> dict[str, Any]:
+    common.pin_threads()
     dest = common.fresh_dir(out / "control_load")
     steps, window = (QUICK_STEPS, QUICK_WINDOW_S) if quick else (STEPS, WINDOW_S)
     rows = [measure(system, steps, window, dest / system) for system in ("checkpointless", "plain")]
+    pairs: list[dict[str, float | None]] = []
+    for rep in range(QUICK_AB_REPS if quick else AB_REPS):
+        order = [False, True] if rep % 2 == 0 else [True, False]
+        pairs.append({("session_each" if s else "one_session"): plain_step(dest / f"ab-{int(s)}-{rep}", s)
+                      for s in order})  # fmt: skip
+    ratios = [p["session_each"] / p["one_session"] for p in pairs if p["session_each"] and p["one_session"]]
     return {"quick": quick, "model": "llama-tiny, FSDP2 HSDP 2x2 on 4 workers", "rows": rows,
+            "sessions": {"steps": AB_STEPS, "pairs": pairs, "ratio": common.summary(ratios)},
             "machine": common.machine_info()}  # fmt: skip
 
 
@@ -231,7 +263,15 @@ def markdown(res: dict[str, Any]) -> str:
              f(plain["main_wakeups_per_step"])],
         ],
     )  # fmt: skip
-    return f"{res['model']}; a {cl['window_s']:.0f} s window after rank 0's step {SKIP}.\n\n" + table + "\n"
+    text = f"{res['model']}; a {cl['window_s']:.0f} s window after rank 0's step {SKIP}.\n\n" + table + "\n"
+    r = res["sessions"]["ratio"]
+    if r.get("n"):
+        text += (
+            f"\nPlain FSDP2 HSDP 2x2, ranks in a session each / all in one session (step time, "
+            f"{r['n']} alternating pairs of {res['sessions']['steps']} steps): median **{r['median']:.3f}** "
+            f"(min {r['min']:.3f}, max {r['max']:.3f}).\n"
+        )
+    return text
 
 
 def main(argv: list[str] | None = None) -> int:

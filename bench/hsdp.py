@@ -36,9 +36,9 @@ RECIPE = common.REPO / "recipes" / "llama-tiny.yaml"
 COMMON_SET = ["data.eval_every=0", "optim.warmup_steps=2"]
 KILLS, QUICK_KILLS = 10, 3
 EVERY = 25
-STEADY_STEPS, QUICK_STEADY_STEPS = 120, 50
+STEADY_STEPS, QUICK_STEADY_STEPS = 100, 50
 WARMUP = 10
-REPS, QUICK_REPS = 5, 1
+REPS, QUICK_REPS = 8, 1
 LAYOUTS = {"DDP 4x1": 1, "HSDP 2x2": 2}
 
 

@@ -27,6 +27,8 @@ Benchmarks (each also runs alone: ``python bench/NAME.py [--quick]``):
   model, and steady-state step time against plain FSDP2 HSDP;
 - ``kill_cost``: where a kill's time goes (stall vs slowdown after it), spares started niced or not;
 - ``steady_compare``: fault-free step time of every system against plain DDP at two model sizes;
+- ``control_load``: the launcher's, heartbeats' and idle spare's CPU and wake-ups on HSDP 2x2, the
+  workers' per-step wake-ups against plain FSDP2, and plain FSDP2 with a session per rank vs one;
 - ``scale``: goodput of checkpoint-restart vs checkpointless from 1,000 to 100,000 accelerators,
   simulated with parameters taken from the measurements above.
 """
@@ -47,6 +49,7 @@ from typing import Any
 import common
 import compare
 import consistency
+import control_load
 import hsdp
 import kill_cost
 import large_state
@@ -70,6 +73,11 @@ BENCHES: list[tuple[str, str, Any]] = [
     ("consistency", "Cost of the replica consistency check", consistency),
     ("hsdp", "Sharded (FSDP2 HSDP): kill stall, bytes per recovery, steady state vs plain FSDP2", hsdp),
     ("steady_compare", "Steady state side by side, two model sizes", steady_compare),
+    (
+        "control_load",
+        "What the control plane takes from the training cores (counted from /proc)",
+        control_load,
+    ),
     ("scale", "Goodput at cluster scale (simulation from these measurements)", scale),
 ]
 

@@ -7,7 +7,8 @@ schedule and gradient clipping, the same per-rank slice of each batch; no sessio
 control store. Rank 0 writes the wall-clock time at the end of every step to ``times.json``.
 
 Usage (from ``bench/hsdp.py``): ``python bench/baselines/fsdp2_plain.py RECIPE --workers 4 --shards 2
---out DIR [--set key=value]...``
+--out DIR [--set key=value]... [--session-each]`` (``--session-each``: every rank in a session of its
+own, hence, on Linux with scheduling autogroups, in a scheduling group of its own)
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ def main() -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--set", action="append", default=[], dest="overrides")
     p.add_argument("--worker", action="store_true")
+    p.add_argument("--session-each", action="store_true", help="start every rank in a session of its own")
     args = p.parse_args()
     if args.worker:
         return worker(args)
@@ -78,7 +80,8 @@ def main() -> int:
     for rank in range(args.workers):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(args.workers), MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), OMP_NUM_THREADS="1")  # fmt: skip
-        procs.append(subprocess.Popen([sys.executable, __file__, "--worker", *sys.argv[1:]], env=env))
+        procs.append(subprocess.Popen([sys.executable, __file__, "--worker", *sys.argv[1:]], env=env,
+                                      start_new_session=args.session_each))  # fmt: skip
     try:
         codes = [p.wait(timeout=900) for p in procs]
     finally:

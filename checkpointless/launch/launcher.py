@@ -344,8 +344,8 @@ class Launcher:
             # Its own process group, not its own session: the terminal's Ctrl-C reaches the launcher
             # only, which ends the job; and every child stays in the launcher's scheduling
             # autogroup (Linux, CONFIG_SCHED_AUTOGROUP): ranks in a group each, as a session each
-            # gives them, wait longer for one another at every collective (plain FSDP2 HSDP 2x2 here:
-            # +2-7% step time, bench/control_load.py)
+            # gives them, wait longer for one another at every collective (bench/control_load.py
+            # measures it on plain FSDP2)
             popen = subprocess.Popen(
                 self.command, env=env, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 pass_fds=(read_end,), preexec_fn=_die_with_launcher, process_group=0,
