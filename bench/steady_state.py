@@ -323,7 +323,9 @@ def markdown(res: dict[str, Any]) -> str:
     )
     reps = common.md_table(
         ["variant", *[f"rep {i}" for i in range(res["reps"])]],
-        [[v, *[s[v]["per_rep_median"].get(i) for i in range(res["reps"])]] for v in VARIANTS],
+        # keys are ints when run, strings once read back from the JSON (``--render``)
+        [[v, *[{int(k): x for k, x in s[v]["per_rep_median"].items()}.get(i) for i in range(res["reps"])]]
+         for v in VARIANTS],  # fmt: skip
     )
     launcher = ", ".join(f"{v}: {100 * s[v]['launcher_cpu_share']:.1f}% of one core" for v in VARIANTS[1:])
     same = res["same_final_state_ddp_vs_checkpointless"]
