@@ -321,11 +321,11 @@ def markdown(res: dict[str, Any]) -> str:
         ],
         rows,
     )
+    # keys are ints when run, strings once read back from the JSON (``--render``)
+    per_rep = {v: {int(k): x for k, x in s[v]["per_rep_median"].items()} for v in VARIANTS}
     reps = common.md_table(
         ["variant", *[f"rep {i}" for i in range(res["reps"])]],
-        # keys are ints when run, strings once read back from the JSON (``--render``)
-        [[v, *[{int(k): x for k, x in s[v]["per_rep_median"].items()}.get(i) for i in range(res["reps"])]]
-         for v in VARIANTS],  # fmt: skip
+        [[v, *[per_rep[v].get(i) for i in range(res["reps"])]] for v in VARIANTS],
     )
     launcher = ", ".join(f"{v}: {100 * s[v]['launcher_cpu_share']:.1f}% of one core" for v in VARIANTS[1:])
     same = res["same_final_state_ddp_vs_checkpointless"]
