@@ -97,12 +97,32 @@ class Group:
         """Sum each tensor in place across the group (all issued, then all awaited)."""
         works: list[Any] = []
         try:
-            works.extend(self.pg.allreduce([t]) for t in tensors)
+            works.extend(self.allreduce_start(t) for t in tensors)
+        except CollectiveError:
+            works.clear()
+            raise
+        self.wait_all(works)
+
+    def allreduce_start(self, tensor: torch.Tensor) -> Any:
+        """Start summing ``tensor`` in place across the group; finish with ``wait_all``.
+
+        Members must start their collectives in the same order.
+        """
+        try:
+            return self.pg.allreduce([tensor])
+        except RuntimeError as e:  # gloo and NCCL errors (torch.distributed.DistError is one)
+            raise CollectiveError(f"gen {self.gen}: allreduce failed: {e}") from None
+
+    def wait_all(self, works: list[Any]) -> None:
+        """Wait for ``works`` (from ``allreduce_start``) in order. Empties the list, failed or not:
+        a live Work keeps the group's sockets open (see the module doc)."""
+        try:
             for w in works:
                 w.wait()
         except RuntimeError as e:  # gloo and NCCL errors (torch.distributed.DistError is one)
-            works.clear()  # a live Work keeps the group's sockets open (see module doc)
             raise CollectiveError(f"gen {self.gen}: allreduce failed: {e}") from None
+        finally:
+            works.clear()
 
     def broadcast_(self, tensors: list[torch.Tensor], root: int = 0) -> None:
         """Overwrite each tensor with ``root``'s, in place on every member (all issued, then all awaited)."""

@@ -1,49 +1,136 @@
 """Data-parallel gradient reduction with a fixed, history-independent layout.
 
-Gradients live in flat buckets laid out in parameter order, so the summation
-order of every element depends only on the bucket layout and the world size,
-never on what happened before: a re-executed step after a recovery reduces
-exactly as the fault-free step would have, bit for bit.
+Gradients live in flat buckets laid out in reverse parameter order (the order backward
+produces them), so the summation order of every element depends only on the bucket layout
+and the world size, never on what happened before: a re-executed step after a recovery
+reduces exactly as the fault-free step would have, bit for bit.
+
+The reduction overlaps the backward pass, as ``DistributedDataParallel``'s does: a bucket's
+all-reduce starts once every parameter in it has its gradient (a post-accumulate-grad hook
+counts them), buckets start in layout order on every rank, and ``reduce`` waits for them. The
+*last* bucket starts only in ``reduce``: a rank that fails between ``backward()`` and
+``reduce_gradients()`` (an exception, a kill) leaves its peers waiting in that collective, so a
+step still commits on every rank or on none.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
 from checkpointless.comm import Group
 
+_FIRST_BUCKET_BYTES = 2**20  # as DistributedDataParallel: a small first bucket starts early
+
 
 class GradientReducer:
-    """Averages ``.grad`` of ``params`` across a ``Group`` (every member calls ``reduce``)."""
+    """Averages ``.grad`` of ``params`` across a ``Group`` (every member calls ``reduce``).
 
-    def __init__(self, params: list[torch.nn.Parameter], bucket_bytes: int = 25 * 2**20) -> None:
+    With ``overlap`` (the default) every bucket but the last is all-reduced during the backward
+    pass of an attempt ``begin`` opened. Several backward passes in one attempt (gradient
+    accumulation) stay correct: a bucket already in flight when the next pass reaches it is
+    waited for and averaged, and the new gradients are added to the average and reduced again,
+    so every rank ends with the average of its sums (as ``DistributedDataParallel`` without
+    ``no_sync``).
+    """
+
+    def __init__(
+        self, params: list[torch.nn.Parameter], bucket_bytes: int = 25 * 2**20, *, overlap: bool = True
+    ) -> None:
         self.params = [p for p in params if p.requires_grad]
         self._buckets: list[torch.Tensor] = []
-        self._views: list[torch.Tensor] = []
-        by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.nn.Parameter]] = {}
-        for p in self.params:
-            by_dtype.setdefault((p.dtype, p.device), []).append(p)
+        members: list[list[torch.nn.Parameter]] = []
+        for p in reversed(self.params):
+            cap = _FIRST_BUCKET_BYTES if len(members) <= 1 else bucket_bytes
+            cap = min(cap, bucket_bytes)
+            if members:
+                last = members[-1]
+                size = (sum(q.numel() for q in last) + p.numel()) * p.element_size()
+                if (last[0].dtype, last[0].device) == (p.dtype, p.device) and size <= cap:
+                    last.append(p)
+                    continue
+            members.append([p])
         slots: dict[int, torch.Tensor] = {}
-        for (dtype, device), params_of_dtype in by_dtype.items():
-            limit = max(1, bucket_bytes // torch.empty((), dtype=dtype).element_size())
-            buckets: list[list[torch.nn.Parameter]] = [[]]
-            for p in params_of_dtype:
-                if buckets[-1] and sum(q.numel() for q in buckets[-1]) + p.numel() > limit:
-                    buckets.append([])
-                buckets[-1].append(p)
-            for members in buckets:
-                buf = torch.zeros(sum(q.numel() for q in members), dtype=dtype, device=device)
-                off = 0
-                for q in members:
-                    slots[id(q)] = buf[off : off + q.numel()].view_as(q)
-                    off += q.numel()
-                self._buckets.append(buf)
+        self._bucket_of: dict[int, int] = {}  # id(param) -> bucket index
+        for i, ps in enumerate(members):
+            buf = torch.zeros(sum(q.numel() for q in ps), dtype=ps[0].dtype, device=ps[0].device)
+            off = 0
+            for q in ps:
+                slots[id(q)] = buf[off : off + q.numel()].view_as(q)
+                self._bucket_of[id(q)] = i
+                off += q.numel()
+            self._buckets.append(buf)
         self._views = [slots[id(p)] for p in self.params]
+        self._size = [len(ps) for ps in members]
         self.bytes = sum(b.numel() * b.element_size() for b in self._buckets)
+        # the attempt in progress: its group, what is pending, what is in flight
+        self._group: Group | None = None
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        self._pending = list(self._size)  # per bucket: parameters still without their gradient
+        self._seen = [False] * len(self.params)  # accumulated in this round
+        self._started = 0  # buckets [0, _started) are in flight or reduced in this round
+        self._works: list[Any] = []
+        self._hooks: list[Any] = []
+        if overlap:
+            for p in self.params:
+                self._hooks.append(p.register_hook(self._before_accumulate(p)))
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._after_accumulate))
+
+    def begin(self, group: Group | None) -> None:
+        """Open an attempt: its backward pass reduces over ``group`` (no overlap when ``None``)."""
+        self._drop()
+        self._group = group if group is not None and group.world_size > 1 else None
+
+    def _drop(self) -> None:
+        self._works.clear()  # a live Work keeps a failed group's sockets open (comm's module doc)
+        self._pending = list(self._size)
+        self._seen = [False] * len(self.params)
+        self._started = 0
+
+    def _before_accumulate(self, p: torch.nn.Parameter) -> Any:
+        index = self._index[id(p)]
+
+        def hook(grad: torch.Tensor) -> None:
+            if self._group is not None and self._seen[index]:
+                self._settle()  # another backward pass (gradient accumulation) in this attempt
+            return None
+
+        return hook
+
+    def _after_accumulate(self, p: torch.Tensor) -> None:
+        if self._group is None:
+            return
+        index = self._index[id(p)]
+        view = self._views[index]
+        grad = p.grad
+        if grad is not view and grad is not None:  # first step, or zero_grad(set_to_none=True)
+            view.copy_(grad)  # autograd made a new tensor
+            p.grad = view
+        self._seen[index] = True
+        self._pending[self._bucket_of[id(p)]] -= 1
+        # in layout order on every rank; the last bucket waits for ``reduce`` (see the module doc)
+        while self._started < len(self._buckets) - 1 and self._pending[self._started] == 0:
+            self._works.append(self._group.allreduce_start(self._buckets[self._started]))
+            self._started += 1
+
+    def _settle(self) -> None:
+        """A new backward pass reaches a parameter: average the buckets already reduced, start a
+        new round (the new gradients add to those averages, and to the local sums of the rest)."""
+        assert self._group is not None
+        self._group.wait_all(self._works)
+        for b in self._buckets[: self._started]:
+            b.div_(self._group.world_size)
+        self._pending = list(self._size)
+        self._seen = [False] * len(self.params)
+        self._started = 0
 
     def _gather(self) -> None:
-        """Make every ``p.grad`` a view into the buckets (copying if autograd made a new one)."""
+        """Make every ``p.grad`` of a bucket not yet started a view into it (copying if autograd
+        made a new one; zeros for a parameter that got no gradient)."""
         for p, view in zip(self.params, self._views, strict=True):
+            if self._bucket_of[id(p)] < self._started:
+                continue
             g = p.grad
             if g is view:
                 continue
@@ -55,15 +142,27 @@ class GradientReducer:
 
     def reduce(self, group: Group | None) -> None:
         """Average gradients over ``group``; a ``None`` group (one process) only gathers."""
+        overlapped = group is not None and group is self._group
+        if not overlapped:
+            self._drop()
         self._gather()
         if group is None or group.world_size == 1:
             return
-        group.allreduce_(self._buckets)
+        try:
+            for b in self._buckets[self._started :]:
+                self._works.append(group.allreduce_start(b))
+            self._started = len(self._buckets)
+            group.wait_all(self._works)
+        finally:
+            self._drop()
+            self._group = None  # until the next ``begin``
         for b in self._buckets:
             b.div_(group.world_size)
 
     def zero_(self) -> None:
         """Forget a partial step's gradients (after a failed reduction)."""
+        self._drop()
+        self._group = None
         for b in self._buckets:
             b.zero_()
         for p, view in zip(self.params, self._views, strict=True):

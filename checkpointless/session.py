@@ -247,6 +247,10 @@ class Session:
             on every rank by themselves: replicas are compared after the first
             step and every ``recovery.consistency_every`` steps, and a job whose
             replicas differ stops there, naming the entry.
+        overlap_reduction: replicated only: all-reduce gradient buckets during
+            ``backward()``, as ``DistributedDataParallel`` does (``ddp.GradientReducer``);
+            several backward passes per attempt stay correct. The result is the same
+            bit for bit either way; turn it off to reduce only in ``reduce_gradients()``.
     """
 
     def __init__(
@@ -259,6 +263,7 @@ class Session:
         seed: int = 0,
         reseed_rng: bool = True,
         broadcast_buffers: bool = True,
+        overlap_reduction: bool = True,
     ) -> None:
         if (model is None) == (build is None):
             raise TypeError("Session() takes a model (replicated) or build= (sharded), exactly one of them")
@@ -271,6 +276,7 @@ class Session:
         self._generation_state: Generation | None = None  # sharded: this generation's groups and mesh
         self._saved: dict[str, Any] | None = None  # sharded: the state carried between generations
         self._broadcast_buffers = broadcast_buffers
+        self._overlap = overlap_reduction
         self.model: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.state: dict[str, Stateful] = dict(state or {})
@@ -363,7 +369,7 @@ class Session:
             self._registry.register("model", model)
             if optimizer is not None:
                 self._registry.register("optimizer", optimizer)
-            self._reducer = GradientReducer(list(model.parameters()))
+            self._reducer = GradientReducer(list(model.parameters()), overlap=self._overlap)
         else:
             self._registry.register("model", ShardedState(model, optimizer))
             self._reducer = None  # FSDP2 reduces inside backward()
@@ -512,6 +518,8 @@ class Session:
             if step == self._reexecute:
                 self._client.emit(Event.STEP_REEXECUTED, rank=self.rank, gen=self.generation, step=step)
                 self._reexecute = None
+        if self._reducer is not None:
+            self._reducer.begin(self._group)  # the backward pass starts reducing bucket by bucket
         t0 = time.perf_counter()
         try:
             yield current
@@ -799,11 +807,11 @@ class Session:
             if self.sharded:
                 self._leave_generation()
             else:
+                assert self._reducer is not None
+                self._reducer.zero_()  # drops its collectives in flight before the group goes
                 if self._group is not None:
                     self._group.abort()
                     self._group = None
-                assert self._reducer is not None
-                self._reducer.zero_()
                 self._buffers.restore()  # the failed attempt's forward pass updated them in place
             self._client.update(phase=Phase.RECOVERING)
             self._client.report_failure(self.generation, self.rank, self._committed, reason, self._has_state)

@@ -724,6 +724,75 @@ def test_reducer_averages_and_handles_set_to_none() -> None:
     assert torch.allclose(g0[0], torch.full((3, 4), 1.5))  # mean of inputs 1 and 2
 
 
+def _mlp() -> torch.nn.Module:
+    """The same small network in every thread (run_pair's ranks share the global RNG)."""
+    net = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)
+    )
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    return net
+
+
+def _reduced_grads(group: Group, *, overlap: bool, passes: int, set_to_none: bool) -> list[torch.Tensor]:
+    """Three steps of ``passes`` backward passes each, reduced; every gradient after each step."""
+    net = _mlp()
+    red = GradientReducer(list(net.parameters()), bucket_bytes=300, overlap=overlap)
+    assert len(red._buckets) == 5
+    out: list[torch.Tensor] = []
+    for step in range(3):
+        net.zero_grad(set_to_none=set_to_none)
+        red.begin(group)
+        for k in range(passes):
+            x = torch.linspace(-1, 1, 24).reshape(3, 8) * (group.rank + 1 + step + k)
+            net(x).square().sum().backward()
+        red.reduce(group)
+        out += [p.grad.clone() for p in net.parameters() if p.grad is not None]
+        with torch.no_grad():
+            for p in net.parameters():
+                p -= 0.01 * p.grad  # type: ignore[operator]
+    return out
+
+
+@pytest.mark.parametrize("set_to_none", [False, True])
+def test_overlapped_reduction_is_bitwise_the_plain_one(set_to_none: bool) -> None:
+    plain = run_pair(lambda g: _reduced_grads(g, overlap=False, passes=1, set_to_none=set_to_none))
+    overlapped = run_pair(lambda g: _reduced_grads(g, overlap=True, passes=1, set_to_none=set_to_none))
+    assert len(plain[0]) == 3 * 6
+    for a, b, c in zip(plain[0], overlapped[0], overlapped[1], strict=True):
+        assert torch.equal(a, b) and torch.equal(b, c)
+
+
+def test_overlapped_reduction_with_gradient_accumulation() -> None:
+    """Two backward passes per attempt: buckets reduced during the first are averaged and reduced
+    again with the second's gradients; every rank ends with the same average of its sums."""
+    plain = run_pair(lambda g: _reduced_grads(g, overlap=False, passes=2, set_to_none=False))
+    overlapped = run_pair(lambda g: _reduced_grads(g, overlap=True, passes=2, set_to_none=False))
+    for a, b, c in zip(plain[0], overlapped[0], overlapped[1], strict=True):
+        assert torch.equal(b, c)  # the replicas agree bit for bit
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)  # avg(g1) + avg(g2) == avg(g1 + g2)
+
+
+def test_overlapped_reduction_leaves_the_last_bucket_to_reduce() -> None:
+    """A rank that fails between backward() and the reduction must leave its peers waiting: the
+    step then commits on every rank or on none (the backward pass started every other bucket)."""
+
+    def fn(group: Group) -> Any:
+        net = _mlp()
+        red = GradientReducer(list(net.parameters()), bucket_bytes=300)
+        red.begin(group)
+        net(torch.ones(3, 8)).sum().backward()
+        if group.rank == 1:
+            raise RuntimeError("the user's step fails after backward()")
+        red.reduce(group)
+        return "committed"
+
+    result = run_pair(fn, timeout_s=5)
+    assert isinstance(result[0], CollectiveError)
+
+
 def test_digest_is_canonical_and_covers_step() -> None:
     m1, o1 = trained_pair()
     m2, o2 = trained_pair()
