@@ -10,6 +10,9 @@ Grammar of a spec (``--fault`` on the command line)::
 
     KIND:rank=R@step=S          KIND in kill | hang | exception | corrupt
     KIND:rank=R1,R2@step=S      several ranks at the same step
+    KIND:rank=R@check=S         KIND in kill | hang: at the replicas' consistency check before
+                                step S, just before the digests are exchanged (the peers wait in
+                                that collective); S is 1 or a multiple of recovery.consistency_every
     kill:spare@recovery         kill the spare that receives state in the next recovery
     kill:spare@join             kill the spare taking a rank before its generation's group forms
     kill:source@recovery        kill the survivor that sends state in the next recovery
@@ -44,27 +47,29 @@ _RECOVERY_SPECS = {
     "source": "kill:source@recovery",
 }
 
-_SPEC = re.compile(r"^(?P<kind>[a-z]+):rank=(?P<ranks>\d+(?:,\d+)*)@step=(?P<step>\d+)$")
+_SPEC = re.compile(r"^(?P<kind>[a-z]+):rank=(?P<ranks>\d+(?:,\d+)*)@(?P<at>step|check)=(?P<step>\d+)$")
+_CHECK_KINDS = ("kill", "hang")  # what can strike at a consistency check
 
 
 @dataclass(frozen=True, slots=True)
 class FaultSpec:
     """One scheduled fault.
 
-    ``at`` other than ``"step"`` names a moment of the next recovery (``ranks``
-    empty): ``"recovery"`` the spare receiving state, ``"join"`` the spare before
-    its group forms, ``"source"`` the survivor sending state.
+    ``at`` is ``"step"`` (inside step ``step``, before the gradient reduction), ``"check"`` (at
+    the consistency check before step ``step``), or a moment of the next recovery (``ranks``
+    empty): ``"recovery"`` the spare receiving state, ``"join"`` the spare before its group
+    forms, ``"source"`` the survivor sending state.
     """
 
     kind: str
     ranks: tuple[int, ...]
     step: int | None
-    at: str = "step"  # "step", or a moment of recovery: "recovery", "join", "source"
+    at: str = "step"  # "step", "check", or a moment of recovery: "recovery", "join", "source"
 
     def __str__(self) -> str:
         if self.at in _RECOVERY_SPECS:
             return _RECOVERY_SPECS[self.at]
-        return f"{self.kind}:rank={','.join(map(str, self.ranks))}@step={self.step}"
+        return f"{self.kind}:rank={','.join(map(str, self.ranks))}@{self.at}={self.step}"
 
     def to_json(self) -> dict[str, object]:
         return {"kind": self.kind, "ranks": list(self.ranks), "step": self.step, "at": self.at}
@@ -94,13 +99,17 @@ def parse_fault(spec: str) -> FaultSpec:
     m = _SPEC.match(text)
     if m is None:
         raise ValueError(
-            f"cannot parse fault {spec!r}: expected KIND:rank=R[,R...]@step=S, "
+            f"cannot parse fault {spec!r}: expected KIND:rank=R[,R...]@step=S, KIND:rank=R@check=S, "
             f"{', '.join(_RECOVERY_SPECS.values())}"
         )
     ranks = tuple(int(r) for r in m["ranks"].split(","))
     if len(set(ranks)) != len(ranks):
         raise ValueError(f"fault {spec!r} names a rank twice")
-    return FaultSpec(kind=kind, ranks=ranks, step=int(m["step"]))
+    if m["at"] == "check" and kind not in _CHECK_KINDS:
+        raise ValueError(
+            f"fault {spec!r}: only {' and '.join(_CHECK_KINDS)} can strike at a consistency check"
+        )
+    return FaultSpec(kind=kind, ranks=ranks, step=int(m["step"]), at=m["at"])
 
 
 def parse_faults(specs: list[str]) -> list[FaultSpec]:
@@ -113,7 +122,14 @@ def parse_faults(specs: list[str]) -> list[FaultSpec]:
 
 
 def validate_schedule(
-    faults: list[FaultSpec], *, workers: int, spares: int, steps: int, durable: bool = False, shards: int = 1
+    faults: list[FaultSpec],
+    *,
+    workers: int,
+    spares: int,
+    steps: int,
+    durable: bool = False,
+    shards: int = 1,
+    consistency_every: int = 0,
 ) -> None:
     """Check a schedule against the job's shape; raise ``ValueError`` naming the problem.
 
@@ -123,7 +139,7 @@ def validate_schedule(
     """
     per_step: dict[int, set[int]] = {}  # ranks that need a replacement, by step
     for f in faults:
-        if f.at != "step":
+        if f.at not in ("step", "check"):
             if spares < 1:
                 raise ValueError(f"fault {f}: there is no spare to kill (--spares 0)")
             continue
@@ -133,6 +149,13 @@ def validate_schedule(
                 raise ValueError(f"fault {f}: rank {r} is out of range for --workers {workers}")
         if f.step >= steps:
             raise ValueError(f"fault {f}: step {f.step} is beyond --steps {steps} (steps are 0..{steps - 1})")
+        if f.at == "check" and not (
+            f.step == 1 or (consistency_every > 0 and f.step > 0 and f.step % consistency_every == 0)
+        ):
+            raise ValueError(
+                f"fault {f}: no consistency check runs before step {f.step} (checks run before step 1 and "
+                f"every recovery.consistency_every={consistency_every} steps)"
+            )
         if f.kind in ("exception", "corrupt"):
             continue  # the rank stays alive (re-executes the step, or is re-synced) in place
         ranks = per_step.setdefault(f.step, set())
@@ -188,7 +211,7 @@ class FaultInjector:
     ) -> None:
         # A step fault fires once per rank it names; a recovery fault once per job, whichever
         # recovery comes first (never again in a later one).
-        who = rank if fault.at == "step" else -1
+        who = rank if fault.at in ("step", "check") else -1
         if self._claimer is None or not self._claimer.claim(keys.fault_fired(index, who)):
             return
         if on_fire is not None:
@@ -216,6 +239,12 @@ class FaultInjector:
         for i, f in self._faults:
             if f.at == "step" and f.step == step and rank in f.ranks:
                 self._fire(i, f, on_fire, rank, step, corrupt)
+
+    def at_check(self, rank: int, step: int, on_fire: _OnFire | None = None) -> None:
+        """Called by a worker at the consistency check before step ``step``, before the exchange."""
+        for i, f in self._faults:
+            if f.at == "check" and f.step == step and rank in f.ranks:
+                self._fire(i, f, on_fire, rank, step)
 
     def at_recovery(
         self, rank: int, step: int, on_fire: _OnFire | None = None, *, at: str = "recovery"

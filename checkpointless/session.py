@@ -679,6 +679,8 @@ class Session:
         """
         assert self._client is not None and self._group is not None
         client, group, step = self._client, self._group, self._committed
+        if self._faults is not None:
+            self._faults.at_check(self.rank, step + 1, self._fault_fired)
         entries = entry_digests({k: v for k, v in self._registry.state_dict().items() if k != "progress"})
         mine = torch.frombuffer(bytearray(combined_digest(entries)), dtype=torch.uint8)
         digests = [bytes(d.tolist()) for d in group.allgather(mine)]

@@ -135,7 +135,8 @@ def _job(
         _check_durable(recovery, "recovery.durable_dir" if args.durable_dir is None else "--durable-dir")
         if steps is not None:
             validate_schedule(faults, workers=args.workers, spares=args.spares, steps=steps,
-                              durable=bool(recovery.durable_every), shards=shards)  # fmt: skip
+                              durable=bool(recovery.durable_every), shards=shards,
+                              consistency_every=recovery.consistency_every)  # fmt: skip
         _check_out(args.out)  # created only once everything else is known to be right
         return JobConfig(
             workers=args.workers,

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.jobs import logs_of, run_job
+from tests.jobs import logs_of, reference_digest, run_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -66,3 +66,18 @@ def test_corruption_with_two_replicas_stops_the_job() -> None:
     assert not r.ok
     assert "no majority" in (r.error or ""), r.error
     assert "rank 0 and rank 1" in (r.error or ""), r.error
+
+
+def test_a_kill_and_a_hang_at_consistency_checks_end_bitwise_equal_to_the_fault_free_run() -> None:
+    """A rank killed, then another stopped, just before the replicas exchange their digests: the
+    peers fail in that exchange (or the stopped one is found by its heartbeat and killed), a spare
+    takes the rank, and the job resumes at the step the check preceded, losing nothing."""
+    steps = 14
+    faults = ["kill:rank=1@check=4", "hang:rank=0@check=8"]
+    r = run_job(steps=steps, spares=2, faults=faults, consistency_every=4)
+    assert r.ok, logs_of(r)
+    assert r.digest == reference_digest(2, steps)
+    by_spec = {f["spec"]: f for f in r.report["faults"]}
+    assert sorted(by_spec) == sorted(faults)
+    for f in by_spec.values():
+        assert f["lost_steps"] == 0 and f["replaced_by"] in ("s0", "s1"), f

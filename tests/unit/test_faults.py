@@ -14,6 +14,7 @@ def test_parse_each_kind() -> None:
     assert parse_fault("hang:rank=0@step=0") == FaultSpec("hang", (0,), 0)
     assert parse_fault("exception:rank=2,3@step=7") == FaultSpec("exception", (2, 3), 7)
     assert parse_fault("kill:spare@recovery") == FaultSpec("kill", (), None, "recovery")
+    assert parse_fault("hang:rank=1@check=20") == FaultSpec("hang", (1,), 20, "check")
     assert parse_faults(["none"]) == []
 
 
@@ -24,6 +25,8 @@ def test_parse_each_kind() -> None:
         ("kill:rank=1", "cannot parse fault"),
         ("kill:rank=1,1@step=2", "names a rank twice"),
         ("kill:rank=a@step=2", "cannot parse"),
+        ("exception:rank=0@check=10", "only kill and hang can strike at a consistency check"),
+        ("kill:rank=0@check", "cannot parse"),
     ],
 )
 def test_parse_errors_name_the_problem(spec: str, message: str) -> None:
@@ -32,7 +35,7 @@ def test_parse_errors_name_the_problem(spec: str, message: str) -> None:
 
 
 def test_round_trip_json() -> None:
-    for s in ["kill:rank=1@step=30", "kill:spare@recovery", "hang:rank=0,1@step=2"]:
+    for s in ["kill:rank=1@step=30", "kill:spare@recovery", "hang:rank=0,1@step=2", "kill:rank=1@check=10"]:
         f = parse_fault(s)
         assert FaultSpec.from_json(f.to_json()) == f
         assert str(f) == s
@@ -52,6 +55,26 @@ def test_round_trip_json() -> None:
 def test_schedule_errors(specs: list[str], workers: int, spares: int, steps: int, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         validate_schedule(parse_faults(specs), workers=workers, spares=spares, steps=steps)
+
+
+@pytest.mark.parametrize(
+    ("spec", "every", "message"),
+    [
+        ("kill:rank=1@check=1", 0, None),  # the check after the first step always runs
+        ("kill:rank=1@check=20", 10, None),
+        ("kill:rank=1@check=15", 10, "no consistency check runs before step 15"),
+        ("kill:rank=1@check=10", 0, "no consistency check runs before step 10"),
+        ("kill:rank=2@check=10", 10, "rank 2 is out of range"),
+        ("kill:rank=0@check=40", 10, "beyond --steps 30"),
+    ],
+)
+def test_check_faults_must_meet_a_check(spec: str, every: int, message: str | None) -> None:
+    faults = parse_faults([spec])
+    if message is None:
+        validate_schedule(faults, workers=2, spares=1, steps=30, consistency_every=every)
+    else:
+        with pytest.raises(ValueError, match=message):
+            validate_schedule(faults, workers=2, spares=1, steps=30, consistency_every=every)
 
 
 def test_exceptions_need_no_spare() -> None:
