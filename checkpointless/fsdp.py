@@ -54,7 +54,7 @@ Build = Callable[
 ]
 
 
-def _sockets() -> dict[int, str]:
+def sockets() -> dict[int, str]:
     """This process's socket descriptors (fd -> ``socket:[inode]``)."""
     out: dict[int, str] = {}
     for name in os.listdir("/proc/self/fd"):
@@ -65,10 +65,10 @@ def _sockets() -> dict[int, str]:
     return out
 
 
-def _shutdown(fds: dict[int, str], keep_port: int | None) -> int:
+def shutdown_sockets(fds: dict[int, str], keep_port: int | None) -> int:
     """Shut down the connected TCP sockets among ``fds`` (still the same sockets, not a listener,
     not a connection to ``keep_port``); returns how many."""
-    current = _sockets()
+    current = sockets()
     n = 0
     for fd, link in fds.items():
         if current.get(fd) != link:
@@ -164,7 +164,12 @@ class Generation:
         self.gen, self.rank, self.world, self.shards = gen, rank, world, shards
         self.backend, self._store_port = backend, store_port
         self._closed = self._released = False
-        before = _sockets()
+        before = sockets()
+        # Group names come from a process-wide counter that destroying the default group resets,
+        # but a formation that failed before its default group existed (a peer died, the
+        # coordinator aborted it) leaves it advanced: this rank would then name every group one
+        # higher than a fresh spare does, and their rendezvous keys would never meet
+        dist.distributed_c10d._world.group_count = 0
         try:
             dist.init_process_group(
                 backend, store=dist.PrefixStore(prefix, store), rank=rank, world_size=world, timeout=timeout
@@ -185,10 +190,10 @@ class Generation:
             )
             _reuse_or_clear_caches((world, shards, backend, mine[0].group_name, mine[1].group_name))
         except RuntimeError as e:  # gloo, NCCL and store errors (DistError is one)
-            self._fds = {fd: link for fd, link in _sockets().items() if before.get(fd) != link}
+            self._fds = {fd: link for fd, link in sockets().items() if before.get(fd) != link}
             self.close()
             raise CollectiveError(f"gen {gen}: group formation failed: {e}") from None
-        self._fds = {fd: link for fd, link in _sockets().items() if before.get(fd) != link}
+        self._fds = {fd: link for fd, link in sockets().items() if before.get(fd) != link}
         self.group = Group.wrap(dist.group.WORLD, gen, rank, world)
 
     def release(self) -> None:
@@ -200,7 +205,7 @@ class Generation:
             for pg in list(dist.distributed_c10d._world.pg_map):
                 with contextlib.suppress(Exception):
                     pg.abort()
-        n = _shutdown(self._fds, self._store_port)
+        n = shutdown_sockets(self._fds, self._store_port)
         log.debug("gen %d rank %d: shut down %d connections", self.gen, self.rank, n)
 
     def close(self) -> None:

@@ -95,7 +95,15 @@ from checkpointless.durable import DurableWriter
 from checkpointless.durable import load as load_durable
 from checkpointless.errors import FatalError
 from checkpointless.faults import FaultInjector, FaultSpec
-from checkpointless.fsdp import Build, Generation, ShardedState, forget_dtensor_caches, fsdp_modules
+from checkpointless.fsdp import (
+    Build,
+    Generation,
+    ShardedState,
+    forget_dtensor_caches,
+    fsdp_modules,
+    shutdown_sockets,
+    sockets,
+)
 from checkpointless.state import (
     IntegrityError,
     Stateful,
@@ -872,13 +880,23 @@ class Session:
             except Exception as e:
                 result["error"] = f"{type(e).__name__}: {e}"
 
+        before = sockets()
         t = threading.Thread(target=form, name=f"form-gen-{plan.gen}", daemon=True)
         t.start()
         while t.is_alive():
             t.join(timeout=0.01)
             if t.is_alive() and client.is_set(keys.abort(plan.gen)):
-                if self.sharded:
+                # The helper waits on a peer that will never come (up to the collective timeout).
+                # Shut down the connections it opened (its store connection, the group's): its
+                # wait fails now, and a sharded formation, which holds the process's one default
+                # group, ends before the next one starts (a fresh spare in the next generation
+                # would otherwise wait for this rank in vain, and time out in turn)
+                shutdown_sockets({fd: ln for fd, ln in sockets().items() if before.get(fd) != ln}, None)
+                t.join(timeout=5.0)
+                if self.sharded and t.is_alive():
                     self._forming = (t, result)
+                elif "generation" in result:  # formed just as the abort came
+                    result["generation"].close()
                 raise CollectiveError(f"gen {plan.gen}: aborted by the coordinator during group formation")
         if "error" in result:
             raise CollectiveError(str(result["error"]))

@@ -86,6 +86,20 @@ def test_both_copies_of_a_shard_lost_roll_back_to_the_durable_snapshot(tmp_path:
     assert sorted((tmp_path / "durable").iterdir())  # the snapshots of both shards were written
 
 
+def test_a_spare_killed_as_it_joins_a_rollback_is_replaced_and_the_rollback_holds(tmp_path: Path) -> None:
+    """A second fault inside a durable rollback: both copies of shard 1 are lost, and one of the
+    spares taking their ranks dies before the rollback's group forms. The next spare takes its
+    place, every rank still restores the same snapshot, and the job ends exact."""
+    faults = ["kill:rank=1,3@step=12", "kill:spare@join"]
+    r = _run(spares=3, faults=faults, durable_every=4, durable_dir=tmp_path / "durable")
+    assert r.ok, logs_of(r)
+    assert r.digest == _reference()
+    restored = [e for e in r.events if e["kind"] == Event.DURABLE_RESTORED]
+    assert {int(e["rank"]) for e in restored} == {0, 1, 2, 3}  # type: ignore[call-overload]
+    assert len({int(e["step"]) for e in restored}) == 1  # type: ignore[call-overload]
+    assert len(r.report["faults"]) == 2
+
+
 def test_a_spare_killed_while_it_receives_its_shard_is_replaced_by_the_next() -> None:
     """A second fault inside the recovery: the replacement dies during the formation or the
     transfer of its shard; the next spare takes the rank, and the result stays exact."""

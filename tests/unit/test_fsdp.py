@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -11,7 +12,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from checkpointless.fsdp import Generation, ShardedState, _shutdown, _sockets, clear_dtensor_caches
+from checkpointless.errors import CollectiveError
+from checkpointless.fsdp import Generation, ShardedState, clear_dtensor_caches, shutdown_sockets, sockets
 from checkpointless.state import combined_digest, entry_digests
 
 pytestmark = pytest.mark.timeout(60)
@@ -72,12 +74,29 @@ def test_a_second_default_group_is_refused() -> None:
         gen.close()
 
 
+def test_a_failed_formation_leaves_group_names_as_a_fresh_process_has_them() -> None:
+    """A formation that fails before its default group exists (its peer never comes) advances
+    torch's group-name counter; the next generation must name its groups as a fresh spare does,
+    or their rendezvous keys never meet (found by a spare killed as it joined a rollback)."""
+    with pytest.raises(CollectiveError, match="group formation failed"):
+        Generation(
+            dist.HashStore(), gen=0, prefix="t4/", rank=0, world=2, shards=1, timeout=timedelta(seconds=1)
+        )
+    assert not dist.is_initialized()
+    gen = Generation(dist.HashStore(), gen=1, prefix="t5/", rank=0, world=1, shards=1)
+    try:
+        fresh = [str(i) for i in range(3)]  # the default group, then the mesh's two sub-groups
+        assert sorted(dist.distributed_c10d._world.pg_names.values()) == fresh
+    finally:
+        gen.close()
+
+
 def test_dtensor_caches_clear() -> None:
     clear_dtensor_caches()  # pins the private torch APIs it calls (they move between releases)
 
 
 def test_shutdown_fails_connections_but_leaves_listeners_and_the_store() -> None:
-    before = _sockets()
+    before = sockets()
     listener = socket.create_server(("127.0.0.1", 0))
     store_side = socket.create_server(("127.0.0.1", 0))
     peer = socket.create_connection(listener.getsockname())
@@ -85,8 +104,8 @@ def test_shutdown_fails_connections_but_leaves_listeners_and_the_store() -> None
     store_conn = socket.create_connection(store_side.getsockname())
     store_peer, _ = store_side.accept()
     try:
-        fds = {fd: link for fd, link in _sockets().items() if before.get(fd) != link}
-        assert _shutdown(fds, keep_port=store_side.getsockname()[1]) >= 1
+        fds = {fd: link for fd, link in sockets().items() if before.get(fd) != link}
+        assert shutdown_sockets(fds, keep_port=store_side.getsockname()[1]) >= 1
         peer.settimeout(5)
         assert peer.recv(1) == b""  # the peer sees the connection end at once
         late = socket.create_connection(listener.getsockname())  # the listener still accepts
