@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from checkpointless.control.coordinator import Coordinator
 from checkpointless.control.vocab import Event
-from checkpointless.launch.launcher import JobResult
+from checkpointless.launch.launcher import JobResult, Launcher
 from tests.jobs import logs_of, run_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -98,6 +99,26 @@ def test_a_spare_killed_as_it_joins_a_rollback_is_replaced_and_the_rollback_hold
     assert {int(e["rank"]) for e in restored} == {0, 1, 2, 3}  # type: ignore[call-overload]
     assert len({int(e["step"]) for e in restored}) == 1  # type: ignore[call-overload]
     assert len(r.report["faults"]) == 2
+
+
+def test_a_worker_killed_at_start_up_is_replaced_before_the_first_generation() -> None:
+    """SIGKILLed while it starts (importing torch, or already in the first formation): a spare
+    takes its rank and the job still ends exactly as the fault-free one."""
+    launcher: list[Launcher] = []
+    killed: list[str] = []
+
+    def kill_w2_while_starting(coord: Coordinator) -> None:
+        p = coord.procs.get("w2")
+        if not killed and p is not None and not p.joined:
+            launcher[0].children["w2"].popen.kill()
+            killed.append("w2")
+
+    r = _run(spares=1, on_tick=kill_w2_while_starting, launcher=launcher)
+    assert killed == ["w2"]
+    assert r.ok, logs_of(r)
+    assert r.digest == _reference()
+    (fault,) = r.report["faults"]
+    assert fault["signal"] == "SIGKILL" and not fault["injected"] and fault["replaced_by"] == "s0"
 
 
 def test_a_spare_killed_while_it_receives_its_shard_is_replaced_by_the_next() -> None:
