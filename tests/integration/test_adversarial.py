@@ -499,14 +499,17 @@ def test_control_store_listens_on_loopback_only() -> None:
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize(
     ("signum", "how"),
-    [(signal.SIGTERM, "kill"), (signal.SIGINT, "ctrl-c")],
-    ids=["SIGTERM-launch-shm-script", "SIGINT-ctrl-c-demo"],
+    [(signal.SIGTERM, "kill"), (signal.SIGINT, "ctrl-c"), (signal.SIGINT, "ctrl-c-sharded")],
+    ids=["SIGTERM-launch-shm-script", "SIGINT-ctrl-c-demo", "SIGINT-ctrl-c-hsdp2x2"],
 )
 def test_interrupted_run_stops_reports_and_cleans_up(signum: int, how: str, tmp_path: Path) -> None:
     out = tmp_path / "run"
     if how == "kill":  # a script that fills the job's /dev/shm cache, as recipes do
         args = ["launch", "--workers", "2", "--spares", "1", "--quiet", "--out", str(out), "--",
                 *_script(steps=400, pause_s=0.05)]  # fmt: skip
+    elif how == "ctrl-c-sharded":  # FSDP2 HSDP 2x2: four ranks blocked in a generation's groups
+        args = ["launch", "--workers", "4", "--shards", "2", "--spares", "1", "--quiet", "--out", str(out),
+                "--", sys.executable, str(REPO / "examples" / "sharded_loop.py"), "--steps", "400"]  # fmt: skip
     else:
         args = ["demo", "--workers", "2", "--spares", "1", "--steps", "400", "--fault", "none", "--quiet",
                 "--d-model", "32", "--layers", "1", "--out", str(out)]  # fmt: skip
