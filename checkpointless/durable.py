@@ -30,7 +30,9 @@ import os
 import re
 import shutil
 import threading
+import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -95,11 +97,22 @@ def _write(root: Path, step: int, shard: int, meta: bytes, tensors: list[torch.T
     os.replace(tmp, _manifest(root, step, shard))  # the snapshot exists from here on
 
 
-class DurableWriter:
-    """One process's snapshots of its shard, every ``every`` committed steps, written in a thread."""
+#: ``on_event(kind, fields)``: a snapshot written, failed or skipped (``control.vocab.Event``'s
+#: ``durable_*`` kinds, as plain strings: this module does not import the control layer)
+OnEvent = Callable[[str, dict[str, Any]], None]
 
-    def __init__(self, root: str | Path, every: int, shard: int = 0) -> None:
+
+class DurableWriter:
+    """One process's snapshots of its shard, every ``every`` committed steps, written in a thread.
+
+    ``on_event`` hears of each outcome (called from the writer thread for a write), so that the
+    job's report tells how fresh the durable tier is: a tier whose writes fail or keep being
+    skipped would otherwise roll a job back further than its user thinks.
+    """
+
+    def __init__(self, root: str | Path, every: int, shard: int = 0, on_event: OnEvent | None = None) -> None:
         self.root, self.every, self.shard = Path(root), every, shard
+        self._on_event = on_event
         self._thread: threading.Thread | None = None
         self.error: str | None = None
         self.saved: list[int] = []
@@ -112,24 +125,38 @@ class DurableWriter:
         """Snapshot ``state`` (as of committed ``step``) in the background; False if one is still running."""
         if self._thread is not None and self._thread.is_alive():
             self.skipped.append(step)
+            self._tell("durable_skipped", step=step, shard=self.shard)
             return False
         from checkpointless.state import _encode_state
 
         meta, tensors = _encode_state(state)
         staged = [t.detach().to("cpu", copy=True).contiguous() for t in tensors]
+        shard = self.shard
 
         def write() -> None:
+            t0 = time.monotonic()
             try:
-                _write(self.root, step, self.shard, meta, staged)
+                _write(self.root, step, shard, meta, staged)
                 self.saved.append(step)
                 self._prune()
             except Exception as e:  # a full disk must not kill training: the tier is a fallback
                 self.error = f"{type(e).__name__}: {e}"
                 log.error("durable snapshot of step %d failed: %s", step, self.error)
+                self._tell("durable_failed", step=step, shard=shard, error=self.error[:300])
+                return
+            size = sum(t.numel() * t.element_size() for t in staged)
+            self._tell("durable_written", step=step, shard=shard, seconds=time.monotonic() - t0, bytes=size)
 
         self._thread = threading.Thread(target=write, name=f"durable-{step}", daemon=True)
         self._thread.start()
         return True
+
+    def _tell(self, kind: str, **fields: Any) -> None:
+        if self._on_event is not None:
+            try:
+                self._on_event(kind, fields)
+            except Exception as e:  # reporting must not break the tier (or the training loop)
+                log.warning("durable tier: cannot report %s: %s", kind, e)
 
     def wait(self, timeout: float = 300.0) -> None:
         """Let a running save finish (at the end of the job), up to ``timeout`` seconds."""

@@ -339,7 +339,7 @@ class Session:
         )
         self._faults = FaultInjector(self.job.faults, self._client)
         if rc.durable_every and rc.durable_dir:
-            self._durable = DurableWriter(rc.durable_dir, rc.durable_every)
+            self._durable = DurableWriter(rc.durable_dir, rc.durable_every, on_event=self._durable_event)
         atexit.register(self._at_exit)
         # A spare's model is built like the workers' but is not the job's state until it receives it.
         self._has_state = os.environ.get(ENV_ROLE, Role.WORKER) != Role.SPARE
@@ -764,7 +764,14 @@ class Session:
             if durable is not None and durable.due(step) and self.replica == 0:  # one writer per shard
                 durable.shard = self.shard
                 if durable.save(step, self._registry.state_dict()):
-                    self._client.emit(Event.DURABLE_SAVED, rank=self.rank, gen=self.generation, step=step)
+                    self._client.emit(
+                        Event.DURABLE_SAVED, rank=self.rank, gen=self.generation, step=step, shard=self.shard
+                    )
+
+    def _durable_event(self, kind: str, fields: dict[str, Any]) -> None:
+        """A durable snapshot written, failed or skipped (from its writer thread): shipped at once."""
+        if self._client is not None:
+            self._client.emit(kind, sync=True, rank=self.rank, gen=self.generation, **fields)
 
     def _fatal(self, message: str) -> None:
         """End the job: report ``message`` (naming this rank) to the coordinator and raise ``FatalError``."""

@@ -35,6 +35,9 @@ class Event(StrEnum):
     STATE_DIVERGED = "state_diverged"  # replicas' state digests differ (names the entry and ranks)
     STATE_RESYNCED = "state_resynced"  # the odd replica received a healthy replica's state
     DURABLE_SAVED = "durable_saved"  # a durable snapshot was started (the write is asynchronous)
+    DURABLE_WRITTEN = "durable_written"  # ...and its shard is on disk, manifest sealed (seconds, bytes)
+    DURABLE_FAILED = "durable_failed"  # ...or its write failed (error): training goes on without it
+    DURABLE_SKIPPED = "durable_skipped"  # a snapshot fell due while the previous one was still writing
     DURABLE_RESTORED = "durable_restored"  # a rank rolled back to a durable snapshot
     MESSAGE_REJECTED = "message_rejected"
     FATAL = "fatal"

@@ -162,6 +162,19 @@ def _print_result(console: Console, result: JobResult, label: str) -> None:
     )
     if r["faults"]:
         console.print(summary_table(r))
+    durable = r.get("durable")
+    if durable:
+        newest = durable["newest_complete_step"]
+        console.print(
+            f"durable tier: {durable['written']} shard snapshot(s) written, newest complete step "
+            f"{'none' if newest is None else newest}, {durable['skipped']} skipped (the previous one "
+            f"still writing), {durable['failed']} failed",
+            highlight=False,
+        )
+        if durable["last_error"]:
+            console.print(
+                f"[yellow]warning:[/yellow] durable snapshot failed: {durable['last_error']}", highlight=False
+            )
     if result.error:
         console.print(f"[red]error:[/red] {result.error}", highlight=False)
     console.print(f"final state sha256: {result.digest}", highlight=False)

@@ -595,6 +595,36 @@ def count_faults(events: list[dict[str, Any]]) -> int:
     return len(derive_faults(events))
 
 
+def durable_summary(events: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """How fresh the durable tier was: snapshots started, written, failed and skipped, the newest
+    step every shard wrote (the step a rollback would return to), the last error. ``None`` when
+    the job ran without the tier."""
+    kinds = (Event.DURABLE_SAVED, Event.DURABLE_WRITTEN, Event.DURABLE_FAILED, Event.DURABLE_SKIPPED)
+    mine = [e for e in events if e["kind"] in kinds]
+    if not mine:
+        return None
+
+    def of(kind: str) -> list[dict[str, Any]]:
+        return [e for e in mine if e["kind"] == kind]
+
+    shards = {int(e.get("shard") or 0) for e in mine}
+    written: dict[int, set[int]] = {}
+    for e in of(Event.DURABLE_WRITTEN):
+        written.setdefault(int(e["step"]), set()).add(int(e.get("shard") or 0))
+    complete = [step for step, by in written.items() if by >= shards]
+    failed = of(Event.DURABLE_FAILED)
+    seconds = sorted(float(e["seconds"]) for e in of(Event.DURABLE_WRITTEN))
+    return {
+        "started": len(of(Event.DURABLE_SAVED)),
+        "written": len(of(Event.DURABLE_WRITTEN)),
+        "failed": len(failed),
+        "skipped": len(of(Event.DURABLE_SKIPPED)),
+        "newest_complete_step": max(complete, default=None),
+        "write_s_median": seconds[len(seconds) // 2] if seconds else None,
+        "last_error": str(failed[-1].get("error")) if failed else None,
+    }
+
+
 def build_report(
     events: list[dict[str, Any]], *, total_steps: int | None, digest: str | None
 ) -> dict[str, Any]:
@@ -613,4 +643,5 @@ def build_report(
         "recovery_s": recoveries,
         "heldout_loss": evals,
         "faults": fault_entries(events),
+        "durable": durable_summary(events),
     }

@@ -34,6 +34,11 @@ def test_both_replicas_killed_roll_back_to_the_durable_snapshot(tmp_path: Path) 
     (fault,) = r.report["faults"]
     assert fault["ranks"] == [0, 1]
     assert fault["lost_steps"] == KILL_STEP - 1 - step  # committed up to the step before, resumed at step + 1
+    # the report says how fresh the tier was: what was written, skipped or failed, the newest step
+    tier = r.report["durable"]
+    assert tier["written"] >= 1 and tier["failed"] == 0 and tier["last_error"] is None, tier
+    assert tier["newest_complete_step"] >= step and tier["newest_complete_step"] % 5 == 4, tier
+    assert tier["started"] == tier["written"] + tier["failed"] or tier["started"] > tier["written"], tier
 
 
 def test_without_the_durable_tier_the_job_stops_in_one_line(tmp_path: Path) -> None:

@@ -90,6 +90,30 @@ def test_the_writer_keeps_the_two_newest(tmp_path: Path) -> None:
     assert torch.equal(durable.load(tmp_path, 14)["x"], torch.full((2,), 14.0))
 
 
+def test_the_writer_reports_each_outcome(tmp_path: Path) -> None:
+    """Written (with its time and size), skipped (the previous one still writing), failed (with the
+    error): the job's report shows them, so a tier that silently falls behind cannot go unseen."""
+    heard: list[tuple[str, dict[str, object]]] = []
+    w = durable.DurableWriter(tmp_path / "ok", every=1, on_event=lambda kind, f: heard.append((kind, f)))
+    big = {"x": torch.zeros(2_000_000)}
+    assert w.save(0, big)
+    assert not w.save(1, big)  # the first is still writing: skipped, not queued
+    w.wait()
+    kinds = [k for k, _ in heard]
+    assert kinds == ["durable_skipped", "durable_written"], heard
+    written = heard[1][1]
+    assert written["step"] == 0 and written["bytes"] == 8_000_000 and float(written["seconds"]) > 0  # type: ignore[arg-type]
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a directory")
+    heard.clear()
+    w = durable.DurableWriter(blocked, every=1, on_event=lambda kind, f: heard.append((kind, f)))
+    assert w.save(4, {"x": torch.ones(2)})
+    w.wait()
+    ((kind, fields),) = heard
+    assert kind == "durable_failed" and fields["step"] == 4 and "a-file" in str(fields["error"]), heard
+    assert w.error is not None
+
+
 def test_plan_rolls_back_only_when_a_shard_has_no_live_copy() -> None:
     prev = initial_plan(2, 1, ["w0", "w1"])
     with pytest.raises(PlanError, match="no durable copy exists"):

@@ -423,3 +423,31 @@ def test_goodput_never_exceeds_one_when_the_median_step_is_longer_than_the_mean(
     ]
     report = build_report(events, total_steps=len(times), digest=None)
     assert 0 < report["goodput"] <= 1.0
+
+
+def test_durable_summary_counts_a_snapshot_complete_only_when_every_shard_wrote_it() -> None:
+    def ev(kind: str, step: int, shard: int, **f: Any) -> dict[str, Any]:
+        return {
+            "t": float(step),
+            "kind": kind,
+            "proc": f"w{shard}",
+            "rank": shard,
+            "step": step,
+            "shard": shard,
+            **f,
+        }
+
+    events = [
+        ev("durable_saved", 4, 0), ev("durable_saved", 4, 1),
+        ev("durable_written", 4, 0, seconds=0.2, bytes=10), ev("durable_written", 4, 1, seconds=0.4, bytes=10),
+        ev("durable_saved", 9, 0), ev("durable_saved", 9, 1),
+        ev("durable_written", 9, 0, seconds=0.3, bytes=10),  # shard 1's write of step 9 failed
+        ev("durable_failed", 9, 1, error="OSError: [Errno 28] No space left on device"),
+        ev("durable_skipped", 14, 0),
+    ]  # fmt: skip
+    tier = build_report(events, total_steps=20, digest=None)["durable"]
+    assert tier == {
+        "started": 4, "written": 3, "failed": 1, "skipped": 1, "newest_complete_step": 4,
+        "write_s_median": 0.3, "last_error": "OSError: [Errno 28] No space left on device",
+    }  # fmt: skip
+    assert build_report([], total_steps=1, digest=None)["durable"] is None  # no tier, no section
