@@ -95,3 +95,18 @@ def logs_of(result: JobResult) -> str:
         if path.exists():
             parts.append(f"--- {name}\n{path.read_text()[-3000:]}")
     return "\n".join(parts)
+
+
+def kill_while_starting(
+    proc: str, launcher: list[Launcher], killed: list[str]
+) -> Callable[[Coordinator], None]:
+    """An ``on_tick`` that SIGKILLs ``proc`` once, while it starts (before it joins the job);
+    ``launcher`` is the list ``run_job`` puts its Launcher in, ``killed`` records the kill."""
+
+    def tick(coord: Coordinator) -> None:
+        p = coord.procs.get(proc)
+        if not killed and p is not None and not p.joined:
+            launcher[0].children[proc].popen.kill()
+            killed.append(proc)
+
+    return tick

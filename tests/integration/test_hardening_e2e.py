@@ -11,9 +11,8 @@ from typing import Any
 
 import pytest
 
-from checkpointless.control.coordinator import Coordinator
 from checkpointless.launch.launcher import JobResult, Launcher, can_restore_priority
-from tests.jobs import injected_fired, logs_of, reference_digest, run_job
+from tests.jobs import injected_fired, kill_while_starting, logs_of, reference_digest, run_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -102,14 +101,9 @@ def test_crash_while_importing_torch_is_replaced_not_fatal() -> None:
     """A worker SIGKILLed during start-up: the others are still importing and are not held to a deadline."""
     launcher: list[Launcher] = []
     killed: list[str] = []
-
-    def kill_w1_while_starting(coord: Coordinator) -> None:
-        p = coord.procs.get("w1")
-        if not killed and p is not None and not p.joined:
-            launcher[0].children["w1"].popen.kill()
-            killed.append("w1")
-
-    result = run_job(workers=2, spares=1, steps=10, on_tick=kill_w1_while_starting, launcher=launcher)
+    result = run_job(
+        workers=2, spares=1, steps=10, on_tick=kill_while_starting("w1", launcher, killed), launcher=launcher
+    )
     assert killed == ["w1"]
     assert result.ok, f"{result.error}\n{logs_of(result)}"
     (fault,) = result.report["faults"]

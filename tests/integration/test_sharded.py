@@ -15,10 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from checkpointless.control.coordinator import Coordinator
 from checkpointless.control.vocab import Event
 from checkpointless.launch.launcher import JobResult, Launcher
-from tests.jobs import logs_of, run_job
+from tests.jobs import kill_while_starting, logs_of, run_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -106,14 +105,7 @@ def test_a_worker_killed_at_start_up_is_replaced_before_the_first_generation() -
     takes its rank and the job still ends exactly as the fault-free one."""
     launcher: list[Launcher] = []
     killed: list[str] = []
-
-    def kill_w2_while_starting(coord: Coordinator) -> None:
-        p = coord.procs.get("w2")
-        if not killed and p is not None and not p.joined:
-            launcher[0].children["w2"].popen.kill()
-            killed.append("w2")
-
-    r = _run(spares=1, on_tick=kill_w2_while_starting, launcher=launcher)
+    r = _run(spares=1, on_tick=kill_while_starting("w2", launcher, killed), launcher=launcher)
     assert killed == ["w2"]
     assert r.ok, logs_of(r)
     assert r.digest == _reference()
