@@ -349,11 +349,6 @@ def cmd_run(argv: list[str]) -> int:
     if args.progress_timeout is None:
         args.progress_timeout = cfg.recovery.progress_timeout_s
     args.shards = cfg.parallel.shards
-    if cfg.parallel.shards > 1 and cfg.parallel.dtype != "float32":
-        raise UsageError(
-            f"{args.recipe}: parallel.dtype={cfg.parallel.dtype} with parallel.shards={cfg.parallel.shards}: "
-            "sharded training runs in float32 only for now (bfloat16 master weights are not sharded yet)"
-        )
     job = _job(args, cfg.train.steps, [], cfg.recovery)
     command = [sys.executable, "-m", "checkpointless.recipes.train", str(args.recipe)]
     for o in overrides:

@@ -11,6 +11,10 @@ communication buckets are not included):
   (``checkpointless.recipes.precision.MasterWeightAdamW``). During the optimizer step it
   also holds an fp32 copy of the grads, 4 B per parameter, freed when the step ends
   (reported as the transient ``fp32 grads in step``).
+* ``bfloat16`` sharded (``shards > 1``): FSDP2's mixed precision. The shards are fp32 and are
+  the master weights (params 4 B, grads reduced in fp32 4 B, AdamW moments 2 x 4 B); each
+  unit is all-gathered in bf16 for compute (the transient ``gathered layer``, 2 B per
+  parameter of a layer).
 
 These are the bytes of the tensors a recipe really allocates (``tests/unit/test_precision.py``
 counts them after a real step). AdamW also keeps one fp32 scalar step counter per parameter
@@ -40,31 +44,43 @@ from typing import Any
 
 from checkpointless.recipes.config import RecipeConfig, load_recipe
 
-__all__ = ["dry_run", "format_dry_run", "main", "master_bytes_per_param", "state_bytes_per_param"]
+__all__ = [
+    "compute_bytes_per_param",
+    "dry_run",
+    "format_dry_run",
+    "main",
+    "master_bytes_per_param",
+    "state_bytes_per_param",
+]
 
 GIB = 1024**3
 
 
-def state_bytes_per_param(dtype: str) -> dict[str, int]:
+def state_bytes_per_param(dtype: str, shards: int = 1) -> dict[str, int]:
     """Bytes per parameter of each part of the training state under ``dtype``.
 
     Keys: ``params``, ``grads``, ``optimizer`` (AdamW moments, plus fp32 master weights
-    when the model runs in bf16).
+    when a replicated model runs in bf16; sharded, the fp32 shards are the masters).
     """
-    if dtype == "float32":
+    if dtype == "float32" or (dtype == "bfloat16" and shards > 1):
         return {"params": 4, "grads": 4, "optimizer": 8}
     if dtype == "bfloat16":
         return {"params": 2, "grads": 2, "optimizer": 8 + 4}
     raise ValueError(f"parallel.dtype: unsupported dtype {dtype!r}")
 
 
-def master_bytes_per_param(dtype: str) -> int:
-    """Bytes per parameter of the fp32 master weights (part of ``optimizer``): 4 in bf16, else 0.
-
-    The fp32 grad copy that exists only during the optimizer step has the same size.
+def master_bytes_per_param(dtype: str, shards: int = 1) -> int:
+    """Bytes per parameter of the separate fp32 master weights (part of ``optimizer``): 4 for a
+    replicated bf16 model, else 0. The fp32 grad copy that exists only during the optimizer step
+    has the same size.
     """
     state_bytes_per_param(dtype)  # validates the dtype
-    return 4 if dtype == "bfloat16" else 0
+    return 4 if dtype == "bfloat16" and shards == 1 else 0
+
+
+def compute_bytes_per_param(dtype: str) -> int:
+    """Bytes per parameter of the weights the forward and backward passes use (a gathered layer)."""
+    return 2 if dtype == "bfloat16" else 4
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -91,11 +107,11 @@ def dry_run(cfg: RecipeConfig) -> dict[str, Any]:
 
     counts = parameter_breakdown(cfg.model)
     par = cfg.parallel
-    per_param = state_bytes_per_param(par.dtype)
+    per_param = state_bytes_per_param(par.dtype, par.shards)
     n = counts["total"]
     shard_params = _ceil_div(n, par.shards)  # FSDP pads the flat parameter to a multiple of shards
     rank = {part: shard_params * b for part, b in per_param.items()}
-    master = shard_params * master_bytes_per_param(par.dtype)
+    master = shard_params * master_bytes_per_param(par.dtype, par.shards)
     tied = _ceil_div(counts["tied"], par.shards) * per_param["params"]  # sent again under its 2nd name
     rank_total = sum(rank.values())
     return {
@@ -120,7 +136,9 @@ def dry_run(cfg: RecipeConfig) -> dict[str, Any]:
         "rank_optimizer_bytes": rank["optimizer"],
         "rank_master_bytes": master,
         "rank_total_bytes": rank_total,
-        "gathered_layer_bytes": counts["per_layer"] * per_param["params"] if par.shards > 1 else 0,
+        "gathered_layer_bytes": counts["per_layer"] * compute_bytes_per_param(par.dtype)
+        if par.shards > 1
+        else 0,
         "step_grads_bytes": master,  # fp32 grad copies, same size as the masters
         "replica_state_bytes": rank_total * par.shards,
         "cluster_state_bytes": rank_total * par.workers,
@@ -173,7 +191,7 @@ def format_dry_run(report: dict[str, Any]) -> str:
         (
             "per rank: AdamW state",
             f"{_gib(report['rank_optimizer_bytes'])}  ({bpp['optimizer']} B/param / shards"
-            + (", incl. fp32 master)" if report["dtype"] == "bfloat16" else ")"),
+            + (", incl. fp32 master)" if report["rank_master_bytes"] else ")"),
         ),
         ("per rank: total", _gib(report["rank_total_bytes"])),
     ]

@@ -40,7 +40,8 @@ class Training:
 
     ``float32``: ``torch.optim.AdamW`` on the fp32 model. ``bfloat16``: a bf16 model and
     :class:`~checkpointless.recipes.precision.MasterWeightAdamW` (fp32 master weights and
-    moments; the masters are part of its ``state_dict``, so they are transferred).
+    moments; the masters are part of its ``state_dict``, so they are transferred); sharded,
+    ``torch.optim.AdamW`` on fp32 shards that FSDP2 casts to bf16 for compute (``shard_model``).
     """
 
     model: nn.Module
@@ -66,22 +67,26 @@ class Training:
         return lr
 
 
-def shard_model(model: nn.Module, mesh: Any) -> nn.Module:
+def shard_model(model: nn.Module, mesh: Any, compute_dtype: torch.dtype = torch.float32) -> nn.Module:
     """Apply FSDP2 on ``mesh``: each transformer layer is one unit (one all-gather in forward and
     in backward), the rest (embeddings, final norm, tied head) the root's.
 
     The layers are the modules whose class a ``transformers`` model lists in ``_no_split_modules``
     (``LlamaDecoderLayer``, ``GptOssDecoderLayer``) or the project's ``TinyGPT`` blocks.
+    ``compute_dtype`` bfloat16: FSDP2's own mixed precision (``MixedPrecisionPolicy``): the sharded
+    parameters, which the optimizer updates, stay float32 (they are the master weights), each unit
+    all-gathers them as bfloat16 for its forward and backward, and gradients are reduced in float32.
     """
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     layer_types = {"_Block"}
     for m in model.modules():
         layer_types.update(getattr(m, "_no_split_modules", None) or ())
     for m in model.modules():
         if type(m).__name__ in layer_types and m is not model:
-            fully_shard(m, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+            fully_shard(m, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
 
 
@@ -100,9 +105,11 @@ def build_training(cfg: RecipeConfig, mesh: Any = None) -> Training:
     from checkpointless.recipes.models import build_model
 
     dtype = DTYPES[cfg.parallel.dtype]
-    model = build_model(cfg.model, seed=cfg.train.seed, dtype=dtype)
-    if mesh is not None:
-        model = shard_model(model, mesh)
+    if mesh is not None:  # sharded: float32 shards (the masters), bfloat16 compute (see shard_model)
+        model = shard_model(build_model(cfg.model, seed=cfg.train.seed, dtype=torch.float32), mesh, dtype)
+        dtype = torch.float32
+    else:
+        model = build_model(cfg.model, seed=cfg.train.seed, dtype=dtype)
     oc = cfg.optim
     hyper: dict[str, Any] = {"lr": oc.lr, "betas": oc.betas, "eps": oc.eps, "weight_decay": oc.weight_decay}
     optimizer: torch.optim.Optimizer

@@ -127,10 +127,6 @@ def test_recipe_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]
         (["--progress-timeout", "inf"], "--progress-timeout"),
         (["--hang-timeout", "0"], "--hang-timeout"),
         (["--set", "parallel.shards=3"], "parallel.shards"),
-        (
-            ["--workers", "4", "--set", "parallel.shards=2", "--set", "parallel.dtype=bfloat16"],
-            "float32 only",
-        ),
         (["--set", "recovery.consistency_every=-1"], "recovery.consistency_every"),
         (["--set", "recovery.durable_every=5"], "recovery.durable_dir"),
         (
@@ -156,12 +152,15 @@ def test_detection_settings_come_from_the_recipe_unless_a_flag_says_otherwise() 
     assert cfg.recovery.progress_timeout_s == 7.5 and cfg.recovery.hang_timeout_s == 2.0
 
 
-def test_bf16_recipe_with_kill_equals_fault_free(tmp_path: Path) -> None:
-    """bf16 with fp32 master weights: the spare receives the masters, the run ends bit for bit as without the kill."""
+@pytest.mark.parametrize(("layout", "killed"), [([], 1), (["--workers", "4", "--set", "parallel.shards=2"], 3)],
+                         ids=["replicated", "hsdp2x2"])  # fmt: skip
+def test_bf16_recipe_with_kill_equals_fault_free(layout: list[str], killed: int, tmp_path: Path) -> None:
+    """bf16 with fp32 master weights (replicated: the optimizer's masters; sharded: FSDP2's float32
+    shards, bf16 compute): the spare receives them, the run ends bit for bit as without the kill."""
     path = str(ROOT / "recipes" / "llama-tiny.yaml")
     short = [*SMALL, "--set", "train.steps=8", "--set", "data.eval_every=0",
-             "--set", "parallel.dtype=bfloat16"]  # fmt: skip
-    faulted = run_cli(path, *short, "--fault", "kill:rank=1@step=5", "--out", str(tmp_path / "f"))
+             "--set", "parallel.dtype=bfloat16", *layout]  # fmt: skip
+    faulted = run_cli(path, *short, "--fault", f"kill:rank={killed}@step=5", "--out", str(tmp_path / "f"))
     assert faulted.returncode == 0, faulted.stderr
     clean = run_cli(path, *short, "--spares", "0", "--out", str(tmp_path / "c"))
     assert clean.returncode == 0, clean.stderr

@@ -262,3 +262,27 @@ def test_dry_run_bytes_are_what_a_real_training_step_allocates(family: str, dtyp
     _, model_tensors = S._encode_state({"model": sent["model"]})
     _, optimizer_tensors = S._encode_state({"optimizer": sent["optimizer"]})
     assert nbytes(model_tensors) + nbytes(optimizer_tensors) == report["recovery_bytes"] + nbytes(counters)
+
+
+def test_sharded_bf16_keeps_float32_shards_and_computes_in_bf16() -> None:
+    """Sharded recipes use FSDP2's mixed precision: the optimizer updates float32 shards (the
+    masters, what is transferred), and every unit's forward runs on bf16 parameters."""
+    from torch.distributed.tensor import DTensor
+
+    from checkpointless.fsdp import Generation
+
+    gen = Generation(torch.distributed.HashStore(), gen=0, prefix="bf16/", rank=0, world=1, shards=1)
+    try:
+        t = build_training(recipe("llama", "bfloat16"), mesh=gen.mesh)
+        params = list(t.model.parameters())
+        assert all(isinstance(p, DTensor) and p.dtype == torch.float32 for p in params)
+        assert type(t.optimizer) is torch.optim.AdamW
+        seen: set[torch.dtype] = set()
+        linear = next(m for m in t.model.modules() if isinstance(m, nn.Linear))
+        linear.register_forward_hook(lambda m, i, o: seen.add(o.dtype))
+        x = torch.randint(0, 64, (2, 16))
+        t.model(x, x).backward()
+        assert seen == {torch.bfloat16}
+        assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in params)
+    finally:
+        gen.close()

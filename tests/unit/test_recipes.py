@@ -352,10 +352,12 @@ def test_dry_run_big_recipes_without_allocating(recipe: str, expected: float, to
     n, par = report["params"], cfg.parallel
     assert par.dtype == "bfloat16"
     shard = -(-n // par.shards)
-    assert report["rank_params_bytes"] == 2 * shard
-    assert report["rank_grads_bytes"] == 2 * shard
-    assert report["rank_optimizer_bytes"] == 12 * shard  # 2 fp32 moments + fp32 master
-    assert report["recovery_bytes"] == 14 * shard
+    # sharded bf16 is FSDP2's mixed precision: fp32 shards (the masters), fp32 grads, 2 fp32 moments
+    assert report["rank_params_bytes"] == 4 * shard
+    assert report["rank_grads_bytes"] == 4 * shard
+    assert report["rank_optimizer_bytes"] == 8 * shard and report["rank_master_bytes"] == 0
+    assert report["recovery_bytes"] == 12 * shard
+    assert report["gathered_layer_bytes"] == 2 * report["layer_params"]  # gathered in bf16
     assert report["recoverable"] and report["replicas"] == par.workers // par.shards
     # Recovery traffic is per shard: doubling the cluster (more replicas) does not change it.
     bigger = load_recipe(
