@@ -6,11 +6,13 @@ import sys
 
 
 def _group() -> str:
+    # "/autogroup-N nice K"; missing, or empty on kernels without CONFIG_SCHED_AUTOGROUP (CI's)
     try:
         with open("/proc/self/autogroup") as f:
-            return f.read().split()[-1]
+            words = f.read().split()
     except OSError:
         return "none"
+    return words[-1] if words else "none"
 
 
 print(f"nice at start: {os.getpriority(os.PRIO_PROCESS, 0)}, group nice {_group()}", flush=True)
