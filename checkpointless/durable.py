@@ -36,6 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from checkpointless.control.vocab import Event
 from checkpointless.errors import IntegrityError
 
 if TYPE_CHECKING:
@@ -97,8 +98,8 @@ def _write(root: Path, step: int, shard: int, meta: bytes, tensors: list[torch.T
     os.replace(tmp, _manifest(root, step, shard))  # the snapshot exists from here on
 
 
-#: ``on_event(kind, fields)``: a snapshot written, failed or skipped (``control.vocab.Event``'s
-#: ``durable_*`` kinds, as plain strings: this module does not import the control layer)
+#: ``on_event(kind, fields)``: a snapshot written, failed or skipped (``Event.DURABLE_WRITTEN``,
+#: ``DURABLE_FAILED``, ``DURABLE_SKIPPED``)
 OnEvent = Callable[[str, dict[str, Any]], None]
 
 
@@ -125,7 +126,7 @@ class DurableWriter:
         """Snapshot ``state`` (as of committed ``step``) in the background; False if one is still running."""
         if self._thread is not None and self._thread.is_alive():
             self.skipped.append(step)
-            self._tell("durable_skipped", step=step, shard=self.shard)
+            self._tell(Event.DURABLE_SKIPPED, step=step, shard=self.shard)
             return False
         from checkpointless.state import _encode_state
 
@@ -142,10 +143,12 @@ class DurableWriter:
             except Exception as e:  # a full disk must not kill training: the tier is a fallback
                 self.error = f"{type(e).__name__}: {e}"
                 log.error("durable snapshot of step %d failed: %s", step, self.error)
-                self._tell("durable_failed", step=step, shard=shard, error=self.error[:300])
+                self._tell(Event.DURABLE_FAILED, step=step, shard=shard, error=self.error[:300])
                 return
             size = sum(t.numel() * t.element_size() for t in staged)
-            self._tell("durable_written", step=step, shard=shard, seconds=time.monotonic() - t0, bytes=size)
+            self._tell(
+                Event.DURABLE_WRITTEN, step=step, shard=shard, seconds=time.monotonic() - t0, bytes=size
+            )
 
         self._thread = threading.Thread(target=write, name=f"durable-{step}", daemon=True)
         self._thread.start()
