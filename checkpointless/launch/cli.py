@@ -40,7 +40,8 @@ def _add_job_args(p: argparse.ArgumentParser, *, workers: int, spares: int) -> N
     p.add_argument("--workers", type=int, default=workers, help="data-parallel workers (ranks)")
     p.add_argument("--spares", type=int, default=spares, help="hot spare processes kept warm")
     p.add_argument("--fault", action="append", default=None, metavar="SPEC",
-                   help="KIND:rank=R[,R]@step=S (kill|hang|exception|corrupt), kill:spare@recovery, or none")  # fmt: skip
+                   help="KIND:rank=R[,R]@step=S (kill|hang|exception|corrupt), kill|hang:rank=R@check=S (at a "
+                        "consistency check), kill:spare@recovery|join, kill:source@recovery, or none")  # fmt: skip
     p.add_argument("--out", type=Path, default=None, help="write events.jsonl, report.json and logs here")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--port", type=int, default=0, help="control store port (0: any free port)")
