@@ -42,8 +42,7 @@ class GradientReducer:
         self._buckets: list[torch.Tensor] = []
         members: list[list[torch.nn.Parameter]] = []
         for p in reversed(self.params):
-            cap = _FIRST_BUCKET_BYTES if len(members) <= 1 else bucket_bytes
-            cap = min(cap, bucket_bytes)
+            cap = min(_FIRST_BUCKET_BYTES, bucket_bytes) if len(members) <= 1 else bucket_bytes
             if members:
                 last = members[-1]
                 size = (sum(q.numel() for q in last) + p.numel()) * p.element_size()
@@ -51,17 +50,16 @@ class GradientReducer:
                     last.append(p)
                     continue
             members.append([p])
-        slots: dict[int, torch.Tensor] = {}
-        self._bucket_of: dict[int, int] = {}  # id(param) -> bucket index
+        slots: dict[int, tuple[int, torch.Tensor]] = {}  # id(param) -> (bucket, view)
         for i, ps in enumerate(members):
             buf = torch.zeros(sum(q.numel() for q in ps), dtype=ps[0].dtype, device=ps[0].device)
             off = 0
             for q in ps:
-                slots[id(q)] = buf[off : off + q.numel()].view_as(q)
-                self._bucket_of[id(q)] = i
+                slots[id(q)] = (i, buf[off : off + q.numel()].view_as(q))
                 off += q.numel()
             self._buckets.append(buf)
-        self._views = [slots[id(p)] for p in self.params]
+        self._bucket_of = [slots[id(p)][0] for p in self.params]  # by parameter index
+        self._views = [slots[id(p)][1] for p in self.params]
         self._size = [len(ps) for ps in members]
         self.bytes = sum(b.numel() * b.element_size() for b in self._buckets)
         # the attempt in progress: its group, what is pending, what is in flight
@@ -71,11 +69,10 @@ class GradientReducer:
         self._seen = [False] * len(self.params)  # accumulated in this round
         self._started = 0  # buckets [0, _started) are in flight or reduced in this round
         self._works: list[Any] = []
-        self._hooks: list[Any] = []
         if overlap:
             for p in self.params:
-                self._hooks.append(p.register_hook(self._before_accumulate(p)))
-                self._hooks.append(p.register_post_accumulate_grad_hook(self._after_accumulate))
+                p.register_hook(self._before_accumulate(p))
+                p.register_post_accumulate_grad_hook(self._after_accumulate)
 
     def begin(self, group: Group | None) -> None:
         """Open an attempt: its backward pass reduces over ``group`` (no overlap when ``None``)."""
@@ -108,7 +105,7 @@ class GradientReducer:
             view.copy_(grad)  # autograd made a new tensor
             p.grad = view
         self._seen[index] = True
-        self._pending[self._bucket_of[id(p)]] -= 1
+        self._pending[self._bucket_of[index]] -= 1
         # in layout order on every rank; the last bucket waits for ``reduce`` (see the module doc)
         while self._started < len(self._buckets) - 1 and self._pending[self._started] == 0:
             self._works.append(self._group.allreduce_start(self._buckets[self._started]))
@@ -121,15 +118,13 @@ class GradientReducer:
         self._group.wait_all(self._works)
         for b in self._buckets[: self._started]:
             b.div_(self._group.world_size)
-        self._pending = list(self._size)
-        self._seen = [False] * len(self.params)
-        self._started = 0
+        self._drop()
 
     def _gather(self) -> None:
         """Make every ``p.grad`` of a bucket not yet started a view into it (copying if autograd
         made a new one; zeros for a parameter that got no gradient)."""
-        for p, view in zip(self.params, self._views, strict=True):
-            if self._bucket_of[id(p)] < self._started:
+        for p, view, bucket in zip(self.params, self._views, self._bucket_of, strict=True):
+            if bucket < self._started:
                 continue
             g = p.grad
             if g is view:

@@ -49,6 +49,7 @@ _RECOVERY_SPECS = {
 
 _SPEC = re.compile(r"^(?P<kind>[a-z]+):rank=(?P<ranks>\d+(?:,\d+)*)@(?P<at>step|check)=(?P<step>\d+)$")
 _CHECK_KINDS = ("kill", "hang")  # what can strike at a consistency check
+_PER_RANK = ("step", "check")  # moments that name their ranks (the rest are moments of a recovery)
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +140,7 @@ def validate_schedule(
     """
     per_step: dict[int, set[int]] = {}  # ranks that need a replacement, by step
     for f in faults:
-        if f.at not in ("step", "check"):
+        if f.at not in _PER_RANK:
             if spares < 1:
                 raise ValueError(f"fault {f}: there is no spare to kill (--spares 0)")
             continue
@@ -211,7 +212,7 @@ class FaultInjector:
     ) -> None:
         # A step fault fires once per rank it names; a recovery fault once per job, whichever
         # recovery comes first (never again in a later one).
-        who = rank if fault.at in ("step", "check") else -1
+        who = rank if fault.at in _PER_RANK else -1
         if self._claimer is None or not self._claimer.claim(keys.fault_fired(index, who)):
             return
         if on_fire is not None:

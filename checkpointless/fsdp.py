@@ -65,6 +65,11 @@ def sockets() -> dict[int, str]:
     return out
 
 
+def sockets_since(before: dict[int, str]) -> dict[int, str]:
+    """The socket descriptors opened since ``before`` (a ``sockets()`` taken earlier)."""
+    return {fd: link for fd, link in sockets().items() if before.get(fd) != link}
+
+
 def shutdown_sockets(fds: dict[int, str], keep_port: int | None) -> int:
     """Shut down the connected TCP sockets among ``fds`` (still the same sockets, not a listener,
     not a connection to ``keep_port``); returns how many."""
@@ -190,10 +195,10 @@ class Generation:
             )
             _reuse_or_clear_caches((world, shards, backend, mine[0].group_name, mine[1].group_name))
         except RuntimeError as e:  # gloo, NCCL and store errors (DistError is one)
-            self._fds = {fd: link for fd, link in sockets().items() if before.get(fd) != link}
+            self._fds = sockets_since(before)
             self.close()
             raise CollectiveError(f"gen {gen}: group formation failed: {e}") from None
-        self._fds = {fd: link for fd, link in sockets().items() if before.get(fd) != link}
+        self._fds = sockets_since(before)
         self.group = Group.wrap(dist.group.WORLD, gen, rank, world)
 
     def release(self) -> None:

@@ -103,6 +103,7 @@ from checkpointless.fsdp import (
     fsdp_modules,
     shutdown_sockets,
     sockets,
+    sockets_since,
 )
 from checkpointless.state import (
     IntegrityError,
@@ -898,7 +899,7 @@ class Session:
                 # wait fails now, and a sharded formation, which holds the process's one default
                 # group, ends before the next one starts (a fresh spare in the next generation
                 # would otherwise wait for this rank in vain, and time out in turn)
-                shutdown_sockets({fd: ln for fd, ln in sockets().items() if before.get(fd) != ln}, None)
+                shutdown_sockets(sockets_since(before), None)
                 t.join(timeout=5.0)
                 if self.sharded and t.is_alive():
                     self._forming = (t, result)

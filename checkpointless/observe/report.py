@@ -616,7 +616,7 @@ def durable_summary(events: list[dict[str, Any]]) -> dict[str, Any] | None:
     seconds = sorted(float(e["seconds"]) for e in of(Event.DURABLE_WRITTEN))
     return {
         "started": len(of(Event.DURABLE_SAVED)),
-        "written": len(of(Event.DURABLE_WRITTEN)),
+        "written": len(seconds),
         "failed": len(failed),
         "skipped": len(of(Event.DURABLE_SKIPPED)),
         "newest_complete_step": max(complete, default=None),

@@ -105,15 +105,14 @@ def build_training(cfg: RecipeConfig, mesh: Any = None) -> Training:
     from checkpointless.recipes.models import build_model
 
     dtype = DTYPES[cfg.parallel.dtype]
-    if mesh is not None:  # sharded: float32 shards (the masters), bfloat16 compute (see shard_model)
-        model = shard_model(build_model(cfg.model, seed=cfg.train.seed, dtype=torch.float32), mesh, dtype)
-        dtype = torch.float32
-    else:
+    if mesh is None:
         model = build_model(cfg.model, seed=cfg.train.seed, dtype=dtype)
+    else:  # float32 shards (the master weights), FSDP2 computing in ``dtype`` (see shard_model)
+        model = shard_model(build_model(cfg.model, seed=cfg.train.seed, dtype=torch.float32), mesh, dtype)
     oc = cfg.optim
     hyper: dict[str, Any] = {"lr": oc.lr, "betas": oc.betas, "eps": oc.eps, "weight_decay": oc.weight_decay}
     optimizer: torch.optim.Optimizer
-    if dtype == torch.float32:
+    if next(model.parameters()).dtype == torch.float32:  # the model's own weights are the masters
         optimizer = torch.optim.AdamW(model.parameters(), **hyper)
     else:
         optimizer = MasterWeightAdamW(model.parameters(), **hyper)
