@@ -11,10 +11,23 @@ counts them), buckets start in layout order on every rank, and ``reduce`` waits 
 *last* bucket starts only in ``reduce``: a rank that fails between ``backward()`` and
 ``reduce_gradients()`` (an exception, a kill) leaves its peers waiting in that collective, so a
 step still commits on every rank or on none.
+
+Arithmetic (the same bits with and without the overlap): every backward pass of an attempt
+reduces every bucket once, as ``DistributedDataParallel`` without ``no_sync`` does. When a second
+pass starts (gradient accumulation), every bucket is reduced and averaged (those in flight are
+waited for, the rest are started then), and the new pass adds its local gradients to those
+averages: after two passes a bucket holds ``sum_r(avg(g1) + g2_r) / W``. Passes inside
+``local()`` (``Session.no_sync``) reduce nothing; the next pass reduces their sum with its own.
+
+An abandoned attempt (``abandon``) leaves no trace in the next one: the buckets its collectives
+may still write into (an all-reduce in flight on a live peer completes after the failure) are
+dropped, and the next attempt gets fresh ones.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -24,76 +37,124 @@ from checkpointless.comm import Group
 _FIRST_BUCKET_BYTES = 2**20  # as DistributedDataParallel: a small first bucket starts early
 
 
+def _queue_end_of_backward(callback: Any) -> None:
+    """Run ``callback`` when the current backward pass ends (as ``DistributedDataParallel`` does;
+    ``Variable._execution_engine`` is torch's, public in use since 1.x, pinned by a unit test)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)  # type: ignore[attr-defined]
+
+
 class GradientReducer:
     """Averages ``.grad`` of ``params`` across a ``Group`` (every member calls ``reduce``).
 
     With ``overlap`` (the default) every bucket but the last is all-reduced during the backward
     pass of an attempt ``begin`` opened. Several backward passes in one attempt (gradient
-    accumulation) stay correct: a bucket already in flight when the next pass reaches it is
-    waited for and averaged, and the new gradients are added to the average and reduced again,
-    so every rank ends with the average of its sums (as ``DistributedDataParallel`` without
-    ``no_sync``).
+    accumulation) reduce as ``DistributedDataParallel`` without ``no_sync`` does (the module doc);
+    the result is the same bit for bit with the overlap off.
     """
 
     def __init__(
         self, params: list[torch.nn.Parameter], bucket_bytes: int = 25 * 2**20, *, overlap: bool = True
     ) -> None:
         self.params = [p for p in params if p.requires_grad]
-        self._buckets: list[torch.Tensor] = []
-        members: list[list[torch.nn.Parameter]] = []
-        for p in reversed(self.params):
-            cap = min(_FIRST_BUCKET_BYTES, bucket_bytes) if len(members) <= 1 else bucket_bytes
-            if members:
-                last = members[-1]
+        self.overlap = overlap
+        self._members: list[list[int]] = []  # per bucket: parameter indices, in layout order
+        for i in reversed(range(len(self.params))):
+            p = self.params[i]
+            cap = min(_FIRST_BUCKET_BYTES, bucket_bytes) if len(self._members) <= 1 else bucket_bytes
+            if self._members:
+                last = [self.params[j] for j in self._members[-1]]
                 size = (sum(q.numel() for q in last) + p.numel()) * p.element_size()
                 if (last[0].dtype, last[0].device) == (p.dtype, p.device) and size <= cap:
-                    last.append(p)
+                    self._members[-1].append(i)
                     continue
-            members.append([p])
-        slots: dict[int, tuple[int, torch.Tensor]] = {}  # id(param) -> (bucket, view)
-        for i, ps in enumerate(members):
-            buf = torch.zeros(sum(q.numel() for q in ps), dtype=ps[0].dtype, device=ps[0].device)
-            off = 0
-            for q in ps:
-                slots[id(q)] = (i, buf[off : off + q.numel()].view_as(q))
-                off += q.numel()
-            self._buckets.append(buf)
-        self._bucket_of = [slots[id(p)][0] for p in self.params]  # by parameter index
-        self._views = [slots[id(p)][1] for p in self.params]
-        self._size = [len(ps) for ps in members]
+            self._members.append([i])
+        self._bucket_of = [0] * len(self.params)  # by parameter index
+        for b, members in enumerate(self._members):
+            for i in members:
+                self._bucket_of[i] = b
+        self._size = [len(m) for m in self._members]
+        self._buckets: list[torch.Tensor] = []
+        self._views: list[torch.Tensor] = []
+        self._allocate()
         self.bytes = sum(b.numel() * b.element_size() for b in self._buckets)
         # the attempt in progress: its group, what is pending, what is in flight
         self._group: Group | None = None
+        self._local = False  # inside ``local()``: passes accumulate without reducing
         self._index = {id(p): i for i, p in enumerate(self.params)}
+        self._in_pass = False  # a backward pass of this attempt is running
+        self._open = False  # a reducing pass ended whose buckets are not all reduced yet
         self._pending = list(self._size)  # per bucket: parameters still without their gradient
-        self._seen = [False] * len(self.params)  # accumulated in this round
         self._started = 0  # buckets [0, _started) are in flight or reduced in this round
         self._works: list[Any] = []
-        if overlap:
-            for p in self.params:
-                p.register_hook(self._before_accumulate(p))
-                p.register_post_accumulate_grad_hook(self._after_accumulate)
+        self._handles = [h for p in self.params for h in self._hooks(p)]
+        self.trainable = [p.requires_grad for p in params]  # what ``stale`` compares against
+        self._all = list(params)
+
+    def _allocate(self) -> None:
+        """Fresh zeroed buckets and the gradient views into them."""
+        self._buckets = []
+        views: list[torch.Tensor | None] = [None] * len(self.params)
+        for members in self._members:
+            ps = [self.params[i] for i in members]
+            buf = torch.zeros(sum(q.numel() for q in ps), dtype=ps[0].dtype, device=ps[0].device)
+            off = 0
+            for i, q in zip(members, ps, strict=True):
+                views[i] = buf[off : off + q.numel()].view_as(q)
+                off += q.numel()
+            self._buckets.append(buf)
+        self._views = [v for v in views if v is not None]
+        assert len(self._views) == len(self.params)
+
+    def _hooks(self, p: torch.nn.Parameter) -> list[Any]:
+        return [
+            p.register_hook(self._before_accumulate),
+            p.register_post_accumulate_grad_hook(self._after_accumulate),
+        ]
+
+    def close(self) -> None:
+        """Remove the hooks (the session replaces a reducer whose trainable parameters changed)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def stale(self) -> bool:
+        """Whether the set of trainable parameters changed since this reducer was built."""
+        return any(p.requires_grad != t for p, t in zip(self._all, self.trainable, strict=True))
 
     def begin(self, group: Group | None) -> None:
-        """Open an attempt: its backward pass reduces over ``group`` (no overlap when ``None``)."""
+        """Open an attempt: its backward passes reduce over ``group`` (nothing to reduce when ``None``)."""
         self._drop()
+        self._open = self._in_pass = False
         self._group = group if group is not None and group.world_size > 1 else None
+
+    @contextlib.contextmanager
+    def local(self) -> Iterator[None]:
+        """Backward passes inside accumulate local gradients without reducing (``no_sync``)."""
+        self._local = True
+        try:
+            yield
+        finally:
+            self._local = False
 
     def _drop(self) -> None:
         self._works.clear()  # a live Work keeps a failed group's sockets open (comm's module doc)
         self._pending = list(self._size)
-        self._seen = [False] * len(self.params)
         self._started = 0
 
-    def _before_accumulate(self, p: torch.nn.Parameter) -> Any:
-        index = self._index[id(p)]
+    def _pass_ended(self, reducing: bool) -> None:
+        self._in_pass = False
+        self._open = self._open or reducing
 
-        def hook(grad: torch.Tensor) -> None:
-            if self._group is not None and self._seen[index]:
-                self._settle()  # another backward pass (gradient accumulation) in this attempt
+    def _before_accumulate(self, grad: torch.Tensor) -> None:
+        if self._group is None or self._in_pass:
             return None
-
-        return hook
+        # the first gradient of a backward pass of this attempt
+        self._in_pass = True
+        reducing = not self._local
+        _queue_end_of_backward(lambda: self._pass_ended(reducing))
+        if self._open:
+            self._settle()  # another pass after a reducing one (gradient accumulation)
+        return None
 
     def _after_accumulate(self, p: torch.Tensor) -> None:
         if self._group is None:
@@ -104,21 +165,33 @@ class GradientReducer:
         if grad is not view and grad is not None:  # first step, or zero_grad(set_to_none=True)
             view.copy_(grad)  # autograd made a new tensor
             p.grad = view
-        self._seen[index] = True
+        if self._local or not self.overlap:
+            return
         self._pending[self._bucket_of[index]] -= 1
         # in layout order on every rank; the last bucket waits for ``reduce`` (see the module doc)
         while self._started < len(self._buckets) - 1 and self._pending[self._started] == 0:
             self._works.append(self._group.allreduce_start(self._buckets[self._started]))
             self._started += 1
 
+    def _reduce_all(self, group: Group) -> None:
+        """Start every bucket not yet started, wait for all, average; a new round begins."""
+        self._gather()
+        try:
+            for b in self._buckets[self._started :]:
+                self._works.append(group.allreduce_start(b))
+            self._started = len(self._buckets)
+            group.wait_all(self._works)
+        finally:
+            self._drop()
+            self._open = False
+        for b in self._buckets:
+            b.div_(group.world_size)
+
     def _settle(self) -> None:
-        """A new backward pass reaches a parameter: average the buckets already reduced, start a
-        new round (the new gradients add to those averages, and to the local sums of the rest)."""
+        """A new backward pass begins: reduce the previous passes' gradients in every bucket (on
+        every rank the same collectives in the same order, whatever each rank's backward reached)."""
         assert self._group is not None
-        self._group.wait_all(self._works)
-        for b in self._buckets[: self._started]:
-            b.div_(self._group.world_size)
-        self._drop()
+        self._reduce_all(self._group)
 
     def _gather(self) -> None:
         """Make every ``p.grad`` of a bucket not yet started a view into it (copying if autograd
@@ -137,32 +210,51 @@ class GradientReducer:
 
     def reduce(self, group: Group | None) -> None:
         """Average gradients over ``group``; a ``None`` group (one process) only gathers."""
-        overlapped = group is not None and group is self._group
-        if not overlapped:
+        if group is not self._group:  # no ``begin`` for this group: nothing was started
             self._drop()
-        self._gather()
+            self._open = False
         if group is None or group.world_size == 1:
+            self._gather()
             return
         try:
-            for b in self._buckets[self._started :]:
-                self._works.append(group.allreduce_start(b))
-            self._started = len(self._buckets)
-            group.wait_all(self._works)
+            self._reduce_all(group)
         finally:
-            self._drop()
             self._group = None  # until the next ``begin``
-        for b in self._buckets:
-            b.div_(group.world_size)
 
-    def zero_(self) -> None:
-        """Forget a partial step's gradients (after a failed reduction)."""
+    def abandon(self) -> None:
+        """Forget an attempt that failed: no write can reach the next attempt's gradients.
+
+        Collectives of the attempt may still be running (an all-reduce a live peer completes
+        after this rank failed, or a ring step in progress when a peer died): they write into
+        buckets that are dropped here. Their memory lives as long as those collectives hold it;
+        the next attempt reduces in fresh, zeroed buckets.
+        """
         self._drop()
         self._group = None
-        for b in self._buckets:
-            b.zero_()
-        for p, view in zip(self.params, self._views, strict=True):
-            if p.grad is not None and p.grad is not view:
-                p.grad = None
+        self._open = self._in_pass = False
+        self._allocate()
+        for p in self.params:
+            p.grad = None
+
+
+class Trainable:
+    """Which parameters of a module train (``requires_grad``), as transferable state: a replacement
+    that joins after the loop unfroze a parameter (progressive unfreezing, adapters) trains the
+    same ones as its source, though its own code unfroze nothing."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self._module = module
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"requires_grad": [p.requires_grad for p in self._module.parameters()]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        flags = list(state["requires_grad"])
+        params = list(self._module.parameters())
+        if len(flags) != len(params):
+            raise ValueError(f"trainable flags for {len(flags)} parameters, the model has {len(params)}")
+        for p, flag in zip(params, flags, strict=True):
+            p.requires_grad_(bool(flag))
 
 
 class BufferSync:

@@ -90,7 +90,7 @@ from checkpointless.control.client import (
 )
 from checkpointless.control.plan import Plan, ReplicaMap
 from checkpointless.control.vocab import Event, Phase, Reason, Role
-from checkpointless.ddp import BufferSync, GradientReducer
+from checkpointless.ddp import BufferSync, GradientReducer, Trainable
 from checkpointless.durable import DurableWriter
 from checkpointless.durable import load as load_durable
 from checkpointless.errors import FatalError
@@ -378,6 +378,7 @@ class Session:
             self._registry.register("model", model)
             if optimizer is not None:
                 self._registry.register("optimizer", optimizer)
+            self._registry.register("trainable", Trainable(model))
             self._reducer = GradientReducer(list(model.parameters()), overlap=self._overlap)
         else:
             self._registry.register("model", ShardedState(model, optimizer))
@@ -528,6 +529,8 @@ class Session:
                 self._client.emit(Event.STEP_REEXECUTED, rank=self.rank, gen=self.generation, step=step)
                 self._reexecute = None
         if self._reducer is not None:
+            if self._reducer.stale():
+                self._rebuild_reducer(step)
             self._reducer.begin(self._group)  # the backward pass starts reducing bucket by bucket
         t0 = time.perf_counter()
         try:
@@ -549,6 +552,55 @@ class Session:
             )
         self._commit(step, time.perf_counter() - t0)
         current.committed = True
+
+    def _rebuild_reducer(self, step: int, *, agreed: bool = False) -> None:
+        """The set of trainable parameters changed (the loop unfroze or froze one): lay the
+        buckets out anew. Every rank of the generation must change it at the same step; the
+        ranks compare the new set over the store first (``agreed``: the state transfer set it)."""
+        assert self._reducer is not None and self.model is not None
+        names = [n for n, p in self.model.named_parameters() if p.requires_grad]
+        if self._client is not None and self.world_size > 1 and not agreed:
+            client, gen = self._client, self.generation
+            client.publish(keys.trainable(gen, step, self.rank), json.dumps(names))
+            timeout = timedelta(seconds=self.job.recovery.collective_timeout_s)
+            for r in range(self.world_size):
+                try:
+                    theirs = client.wait_json(keys.trainable(gen, step, r), timeout)
+                except TimeoutError:
+                    self._fatal(
+                        f"the trainable parameters changed at step {step} on rank {self.rank} but not "
+                        f"on rank {r} within {timeout.total_seconds():g} s: every rank must freeze "
+                        "or unfreeze the same parameters at the same step"
+                    )
+                if theirs != names:
+                    diff = sorted(set(theirs) ^ set(names))
+                    self._fatal(
+                        f"the trainable parameters at step {step} differ between rank {self.rank} and "
+                        f"rank {r} (first difference: {diff[0] if diff else 'their order'!r})"
+                    )
+        self._reducer.close()
+        self._reducer = GradientReducer(list(self.model.parameters()), overlap=self._overlap)
+        log.info("[gen %d rank %d step %d] %d trainable parameters: gradient buckets laid out anew",
+                 self.generation, self.rank, step, len(names))  # fmt: skip
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally, without reducing them (as
+        ``DistributedDataParallel.no_sync()``): for gradient accumulation, one reduction per
+        optimizer step, by the backward pass after the block. Bitwise the same with the overlapped
+        reduction on and off. Sharded: FSDP2's ``set_requires_gradient_sync(False)``."""
+        if self._current is None:
+            self._fatal("session.no_sync() used outside `with session.attempt():`")
+        if self._reducer is not None:
+            with self._reducer.local():
+                yield
+            return
+        assert self.model is not None
+        self.model.set_requires_gradient_sync(False)  # type: ignore[operator]
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)  # type: ignore[operator]
 
     def reduce_gradients(self) -> None:
         """Average gradients across data-parallel ranks. Every rank calls it once per attempt,
@@ -745,6 +797,8 @@ class Session:
                 self._registry.load_state_dict(state)
                 self._has_state = True
                 self._buffers.commit()
+                if self._reducer is not None and self._reducer.stale():  # the majority's flags
+                    self._rebuild_reducer(step + 1, agreed=True)
                 client.emit(Event.STATE_RESYNCED, sync=True, rank=self.rank, gen=self.generation, step=step,
                             src=ref, entry=str(entry), bytes=stats.bytes, seconds=stats.seconds)  # fmt: skip
         group.barrier()
@@ -826,7 +880,7 @@ class Session:
                 self._leave_generation()
             else:
                 assert self._reducer is not None
-                self._reducer.zero_()  # drops its collectives in flight before the group goes
+                self._reducer.abandon()  # its collectives still in flight write into dropped buckets
                 if self._group is not None:
                     self._group.abort()
                     self._group = None
@@ -999,6 +1053,8 @@ class Session:
                 "[gen %d rank %d] sent %d bytes to rank %d in %.3fs", plan.gen, rank, stats.bytes, dst,
                 stats.seconds,
             )  # fmt: skip
+        if self._reducer is not None and self._reducer.stale():  # the flags came with the state
+            self._rebuild_reducer(plan.resume_step, agreed=True)
         assert self._committed == plan.resume_step - 1, (self._committed, plan.resume_step)
         self._next_step = plan.resume_step
         self._reexecute = plan.resume_step if plan.gen > 0 else None

@@ -11,6 +11,7 @@ protocol can be read in one place. Values are sealed with the job's secret
     gen/<n>/fail/<rank>         JSON {committed, reason, proc, has_state}
     gen/<n>/abort               set by the coordinator once generation n has failed
     gen/<n>/layout/<rank>       JSON list of (name, shape, dtype) of a rank's parameters
+    gen/<n>/trainable/<s>/<r>   JSON list of rank r's trainable parameters, when they changed at step s
     hb/<proc>                   JSON heartbeat of a process (worker or spare)
     assign/<proc>               generation a spare joins (decimal), or ``stop`` at job end
     events/<proc>/<i>           chunk i of a process's events (JSON lines, i from 0, written in order with
@@ -56,6 +57,11 @@ def layout(gen: int, rank: int) -> str:
 def state_digests(gen: int, step: int, rank: int) -> str:
     """A rank's per-entry state digests, published when replicas disagree at ``step``."""
     return f"consistency/{gen}/{step}/{rank}"
+
+
+def trainable(gen: int, step: int, rank: int) -> str:
+    """JSON list of a rank's trainable parameter names, published when the set changes at ``step``."""
+    return f"gen/{gen}/trainable/{step}/{rank}"
 
 
 def heartbeat(proc: str) -> str:
