@@ -29,6 +29,12 @@ later step (:meth:`ShmBatchCache.drop_before`). The batch of the step being serv
 a replacement process that re-executes a failed step reads that same ``(step, rank)`` batch;
 evaluation (``val``) batches are reused and only evicted by the budget.
 
+The cache is optional: when a write fails for want of space (``ENOSPC``, a short write: a container's
+64 MB ``/dev/shm`` fills up) or for any other OS error, the batch is not cached, the partial file is
+removed, one warning names the directory and its free space, and writes are skipped for
+:attr:`ShmBatchCache.retry_after_s` seconds before the cache is tried again. Callers are unaffected:
+:meth:`ShmBatchCache.put` returns False and :class:`CachedDataset` serves the batch from its source.
+
 One job directory holds batches of one data configuration: the name does not encode the seed,
 corpus or geometry, so use a distinct ``job_id`` per data configuration. The directory outlives any
 single process on purpose (that is what lets a replacement use it); whoever owns the node-level
@@ -39,6 +45,7 @@ manager.
 from __future__ import annotations
 
 import contextlib
+import errno
 import heapq
 import logging
 import os
@@ -138,9 +145,12 @@ class ShmBatchCache:
         rescan_interval_s: least time between two directory scans made by writes (class attribute,
             may be overridden per instance); the interval also grows to 100 times the last scan's
             duration, which is about 10 us per file.
+        retry_after_s: after a failed write (a full ``/dev/shm``), writes are skipped this long.
+        write_failures: how many writes failed (their batches were not cached).
     """
 
     rescan_interval_s: float = 1.0
+    retry_after_s: float = 30.0
 
     def __init__(
         self,
@@ -181,6 +191,9 @@ class ShmBatchCache:
         self._scanned = False
         self._scanning = False
         self._removed_while_scanning: set[str] = set()
+        self.write_failures = 0
+        self._skip_writes_until = float("-inf")  # monotonic time: a write failed, retry from then
+        self._warned = False
 
     @staticmethod
     def filename(step: int, dp_rank: int, dp_size: int, split: str = "train") -> str:
@@ -347,7 +360,7 @@ class ShmBatchCache:
         inputs, targets = batch
         if tuple(inputs.shape) != tuple(targets.shape):
             raise ValueError(f"inputs {tuple(inputs.shape)} and targets {tuple(targets.shape)} differ")
-        if self._closed:
+        if self._closed or time.monotonic() < self._skip_writes_until:
             return False
         name = self.filename(step, dp_rank, dp_size, split)
         arr = _compact(np.stack([inputs.detach().cpu().numpy(), targets.detach().cpu().numpy()]))
@@ -366,6 +379,11 @@ class ShmBatchCache:
             with contextlib.suppress(OSError):
                 tmp.unlink()
             return False
+        except OSError as e:  # no space left (or a short write, which numpy reports without errno)
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            self._write_failed(e)
+            return False
         entry = _entry(name, st)
         assert entry is not None
         with self._lock:
@@ -374,6 +392,27 @@ class ShmBatchCache:
         with self._lock:
             self._evict()
             return name in self._entries
+
+    def _write_failed(self, e: OSError) -> None:
+        """A write failed: skip writes for a while; the first time, say where and how full."""
+        self.write_failures += 1
+        self._skip_writes_until = time.monotonic() + self.retry_after_s
+        if self._warned:
+            return
+        self._warned = True
+        root = self.path.parent
+        try:
+            usage = shutil.disk_usage(root)
+            space = f"{usage.free / 2**20:.1f} MiB free of {usage.total / 2**20:.1f} MiB"
+        except OSError:
+            space = "free space unknown"
+        full = e.errno in (errno.ENOSPC, errno.EDQUOT, None)  # None: numpy's short write
+        log.warning(
+            "batch cache: cannot write to %s (%s; %s): batches are read from the source instead, and "
+            "the cache is tried again every %.0fs%s",
+            root, e.strerror or e, space, self.retry_after_s,
+            " (a container's /dev/shm is often 64 MB: e.g. docker run --shm-size=1g)" if full else "",
+        )  # fmt: skip
 
     def _write(self, tmp: Path, arr: np.ndarray) -> os.stat_result | None:
         """Write ``arr`` to ``tmp``, creating the directory on first use; its stat, or None if gone."""

@@ -645,3 +645,40 @@ def test_disk_filling_up_during_the_run_is_an_error_line_not_a_traceback(tmp_pat
         assert "run: ok" in stderr, stderr  # the outputs failed, not the training
         assert re.search(r"final state sha256: \s*[0-9a-f]{64}", stderr), stderr
         _result_and_error_lines(stderr)
+
+
+@pytest.mark.timeout(120)
+def test_a_full_dev_shm_skips_the_batch_cache_and_the_job_finishes(tmp_path: Path) -> None:
+    """A container's /dev/shm, full: every worker and spare used to die in the batch cache (``OSError``
+    from the write, ``step 0 failed 6 times``). The job runs in a mount namespace of its own whose
+    /dev/shm is a 64 KiB tmpfs filled up (the machine's /dev/shm is not touched): it must finish with
+    the undisturbed job's final state, and the workers' logs say why nothing was cached."""
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare(1) to give the job a /dev/shm of its own")
+    reference = _reference_digest(1)
+    out = tmp_path / "run"
+    launch = [sys.executable, "-m", "checkpointless.launch.cli", "launch", "--workers", "2", "--spares", "1",
+              "--seed", "1", "--quiet", "--out", str(out), "--", *_script(seed=1)]  # fmt: skip
+    shell = (
+        "mount -t tmpfs -o size=64k tmpfs /dev/shm || exit 99; "
+        "cat /dev/zero > /dev/shm/filler 2>/dev/null; "
+        '[ "$(stat -f -c %a /dev/shm)" = 0 ] || exit 98; exec "$@"'
+    )
+    proc = subprocess.Popen(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", shell, "sh", *launch],
+        cwd=REPO, env=_env(), text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+    )  # fmt: skip
+    with _launcher_tree(proc):
+        _, stderr = proc.communicate(timeout=90)
+    if proc.returncode in (98, 99) or "unshare failed" in stderr:
+        pytest.skip(f"cannot mount a private /dev/shm here: {stderr.strip()[-300:]}")
+    _no_traceback(stderr)
+    assert proc.returncode == 0, stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["final_state_sha256"] == reference and report["steps_completed"] == STEPS, report
+    assert report["generations"] == 0 and report["faults"] == [], report
+    logs = "\n".join(p.read_text() for p in sorted((out / "logs").glob("w*.log")))
+    warnings = [ln for ln in logs.splitlines() if "batch cache: cannot write to /dev/shm" in ln]
+    assert len(warnings) == 2, logs[-3000:]  # once per worker
+    assert "No space left on device" in warnings[0] and "MiB free of 0.1 MiB" in warnings[0], warnings
+    assert not list(Path("/dev/shm").glob(f"checkpointless-{report['job_id']}")), "left in the real /dev/shm"

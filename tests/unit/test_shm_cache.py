@@ -1,10 +1,12 @@
 """The /dev/shm batch cache: no directory scan per write, page-true budget, consumed batches dropped,
-directory created by the first write only."""
+directory created by the first write only, a full /dev/shm skipped (not fatal)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import stat
+import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -175,3 +177,74 @@ def test_directory_is_created_by_the_first_write_only(tmp_path: Path) -> None:
     cache.cleanup()
     assert not late.put(1, 0, 1, (x, x))
     assert list(root.iterdir()) == []  # a handle that saw the directory does not resurrect it
+
+
+# ------------------------------------------------------------------ a full /dev/shm
+
+
+class _Wide(_Steps):
+    """Batches of 16 KiB on disk (uint16): four pages, more than a nearly full tmpfs has left."""
+
+    def batch(self, step: int, dp_rank: int, dp_size: int, *, split: str = "train") -> Batch:
+        self.calls += 1
+        x = torch.full((4, 1024), step * 10 + dp_rank, dtype=torch.int64)
+        return x, x + 1
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A real 64 KiB tmpfs (a container's /dev/shm, shrunk), mounted for the test and unmounted after."""
+    disk = tmp_path / "shm"
+    disk.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)],
+                       capture_output=True, text=True, timeout=20)  # fmt: skip
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs (needs root): {r.stderr.strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], capture_output=True, timeout=20)
+
+
+def _fill(disk: Path, leave_pages: int) -> Path:
+    """Fill ``disk`` up but ``leave_pages`` free pages; the filler file (delete it to make room)."""
+    filler = disk / "filler"
+    st = os.statvfs(disk)
+    with open(filler, "wb") as f:
+        f.write(b"\0" * max(0, st.f_bavail - leave_pages) * st.f_bsize)
+    assert os.statvfs(disk).f_bavail == leave_pages
+    return filler
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("leave_pages", [1, 0], ids=["short-write", "enospc"])
+def test_a_full_shm_skips_the_cache_and_serves_from_the_source(
+    small_tmpfs: Path, leave_pages: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What a 64 MB container /dev/shm did to every worker and spare (``OSError: 4096 requested and
+    1984 written``): now the batch is served from its source, one warning names the directory and
+    its free space, and nothing is left half-written."""
+    filler = _fill(small_tmpfs, leave_pages)
+    cache = ShmBatchCache("full", root=small_tmpfs, budget_bytes=1 << 30)
+    source = _Wide()
+    data = CachedDataset(source, cache)
+    with caplog.at_level(logging.WARNING, logger="checkpointless.data.shm_cache"):
+        for step in range(5):
+            x, y = data.batch(step, 0, 1)
+            assert int(x[0, 0]) == step * 10 and torch.equal(y, x + 1)
+        data.prefetch(range(5, 8), 0, 1, background=False)  # raises nothing either
+    assert source.calls == 8 and data.misses == 5
+    assert cache.write_failures == 1  # the first failure; later writes are skipped, not tried
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert str(small_tmpfs) in warning and "MiB free of 0.1 MiB" in warning, warning
+    assert "read from the source" in warning and "--shm-size" in warning, warning
+    assert sorted(p.name for p in small_tmpfs.iterdir()) == ["checkpointless-full", "filler"]
+    assert list(cache.path.iterdir()) == []  # no partial batch, no temporary file
+    # a handle that tries again at once writes as soon as there is room again
+    again = ShmBatchCache("full", root=small_tmpfs, budget_bytes=1 << 30)
+    again.retry_after_s = 0.0
+    assert not again.put(9, 0, 1, source.batch(9, 0, 1)) and again.write_failures == 1
+    filler.unlink()
+    assert again.put(9, 0, 1, source.batch(9, 0, 1))
+    assert int(CachedDataset(_Untouchable(), again).batch(9, 0, 1)[0][0, 0]) == 90  # type: ignore[arg-type]
+    again.cleanup()
