@@ -112,6 +112,30 @@ def rel(path: Path | str) -> str:
         return p.as_posix()
 
 
+def git_state(repo: Path = REPO) -> dict[str, Any]:
+    """The code a result was measured with: ``commit`` (``git rev-parse HEAD``) and ``dirty``
+    (``git status --porcelain`` non-empty: uncommitted or untracked files in the tree).
+
+    ``None`` for either when git cannot tell (no git, not a repository). ``bench/run_all.py``
+    stores them in every result as ``_commit`` and ``_dirty``.
+    """
+
+    def git(*args: str) -> str | None:
+        try:
+            out = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True,
+                                 timeout=30, check=False)  # fmt: skip
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return out.stdout if out.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain")
+    return {
+        "commit": (commit.strip() or None) if commit is not None else None,
+        "dirty": None if status is None else bool(status.strip()),
+    }
+
+
 def fresh_dir(path: Path) -> Path:
     shutil.rmtree(path, ignore_errors=True)
     path.mkdir(parents=True, exist_ok=True)

@@ -496,6 +496,19 @@ def _ms(s: dict[str, Any], digits: int = 2) -> str:
     return f"{s['median']:.{digits}f} / {s['p95']:.{digits}f}"
 
 
+def _goodput_settings(r: dict[str, Any]) -> dict[str, Any]:
+    """Per goodput label, the settings its jobs ran with (from the jobs; ``res["settings"]`` holds
+    the recovery jobs' settings, which differ: torchrun's ``every`` there is ``every_rec``)."""
+    out: dict[str, Any] = {}
+    for j in r.get("jobs", []):
+        if j["name"].startswith("goodput-") and j.get("label") and j["label"] not in out:
+            extra = j.get("extra") or {}
+            out[j["label"]] = {
+                k: extra[k] for k in ("every", "max_restarts", "heartbeat_timeout_ms") if k in extra
+            }
+    return out
+
+
 def markdown(results: dict[str, Any]) -> str:
     """The comparison as a markdown section (tables + a short reading)."""
     r = results
@@ -505,7 +518,8 @@ def markdown(results: dict[str, Any]) -> str:
         f"{'quick' if r['quick'] else 'full'} mode, {r.get('cpu_count')} cores "
         f"(load after: {r['jobs'][-1]['loadavg_after'] if r['jobs'] else '–'}). "
         f"Fault: rank 1 SIGKILLed at step {plan['kill_step']} of {plan['rec_steps']} (torchft: +{TORCHFT_EXTRA} steps so the restarted group can rejoin; after the forward pass), "
-        f"{plan['reps']} jobs per system. torchrun checkpoints every {plan['every_rec']} steps in these jobs.",
+        f"{plan['reps']} jobs per system. torchrun checkpoints every {plan['every_rec']} steps in these recovery "
+        "and exactness jobs (in the goodput runs below: every N steps, N as labelled).",
         "",
     ]
     if r["not_run"]:
@@ -556,10 +570,10 @@ def markdown(results: dict[str, Any]) -> str:
         f"setting run in the same repetition, {plan.get('goodput_reps', 1)} repetitions interleaved; "
         f"median [min, max] over repetitions):\n"
     )
-    settings = r.get("settings", {})
+    settings = _goodput_settings(r) or r.get("settings", {})
     if settings:
         lines.append(
-            "Settings: "
+            "Settings of these runs: "
             + "; ".join(f"{s_}: `{json.dumps(v)}`" if v else f"{s_}: defaults" for s_, v in settings.items())
             + ".\n"
         )
@@ -679,12 +693,24 @@ def reading(r: dict[str, Any]) -> str:
         f"Faulted runs bit-identical to their fault-free run: {', '.join(exact_s) or 'none'}"
         + (f"; not: {', '.join(inexact)}." if inexact else ".")
     )
-    ref_d = {
-        j["system"]: tuple(j["analysis"]["final_digests"]) for j in r["jobs"] if j["name"].endswith("-ref")
-    }
-    same = sorted(s for s, d in ref_d.items() if len(d) == 1 and list(ref_d.values()).count(d) > 1)
-    if same:
-        out.append(f"The fault-free runs of {', '.join(same)} end in the same state bit for bit.")
+    refs = [j for j in r["jobs"] if j["name"].endswith("-ref")]
+    by_digest: dict[tuple[str, ...], list[dict[str, Any]]] = {}
+    for j in refs:
+        d = tuple(j["analysis"]["final_digests"])
+        if len(d) == 1:
+            by_digest.setdefault(d, []).append(j)
+    groups = sorted((g for g in by_digest.values() if len(g) > 1), key=lambda g: -len(g))
+    first_steps: list[Any] = []
+    for i, g in enumerate(groups):
+        names = ", ".join(sorted(j["system"] for j in g))
+        steps = sorted({j.get("steps") for j in g if j.get("steps") is not None})
+        length = f" ({steps[0]} steps each)" if len(steps) == 1 else ""
+        if i == 0:
+            first_steps = steps
+            out.append(f"The fault-free runs of {names}{length} end in the same state bit for bit.")
+        else:
+            why = ": they ran a different number of steps" if steps and steps != first_steps else ""
+            out.append(f"So do those of {names}{length}, in a state of their own{why}.")
     for interval in sorted({g["interval_s"] for g in r["goodput"] if g["interval_s"] is not None}):
         cells = [g for g in r["goodput"] if g["interval_s"] == interval and g["vs_own_fault_free"].get("n")]
         ours = next((g for g in cells if g["label"] == "checkpointless"), None)

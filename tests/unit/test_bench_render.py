@@ -146,3 +146,70 @@ def test_slim_drops_raw_series() -> None:
     ss = run_all.slim("steady_state", res)["runs"]["ddp"][0]
     assert ss["n_intervals"] == 1000 and "intervals" not in ss and ss["digest"] == "x"
     assert "curve" in res["jobs"][0]["analysis"]  # the caller's data is untouched
+
+
+def test_git_state_records_commit_and_dirty(tmp_path: Path) -> None:
+    state = common.git_state()
+    commit = str(state["commit"])
+    assert len(commit) == 40 and all(c in "0123456789abcdef" for c in commit)
+    assert isinstance(state["dirty"], bool)
+    assert common.git_state(tmp_path) == {"commit": None, "dirty": None}  # not a repository
+
+
+def test_every_result_run_all_writes_carries_its_commit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import types
+
+    import run_all
+
+    fake = types.ModuleType("fake")
+    fake.__doc__ = "A stand-in benchmark."
+    fake.run = lambda quick, out: {"quick": quick, "value": 1.0}  # type: ignore[attr-defined]
+    fake.markdown = lambda res: f"value {res['value']}"  # type: ignore[attr-defined]
+    monkeypatch.setattr(run_all, "BENCHES", [("fake", "Fake", fake)])
+    monkeypatch.setattr(common, "OUT", tmp_path / "out")
+    monkeypatch.setattr(common, "git_state", lambda repo=common.REPO: {"commit": "f" * 40, "dirty": False})
+    results, doc = tmp_path / "results", tmp_path / "b.md"
+    assert run_all.main(["--quick", "--results", str(results), "--doc", str(doc)]) == 0
+    for path in (results / "fake.json", tmp_path / "out" / "fake.json", results / "machine.json"):
+        saved = json.loads(path.read_text())
+        assert saved["_commit"] == "f" * 40 and saved["_dirty"] is False, path
+    assert "commit: `ffffffffffff`, clean tree.*" in doc.read_text()
+
+
+def test_render_gives_each_section_its_commit(tmp_path: Path) -> None:
+    import run_all
+
+    results = _results_dir(tmp_path)
+    doc = tmp_path / "benchmarks.md"
+    assert run_all.main(["--render", "--results", str(results), "--doc", str(doc)]) == 0
+    assert "on 2026-01-01T00:00:00+00:00; commit: unrecorded.*" in doc.read_text()  # an older result
+    res = json.loads((results / "scale.json").read_text())
+    res["_commit"], res["_dirty"] = "0123456789abcdef" * 2 + "01234567", True
+    common.write_json(results / "scale.json", res)
+    assert run_all.main(["--render", "--results", str(results), "--doc", str(doc)]) == 0
+    text = doc.read_text()
+    assert "commit: `0123456789ab`, dirty tree (uncommitted or untracked files).*" in text
+    assert "- **Code:** commit: unrecorded" in text  # machine.json of the older run has none
+    # the simulate defaults and their sources are on the page, with the calibrated figure
+    assert "## `checkpointless simulate`: defaults and their sources" in text
+    assert "The Llama 3 Herd of Models" in text and "| `--checkpoint-cost-s` | 20 |" in text
+    assert "--params bench/results/scale.json" in text
+
+
+def test_committed_compare_reading_is_accurate() -> None:
+    """The settings line of the goodput runs shows what they ran with (torchrun's tuned N, not the
+    recovery jobs' N=50), and fault-free runs of different lengths are not said to end alike."""
+    import compare
+
+    res = json.loads((common.RESULTS / "compare.json").read_text())
+    md = compare.markdown(res)
+    for j in res["jobs"]:
+        if j["name"].startswith("goodput-") and j["system"] == "torchrun":
+            n = j["extra"]["every"]
+            assert f'{j["label"]}: `{{"every": {n}' in md and j["label"] == f"torchrun N={n}"
+    steps = {j["system"]: j["steps"] for j in res["jobs"] if j["name"].endswith("-ref")}
+    if steps.get("torchft") != steps.get("checkpointless"):
+        assert "checkpointless, plain_ddp, torchft" not in md
+        assert f"({steps['checkpointless']} steps each) end in the same state" in md
