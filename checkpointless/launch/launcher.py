@@ -17,10 +17,15 @@ What the launcher guarantees around a job:
   every tick), so a crash of the launcher keeps what happened up to it; at the
   end the file is rewritten in time order and ``report.json`` is written, both
   atomically (temporary file, then rename);
-- SIGINT and SIGTERM stop the job: children are ended, a partial report with the
-  reason is written, and ``JobResult.interrupted`` holds the signal number;
-- a previous run's files in ``out`` are moved to ``out/previous/`` first, so they
-  never pass for this run's.
+- SIGINT and SIGTERM stop the job: ``job/stop`` is set at once (the ranks stop at
+  their next step boundary), children are ended after a grace period, a partial
+  report with the reason is written, and ``JobResult.interrupted`` holds the signal
+  number; a job whose ranks finished their last step meanwhile is reported finished,
+  with its final digest;
+- a previous run's files in ``out`` are moved aside first, so they never pass for
+  this run's, and the last complete run (one with its ``report.json``) is never lost:
+  a complete run goes to ``out/previous/``, one whose launcher was killed before its
+  report to ``out/unfinished/`` (``previous/`` stays); see ``set_aside_previous_run``.
 """
 
 from __future__ import annotations
@@ -241,17 +246,53 @@ def _write_atomic(path: Path, text: str) -> None:
             tmp.unlink()
 
 
+PREVIOUS = "previous"
+"""``<out>/previous/``: the last complete run (it has its ``report.json``) before the one in ``<out>``."""
+UNFINISHED = "unfinished"
+"""``<out>/unfinished/``: a run whose launcher was killed before it wrote its report."""
+_STAGING = ".into-"  # <out>/.into-<target>/: a run on its way into <out>/<target>/
+_OLD = ".old-"  # <out>/.old-<target>/: what <out>/<target>/ held, deleted once replaced
+
+
 def set_aside_previous_run(out_dir: Path) -> None:
-    """Move a previous run's files in ``out_dir`` to ``out_dir/previous/`` (replacing an older one)."""
-    present = [name for name in RUN_FILES if (out_dir / name).exists()]
-    if not present:
-        return
-    previous = out_dir / "previous"
-    if previous.exists():
-        shutil.rmtree(previous)
-    previous.mkdir()
-    for name in present:
-        os.replace(out_dir / name, previous / name)
+    """Move the run in ``out_dir`` aside for a new one, never losing the last complete run.
+
+    A complete run (it has its ``report.json``) moves to ``previous/``, replacing the older one
+    there; an unfinished one (its launcher was killed before the report) moves to ``unfinished/``
+    and ``previous/`` is kept: after any number of reruns killed at their start, the last complete
+    run is still there. A move is a staging directory filled file by file (``report.json`` last),
+    then two renames; a launcher killed in between leaves the staging directory, and the next one
+    completes that move first. So at every moment the last complete run is whole, in ``out_dir``,
+    in the staging directory or in ``previous/``.
+    """
+    for target in (PREVIOUS, UNFINISHED):
+        if (out_dir / f"{_STAGING}{target}").is_dir():  # a move that a killed launcher left half done
+            _move_run(out_dir, target)
+        old = out_dir / f"{_OLD}{target}"
+        if old.is_dir():
+            if (out_dir / target).exists():
+                shutil.rmtree(old)
+            else:  # (cannot happen without a staging directory, which was completed above)
+                os.replace(old, out_dir / target)
+    if any(os.path.lexists(out_dir / name) for name in RUN_FILES):
+        _move_run(out_dir, PREVIOUS if (out_dir / "report.json").is_file() else UNFINISHED)
+
+
+def _move_run(out_dir: Path, target: str) -> None:
+    """Move the run files in ``out_dir`` to ``out_dir/target/``, replacing what it held (see
+    ``set_aside_previous_run``); picks up where a killed launcher left the same move."""
+    staging = out_dir / f"{_STAGING}{target}"
+    staging.mkdir(exist_ok=True)
+    for name in sorted(RUN_FILES, key=lambda n: n == "report.json"):  # the report last: it marks a whole run
+        if os.path.lexists(out_dir / name):
+            os.replace(out_dir / name, staging / name)
+    dest, old = out_dir / target, out_dir / f"{_OLD}{target}"
+    if dest.exists():
+        if old.exists():  # left by a launcher killed after its last move's renames
+            shutil.rmtree(old)
+        os.replace(dest, old)
+    os.replace(staging, dest)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -492,6 +533,8 @@ class Launcher:
                     error = "interrupted by SIGINT"
                 finally:
                     self._cleanup()
+                if interrupted is not None and self._finished_anyway(coord, interrupted):
+                    interrupted = error = None
         except JobInterrupted as e:  # a second signal during cleanup
             interrupted = e.signum
             error = error or f"interrupted by {signal.Signals(e.signum).name}"
@@ -568,6 +611,33 @@ class Launcher:
             elif child.popen.returncode != 0:
                 log.warning("%s exited with code %s after finishing", name, child.popen.returncode)
 
+    def _finished_anyway(self, coord: Coordinator, signum: int) -> bool:
+        """Whether the job finished although a signal stopped it: the ranks completed the last
+        step during the grace period (or the signal came as they exited). Then it is reported as
+        finished, with its final digest: every member reported the last step done, and the
+        coordinator's end-of-job check passes on their reports."""
+        if not coord.finished:
+            if self.total_steps is None or coord.plan is None:
+                return False  # without a step count, a rank that stopped early looks done
+            try:
+                for rank, name in coord.members.items():
+                    text = self.store.get(keys.done(rank))
+                    if text is None:
+                        return False
+                    done = json.loads(text)
+                    if done.get("proc") != name or done.get("step") != self.total_steps - 1:
+                        return False
+                coord._check_done()  # the replicas agree: the digest, and the job_finished event
+            except (JobFailed, RuntimeError, OSError, ValueError) as e:
+                log.warning("the job's final reports do not add up (%s); it stays interrupted", e)
+                return False
+        if coord.finished:
+            log.warning(
+                "%s came, but the job had finished all its steps; reported as finished",
+                signal.Signals(signum).name,
+            )
+        return coord.finished
+
     def _spare_ready(self, name: str) -> bool:
         return self._coord is not None and name in self._coord.ready_spares()
 
@@ -587,18 +657,19 @@ class Launcher:
                 return
 
     def _cleanup(self) -> None:
-        """Stop every child (politely, then by force), collect their last events, free the node cache."""
-        if self._bell is not None:
-            self._bell.close()
+        """Stop every child (politely, then by force), collect their last events, free the node cache.
+
+        ``job/stop`` is set first thing (on Ctrl-C, before anything else): the ranks stop at their
+        next step boundary, while the grace period below lets them exit by themselves.
+        """
         try:
             self.store.set(keys.JOB_STOP, "1")
-        except (
-            RuntimeError,
-            OSError,
-        ) as e:  # the store may be what failed (torch's DistError is a RuntimeError)
+        except (RuntimeError, OSError) as e:  # the store may be what failed (DistError is a RuntimeError)
             log.warning("could not tell the processes to stop (%s); they are stopped by signal", e)
         else:
             self._wake_waiting_spares()
+        if self._bell is not None:
+            self._bell.close()
         deadline = time.monotonic() + 5
         for child in self.children.values():
             try:

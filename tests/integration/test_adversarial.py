@@ -32,6 +32,7 @@ from typing import Any
 import pytest
 
 from checkpointless.config import JobConfig, RecoveryConfig
+from checkpointless.control import keys
 from checkpointless.control.coordinator import Coordinator, JobFailed
 from checkpointless.data.shm_cache import ShmBatchCache
 from checkpointless.faults import parse_faults
@@ -320,6 +321,48 @@ def test_new_run_sets_the_previous_run_aside(tmp_path: Path) -> None:
     assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no temporary file left
 
 
+@pytest.mark.timeout(90)
+def test_reruns_killed_at_their_start_keep_the_last_complete_run(tmp_path: Path) -> None:
+    """Two reruns into the same --out, each SIGKILLed as soon as it has started (its events.jsonl
+    exists): the last complete run (it has its report) is still whole in previous/, the last killed
+    one in unfinished/, and the run in out/ is the last one started."""
+    out = tmp_path / "run"
+    (out / "logs").mkdir(parents=True)
+    (out / "report.json").write_text(json.dumps({"job_id": "old", "error": None}))
+    (out / "events.jsonl").write_text(json.dumps({"t": 0, "kind": "job_started", "job_id": "old"}) + "\n")
+    (out / "logs" / "w0.log").write_text("old log\n")
+    job_ids: list[str] = []
+    for _ in range(2):
+        # a worker that never joins: the launcher waits for it, cheaply, until it is killed
+        proc = _cli("launch", "--workers", "1", "--spares", "0", "--quiet", "--out", str(out), "--",
+                    sys.executable, "-c", "import time; time.sleep(60)", tmp=tmp_path)  # fmt: skip
+        with _launcher_tree(proc) as seen:
+            _poll(
+                lambda: _started_job(out) not in ("", "old", *job_ids),
+                60,
+                "the rerun's events.jsonl",
+                proc,
+                seen,
+            )
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+        job_ids.append(_job_id(_events(out / "events.jsonl")))
+        assert not (out / "report.json").exists()
+        previous = out / "previous"
+        assert json.loads((previous / "report.json").read_text())["job_id"] == "old"
+        assert (previous / "logs" / "w0.log").read_text() == "old log\n"
+        assert _job_id(_events(previous / "events.jsonl")) == "old"
+    assert _job_id(_events(out / "unfinished" / "events.jsonl")) == job_ids[0] != job_ids[1]
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".")], list(out.iterdir())
+
+
+def _started_job(out: Path) -> str:
+    """The job id in ``out/events.jsonl`` ("" while there is none)."""
+    with contextlib.suppress(OSError, ValueError):
+        return _job_id(_events(out / "events.jsonl"))
+    return ""
+
+
 # == 1b. strangers =================================================================================
 
 
@@ -510,8 +553,9 @@ def test_interrupted_run_stops_reports_and_cleans_up(signum: int, how: str, tmp_
     elif how == "ctrl-c-sharded":  # FSDP2 HSDP 2x2: four ranks blocked in a generation's groups
         args = ["launch", "--workers", "4", "--shards", "2", "--spares", "1", "--quiet", "--out", str(out),
                 "--", sys.executable, str(REPO / "examples" / "sharded_loop.py"), "--steps", "400"]  # fmt: skip
-    else:
-        args = ["demo", "--workers", "2", "--spares", "1", "--steps", "400", "--fault", "none", "--quiet",
+    else:  # steps of ~8 ms: 4000 outlast the launcher's grace period (a job that ends within it is
+        # reported finished: test_a_job_that_finishes_during_the_grace_period_is_reported_finished)
+        args = ["demo", "--workers", "2", "--spares", "1", "--steps", "4000", "--fault", "none", "--quiet",
                 "--d-model", "32", "--layers", "1", "--out", str(out)]  # fmt: skip
     proc = _cli(*args)
     with _launcher_tree(proc) as seen:
@@ -542,6 +586,57 @@ def test_interrupted_run_stops_reports_and_cleans_up(signum: int, how: str, tmp_
         left = _wait_gone(seen, 2)
         assert len(seen) >= 3 and not left, f"children {sorted(seen)}, alive after exit: {left}"
         assert not _shm_dir(job_id).exists(), f"{_shm_dir(job_id)} leaked (stopped in {took:.1f}s)"
+
+
+@pytest.mark.timeout(90)
+def test_a_job_that_finishes_during_the_grace_period_is_reported_finished(tmp_path: Path) -> None:
+    """SIGTERM to the launcher while the ranks are in their last (slow) step: job/stop is set at
+    once, and the ranks, finishing that step within the grace period, end the job; it is reported
+    finished, with the same final state as an undisturbed run, not as interrupted without a digest."""
+    steps = 5
+    job = JobConfig(
+        workers=2, spares=0, recovery=RecoveryConfig(hang_timeout_s=5.0, collective_timeout_s=30.0)
+    )
+    command = [sys.executable, str(SCRIPTS / "slow_last_step.py"), str(steps), "1.5"]
+    reference = _run(Launcher(job, command, total_steps=steps, timeout_s=60))
+    assert reference.ok and reference.digest, f"{reference.error}\n{logs_of(reference)}"
+
+    launcher = Launcher(job, command, total_steps=steps, out_dir=tmp_path / "run", timeout_s=60)
+    signalled: list[float] = []
+    stops: list[float] = []
+    store_set = None
+
+    def on_tick(coord: Coordinator) -> None:
+        nonlocal store_set
+        if store_set is None:  # see when the launcher sets job/stop (a spy: every call goes through)
+            store_set = launcher.store.set
+
+            def spy(key: str, value: str) -> None:
+                if key == keys.JOB_STOP:
+                    stops.append(time.monotonic())
+                store_set(key, value)  # type: ignore[misc]
+
+            launcher.store.set = spy  # type: ignore[method-assign]
+        status = coord.member_status()
+        if (
+            not signalled
+            and len(status) == 2
+            and all(hb.get("committed") == steps - 2 for hb in status.values())
+        ):
+            signalled.append(time.monotonic())  # both ranks are in the last step, which takes 1.5 s
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    launcher.on_tick = [on_tick]
+    result = _run(launcher)
+    assert signalled, "the ranks never reached the last step"
+    assert stops and stops[0] - signalled[0] < 0.5, (stops, signalled)  # at once, not after the grace
+    assert result.ok and result.interrupted is None and result.error is None, result.error
+    assert result.digest == reference.digest
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert report["error"] is None and report["final_state_sha256"] == reference.digest, report
+    assert report["steps_completed"] == steps, report
+    finished = [e for e in _events(tmp_path / "run" / "events.jsonl") if e["kind"] == "job_finished"]
+    assert [e["ok"] for e in finished] == [True], finished
 
 
 @pytest.mark.timeout(60)
