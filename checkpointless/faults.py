@@ -23,6 +23,9 @@ parameter (silent data corruption: the process runs on, its replica now differs;
 the replicas' consistency check finds it).
 
 Every fault fires once: a replacement that re-executes the step is not hit again.
+A fault that never fired (the script ran fewer steps than ``--steps``, no recovery
+came) is named by :func:`unfired`: the launcher lists it in ``report.json``
+(``unfired_faults``) and the command line fails the run.
 Firing is claimed atomically in the control store per (fault, rank) for step faults,
 per fault for recovery faults, so exactly one process fires it for each rank it names
 (and a recovery fault fires in one recovery only).
@@ -33,11 +36,12 @@ from __future__ import annotations
 import os
 import re
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from checkpointless.control import keys
+from checkpointless.control.vocab import Event
 from checkpointless.errors import InjectedFault
 
 KINDS = ("kill", "hang", "exception", "corrupt")
@@ -183,6 +187,26 @@ def validate_schedule(
                     f"{step}: no live replica would hold that shard (set recovery.durable_every and "
                     "durable_dir to roll back to a durable snapshot)"
                 )
+
+
+def unfired(faults: list[FaultSpec], events: Iterable[dict[str, Any]]) -> list[str]:
+    """The specs of ``faults`` that did not fire, from a job's events (the ``fault_injected`` events
+    the processes emit as they fire a fault: ``index`` in the schedule, ``rank``).
+
+    A fault that names ranks fired when it fired in each of them; a recovery fault, when it fired
+    at all. In schedule order, each spec once.
+    """
+    fired: dict[int, set[int]] = {}
+    for e in events:
+        if e.get("kind") == Event.FAULT_INJECTED and isinstance(e.get("index"), int):
+            fired.setdefault(e["index"], set()).add(e.get("rank", -1))
+    out: list[str] = []
+    for i, f in enumerate(faults):
+        hit = fired.get(i)
+        missed = hit is None or (f.at in _PER_RANK and not set(f.ranks) <= hit)
+        if missed and str(f) not in out:
+            out.append(str(f))
+    return out
 
 
 class _Claimer(Protocol):

@@ -24,6 +24,7 @@ from checkpointless.control.coordinator import Coordinator
 from checkpointless.errors import UsageError, UserInputError
 from checkpointless.faults import parse_faults, validate_schedule
 from checkpointless.launch.launcher import JobResult, Launcher
+from checkpointless.observe.console import stderr_console
 
 
 class _Parser(argparse.ArgumentParser):
@@ -178,15 +179,27 @@ def _print_result(console: Console, result: JobResult, label: str) -> None:
             )
     if result.error:
         console.print(f"[red]error:[/red] {result.error}", highlight=False)
+    unfired = r.get("unfired_faults")
+    if unfired:
+        # an injection run that injected nothing tested nothing: an error (exit 1) unless the job
+        # failed anyway
+        console.print(
+            f"{'[red]error:[/red]' if result.ok else '[yellow]warning:[/yellow]'} "
+            f"{len(unfired)} injected fault(s) never fired: {', '.join(unfired)} (the job committed "
+            f"{r['steps_completed']} step(s); is --steps the script's step count?)",
+            highlight=False,
+        )
     console.print(f"final state sha256: {result.digest}", highlight=False)
     if result.write_error:
         console.print(f"[red]error:[/red] {result.write_error}", highlight=False)
 
 
 def _exit_code(result: JobResult) -> int:
+    """128 + the signal that stopped the job; 1 if it failed, its files could not be written, or
+    a fault it was to inject never fired; else 0."""
     if result.interrupted is not None:
         return 128 + result.interrupted
-    return 0 if result.ok and not result.write_error else 1
+    return 0 if result.ok and not result.write_error and not result.report.get("unfired_faults") else 1
 
 
 def _launch(
@@ -259,7 +272,7 @@ def cmd_demo(argv: list[str]) -> int:
         )
     if spec.global_batch % args.workers:
         raise UsageError(f"--global-batch {spec.global_batch} must be a multiple of --workers {args.workers}")
-    console = Console(stderr=True)
+    console = stderr_console()
     console.print(
         f"checkpointless demo: {args.workers} workers + {args.spares} spare(s), {args.steps} steps, "
         f"global batch {spec.global_batch}, "
@@ -268,7 +281,7 @@ def cmd_demo(argv: list[str]) -> int:
     )
     result = _launch(job, worker_command(spec), args, console, steps=args.steps, out=args.out)
     _print_result(console, result, "faulted run" if job.faults else "run")
-    if not result.ok or result.write_error:
+    if _exit_code(result):
         return _exit_code(result)
     if args.verify:
         clean = JobConfig(**{**asdict(job), "faults": [], "recovery": job.recovery})
@@ -307,7 +320,7 @@ def cmd_launch(argv: list[str]) -> int:
         command = [sys.executable, *command[1:]]
     if shutil.which(command[0]) is None:
         raise UsageError(f"checkpointless launch: command not found or not executable: {command[0]}")
-    console = Console(stderr=True)
+    console = stderr_console()
     result = _launch(job, command, args, console, steps=args.steps, out=args.out)
     _print_result(console, result, "run")
     return _exit_code(result)
@@ -354,7 +367,7 @@ def cmd_run(argv: list[str]) -> int:
     command = [sys.executable, "-m", "checkpointless.recipes.train", str(args.recipe)]
     for o in overrides:
         command += ["--set", o]
-    console = Console(stderr=True)
+    console = stderr_console()
     console.print(
         f"checkpointless run {cfg.name}: {job.workers} workers + {job.spares} spare(s), {cfg.train.steps} steps, "
         f"faults: {', '.join(map(str, job.faults)) or 'none'}",

@@ -61,6 +61,7 @@ from checkpointless.control.client import ENV_CONFIG, ENV_JOB_ID, ENV_PROC, ENV_
 from checkpointless.control.coordinator import Coordinator, JobFailed
 from checkpointless.control.vocab import Event, Role, event
 from checkpointless.errors import JobInterrupted, LaunchError
+from checkpointless.faults import unfired
 from checkpointless.observe.report import build_report
 
 log = logging.getLogger(__name__)
@@ -544,6 +545,7 @@ class Launcher:
         report = build_report(events, total_steps=self.total_steps, digest=coord.digest)
         report["error"] = error
         report["job_id"] = self.job_id
+        report["unfired_faults"] = unfired(self.job.faults, events)  # the CLI fails a run that has any
         write_error = self._write_outputs(events, report)
         if error is None and self._own_logdir:
             shutil.rmtree(self._logdir, ignore_errors=True)

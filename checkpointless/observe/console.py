@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -12,6 +13,19 @@ from checkpointless.control.coordinator import Coordinator
 from checkpointless.control.vocab import Role
 from checkpointless.observe import report
 from checkpointless.observe.progress import StepStats
+
+_NOT_A_TERMINAL_WIDTH = 1000
+"""Columns of the console when stderr is not a terminal (a pipe, a CI log): rich would assume 80
+and cut the fault table's cells (``dete…``); lines there are not wrapped at all."""
+
+
+def stderr_console() -> Console:
+    """The command line's console, on stderr: a terminal's width, ``COLUMNS`` if set, else wide
+    enough that nothing is cut or wrapped (a log file has no width)."""
+    console = Console(stderr=True)
+    if console.is_terminal or os.environ.get("COLUMNS"):
+        return console
+    return Console(stderr=True, width=_NOT_A_TERMINAL_WIDTH)
 
 
 class LiveProgress:
@@ -32,7 +46,7 @@ class LiveProgress:
     ) -> None:
         self.total = total_steps
         self.events = events
-        self.console = console or Console(stderr=True)
+        self.console = console or stderr_console()
         self.every_s = every_s
         self.stats = StepStats()
         self._seen = 0
@@ -95,6 +109,21 @@ def _cause_cell(f: dict[str, Any]) -> str:
     return str(cause)
 
 
+def _kind_cell(f: dict[str, Any]) -> str:
+    """The fault's kind, and whose it was when not a worker's in a step: ``kill (spare)`` for a spare
+    (one in the pool, or one killed as it took a rank: ``kill:spare@recovery|join``),
+    ``kill (source)`` for a survivor killed as it sent state, ``crash (in recovery)`` for a
+    worker's real fault detected while a recovery was under way."""
+    kind, target = str(f.get("kind")), f.get("target")
+    if f.get("role") == Role.SPARE or (f.get("injected") and target in ("recovery", "join")):
+        return f"{kind} (spare)"
+    if f.get("injected") and target == "source":
+        return f"{kind} (source)"
+    if not f.get("injected") and target == "recovery":
+        return f"{kind} (in recovery)"
+    return kind
+
+
 def _opt(x: Any, fmt: str = "{}") -> str:
     return "-" if x is None else fmt.format(x)
 
@@ -106,10 +135,9 @@ def summary_table(report_: dict[str, Any]) -> Table:
                 "lost steps", "replaced by"):  # fmt: skip
         t.add_column(col)
     for f in report_.get("faults", []):
-        spare = f.get("target") == "recovery" or f.get("role") == Role.SPARE
         ranks = f.get("ranks") or []
         t.add_row(
-            str(f.get("kind")) + (" (spare)" if spare else ""),
+            _kind_cell(f),
             _cause_cell(f),
             str(f.get("spec") or "yes") if f.get("injected", True) else "no (detected)",
             ",".join(map(str, ranks)) if ranks else "-",

@@ -368,7 +368,9 @@ def _first_detection(
 
 
 def _recovery_windows(timed: list[tuple[float, dict[str, Any]]]) -> list[tuple[float, float]]:
-    """(new generation published, recovery done) for every recovery."""
+    """(new generation published, recovery done) for every recovery. A recovery that a second
+    failure cut short (its generation never reported done) lasts until a later one is done, not
+    until the end of the job: a fault after that is a fault in a step again."""
     started: dict[int, float] = {}
     done: dict[int, float] = {}
     for t, e in timed:
@@ -379,7 +381,8 @@ def _recovery_windows(timed: list[tuple[float, dict[str, Any]]]) -> list[tuple[f
             started.setdefault(g, t)
         elif e.get("kind") == Event.RECOVERY_DONE:
             done.setdefault(g, t)
-    return [(t0, done.get(g, math.inf)) for g, t0 in started.items()]
+    ends = sorted(done.items())
+    return [(t0, next((t for h, t in ends if h >= g), math.inf)) for g, t0 in started.items()]
 
 
 def derive_faults(events: list[dict[str, Any]]) -> list[Fault]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
@@ -16,15 +17,18 @@ import pytest
 pytestmark = pytest.mark.timeout(60)
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "llama-tiny.yaml"
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
 TINY_JOB = ["--workers", "1", "--spares", "0", "--steps", "1", "--fault", "none", "--quiet", "--layers", "1"]
 
 
-def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """Run ``checkpointless ARGS`` in a session of its own; whatever happens, its process group is ended."""
+def cli(*args: str, env: dict[str, str | None] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run ``checkpointless ARGS`` in a session of its own; whatever happens, its process group is ended.
+    ``env``: variables to set (None: to unset)."""
+    full = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "250", **(env or {})}
     proc = subprocess.Popen(
         [sys.executable, "-m", "checkpointless.launch.cli", *args],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "250", **(env or {})},
+        env={k: v for k, v in full.items() if v is not None},
     )  # fmt: skip
     try:
         out, err = proc.communicate(timeout=50)
@@ -137,3 +141,24 @@ def test_port_in_use_is_reported() -> None:
     assert r.returncode == 2, r.stderr
     assert f"127.0.0.1:{port}" in r.stderr and "Traceback" not in r.stderr
     assert len([line for line in r.stderr.splitlines() if line.strip()]) <= 2
+
+
+def test_a_fault_that_never_fired_fails_the_run_and_the_table_is_not_cut(tmp_path: Path) -> None:
+    """``launch --steps 20`` of a script that runs 5 steps: the fault at step 15 never fires. It is
+    listed in report.json and named on the console, and the run exits 1 (an injection run that
+    injected nothing is not a passing test). Without a terminal and without COLUMNS, the fault
+    table (the step-2 fault did fire) is not cut at 80 columns."""
+    out = tmp_path / "run"
+    r = cli("launch", "--workers", "2", "--spares", "0", "--steps", "20", "--quiet", "--out", str(out),
+            "--fault", "exception:rank=1@step=2", "--fault", "exception:rank=0@step=15", "--",
+            "python", str(SCRIPTS / "slow_last_step.py"), "5", "0", env={"COLUMNS": None})  # fmt: skip
+    assert r.returncode == 1, r.stderr
+    assert "Traceback" not in r.stderr
+    report = json.loads((out / "report.json").read_text())
+    assert report["error"] is None and report["steps_completed"] == 5, report
+    assert report["unfired_faults"] == ["exception:rank=0@step=15"], report
+    assert [f["spec"] for f in report["faults"]] == ["exception:rank=1@step=2"], report["faults"]
+    (line,) = [ln for ln in r.stderr.splitlines() if "never fired" in ln]
+    assert line.startswith("error: 1 injected fault(s) never fired: exception:rank=0@step=15"), line
+    assert "…" not in r.stderr, r.stderr
+    assert "detection s" in r.stderr and "replaced by" in r.stderr and "in-place" in r.stderr, r.stderr

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import io
 from collections.abc import Callable
 from typing import Any
 
 import pytest
+from rich.console import Console
 
-from checkpointless.observe.console import count_faults
+from checkpointless.faults import parse_faults, unfired
+from checkpointless.observe.console import count_faults, stderr_console, summary_table
 from checkpointless.observe.live_metrics import MetricsFeed
 from checkpointless.observe.metrics import JobMetrics
 from checkpointless.observe.report import build_report, derive_faults, signal_name
@@ -451,3 +454,85 @@ def test_durable_summary_counts_a_snapshot_complete_only_when_every_shard_wrote_
         "write_s_median": 0.3, "last_error": "OSError: [Errno 28] No space left on device",
     }  # fmt: skip
     assert build_report([], total_steps=1, digest=None)["durable"] is None  # no tier, no section
+
+
+# ---------------------------------------------------------------------------- the console's fault table
+
+
+def _table_text(report: dict[str, Any], width: int = 400) -> str:
+    out = io.StringIO()
+    Console(file=out, width=width).print(summary_table(report))
+    return out.getvalue()
+
+
+def _kind_cells(report: dict[str, Any]) -> list[str]:
+    """The first column of the fault table, one cell per fault."""
+    rows = [ln for ln in _table_text(report).splitlines() if ln.startswith("│")]
+    return [row.split("│")[1].strip() for row in rows]
+
+
+def test_fault_table_says_whose_fault_it_was() -> None:
+    """A worker's hang detected while a recovery was under way is not a spare's; spares, and the
+    survivor killed as it sent state, are named."""
+    run = Run(spares=4, faults=("kill:spare@join", "kill:source@recovery")).train(3)
+    run.exit("w1", -11).peers_fail([1], "process_exit")  # a real crash of w1
+    run.gen += 1
+    run.members[1] = run.spares.pop(0)
+    run.ev("generation_started", members=dict(run.members), resume_step=3, replaced={1: "w1"})
+    run.ev("spare_assigned", rank=1, target="s0", replaces="w1")
+    run.hang_detected("w0")  # ... and w0 hangs while s0 receives the state: a worker's hang
+    run.peers_fail([0], "process_exit").recover([0]).train(2)
+    run.inject(0, "kill", [1], target="join").exit("s0", -9).peers_fail([1], "process_exit")
+    run.recover([1]).train(1)
+    run.inject(1, "kill", [0], target="source").exit("s1", -9).peers_fail([0], "process_exit")
+    run.ev("process_exited", target="s9", role="spare", exitcode=-9)  # a spare lost from the pool
+    report = build_report(run.recover([0]).train(1).finish(), total_steps=8, digest=None)
+    assert [(f["kind"], f["role"], f["target"]) for f in report["faults"]] == [
+        ("crash", "worker", "step"),
+        ("hang", "worker", "recovery"),
+        ("kill", "worker", "join"),
+        ("kill", "worker", "source"),
+        ("crash", "spare", "step"),
+    ]
+    assert _kind_cells(report) == [
+        "crash",
+        "hang (in recovery)",
+        "kill (spare)",
+        "kill (source)",
+        "crash (spare)",
+    ]
+
+
+def test_fault_table_is_not_cut_without_a_terminal(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Piped into a file or a CI log, the CLI's console used rich's 80 columns: ``dete…``, ``repla…``,
+    specs cut. Without a terminal (and without COLUMNS) nothing is cut now."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    report = build_report(_mixed_run(), total_steps=10, digest=None)
+    console = stderr_console()
+    assert not console.is_terminal  # pytest's captured stderr
+    console.print(summary_table(report))
+    err = capsys.readouterr().err
+    assert "…" not in err, err
+    header = next(ln for ln in err.splitlines() if "kind" in ln)
+    for name in ("detection s", "stall s", "lost steps", "replaced by"):
+        assert name in header, header
+    assert "kill:rank=0,2@step=3" in err and "process_exit (SIGSEGV)" in err, err
+    # a terminal's width (or COLUMNS) is still the user's
+    monkeypatch.setenv("COLUMNS", "100")
+    assert stderr_console().width == 100
+
+
+def test_unfired_faults_are_named() -> None:
+    """A fault that never fired (the script ran fewer steps than --steps) is named, in schedule
+    order; one naming two ranks fired only if it fired in both."""
+    specs = ["kill:rank=1@step=3", "hang:rank=0,1@step=5", "kill:spare@recovery", "exception:rank=0@step=40"]
+    run = Run(spares=2, faults=tuple(specs)).train(3).inject(0, "kill", [1])
+    run.exit("w1", -9).peers_fail([1], "process_exit").recover([1]).train(2)
+    run.inject(1, "hang", [0])  # rank 1 never got there
+    events = run.finish()
+    assert unfired(parse_faults(specs), events) == specs[1:]
+    run = Run(spares=2, faults=tuple(specs)).train(3).inject(0, "kill", [1])
+    run.inject(2, "kill", [1], target="recovery").inject(1, "hang", [0, 1]).inject(3, "exception", [0])
+    assert unfired(parse_faults(specs), run.finish()) == []
