@@ -340,7 +340,7 @@ class Session:
         )
         self._faults = FaultInjector(self.job.faults, self._client)
         if rc.durable_every and rc.durable_dir:
-            self._durable = DurableWriter(rc.durable_dir, rc.durable_every, on_event=self._durable_event)
+            self._durable = DurableWriter.for_job(self.job, self.seed, on_event=self._durable_event)
         atexit.register(self._at_exit)
         # A spare's model is built like the workers' but is not the job's state until it receives it.
         self._has_state = os.environ.get(ENV_ROLE, Role.WORKER) != Role.SPARE
@@ -968,22 +968,58 @@ class Session:
         group: Group = result["group"]
         return group
 
-    def _restore_durable(self, plan: Plan) -> None:
-        """Every rank rolls back to the durable snapshot the plan names (no live replica held a shard)."""
-        assert self._client is not None and plan.restore is not None
-        rc = self.job.recovery
-        if self._durable is not None:
-            self._durable.wait()  # this process's own save may still be writing
+    def _restore_durable(self, plan: Plan) -> Plan:
+        """Every rank rolls back to its run's newest durable snapshot, at or before the plan's step,
+        that every rank can load; returns the plan as followed (resuming after that snapshot).
+
+        Each rank loads the newest snapshot of its shard that verifies at or before the bound
+        (``durable.load``: a flipped byte, a file gone or another run's are skipped, with a warning
+        line and, from dp-rank 0 of the shard, a ``durable_failed`` event); one all-gather of the
+        steps loaded, and the smallest becomes the bound, until every rank loaded the same step.
+        None left: the job stops, in one line.
+        """
+        from dataclasses import replace
+
+        assert self._client is not None and self._group is not None and plan.restore is not None
+        writer = self._durable
+        assert writer is not None  # a rollback is planned only with the tier on
+        writer.wait()  # this process's own save may still be writing
         self._has_state = False
-        try:
-            assert rc.durable_dir is not None
-            state = load_durable(rc.durable_dir, plan.restore, shard=self.shard)
-        except IntegrityError as e:
-            self._fatal(f"cannot roll back to the durable snapshot: {e}")
-        self._registry.load_state_dict(state)
+        bound, mine, bad, why = plan.restore, -1, set(), []
+        while True:
+            if mine != bound:
+                mine = -1
+                for step in writer.candidates(plan.shards, at_most=bound):
+                    if step in bad:
+                        continue
+                    try:
+                        state = load_durable(writer.root, step, self.shard, writer.run)
+                    except IntegrityError as e:
+                        bad.add(step)
+                        why.append(str(e))
+                        log.warning("[gen %d rank %d] durable snapshot not used, trying an older one: %s",
+                                    plan.gen, self.rank, e)  # fmt: skip
+                        if self.replica == 0:
+                            self._client.emit(Event.DURABLE_FAILED, sync=True, rank=self.rank, gen=plan.gen,
+                                              step=step, shard=self.shard, during="restore", error=str(e)[:300])  # fmt: skip
+                        continue
+                    self._registry.load_state_dict(state)
+                    mine = step
+                    break
+            steps = [int(t) for t in self._group.allgather(torch.tensor([mine], dtype=torch.int64))]
+            if min(steps) < 0:
+                skipped = ", ".join(map(str, sorted(bad, reverse=True))) or "none here"
+                self._fatal(
+                    f"cannot roll back to a durable snapshot: none of this run at or before step {plan.restore} "
+                    f"verifies on every rank (skipped on this rank: {skipped}{'; ' + why[0][:250] if why else ''})"
+                )
+            if len(set(steps)) == 1:
+                break
+            bound = min(steps)
         self._buffers.commit()
         self._has_state = True
-        self._client.emit(Event.DURABLE_RESTORED, sync=True, rank=self.rank, gen=plan.gen, step=plan.restore)
+        self._client.emit(Event.DURABLE_RESTORED, sync=True, rank=self.rank, gen=plan.gen, step=mine)
+        return plan if mine == plan.restore else replace(plan, restore=mine, resume_step=mine + 1)
 
     def _check_layout(self, plan: Plan) -> None:
         """Every rank's parameters must have the same names, shapes and dtypes (one tiny all-gather)."""
@@ -1023,7 +1059,7 @@ class Session:
         if plan.world_size > 1:
             self._check_layout(plan)
         if plan.restore is not None:
-            self._restore_durable(plan)
+            plan = self._restore_durable(plan)
         if rank in plan.sources:
             src = plan.sources[rank]
             client.emit(Event.TRANSFER_BEGUN, rank=rank, gen=plan.gen, step=plan.resume_step, src=src)

@@ -48,7 +48,7 @@ from checkpointless.control import keys
 from checkpointless.control.auth import SignedStore
 from checkpointless.control.plan import Plan, PlanError, initial_plan, make_plan
 from checkpointless.control.vocab import Event, Phase, Reason, Role, event
-from checkpointless.durable import latest_complete
+from checkpointless.durable import job_key, latest_complete
 from checkpointless.errors import JobFailed
 
 log = logging.getLogger(__name__)
@@ -539,7 +539,7 @@ class Coordinator:
         try:
             rc = self.job.recovery
             durable_on = bool(rc.durable_every and rc.durable_dir)
-            step = latest_complete(rc.durable_dir, self.job.shards) if durable_on and rc.durable_dir else None
+            step = self._durable_step(committed) if durable_on else None
             plan = make_plan(
                 self.plan, committed, spares, holders=f.holders, durable_on=durable_on, durable_step=step
             )
@@ -551,6 +551,26 @@ class Coordinator:
                 f"step {plan.resume_step} failed {self._retries[plan.resume_step]} times; giving up"
             )
         self._publish(plan, f)
+
+    def _durable_step(self, committed: dict[int, int]) -> int | None:
+        """The durable snapshot a rollback may use: complete and intact for every shard, of this job's
+        shape and seed, and no newer than the highest step the job committed (a newer one is another
+        run's). A damaged newer one (files gone) is skipped with a warning; the ranks verify the rest
+        as they load it, and fall back to an older one of their own run."""
+        rc = self.job.recovery
+        assert rc.durable_dir is not None
+        highest = max(
+            [*committed.values(), *(int(p.hb.get("committed", -1)) for p in self.procs.values())], default=-1
+        )
+        damaged: list[tuple[int, str]] = []
+        step = latest_complete(
+            rc.durable_dir, self.job.shards, job=job_key(self.job), at_most=highest, damaged=damaged
+        )
+        for bad, why in damaged:
+            if step is None or bad > step:
+                log.warning("durable snapshot of step %d is damaged, not used: %s", bad, why)
+                self._emit(Event.DURABLE_FAILED, step=bad, during="restore", error=why)
+        return step
 
     def _publish(self, plan: Plan, f: _Failure) -> None:
         self._publish_value(keys.plan(plan.gen), plan.to_json())
