@@ -135,6 +135,7 @@ class Coordinator:
         self._last_poll = float("-inf")
         self._last_sweep = float("-inf")
         self._last_intruder_check = float("-inf")
+        self._intruded: set[str] = set()  # plain key names a stranger wrote (a bounded list of names)
         self._published: dict[str, str] = {}  # sealed values to re-publish if a stranger overwrites them
         self.digest: str | None = None
         self._done: dict[int, dict[str, Any]] = {}
@@ -411,8 +412,13 @@ class Coordinator:
             names += [keys.heartbeat(proc), keys.assign(proc), keys.fatal(proc), keys.events(proc, 0)]
         for key in names:
             if self.store.raw.check([key]):
+                # every write is an event (the launcher counts them and keeps the first of each key);
+                # the log says it once per key, not every few seconds for as long as a stranger writes
                 self._emit(Event.MESSAGE_REJECTED, key=key, why="written outside the job's secret namespace")
-                log.warning("a process without this job's secret wrote %r; ignored", key)
+                if key not in self._intruded:
+                    self._intruded.add(key)
+                    log.warning("a process without this job's secret wrote %r; ignored (and from now "
+                                "on counted, not logged)", key)  # fmt: skip
                 self.store.raw.delete_key(key)
 
     def _publish_value(self, key: str, value: str) -> None:

@@ -179,6 +179,15 @@ def _print_result(console: Console, result: JobResult, label: str) -> None:
             )
     if result.error:
         console.print(f"[red]error:[/red] {result.error}", highlight=False)
+    rejected = r.get("rejected_messages") or {}
+    if rejected.get("count"):
+        keys = rejected.get("keys") or []
+        console.print(
+            f"[yellow]warning:[/yellow] ignored {rejected['count']} control message(s) not sealed with "
+            f"this job's secret (someone else writes to the job's store), on {', '.join(keys[:6])}"
+            f"{', ...' if len(keys) > 6 else ''}",
+            highlight=False,
+        )
     unfired = r.get("unfired_faults")
     if unfired:
         # an injection run that injected nothing tested nothing: an error (exit 1) unless the job

@@ -67,6 +67,10 @@ from checkpointless.observe.report import build_report
 log = logging.getLogger(__name__)
 
 RUN_FILES = ("events.jsonl", "report.json", "timeline.png", "summary.txt", "logs", "reference")
+MAX_REJECTED_KEYS = 64
+"""Messages not sealed with the job's secret are all counted (``report.json``'s ``rejected_messages``),
+and the first one of each key is kept as a ``message_rejected`` event, for at most this many keys:
+a stranger writing junk for as long as a job runs must not grow the launcher without bound."""
 
 
 _LIBC: Any = None
@@ -349,6 +353,8 @@ class Launcher:
         self._bell: ReportBell | None = None
         self._wakeups = _Wakeups()
         self._events: list[dict[str, Any]] = []
+        self._rejections = 0  # messages rejected (every one); the first of each key is in the events
+        self._rejected_keys: set[str] = set()
         self._chunks_read: dict[str, int] = {}
         self._stream: IO[str] | None = None
         self._stream_error: str | None = None
@@ -412,6 +418,8 @@ class Launcher:
 
     # -- events ---------------------------------------------------------------------
     def _record(self, ev: dict[str, Any]) -> None:
+        if ev.get("kind") == Event.MESSAGE_REJECTED and not self._first_rejection(str(ev.get("key"))):
+            return
         self._events.append(ev)
         if self._stream is not None:
             try:
@@ -430,8 +438,19 @@ class Launcher:
             assert stream is not None
             stream.close()
 
+    def _first_rejection(self, key: str) -> bool:
+        """Count one rejected message on ``key``; whether it is the first of its key to be kept (at
+        most ``MAX_REJECTED_KEYS`` keys: the rest are only counted)."""
+        self._rejections += 1
+        if key in self._rejected_keys or len(self._rejected_keys) >= MAX_REJECTED_KEYS:
+            return False
+        self._rejected_keys.add(key)
+        return True
+
     def _reject(self, key: str) -> None:
-        log.warning("ignored a value on %r that is not sealed with this job's secret", key)
+        if key not in self._rejected_keys:
+            log.warning("ignored a value on %r that is not sealed with this job's secret (later ones are "
+                        "counted, not logged)", key)  # fmt: skip
         self._record(event(Event.MESSAGE_REJECTED, proc="coordinator", key=key))
 
     def _collect_events(self, announced: dict[str, int] | None = None) -> None:
@@ -546,6 +565,7 @@ class Launcher:
         report["error"] = error
         report["job_id"] = self.job_id
         report["unfired_faults"] = unfired(self.job.faults, events)  # the CLI fails a run that has any
+        report["rejected_messages"] = {"count": self._rejections, "keys": sorted(self._rejected_keys)}
         write_error = self._write_outputs(events, report)
         if error is None and self._own_logdir:
             shutil.rmtree(self._logdir, ignore_errors=True)

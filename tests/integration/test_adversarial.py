@@ -512,6 +512,44 @@ def test_a_heartbeat_flood_does_not_kill_a_live_worker(tmp_path: Path) -> None:
     assert result.report["generations"] == 0
 
 
+@pytest.mark.timeout(90)
+def test_a_strangers_junk_is_counted_not_kept(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stranger writing junk all along (plain protocol names, and a forged fatal report under the
+    job's own namespace, as one who learnt it would): every write is rejected and counted, but the
+    launcher keeps the first of each key only; its memory, events.jsonl and log do not grow with it."""
+    import checkpointless.control.coordinator as coordinator
+
+    monkeypatch.setattr(coordinator, "_INTRUDER_CHECK_S", 0.0)  # the plain names checked every tick
+    launcher = _launcher(seed=1, steps=80, pause_s=0.05, out=tmp_path / "run")
+    written: set[str] = set()
+    rounds = [0]
+
+    def junk(coord: Coordinator) -> None:
+        store, ns = launcher.store.raw, launcher.store.namespace
+        rounds[0] += 1
+        plain = [keys.heartbeat("w0"), keys.JOB_STOP, keys.plan(0), keys.done(0), keys.fatal("w1")]
+        for key in plain:
+            store.set(key, f"junk {rounds[0]}")
+        if rounds[0] == 1:
+            store.add(ns + keys.FATAL_COUNT, 1)  # a counter: the coordinator then reads the fatal reports
+        store.set(ns + keys.fatal("w0"), f"0{rounds[0]:063d}.junk")  # a new forged value every tick
+        written.update([*plain, keys.fatal("w0")])
+
+    launcher.on_tick = [junk]
+    result = _run(launcher)
+    assert result.ok, f"{result.error}\n{logs_of(result)}"
+    assert result.report["generations"] == 0
+    kept = [e for e in result.events if e["kind"] == "message_rejected"]
+    counted = result.report["rejected_messages"]
+    assert counted["count"] >= 100 and rounds[0] >= 20, (counted, rounds)
+    assert sorted(counted["keys"]) == sorted({e["key"] for e in kept}) and set(counted["keys"]) <= written
+    assert {keys.fatal("w0"), keys.heartbeat("w0"), keys.JOB_STOP} <= set(counted["keys"]), counted
+    assert len(kept) == len(counted["keys"]), [e["key"] for e in kept]  # the first of each key only
+    on_disk = _events(tmp_path / "run" / "events.jsonl")
+    assert sum(e["kind"] == "message_rejected" for e in on_disk) == len(kept)
+    assert json.loads((tmp_path / "run" / "report.json").read_text())["rejected_messages"] == counted
+
+
 # == 2. the store's socket =========================================================================
 
 
