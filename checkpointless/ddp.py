@@ -237,6 +237,20 @@ class GradientReducer:
             p.grad = None
 
 
+def reduce_unbucketed(params: list[torch.nn.Parameter], group: Group | None) -> None:
+    """Average the gradients of ``params`` in one flat synchronous all-reduce (parameters that
+    became trainable inside an attempt, after its reducer's layout was fixed)."""
+    if group is None or group.world_size == 1 or not params:
+        return
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+    group.allreduce_([flat])
+    flat.div_(group.world_size)
+    off = 0
+    for p in params:
+        p.grad = flat[off : off + p.numel()].view_as(p).clone()
+        off += p.numel()
+
+
 class Trainable:
     """Which parameters of a module train (``requires_grad``), as transferable state: a replacement
     that joins after the loop unfroze a parameter (progressive unfreezing, adapters) trains the
@@ -244,9 +258,19 @@ class Trainable:
 
     def __init__(self, module: torch.nn.Module) -> None:
         self._module = module
+        self._committed = self.state_dict()
 
     def state_dict(self) -> dict[str, Any]:
         return {"requires_grad": [p.requires_grad for p in self._module.parameters()]}
+
+    def commit(self) -> None:
+        """Remember the flags as they are (at a committed step)."""
+        self._committed = self.state_dict()
+
+    def restore(self) -> None:
+        """Put back the committed flags: a failed attempt that unfroze a parameter re-executes the
+        unfreezing, so the reduction's layout follows the same path as without the failure."""
+        self.load_state_dict(dict(self._committed))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         flags = list(state["requires_grad"])
@@ -255,6 +279,7 @@ class Trainable:
             raise ValueError(f"trainable flags for {len(flags)} parameters, the model has {len(params)}")
         for p, flag in zip(params, flags, strict=True):
             p.requires_grad_(bool(flag))
+        self._committed = {"requires_grad": flags}  # a loaded state is a committed one
 
 
 class BufferSync:

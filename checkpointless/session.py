@@ -90,7 +90,7 @@ from checkpointless.control.client import (
 )
 from checkpointless.control.plan import Plan, ReplicaMap
 from checkpointless.control.vocab import Event, Phase, Reason, Role
-from checkpointless.ddp import BufferSync, GradientReducer, Trainable
+from checkpointless.ddp import BufferSync, GradientReducer, Trainable, reduce_unbucketed
 from checkpointless.durable import DurableWriter
 from checkpointless.durable import load as load_durable
 from checkpointless.errors import FatalError
@@ -291,6 +291,8 @@ class Session:
         self.state: dict[str, Stateful] = dict(state or {})
         self._registry = StateRegistry()
         self._reducer: GradientReducer | None = None
+        self._trainable: Trainable | None = None  # replicated: which parameters train
+        self._agreed: list[str] | None = None  # the trainable set the ranks last agreed on
         self._buffers = BufferSync(torch.nn.Module())
         if model is not None:
             self._install(model, optimizer, self.state)
@@ -378,7 +380,8 @@ class Session:
             self._registry.register("model", model)
             if optimizer is not None:
                 self._registry.register("optimizer", optimizer)
-            self._registry.register("trainable", Trainable(model))
+            self._trainable = Trainable(model)
+            self._registry.register("trainable", self._trainable)
             self._reducer = GradientReducer(list(model.parameters()), overlap=self._overlap)
         else:
             self._registry.register("model", ShardedState(model, optimizer))
@@ -495,13 +498,15 @@ class Session:
         A failed step is yielded again after recovery; a replacement starts at
         the step the job is at.
         """
-        while self._next_step < total:
-            if self._consistency_due():
+        while True:
+            if self._consistency_due():  # due before the last step too: checked, then the loop ends
                 try:
                     self._check_consistency()
                 except (CollectiveError, IntegrityError, TimeoutError) as e:
                     self._on_failure(e, self._next_step)
                     continue
+            if self._next_step >= total:
+                break
             self._attempted = False
             yield self._next_step
             if not self._attempted:
@@ -553,13 +558,14 @@ class Session:
         self._commit(step, time.perf_counter() - t0)
         current.committed = True
 
-    def _rebuild_reducer(self, step: int, *, agreed: bool = False) -> None:
-        """The set of trainable parameters changed (the loop unfroze or froze one): lay the
-        buckets out anew. Every rank of the generation must change it at the same step; the
-        ranks compare the new set over the store first (``agreed``: the state transfer set it)."""
-        assert self._reducer is not None and self.model is not None
+    def _agree_trainable(self, step: int) -> None:
+        """The trainable parameters changed at ``step`` (the loop unfroze or froze one): every rank
+        of the generation must have changed them alike; the ranks compare over the store."""
+        assert self.model is not None
         names = [n for n, p in self.model.named_parameters() if p.requires_grad]
-        if self._client is not None and self.world_size > 1 and not agreed:
+        if names == self._agreed:
+            return
+        if self._client is not None and self.world_size > 1:
             client, gen = self._client, self.generation
             client.publish(keys.trainable(gen, step, self.rank), json.dumps(names))
             timeout = timedelta(seconds=self.job.recovery.collective_timeout_s)
@@ -578,10 +584,20 @@ class Session:
                         f"the trainable parameters at step {step} differ between rank {self.rank} and "
                         f"rank {r} (first difference: {diff[0] if diff else 'their order'!r})"
                     )
+        self._agreed = names
+
+    def _rebuild_reducer(self, step: int, *, agreed: bool = False) -> None:
+        """Lay the gradient buckets out anew for the parameters that train now (``agreed``: a
+        state transfer set the flags, as on the source)."""
+        assert self._reducer is not None and self.model is not None
+        if agreed:
+            self._agreed = [n for n, p in self.model.named_parameters() if p.requires_grad]
+        else:
+            self._agree_trainable(step)
         self._reducer.close()
         self._reducer = GradientReducer(list(self.model.parameters()), overlap=self._overlap)
         log.info("[gen %d rank %d step %d] %d trainable parameters: gradient buckets laid out anew",
-                 self.generation, self.rank, step, len(names))  # fmt: skip
+                 self.generation, self.rank, step, len(self._reducer.params))  # fmt: skip
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -617,6 +633,12 @@ class Session:
             self._client.update(phase=Phase.REDUCE)
         if self._reducer is not None:
             self._reducer.reduce(self._group)
+            if self._reducer.stale():  # unfrozen inside this attempt: reduced apart, this once
+                assert self.model is not None
+                self._agree_trainable(self._next_step)
+                known = {id(p) for p in self._reducer.params}
+                extra = [p for p in self.model.parameters() if p.requires_grad and id(p) not in known]
+                reduce_unbucketed(extra, self._group)
             if self._broadcast_buffers:
                 self._buffers.sync(self._group)
         elif self._group is not None and self._group.world_size > 1:
@@ -674,6 +696,15 @@ class Session:
         assert self.model is not None
         return digest_state(self.model, self.optimizer, self._committed)
 
+    def _registered_entries(self) -> list[tuple[str, str]]:
+        """Per-entry digests of everything registered (model with buffers, optimizer with its
+        ``param_groups``, user state, step and data position) but the per-rank RNG states:
+        what every replica of a shard must hold alike."""
+        state = self._registry.state_dict()
+        if "progress" in state:
+            state["progress"] = {k: v for k, v in state["progress"].items() if k != "rng"}
+        return entry_digests(state)
+
     def finish(self) -> str:
         """Report the final state and stay available as a recovery source until the job ends.
 
@@ -687,7 +718,8 @@ class Session:
             self._finished = True
             return digest
         client.update(phase=Phase.DONE)
-        client.report_done(self.rank, digest, self._committed)
+        entries = self._registered_entries()
+        client.report_done(self.rank, digest, self._committed, entries)
         last_report = time.monotonic()
         while True:
             if client.is_set(keys.JOB_STOP):
@@ -695,11 +727,12 @@ class Session:
             if client.is_set(keys.abort(self.generation)):
                 self._recover(Reason.PEER_FAILURE)
                 digest = self.state_digest()
+                entries = self._registered_entries()
                 client.update(phase=Phase.DONE)
-                client.report_done(self.rank, digest, self._committed)
+                client.report_done(self.rank, digest, self._committed, entries)
                 continue
             if time.monotonic() - last_report > 1.0:  # a forged overwrite must not hide our report
-                client.report_done(self.rank, digest, self._committed)
+                client.report_done(self.rank, digest, self._committed, entries)
                 last_report = time.monotonic()
             time.sleep(0.02)
         self._finished = True
@@ -742,7 +775,7 @@ class Session:
         client, group, step = self._client, self._group, self._committed
         if self._faults is not None:
             self._faults.at_check(self.rank, step + 1, self._fault_fired)
-        entries = entry_digests({k: v for k, v in self._registry.state_dict().items() if k != "progress"})
+        entries = self._registered_entries()
         mine = torch.frombuffer(bytearray(combined_digest(entries)), dtype=torch.uint8)
         digests = [bytes(d.tolist()) for d in group.allgather(mine)]
         layout = ReplicaMap(self.world_size, self.job.shards)
@@ -806,6 +839,8 @@ class Session:
     # -- commit and failure ----------------------------------------------------
     def _commit(self, step: int, seconds: float) -> None:
         self._buffers.commit()
+        if self._trainable is not None:
+            self._trainable.commit()
         self._committed = step
         self._next_step = step + 1
         self._local_failures = 0
@@ -885,6 +920,8 @@ class Session:
                     self._group.abort()
                     self._group = None
                 self._buffers.restore()  # the failed attempt's forward pass updated them in place
+                if self._trainable is not None:
+                    self._trainable.restore()
             self._client.update(phase=Phase.RECOVERING)
             self._client.report_failure(self.generation, self.rank, self._committed, reason, self._has_state)
             self._close_generation()  # sharded: overlaps the coordinator's planning

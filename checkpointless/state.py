@@ -99,6 +99,7 @@ import torch
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from checkpointless.comm import Group
+from checkpointless.control.plan import first_difference as first_difference  # re-exported
 from checkpointless.errors import IntegrityError
 
 
@@ -729,16 +730,6 @@ def combined_digest(entries: list[tuple[str, str]]) -> bytes:
     for path, d in entries:
         h.update(f"{len(path)}:{path}={d};".encode())
     return h.digest()
-
-
-def first_difference(a: list[tuple[str, str]], b: list[tuple[str, str]]) -> str | None:
-    """The path of the first entry that differs between two ``entry_digests`` (None if none does)."""
-    db = dict(b)
-    for path, d in a:
-        if db.get(path) != d:
-            return path
-    extra = [p for p, _ in b if p not in dict(a)]
-    return extra[0] if extra else None
 
 
 def _receive_buffers(skeleton: Any, into: Any, n: int) -> list[torch.Tensor | None]:

@@ -18,13 +18,15 @@ import logging
 import os
 import queue
 import signal
+import sys
 import threading
 import time
 from datetime import timedelta
 from typing import Any
 
-from torch.distributed import TCPStore
+from torch.distributed import DistNetworkError, TCPStore
 
+from checkpointless.config import JobConfig, RecoveryConfig
 from checkpointless.control import keys
 from checkpointless.control.auth import SignedStore, job_namespace
 from checkpointless.control.plan import Plan
@@ -48,6 +50,49 @@ _SPARE_POLL = timedelta(seconds=30)
 def connect(addr: str, timeout: timedelta) -> TCPStore:
     host, port = addr.rsplit(":", 1)
     return TCPStore(host, int(port), is_master=False, timeout=timeout, wait_for_workers=False)
+
+
+def _job_lease() -> float:
+    """The job's ``heartbeat_lease_s`` (the launcher passes the job's config to every process)."""
+    text = os.environ.get(ENV_CONFIG)
+    return (JobConfig.from_json(text).recovery if text else RecoveryConfig()).lease_s
+
+
+class _Redial:
+    """A store connection that survives a transient network error: an operation that fails for the
+    network (``DistNetworkError``: reset, broken pipe, refused) reconnects and is tried again, for
+    up to ``lease`` seconds from the first failure. Other errors (a wait's timeout) pass through."""
+
+    def __init__(self, addr: str, timeout: timedelta, lease: float) -> None:
+        self._addr, self._timeout, self._lease = addr, timeout, lease
+        self._store = connect(addr, timeout)
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._store, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            deadline: float | None = None
+            while True:
+                try:
+                    return getattr(self._store, name)(*args, **kwargs)
+                except DistNetworkError:
+                    deadline = deadline or time.monotonic() + self._lease
+                    if time.monotonic() > deadline:
+                        raise
+                    log.warning("the control store at %s failed in %s; reconnecting", self._addr, name)
+                while True:
+                    left = deadline - time.monotonic()
+                    try:
+                        self._store = connect(self._addr, timedelta(seconds=max(0.1, left)))
+                        break
+                    except (RuntimeError, OSError):
+                        if time.monotonic() > deadline:
+                            raise
+                        time.sleep(0.05)
+
+        return call
 
 
 def die_with_parent() -> None:
@@ -78,14 +123,25 @@ class ControlClient:
         *,
         timeout: timedelta = timedelta(seconds=60),
         heartbeat_interval: float = 0.1,
+        lease_s: float | None = None,
     ) -> None:
+        """``lease_s``: how long the control store may leave this process without an answer before
+        it exits (``RecoveryConfig.heartbeat_lease_s``); None: the job's, from the environment."""
         self.proc, self.addr = proc, addr
         self.timeout = timedelta(seconds=min(timeout.total_seconds(), 30.0))
+        self._lease = lease_s if lease_s is not None else _job_lease()
         ns = job_namespace(secret)
-        self.store = SignedStore(connect(addr, self.timeout), secret, self._rejected, namespace=ns)
+        main = _Redial(addr, self.timeout, self._lease)
+        self.store = SignedStore(main, secret, self._rejected, namespace=ns)
         self._hb_store = SignedStore(connect(addr, self.timeout), secret, self._rejected, namespace=ns)
         self._hb_lock = threading.Lock()
         self._interval = heartbeat_interval
+        # the lease: renewed by a round trip on the heartbeat connection at this pace
+        self._ack_every = min(heartbeat_interval, self._lease / 4)
+        self._last_ack = time.monotonic()  # when the last acknowledged round trip was sent
+        self._in_flight: float | None = None  # when the round trip under way was sent
+        self._broken = False  # the heartbeat connection failed: the heartbeat thread reconnects
+        self._unacked: list[tuple[str, str]] = []  # event chunks written since the last round trip
         self._events: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._chunks = 0
         self._last_flush = 0.0
@@ -97,6 +153,8 @@ class ControlClient:
             target=self._heartbeat_loop, name="checkpointless-heartbeat", daemon=True
         )
         self._thread.start()
+        self._watchdog = threading.Thread(target=self._lease_loop, name="checkpointless-lease", daemon=True)
+        self._watchdog.start()
 
     def _rejected(self, key: str) -> None:
         log.warning("%s: ignored a value on %r that is not sealed with this job's secret", self.proc, key)
@@ -116,6 +174,8 @@ class ControlClient:
             self._flush()
 
     def _flush(self) -> None:
+        """Publish the pending events and a heartbeat. Never raises for the store: a failed write
+        leaves the connection to the heartbeat thread, which reconnects and writes them again."""
         # Drain and snapshot under the lock: two flushers must publish in order.
         with self._hb_lock:
             lines = []
@@ -127,34 +187,113 @@ class ControlClient:
             # Only ``set``s: a store ``set`` is one message with no reply, so a commit's sync flush
             # never waits for the launcher (a counter ``add`` would be a round trip). The heartbeat
             # says how many event chunks came before it on this connection, which delivered them
-            # first: the launcher reads exactly those, with no probe for the next one.
+            # first: the launcher reads exactly those, with no probe for the next one. A chunk is
+            # kept until a round trip after it (``_ack``) proves it arrived.
             if lines:
-                self._hb_store.set(
-                    keys.events(self.proc, self._chunks), "".join(line + "\n" for line in lines)
+                self._unacked.append(
+                    (keys.events(self.proc, self._chunks), "".join(line + "\n" for line in lines))
                 )
                 self._chunks += 1
             status = dict(self._status)
             status["seq"] = self._status["seq"] = int(self._status["seq"]) + 1
             status["t"] = time.time()
             status["chunks"] = self._chunks
-            self._hb_store.set(keys.heartbeat(self.proc), json.dumps(status))
             self._last_flush = time.monotonic()
+            if self._broken:
+                return
+            try:
+                if lines:
+                    self._hb_store.set(*self._unacked[-1])
+                self._hb_store.set(keys.heartbeat(self.proc), json.dumps(status))
+            except (RuntimeError, OSError) as e:
+                self._lost(e)
+
+    def _lost(self, error: BaseException) -> None:
+        """The heartbeat connection failed (the lock is held): retried until the lease runs out."""
+        if not self._broken:
+            self._broken = True
+            log.warning("%s: the control store at %s failed (%s); reconnecting for up to %.1fs",
+                        self.proc, self.addr, str(error).splitlines()[0] if str(error) else type(error).__name__,
+                        self._lease - (time.monotonic() - self._last_ack))  # fmt: skip
+
+    def _ack(self) -> None:
+        """One acknowledged round trip on the heartbeat connection: renews the lease, and proves
+        that every write before it arrived (a ``set`` alone may vanish in a dead connection)."""
+        with self._hb_lock:
+            if self._broken:
+                return
+            sent = self._in_flight = time.monotonic()
+            try:
+                self._hb_store.raw.check([self._hb_store.name(keys.heartbeat(self.proc))])
+            except (RuntimeError, OSError) as e:
+                self._lost(e)
+                return
+            finally:
+                self._in_flight = None
+            self._unacked.clear()
+            self._last_ack = sent
+
+    def _reconnect(self) -> None:
+        """A new heartbeat connection; the events not yet acknowledged are written again on it."""
+        left = self._lease - (time.monotonic() - self._last_ack)
+        try:
+            raw = connect(self.addr, timedelta(seconds=min(max(left, 0.1), self.timeout.total_seconds())))
+        except (RuntimeError, OSError):
+            return  # still unreachable: the next beat tries again, the lease decides
+        with self._hb_lock:
+            self._hb_store.raw, self._broken = raw, False
+            try:
+                for key, text in self._unacked:
+                    self._hb_store.set(key, text)
+            except (RuntimeError, OSError) as e:
+                self._lost(e)
+                return
+        log.warning("%s: reconnected to the control store at %s", self.proc, self.addr)
+        self._flush()
 
     def _heartbeat_loop(self) -> None:
-        parent = os.getppid()
         # A commit's flush is a heartbeat too: the thread beats only when the main thread has not
-        # for an interval (each beat wakes the launcher's store on the cores the ranks train on)
-        while not self._stop.wait(max(0.0, self._last_flush + self._interval - time.monotonic())):
+        # for an interval (each beat wakes the launcher's store on the cores the ranks train on),
+        # and renews the lease with a round trip once an ``_ack_every``.
+        while not self._stop.wait(self._until_next_beat()):
             try:
-                if time.monotonic() - self._last_flush < self._interval * 0.999:
+                if self._broken:
+                    self._reconnect()
                     continue
-                self._flush()
-            except (RuntimeError, OSError):  # the store is gone with the launcher: nothing left to serve
-                os._exit(3)
+                if time.monotonic() - self._last_flush >= self._interval * 0.999:
+                    self._flush()
+                if time.monotonic() - self._last_ack >= self._ack_every * 0.999:
+                    self._ack()
             except Exception:  # a bug here must not look like a lost launcher
                 log.exception("the heartbeat thread failed")
                 os._exit(4)
+
+    def _until_next_beat(self) -> float:
+        if self._broken:
+            return self._ack_every / 2
+        due = min(self._last_flush + self._interval, self._last_ack + self._ack_every)
+        return max(0.0, due - time.monotonic())
+
+    def _lease_loop(self) -> None:
+        """Exit once the store has left this process without an answer for a lease: a round trip
+        that has not returned (a partition) or a connection that cannot be re-made (the launcher
+        is gone). The coordinator declares a silent process dead only later (``hang_timeout_s``),
+        so a cut-off worker has given up its rank before a spare takes it. A heartbeat thread that
+        is merely slow to run (a loaded machine) has no round trip under way: no exit for that."""
+        parent = os.getppid()
+        while not self._stop.wait(self._ack_every / 2):
             if os.getppid() != parent:
+                os._exit(3)  # the launcher is gone
+            now = time.monotonic()
+            silent = now - self._last_ack
+            sent = self._in_flight
+            stuck = self._broken or (sent is not None and now - sent > self._lease / 4)
+            if silent > self._lease and stuck:
+                sys.stderr.write(
+                    f"{self.proc}: no answer from the control store at {self.addr} for {silent:.1f}s "
+                    f"(lease {self._lease:g}s): exiting\n"
+                )
+                sys.stderr.flush()
                 os._exit(3)
 
     def close(self) -> None:
@@ -236,10 +375,21 @@ class ControlClient:
     def is_set(self, key: str) -> bool:
         """Non-blocking check, on the heartbeat connection (safe while the main one blocks)."""
         with self._hb_lock:
-            return self._hb_store.is_set(key)
+            if self._broken:
+                return False  # asked again soon; the heartbeat thread reconnects meanwhile
+            try:
+                return self._hb_store.is_set(key)
+            except (RuntimeError, OSError) as e:
+                self._lost(e)
+                return False
 
-    def report_done(self, rank: int, digest: str, step: int) -> None:
-        self.store.set(keys.done(rank), json.dumps({"digest": digest, "step": step, "proc": self.proc}))
+    def report_done(
+        self, rank: int, digest: str, step: int, entries: list[tuple[str, str]] | None = None
+    ) -> None:
+        """Training ended at ``step``: the final state's digest, and the per-entry digests of
+        everything registered (``Session._registered_entries``) that the replicas compare."""
+        value = {"digest": digest, "step": step, "proc": self.proc, "entries": entries or []}
+        self.store.set(keys.done(rank), json.dumps(value))
 
     def report_fatal(self, rank: int, error: str) -> None:
         """A mistake no recovery can fix: the coordinator ends the job with ``error``."""

@@ -46,7 +46,7 @@ from typing import Any, Protocol
 from checkpointless.config import JobConfig
 from checkpointless.control import keys
 from checkpointless.control.auth import SignedStore
-from checkpointless.control.plan import Plan, PlanError, initial_plan, make_plan
+from checkpointless.control.plan import Plan, PlanError, first_difference, initial_plan, make_plan
 from checkpointless.control.vocab import Event, Phase, Reason, Role, event
 from checkpointless.durable import job_key, latest_complete
 from checkpointless.errors import JobFailed
@@ -138,6 +138,7 @@ class Coordinator:
         self._intruded: set[str] = set()  # plain key names a stranger wrote (a bounded list of names)
         self._published: dict[str, str] = {}  # sealed values to re-publish if a stranger overwrites them
         self.digest: str | None = None
+        self.registered_digest: str | None = None  # of everything registered but per-rank RNG
         self._done: dict[int, dict[str, Any]] = {}
         self.finished = False
 
@@ -641,10 +642,35 @@ class Coordinator:
                 of = "" if shards == 1 else f" of shard {shard}"
                 raise JobFailed(f"replicas{of} diverged: {len(digests)} different final states across ranks")
             per_shard.append(digests.pop())
+        registered = [self._registered_digest(done, shard) for shard in range(shards)]
         # one shard: its digest; several: the SHA-256 of the shards' digests in shard order
         self.digest = (
             per_shard[0] if shards == 1 else hashlib.sha256(":".join(per_shard).encode()).hexdigest()
         )
+        self.registered_digest = hashlib.sha256(":".join(registered).encode()).hexdigest()
         self.finished = True
         self.store.set(keys.JOB_STOP, "1")  # the launcher re-asserts it while the ranks exit
-        self._emit(Event.JOB_FINISHED, ok=True, step=done[0]["step"], digest=self.digest)
+        self._emit(
+            Event.JOB_FINISHED, ok=True, step=done[0]["step"], digest=self.digest,
+            registered_digest=self.registered_digest,
+        )  # fmt: skip
+
+    def _registered_digest(self, done: dict[int, dict[str, Any]], shard: int) -> str:
+        """The replicas of ``shard`` must hold everything registered alike (user state, the
+        optimizer's learning rate, ...; not the per-rank RNG): its digest, or ``JobFailed``
+        naming the first entry that differs and the ranks."""
+        ranks = sorted(r for r in done if r % self.job.shards == shard)
+        entries = {r: [(str(p), str(d)) for p, d in done[r].get("entries", [])] for r in ranks}
+        ref = ranks[0]
+        for r in ranks[1:]:
+            if entries[r] != entries[ref]:
+                path = first_difference(entries[ref], entries[r])
+                raise JobFailed(
+                    f"replicas diverged at the end: registered state {path!r} differs between rank "
+                    f"{ref} and rank {r} (the final state digests agree: state outside the model and "
+                    "optimizer tensors, or the optimizer's param_groups, drifted)"
+                )
+        h = hashlib.sha256()
+        for path, d in entries[ref]:
+            h.update(f"{len(path)}:{path}={d};".encode())
+        return h.hexdigest()

@@ -635,10 +635,13 @@ def build_report(
     stats = StepStats.of(events)
     recoveries = [float(e["seconds"]) for e in events if e["kind"] == Event.RECOVERY_DONE]
     evals = [(int(e["step"]), float(e["heldout_loss"])) for e in events if e["kind"] == Event.EVAL]
+    finished = [e for e in events if e["kind"] == Event.JOB_FINISHED]
     return {
         "steps_completed": stats.steps_completed,
         "total_steps": total_steps,
         "final_state_sha256": digest,
+        # everything registered (user state, the optimizer's param_groups, ...) but per-rank RNG
+        "final_registered_sha256": finished[-1].get("registered_digest") if finished else None,
         "goodput": round(stats.goodput, 4),
         "wall_s": round(stats.wall_s, 4),
         "step_time_s": round(stats.step_time_s, 5),
