@@ -8,6 +8,11 @@ from dataclasses import asdict, dataclass, field
 
 from checkpointless.faults import FaultSpec
 
+LEASE_FRACTION = 0.5
+"""The default ``heartbeat_lease_s``, as a fraction of ``hang_timeout_s``."""
+LEASE_MARGIN = 0.75
+"""``heartbeat_lease_s + heartbeat_interval_s`` may be at most this fraction of ``hang_timeout_s``."""
+
 
 @dataclass(kw_only=True, slots=True)
 class RecoveryConfig:
@@ -35,6 +40,14 @@ class RecoveryConfig:
     ``bench/kill_cost.py``). Applied only where the spare can undo it (root, or RLIMIT_NICE)."""
     heartbeat_interval_s: float = 0.1
     """How often each process reports to the coordinator."""
+    heartbeat_lease_s: float | None = None
+    """A process whose control store has not answered a round trip for this long exits on its own
+    (code 3): the store (the launcher) is gone, or the network to it is. Errors shorter than this
+    (a timeout on a loaded machine, a reset connection) are retried, reconnecting. The lease must
+    run out before the coordinator declares the silent process dead, with a margin:
+    ``2 * heartbeat_interval_s <= heartbeat_lease_s`` and
+    ``heartbeat_lease_s + heartbeat_interval_s <= 0.75 * hang_timeout_s``.
+    None (the default): ``LEASE_FRACTION`` (0.5) of ``hang_timeout_s``, see ``lease_s``."""
     collective_timeout_s: float = 60.0
     """Backstop for any single collective or group formation (normally never reached)."""
     plan_timeout_s: float = 120.0
@@ -53,6 +66,13 @@ class RecoveryConfig:
     durable_dir: str | None = None
     """Where the durable tier writes (required with ``durable_every``; a directory every host sees)."""
 
+    @property
+    def lease_s(self) -> float:
+        """The effective ``heartbeat_lease_s``."""
+        if self.heartbeat_lease_s is not None:
+            return self.heartbeat_lease_s
+        return LEASE_FRACTION * self.hang_timeout_s
+
     def __post_init__(self) -> None:
         for name in ("hang_timeout_s", "progress_timeout_s", "heartbeat_interval_s", "collective_timeout_s",
                      "plan_timeout_s", "start_timeout_s"):  # fmt: skip
@@ -65,6 +85,24 @@ class RecoveryConfig:
             raise ValueError(
                 f"heartbeat_interval_s must be in (0, hang_timeout_s={self.hang_timeout_s}), "
                 f"got {self.heartbeat_interval_s}"
+            )
+        own = self.heartbeat_lease_s
+        if own is not None and (not math.isfinite(own) or own <= 0):
+            raise ValueError(f"heartbeat_lease_s must be a positive finite number of seconds, got {own}")
+        lease, slack = self.lease_s, 1 + 1e-9  # the slack: hang_timeout_s / 4 intervals pass exactly
+        if lease * slack < 2 * self.heartbeat_interval_s or (
+            lease + self.heartbeat_interval_s > LEASE_MARGIN * self.hang_timeout_s * slack
+        ):
+            which = (
+                "heartbeat_lease_s"
+                if own is not None
+                else f"heartbeat_lease_s ({LEASE_FRACTION:g} x hang_timeout_s)"
+            )
+            raise ValueError(
+                f"{which} = {lease:g} must be at least 2 x heartbeat_interval_s ({self.heartbeat_interval_s:g}), "
+                f"and heartbeat_lease_s + heartbeat_interval_s at most {LEASE_MARGIN:g} x hang_timeout_s "
+                f"({self.hang_timeout_s:g}): a process cut off from the control store must give up before "
+                "the coordinator declares it dead"
             )
         if not 0 <= self.spare_start_nice <= 19:
             raise ValueError(f"spare_start_nice must be in 0..19, got {self.spare_start_nice}")

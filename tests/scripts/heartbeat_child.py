@@ -1,0 +1,29 @@
+"""A process that holds a ``ControlClient`` and does nothing else (the heartbeat lease tests).
+
+Usage: heartbeat_child.py ADDR LEASE_S INTERVAL_S SECRET_HEX (a test's secret). It prints ``ready``, then answers each ``pub KEY`` line on stdin by publishing
+KEY on the main connection and printing ``ok KEY`` (or ``error ...``).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from checkpointless.control.client import ControlClient
+
+
+def main() -> None:
+    addr, lease, interval, secret = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
+    client = ControlClient(addr, "w0", bytes.fromhex(secret), heartbeat_interval=interval, lease_s=lease)
+    print("ready", flush=True)
+    for line in sys.stdin:
+        words = line.split()
+        if words[:1] == ["pub"]:
+            try:
+                client.publish(words[1], "1")
+                print(f"ok {words[1]}", flush=True)
+            except Exception as e:  # the test reads the reason
+                print(f"error {type(e).__name__}: {e}".splitlines()[0], flush=True)
+
+
+if __name__ == "__main__":
+    main()
