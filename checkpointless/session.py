@@ -105,6 +105,7 @@ from checkpointless.fsdp import (
     sockets,
     sockets_since,
 )
+from checkpointless.replicas import choose_sources, own_lineage, vote
 from checkpointless.state import (
     IntegrityError,
     Stateful,
@@ -293,6 +294,8 @@ class Session:
         self._reducer: GradientReducer | None = None
         self._trainable: Trainable | None = None  # replicated: which parameters train
         self._agreed: list[str] | None = None  # the trainable set the ranks last agreed on
+        self._lineage = own_lineage(0, 0)  # whose computation this rank's state descends from
+        self._lineages: dict[int, int] = {}  # every member's, as last exchanged in a recovery
         self._buffers = BufferSync(torch.nn.Module())
         if model is not None:
             self._install(model, optimizer, self.state)
@@ -761,6 +764,33 @@ class Session:
         every = self.job.recovery.consistency_every
         return c == 0 or (every > 0 and (c + 1) % every == 0)
 
+    def _exchange_digests(
+        self, digest: bytes | None, *, holder: bool
+    ) -> tuple[dict[int, bytes], dict[int, int], set[int]]:
+        """One all-gather of every member's state digest (zeros without one), lineage and whether
+        it holds its state in this exchange: by rank, digests, lineages and the holders."""
+        assert self._group is not None
+        payload = (digest or bytes(32)) + self._lineage.to_bytes(8, "little") + bytes([1 if holder else 0])
+        mine = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        rows = [bytes(t.tolist()) for t in self._group.allgather(mine)]
+        digests = {r: row[:32] for r, row in enumerate(rows)}
+        lineages = {r: int.from_bytes(row[32:40], "little") for r, row in enumerate(rows)}
+        return digests, lineages, {r for r, row in enumerate(rows) if row[40]}
+
+    def _wait_peer_json(self, key: str) -> Any:
+        """A value a peer of this generation publishes, or ``CollectiveError`` as soon as the
+        coordinator aborts the generation (a peer died): every wait inside a step becomes a
+        normal recovery, never a wait for ``plan_timeout_s``."""
+        assert self._client is not None
+        client, deadline = self._client, time.monotonic() + self._plan_timeout.total_seconds()
+        while not client.is_set(key):
+            if client.is_set(keys.abort(self.generation)):
+                raise CollectiveError(f"gen {self.generation}: aborted while waiting for {key}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{key} was not published within {self._plan_timeout.total_seconds():g} s")
+            time.sleep(0.005)
+        return client.wait_json(key, self._plan_timeout)
+
     def _check_consistency(self) -> None:
         """Compare a digest of every replica's state (one 32-byte all-gather); act on a difference.
 
@@ -776,28 +806,23 @@ class Session:
         if self._faults is not None:
             self._faults.at_check(self.rank, step + 1, self._fault_fired)
         entries = self._registered_entries()
-        mine = torch.frombuffer(bytearray(combined_digest(entries)), dtype=torch.uint8)
-        digests = [bytes(d.tolist()) for d in group.allgather(mine)]
+        digests, lineages, _ = self._exchange_digests(combined_digest(entries), holder=True)
         layout = ReplicaMap(self.world_size, self.job.shards)
         replica_groups = [layout.replica_group(shard) for shard in range(self.job.shards)]
         if all(len({digests[r] for r in ranks}) == 1 for ranks in replica_groups):
+            self._lineage = own_lineage(self.generation, self.rank)  # verified: independent again
             return
         client.publish(keys.state_digests(self.generation, step, self.rank), json.dumps(entries))
         by_rank = {
-            r: [(str(p), str(d)) for p, d in client.wait_json(keys.state_digests(self.generation, step, r),
-                                                           self._plan_timeout)]
+            r: [(str(p), str(d)) for p, d in self._wait_peer_json(keys.state_digests(self.generation, step, r))]
             for r in range(self.world_size)
         }  # fmt: skip
         resyncs: list[tuple[int, list[int], str | None]] = []
         for ranks in replica_groups:
-            counts: dict[bytes, list[int]] = {}
-            for r in ranks:
-                counts.setdefault(digests[r], []).append(r)
-            if len(counts) == 1:
+            result = vote(ranks, digests, lineages)  # copies of one source are one vote
+            if result.agreed:
                 continue
-            majority = max(counts.values(), key=len)
-            healthy = majority if len(majority) * 2 > len(ranks) else []
-            odd = [r for r in ranks if r not in healthy]
+            healthy, odd = result.healthy, result.odd
             ref = healthy[0] if healthy else ranks[0]
             other = next(r for r in ranks if digests[r] != digests[ref])
             entry = first_difference(by_rank[ref], by_rank[other])
@@ -829,6 +854,7 @@ class Session:
                 state, stats = recv_state(group, ref, key=self._secret, into=self._registry.state_dict())
                 self._registry.load_state_dict(state)
                 self._has_state = True
+                self._lineage = lineages[ref]
                 self._buffers.commit()
                 if self._reducer is not None and self._reducer.stale():  # the majority's flags
                     self._rebuild_reducer(step + 1, agreed=True)
@@ -1075,6 +1101,34 @@ class Session:
             "model layouts differ between ranks: " + _layout_difference(0, layouts[0], odd, layouts[odd])
         )
 
+    def _compare_holders(self, plan: Plan, digest: bytes | None, holder: bool) -> dict[int, int]:
+        """The holders of each shard compare their state before any is copied; where they
+        disagree, the majority of lineages is the source (and re-syncs the odd holders), and
+        without a majority the job stops rather than copy a state that may be corrupt."""
+        assert self._client is not None
+        digests, lineages, holders = self._exchange_digests(digest, holder=holder)
+        self._lineages = lineages
+        layout = ReplicaMap(plan.world_size, plan.shards)
+        groups = [layout.replica_group(shard) for shard in range(plan.shards)]
+        sources, split = choose_sources(plan.sources, groups, holders, digests, lineages)
+        step = plan.resume_step - 1
+        for ranks, result in split:
+            held = sorted(r for r in ranks if r in holders)
+            if self.rank == min(held):
+                self._client.emit(Event.STATE_DIVERGED, sync=True, rank=self.rank, gen=plan.gen, step=step,
+                                  entry="(at recovery)", ranks=result.odd, healthy=result.healthy)  # fmt: skip
+            if not result.healthy:
+                of = f" of shard {layout.shard_of(ranks[0])}" if plan.shards > 1 else ""
+                self._fatal(
+                    f"at recovery the replicas{of} that kept their state differ (ranks {held}) and no "
+                    "majority of independent copies tells which is right (silent data corruption?): "
+                    "stopping rather than copying a state that may be corrupt"
+                )
+        if sources != plan.sources:
+            log.warning("[gen %d rank %d] replicas disagreed at recovery: sources %s instead of %s",
+                        plan.gen, self.rank, sources, plan.sources)  # fmt: skip
+        return sources
+
     def _enter(self, plan: Plan) -> None:
         """Join ``plan``'s generation: form its group, check layouts and move state as it says."""
         assert self._client is not None
@@ -1083,6 +1137,7 @@ class Session:
         assert rank is not None, f"{client.proc} is not a member of generation {plan.gen}"
         self.rank, self.world_size, self.generation = rank, plan.world_size, plan.gen
         client.update(rank=rank, gen=plan.gen, phase=Phase.JOINING)
+        self._lineages = {}
         if self._faults is not None and rank in plan.replaced:
             self._faults.at_recovery(rank, plan.resume_step, self._fault_fired, at="join")
         if plan.shards > 1 and not self.sharded:
@@ -1090,6 +1145,22 @@ class Session:
                 f"the job has {plan.shards} shards per replica (--shards / parallel.shards) but "
                 "Session(model) replicates the model: shard it with Session(build=...)"
             )
+        if plan.gen == 0:
+            self._lineage = own_lineage(0, rank)
+        # where a recovery copies state, the holders compare theirs first (corruption since the
+        # last check must not be copied): hashed here, overlapping the group's formation
+        compare = (
+            plan.gen > 0 and bool(plan.sources) and plan.restore is None and plan.world_size > 1
+            and self.job.recovery.consistency_every > 0
+        )  # fmt: skip
+        holder = self._has_state and rank not in plan.sources
+        hashing: dict[str, bytes] = {}
+        hasher = None
+        if compare and holder and not self.sharded:
+            hasher = threading.Thread(
+                target=lambda: hashing.update(d=combined_digest(self._registered_entries())), daemon=True
+            )
+            hasher.start()
         self._group = self._form_group(plan)
         if self.sharded:
             self._build_generation()
@@ -1097,8 +1168,15 @@ class Session:
             self._check_layout(plan)
         if plan.restore is not None:
             plan = self._restore_durable(plan)
-        if rank in plan.sources:
-            src = plan.sources[rank]
+        sources = dict(plan.sources)
+        if compare:
+            if hasher is not None:
+                hasher.join()
+            elif holder:
+                hashing["d"] = combined_digest(self._registered_entries())
+            sources = self._compare_holders(plan, hashing.get("d"), holder)
+        if rank in sources:
+            src = sources[rank]
             client.emit(Event.TRANSFER_BEGUN, rank=rank, gen=plan.gen, step=plan.resume_step, src=src)
 
             def hook() -> None:
@@ -1114,11 +1192,12 @@ class Session:
             self._registry.load_state_dict(state)
             self._buffers.commit()
             self._has_state = True
+            self._lineage = self._lineages.get(src, own_lineage(plan.gen, src))
             client.emit(
                 Event.TRANSFER_ENDED, rank=rank, gen=plan.gen, step=plan.resume_step, src=src,
                 bytes=stats.bytes, seconds=stats.seconds, sha256_ok=True,
             )  # fmt: skip
-        for dst in sorted(r for r, s in plan.sources.items() if s == rank):
+        for dst in sorted(r for r, s in sources.items() if s == rank):
             if self._faults is not None:
                 self._faults.at_recovery(rank, plan.resume_step, self._fault_fired, at="source")
             stats = send_state(self._group, dst, self._registry.state_dict(), key=self._secret)

@@ -1,0 +1,51 @@
+"""A recovery never copies a corrupt replica: the holders compare their state before a source is
+chosen, and copies of one source count as one vote (issue 19, item 3)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.jobs import reference_digest, run_job
+
+pytestmark = pytest.mark.timeout(300)
+
+SHARDED = str(Path(__file__).resolve().parents[2] / "examples" / "sharded_loop.py")
+FAULTS = ["corrupt:rank=0@step=7", "kill:rank=1@step=7"]
+
+
+def test_a_corrupt_holder_is_outvoted_and_never_copied() -> None:
+    """Four replicas: rank 0 silently corrupt, rank 1 killed in the same step. Before: the spare
+    copied rank 0 (the first holder), and the two copies then outvoted the healthy ranks. Now the
+    holders 0, 2, 3 compare, 2 and 3 win, rank 0 and the spare receive rank 2's state, and the job
+    ends bitwise equal to the fault-free run."""
+    result = run_job(workers=4, spares=1, steps=14, faults=FAULTS, consistency_every=10)
+    assert result.ok, result.error
+    diverged = [e for e in result.events if e["kind"] == "state_diverged"]
+    assert diverged and diverged[0]["ranks"] == [0] and diverged[0]["healthy"] == [2, 3]
+    assert result.digest == reference_digest(4, 14)
+
+
+def test_without_a_majority_the_job_stops_rather_than_copy() -> None:
+    """Three replicas: rank 0 corrupt, rank 1 killed: one healthy holder against one corrupt one.
+    Before: the spare copied rank 0 and the pair re-synced healthy rank 2 to the corrupt state."""
+    result = run_job(workers=3, spares=1, steps=14, faults=FAULTS, consistency_every=10, expect_fired=False)
+    assert not result.ok
+    assert "no majority" in str(result.error) and "[0, 2]" in str(result.error)
+
+
+def test_sharded_holders_compare_before_a_shard_is_copied() -> None:
+    """HSDP 4 x 2: shard 0 lives on ranks 0, 2, 4, 6; rank 0 corrupt, rank 2 killed."""
+    steps = 8
+    faults = ["corrupt:rank=0@step=5", "kill:rank=2@step=5"]
+    command = [sys.executable, SHARDED, "--steps", str(steps)]
+    result = run_job(workers=8, shards=2, spares=1, steps=steps, faults=faults, consistency_every=10,
+                     command=command, timeout_s=240)  # fmt: skip
+    assert result.ok, result.error
+    diverged = [e for e in result.events if e["kind"] == "state_diverged"]
+    assert diverged and diverged[0]["ranks"] == [0] and diverged[0]["healthy"] == [4, 6]
+    clean = run_job(workers=8, shards=2, spares=0, steps=steps, command=command, timeout_s=240)
+    assert clean.ok, clean.error
+    assert result.digest == clean.digest
