@@ -235,6 +235,7 @@ class Coordinator:
         self._start_due_spares(now)
         if self._failure is None and poll:
             self._check_progress(now)
+            self._check_early_finish()
         if sweep:
             self._check_reports()
         if self._failure is not None:
@@ -477,6 +478,45 @@ class Coordinator:
                             p.handle.name, rank, hb.get("step"), now - p.phase_since)  # fmt: skip
                 p.killed = True
                 p.handle.kill()
+
+    def _check_early_finish(self) -> None:
+        """A rank that finished its loop while a peer of its generation still attempts (or finished
+        after) a later step: the peer would wait in that step's reduction for a rank that never
+        comes (each collective timeout a new generation, forever). The loops disagree on their
+        length: a mistake no recovery can fix, so the job ends naming both."""
+        assert self.plan is not None
+        gen = self.plan.gen
+        live = {
+            r: p.hb for r, n in self.members.items()
+            if (p := self.procs.get(n)) is not None and not p.killed and p.role == Role.WORKER
+            and p.hb.get("gen") == gen and p.hb.get("rank") == r
+        }  # fmt: skip
+
+        def reach(hb: dict[str, Any]) -> tuple[int, str]:
+            if hb.get("phase") in (Phase.COMPUTE, Phase.REDUCE) and hb.get("step") is not None:
+                return int(hb["step"]), f"attempts step {hb['step']}"
+            committed = int(hb.get("committed", -1))
+            verb = "finished after" if hb.get("phase") == Phase.DONE else "committed"
+            return committed, f"{verb} step {committed}"
+
+        for r, hb in sorted(live.items()):
+            if hb.get("phase") != Phase.DONE:
+                continue
+            mine = int(hb.get("committed", -1))
+            for peer, other in sorted(live.items()):
+                step, what = reach(other)
+                if peer == r or step <= mine:
+                    continue
+                error = (
+                    f"rank {r} ({self.members[r]}) finished its loop after step {mine} while rank {peer} "
+                    f"({self.members[peer]}) {what}: every rank must run the same number of steps "
+                    "(the same session.steps(n) everywhere, a replacement included)"
+                )
+                self._emit(
+                    Event.FAULT_DETECTED, rank=r, reason=Reason.FATAL, target=self.members[r], error=error
+                )
+                log.error("%s", error)
+                raise JobFailed(error)
 
     def _fail(self, now: float) -> _Failure:
         assert self.plan is not None

@@ -810,3 +810,67 @@ def test_with_the_bell_silent_the_reports_are_still_read_once_a_second() -> None
     assert job.store.get(keys.abort(0)) is None
     job.tick(1)  # a second after the last sweep
     assert job.store.get(keys.abort(0)) is not None
+
+
+# == a rank whose loop ends early ==================================================================
+
+
+@pytest.mark.parametrize(
+    ("peer", "outcome"),
+    [
+        ("reduce:8", r"^rank 1 \(w1\) finished its loop after step 7 while rank 0 \(w0\) attempts step 8: "),
+        ("compute:8", r"^rank 1 \(w1\) finished its loop after step 7 while rank 0 \(w0\) attempts step 8: "),
+        (
+            "done:9",
+            r"^rank 1 \(w1\) finished its loop after step 7 while rank 0 \(w0\) finished after step 9: ",
+        ),
+        ("reduce:7", None),  # the last step, still reducing: the peer finishes too
+        ("done:7", "finished"),
+    ],
+)
+def test_a_rank_that_finishes_while_a_peer_expects_more_steps_ends_the_job(
+    peer: str, outcome: str | None
+) -> None:
+    """Its peer would wait in the next step's reduction for it, a collective timeout per generation,
+    forever: the job ends at once, naming both ranks and their steps."""
+    job = Job(workers=2, spares=1)
+    job.steady(committed=7)
+    phase, step = peer.split(":")
+    if phase == "done":
+        job["w0"].heartbeat(phase="done", committed=int(step))
+        job["w0"].report_done(0, "d1", int(step))
+    else:
+        job["w0"].compute(int(step), 1)
+        if phase == "reduce":
+            job["w0"].reduce()
+    job["w1"].heartbeat(phase="done")
+    job["w1"].report_done(1, "d1", 7)
+    if outcome is None or outcome == "finished":
+        job.tick(4)
+        assert job.coord.finished == (outcome == "finished") and job.faults() == []
+        return
+    with pytest.raises(JobFailed, match=outcome):
+        job.tick()
+    assert job.faults() == [("fatal", "w1")] and job.kills() == {}
+
+
+def test_a_replacement_that_finishes_early_during_the_recovery_ends_the_job() -> None:
+    """The incident: a refilled spare's loop ran fewer steps; its peer could not commit the resume
+    step, so the recovery never completed (the check runs while recovering too)."""
+    job = Job(workers=2, spares=1)
+    job.steady(committed=4)
+    job.exit("w1", -9)
+    job.tick()
+    job["w0"].recover()
+    job.tick()
+    assert job.plan(1) is not None
+    job["w0"].enter(0, 1, 4)
+    job["s0"].enter(1, 1, 4)
+    job["w0"].compute(5, 2)
+    job["w0"].reduce()
+    job["s0"].heartbeat(phase="done")
+    job["s0"].report_done(1, "d1", 4)
+    with pytest.raises(
+        JobFailed, match=r"^rank 1 \(s0\) finished its loop after step 4 while rank 0 \(w0\) attempts step 5"
+    ):
+        job.tick()
