@@ -101,9 +101,8 @@ from checkpointless.fsdp import (
     ShardedState,
     forget_dtensor_caches,
     fsdp_modules,
-    shutdown_sockets,
+    release_formation,
     sockets,
-    sockets_since,
 )
 from checkpointless.replicas import choose_sources, own_lineage, vote
 from checkpointless.state import (
@@ -296,6 +295,7 @@ class Session:
         self._agreed: list[str] | None = None  # the trainable set the ranks last agreed on
         self._lineage = own_lineage(0, 0)  # whose computation this rank's state descends from
         self._lineages: dict[int, int] = {}  # every member's, as last exchanged in a recovery
+        self._stop_checked = 0.0  # when ``steps`` last looked for the job's stop
         self._buffers = BufferSync(torch.nn.Module())
         if model is not None:
             self._install(model, optimizer, self.state)
@@ -510,6 +510,7 @@ class Session:
                     continue
             if self._next_step >= total:
                 break
+            self._leave_if_stopped()
             self._attempted = False
             yield self._next_step
             if not self._attempted:
@@ -517,6 +518,23 @@ class Session:
                     "the body of `for step in session.steps(n)` must use `with session.attempt():`"
                 )
         self._loop_done = True
+
+    def _leave_if_stopped(self) -> None:
+        """At a step boundary: if the job was stopped (Ctrl-C, SIGTERM to the launcher), exit now
+        instead of training on through the launcher's grace period (checked every 50 ms at most)."""
+        client = self._client
+        if client is None or time.monotonic() < self._stop_checked + 0.05:
+            return
+        self._stop_checked = time.monotonic()
+        if not client.is_set(keys.JOB_STOP):
+            return
+        log.warning("[gen %d rank %d] the job was stopped: leaving before step %d", self.generation,
+                    self.rank, self._next_step)  # fmt: skip
+        if self._durable is not None:
+            self._durable.wait()  # a snapshot being written completes
+        self._finished = True
+        client.close()
+        raise SystemExit(0)
 
     @contextlib.contextmanager
     def attempt(self) -> Iterator[Attempt]:
@@ -995,7 +1013,6 @@ class Session:
                     result["generation"] = Generation(
                         store, gen=plan.gen, prefix=prefix, rank=self.rank, world=plan.world_size,
                         shards=plan.shards, backend=self.job.backend, timeout=timeout,
-                        store_port=int(client.addr.rsplit(":", 1)[1]),
                     )  # fmt: skip
                 else:
                     result["group"] = Group(
@@ -1012,11 +1029,12 @@ class Session:
             t.join(timeout=0.01)
             if t.is_alive() and client.is_set(keys.abort(plan.gen)):
                 # The helper waits on a peer that will never come (up to the collective timeout).
-                # Shut down the connections it opened (its store connection, the group's): its
+                # Shut down the connections it opened (its store connection, those its group's
+                # listener accepted; not what other threads opened meanwhile): its
                 # wait fails now, and a sharded formation, which holds the process's one default
                 # group, ends before the next one starts (a fresh spare in the next generation
                 # would otherwise wait for this rank in vain, and time out in turn)
-                shutdown_sockets(sockets_since(before), None)
+                release_formation(before, client.addr)
                 t.join(timeout=5.0)
                 if self.sharded and t.is_alive():
                     self._forming = (t, result)
