@@ -514,9 +514,10 @@ class Session:
             self._attempted = False
             yield self._next_step
             if not self._attempted:
-                raise RuntimeError(
-                    "the body of `for step in session.steps(n)` must use `with session.attempt():`"
-                )
+                message = "the body of `for step in session.steps(n)` must use `with session.attempt():`"
+                if self._client is None:
+                    raise RuntimeError(message)
+                self._fatal(message)  # the same in every replacement: no spare can fix it
         self._loop_done = True
 
     def _leave_if_stopped(self) -> None:
@@ -935,7 +936,7 @@ class Session:
 
     def _on_failure(self, exc: Exception, step: int) -> None:
         _release_frames(exc)
-        reason = Reason.COLLECTIVE_ERROR if is_collective_failure(exc) else Reason.EXCEPTION
+        reason = Reason.COLLECTIVE_ERROR if self._caused_by_peers(exc) else Reason.EXCEPTION
         if reason == Reason.EXCEPTION:
             self._local_failures += 1
             if self._local_failures > self.job.recovery.max_retries_per_step:
@@ -964,6 +965,24 @@ class Session:
                     self._group.abort()
                     self._group = None
                 self._buffers.restore()  # the failed attempt's forward pass updated them in place
+    def _caused_by_peers(self, exc: Exception) -> bool:
+        """Whether a failed step is a collective failure, by its cause, not its message: our own
+        group operations raise ``CollectiveError``; an error raised inside a library's collective
+        (FSDP2's all-gather: a bare ``RuntimeError`` naming gloo) counts only if the generation was
+        aborted (a peer died or failed: the coordinator aborts it within its detection time).
+        Anything else the step raised is the user's exception, re-executed a bounded number of times."""
+        if isinstance(exc, CollectiveError):
+            return True
+        if not is_collective_failure(exc) or self._client is None:
+            return False
+        rc = self.job.recovery
+        deadline = time.monotonic() + rc.hang_timeout_s + 4 * rc.heartbeat_interval_s
+        while time.monotonic() < deadline:
+            if self._client.is_set(keys.abort(self.generation)):
+                return True
+            time.sleep(0.01)
+        return False
+
                 if self._trainable is not None:
                     self._trainable.restore()
             self._client.update(phase=Phase.RECOVERING)
@@ -1019,7 +1038,7 @@ class Session:
                         store, plan.gen, self.rank, plan.world_size, prefix=prefix,
                         backend=self.job.backend, timeout=timeout,
                     )  # fmt: skip
-            except Exception as e:
+            except (RuntimeError, OSError, TimeoutError) as e:  # the store or a peer failed
                 result["error"] = f"{type(e).__name__}: {e}"
 
         before = sockets()
@@ -1058,6 +1077,8 @@ class Session:
         line and, from dp-rank 0 of the shard, a ``durable_failed`` event); one all-gather of the
         steps loaded, and the smallest becomes the bound, until every rank loaded the same step.
         None left: the job stops, in one line.
+            except Exception as e:  # a bug, not a peer: no recovery fixes it
+                result["fatal"] = f"{type(e).__name__}: {e}"
         """
         from dataclasses import replace
 
@@ -1078,6 +1099,8 @@ class Session:
                     except IntegrityError as e:
                         bad.add(step)
                         why.append(str(e))
+        if "fatal" in result:
+            self._fatal(f"forming generation {plan.gen}'s process group failed: {result['fatal']}")
                         log.warning("[gen %d rank %d] durable snapshot not used, trying an older one: %s",
                                     plan.gen, self.rank, e)  # fmt: skip
                         if self.replica == 0:

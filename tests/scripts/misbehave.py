@@ -6,7 +6,9 @@ Modes: ``clean``; ``skip_reduce`` (RANK skips reduce_gradients at STEP); ``shape
 a wider layer); ``no_finish`` (every rank forgets session.finish()); ``log_outside`` (session.log
 after the block); ``slow_step`` (RANK sleeps 3 s once at STEP, heartbeat alive); ``spare_dies``
 (a spare exits with code 1 while starting); ``exception_first`` (the loop of the recipe style: an
-exception at step 0, then code after the block).
+exception at step 0, then code after the block); ``gloo_error`` (RANK's step raises, every time
+from STEP on, a RuntimeError whose text names gloo: the user's, not a peer's); ``no_attempt`` (the
+loop body has no ``with session.attempt():``).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ def main() -> None:
     session = cl.Session(model, opt)
     slowed = False
     for step in session.steps(steps):
+        if mode == "no_attempt":
+            continue
         with session.attempt() as attempt:
             g = torch.Generator().manual_seed(step * 10 + session.dp_rank)
             x = torch.randn(4, 8, generator=g)
@@ -46,6 +50,8 @@ def main() -> None:
             if mode == "exception_first" and step == 0 and session.rank == 1 and not slowed:
                 slowed = True
                 raise RuntimeError("a recoverable error at step 0")
+            if mode == "gloo_error" and session.rank == target[0] and step >= target[1]:
+                raise RuntimeError("[gloo/transport] the user's own data pipeline failed")
             if not (mode == "skip_reduce" and here):
                 session.reduce_gradients()
             opt.step()
