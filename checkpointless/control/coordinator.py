@@ -140,6 +140,7 @@ class Coordinator:
         self.digest: str | None = None
         self.registered_digest: str | None = None  # of everything registered but per-rank RNG
         self._done: dict[int, dict[str, Any]] = {}
+        self._crash_lines: dict[int, str] = {}  # rank -> last log line of its process that raised
         self.finished = False
 
     # -- setup --------------------------------------------------------------------
@@ -341,6 +342,12 @@ class Coordinator:
             )
         self._emit(Event.FAULT_DETECTED, rank=rank, reason=Reason.PROCESS_EXIT, target=name, role=role, exitcode=code,
                    log_tail=tail if code else "")  # fmt: skip
+        if role == Role.WORKER and rank is not None and code and code > 0 and not p.killed:
+            # An exception outside the step ended the process. Replaced once (a machine fault may
+            # strike once); the same line from the replacement is the script's: no spare fixes it.
+            if tail and self._crash_lines.get(rank) == tail:
+                raise JobFailed(f"rank {rank} failed twice with the same error, outside the step: {tail}")
+            self._crash_lines[rank] = tail
         if role == Role.WORKER and rank is not None:
             self._fail(now).dead.add(rank)
         elif role == Role.SPARE:
@@ -578,9 +585,13 @@ class Coordinator:
                     if self._pool_exhausted
                     else ""
                 )
+                lines = "".join(
+                    f"; rank {r}'s process ended with: {self._crash_lines[r]}"
+                    for r in sorted(f.dead) if self._crash_lines.get(r)
+                )  # fmt: skip
                 raise JobFailed(
                     f"generation {f.gen}: {len(f.dead)} rank(s) lost and {len(starting)} spare(s) left "
-                    f"(elastic shrink without spares is not supported yet){why}"
+                    f"(elastic shrink without spares is not supported yet){why}{lines}"
                 )
             return  # wait for spares that are still starting
         try:

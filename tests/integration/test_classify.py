@@ -35,3 +35,14 @@ def test_a_loop_without_attempt_ends_the_job_without_burning_spares() -> None:
     assert not result.ok
     assert "must use `with session.attempt():`" in str(result.error), result.error
     assert not [e for e in result.events if e["kind"] == "transfer_begun"]  # no spare was given a rank
+
+
+def test_an_error_outside_the_step_is_replaced_once_then_ends_the_job_naming_it() -> None:
+    """Before: every spare took the rank and died the same way; the job ended '1 rank(s) lost ...
+    elastic shrink without spares is not supported yet', the error only in a log."""
+    result = _misbehave("outside", "1@4", spares=3, timeout_s=90)
+    assert not result.ok
+    error = str(result.error)
+    assert "rank 1 failed twice" in error and "DistributedSampler(dataset) needs the rank" in error, error
+    exits = [e for e in result.events if e["kind"] == "process_exited" and e.get("rank") == 1]
+    assert len(exits) == 2  # the first process and one replacement: the other spares were spared

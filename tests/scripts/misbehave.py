@@ -8,7 +8,8 @@ after the block); ``slow_step`` (RANK sleeps 3 s once at STEP, heartbeat alive);
 (a spare exits with code 1 while starting); ``exception_first`` (the loop of the recipe style: an
 exception at step 0, then code after the block); ``gloo_error`` (RANK's step raises, every time
 from STEP on, a RuntimeError whose text names gloo: the user's, not a peer's); ``no_attempt`` (the
-loop body has no ``with session.attempt():``).
+loop body has no ``with session.attempt():``); ``outside`` (RANK raises, outside the step, before
+STEP: every process that holds the rank does).
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ def main() -> None:
     for step in session.steps(steps):
         if mode == "no_attempt":
             continue
+        if mode == "outside" and session.rank == target[0] and step == target[1]:
+            raise ValueError("DistributedSampler(dataset) needs the rank: build it after Session()")
         with session.attempt() as attempt:
             g = torch.Generator().manual_seed(step * 10 + session.dp_rank)
             x = torch.randn(4, 8, generator=g)
