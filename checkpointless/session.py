@@ -533,6 +533,8 @@ class Session:
                     self.rank, self._next_step)  # fmt: skip
         if self._durable is not None:
             self._durable.wait()  # a snapshot being written completes
+        if self._client is not None:
+            self._client.update(total=total)  # the coordinator checks --fault steps against it
         self._finished = True
         client.close()
         raise SystemExit(0)

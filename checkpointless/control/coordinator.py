@@ -140,6 +140,8 @@ class Coordinator:
         self.digest: str | None = None
         self.registered_digest: str | None = None  # of everything registered but per-rank RNG
         self._done: dict[int, dict[str, Any]] = {}
+        self._totals: dict[str, int] = {}  # session.steps(total) of each worker
+        self._steps_given = total_steps is not None  # --steps; else the scripts' own total
         self._crash_lines: dict[int, str] = {}  # rank -> last log line of its process that raised
         self.finished = False
 
@@ -283,7 +285,24 @@ class Coordinator:
                     self._step_times.append(float(hb["step_time_s"]))
                 if (hb.get("phase"), hb.get("attempt")) != (p.hb.get("phase"), p.hb.get("attempt")):
                     p.phase_since = now
+                if (
+                    p.role == Role.WORKER
+                    and hb.get("total") is not None
+                    and hb.get("total") != p.hb.get("total")
+                ):
+                    self._script_total(name, int(hb["total"]))
                 p.hb = hb
+
+    def _script_total(self, name: str, total: int) -> None:
+        """A worker's ``session.steps(total)``: the job's step count where ``--steps`` was not
+        given (the largest: a script may call ``steps`` once per epoch with a growing total). A
+        ``--fault`` beyond it never fires and is reported as such at the end (``unfired_faults``)."""
+        if self._steps_given:
+            if total != self.total_steps and name not in self._totals:
+                log.warning("%s runs session.steps(%d) but --steps says %s", name, total, self.total_steps)
+        elif self.total_steps is None or total > self.total_steps:
+            self.total_steps = total
+        self._totals[name] = total
 
     def _rank_of(self, name: str) -> int | None:
         assert self.plan is not None

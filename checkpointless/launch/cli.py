@@ -135,10 +135,10 @@ def _job(
             changes["durable_dir"] = str(args.durable_dir)
         recovery = dataclasses.replace(base, **changes)
         _check_durable(recovery, "recovery.durable_dir" if args.durable_dir is None else "--durable-dir")
-        if steps is not None:
-            validate_schedule(faults, workers=args.workers, spares=args.spares, steps=steps,
-                              durable=bool(recovery.durable_every), shards=shards,
-                              consistency_every=recovery.consistency_every)  # fmt: skip
+        # without --steps, the steps are checked once the script's session.steps(total) says it
+        validate_schedule(faults, workers=args.workers, spares=args.spares, steps=steps or 2**62,
+                          durable=bool(recovery.durable_every), shards=shards,
+                          consistency_every=recovery.consistency_every)  # fmt: skip
         _check_out(args.out)  # created only once everything else is known to be right
         return JobConfig(
             workers=args.workers,

@@ -574,6 +574,7 @@ class Launcher:
         return JobResult(
             ok=error is None, digest=coord.digest, report=report, events=events, error=error,
             out_dir=self.out_dir, logs={n: c.log_path for n, c in self.children.items()},
+        self.total_steps = coord.total_steps  # the scripts' own, where --steps was not given
             pids={n: c.popen.pid for n, c in self.children.items()}, interrupted=interrupted,
             write_error=write_error,
         )  # fmt: skip

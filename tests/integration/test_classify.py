@@ -46,3 +46,23 @@ def test_an_error_outside_the_step_is_replaced_once_then_ends_the_job_naming_it(
     assert "rank 1 failed twice" in error and "DistributedSampler(dataset) needs the rank" in error, error
     exits = [e for e in result.events if e["kind"] == "process_exited" and e.get("rank") == 1]
     assert len(exits) == 2  # the first process and one replacement: the other spares were spared
+
+
+def _launch(steps: int | None, faults: list[str], script_steps: int = 8) -> Any:
+    from checkpointless.config import JobConfig, RecoveryConfig
+    from checkpointless.faults import parse_faults
+    from checkpointless.launch.launcher import Launcher
+
+    job = JobConfig(workers=2, spares=1, faults=parse_faults(faults),
+                    recovery=RecoveryConfig(hang_timeout_s=2.0, collective_timeout_s=30.0))  # fmt: skip
+    command = [sys.executable, SCRIPT, str(script_steps), "clean"]
+    return Launcher(job, command, total_steps=steps, timeout_s=60).run()
+
+
+def test_without_steps_the_scripts_own_total_is_the_jobs() -> None:
+    """``launch`` needs no ``--steps``: the script's ``session.steps(total)`` gives the job's step
+    count (the report's total), and a fault beyond it is named as never fired (the CLI exits 1)."""
+    result = _launch(None, ["kill:rank=1@step=20", "kill:rank=0@step=4"])
+    assert result.ok, result.error
+    assert result.report["total_steps"] == 8
+    assert result.report["unfired_faults"] == ["kill:rank=1@step=20"]
