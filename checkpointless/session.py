@@ -379,6 +379,8 @@ class Session:
         """Make ``model``/``optimizer``/``state`` the session's (once; per generation when sharded)."""
         self.model, self.optimizer, self.state = model, optimizer, state
         self._registry = StateRegistry()
+            else:
+                self._materialize_optimizer()
         if self._build is None:
             self._registry.register("model", model)
             if optimizer is not None:
@@ -446,6 +448,21 @@ class Session:
         if self.model is not None:
             for m in fsdp_modules(self.model):
                 m.reshard()  # a failed forward or backward may have left parameters gathered
+    def _materialize_optimizer(self) -> None:
+        """A spare, while it waits: allocate the optimizer's state (AdamW's moments exist only
+        after a first step), so that a recovery's transfer lands in existing tensors instead of
+        allocating each one on arrival (which ran the transfer at 0.43x raw gloo). One step on
+        zero gradients does it; everything it touched is overwritten by the transfer."""
+        if self.optimizer is None or self.optimizer.state or self.model is None:
+            return
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        self.optimizer.step()
+        for p in params:
+            p.grad = None
+
             self._buffers.restore()
             if self._has_state:
                 self._saved = self._registry.state_dict()
