@@ -6,6 +6,7 @@ tests.
 """
 
 from checkpointless.config import JobConfig, RecoveryConfig
+from checkpointless.devices import local_device
 from checkpointless.errors import CheckpointlessError, FatalError
 from checkpointless.faults import FaultSpec, parse_fault
 from checkpointless.session import Attempt, Session
@@ -20,6 +21,7 @@ __all__ = [
     "RecoveryConfig",
     "Session",
     "Stateful",
+    "local_device",
     "parse_fault",
 ]
 __version__ = "0.1.0"

@@ -47,7 +47,22 @@ def is_collective_failure(exc: BaseException) -> bool:
 
 
 class Group:
-    """The data-plane group of one generation (gloo on CPU, NCCL on GPU)."""
+    """The data-plane group of one generation (gloo on CPU, NCCL on GPU), with its control group.
+
+    ``control`` is a gloo group of the same members for the small CPU messages that steer the
+    job (barriers, the buffer-sync flag, digest all-gathers, the layout check, a state transfer's
+    header, metadata and trailer): NCCL takes CUDA tensors only. A gloo group is its own
+    ``control``; an NCCL group forms one on its store prefix + ``ctl/``.
+
+    ``device``: the device whose tensors the data plane moves point to point as they are (``cpu``
+    for gloo, which also reduces and broadcasts CUDA tensors but sends raw host pointers point to
+    point; the CUDA device for NCCL). ``state.send_state`` stages a tensor on another device
+    through a buffer on this one, or sends it over ``control`` if it is a CPU tensor.
+
+    Waits on NCCL work block the host until the GPU has done the work (``wait_all``, ``wait``):
+    a reduction that returns has completed, so a step is never committed on a reduction that is
+    still in flight (``Session``'s protocol needs it).
+    """
 
     def __init__(
         self,
@@ -59,18 +74,25 @@ class Group:
         prefix: str | None = None,
         backend: str = "gloo",
         timeout: timedelta = timedelta(seconds=60),
+        device: torch.device | None = None,
     ) -> None:
         """Collective over all members of generation ``gen``: every member must call it.
 
         ``prefix`` is the store prefix of the rendezvous (the session passes the
         generation's unguessable one, ``keys.pg_prefix``); tools and tests may omit it.
+        ``device``: NCCL's CUDA device (default: the current one); gloo's is the CPU.
         """
         self.gen, self.rank, self.world_size = gen, rank, world_size
-        prefixed = dist.PrefixStore(prefix or f"pg/{gen}/", store)
+        self.backend = backend
+        self.control: Group = self
+        prefix = prefix or f"pg/{gen}/"
+        prefixed = dist.PrefixStore(prefix, store)
         try:
             if backend == "gloo":
+                self.device = torch.device("cpu")
                 self.pg: Any = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
             elif backend == "nccl":
+                self.device = device or torch.device("cuda", torch.cuda.current_device())
                 opts = dist.ProcessGroupNCCL.Options()
                 opts._timeout = timeout
                 self.pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
@@ -81,17 +103,41 @@ class Group:
         except RuntimeError as e:  # gloo and NCCL errors (torch.distributed.DistError is one)
             raise CollectiveError(f"gen {gen}: group formation failed: {e}") from None
         self._owned = True
+        if backend != "gloo":
+            try:
+                self.control = Group(store, gen, rank, world_size, prefix=prefix + "ctl/", timeout=timeout)
+            except CollectiveError:
+                self.abort()
+                raise
 
     @classmethod
-    def wrap(cls, pg: Any, gen: int, rank: int, world_size: int) -> Group:
+    def wrap(
+        cls, pg: Any, gen: int, rank: int, world_size: int, *, backend: str = "gloo",
+        device: torch.device | None = None,
+    ) -> Group:  # fmt: skip
         """A ``Group`` over an existing ``ProcessGroup`` (a sharded generation's default group).
 
-        Its owner tears it down (``fsdp.Generation.close``); ``abort`` only drops the reference.
+        Its owner tears it down (``fsdp.Generation.close``); ``abort`` only drops the reference
+        (and aborts ``control`` if the caller gave it one of its own).
         """
         self = cls.__new__(cls)
         self.gen, self.rank, self.world_size, self.pg = gen, rank, world_size, pg
+        self.backend, self.control = backend, self
+        if device is None:
+            device = (
+                torch.device("cuda", torch.cuda.current_device())
+                if backend == "nccl"
+                else torch.device("cpu")
+            )
+        self.device = device
         self._owned = False
         return self
+
+    def _settle(self) -> None:
+        """NCCL: block the host until the current stream has done the group's work (``wait`` on an
+        NCCL ``Work`` only orders the stream after it)."""
+        if self.backend == "nccl":
+            torch.cuda.current_stream(self.device).synchronize()
 
     def allreduce_(self, tensors: list[torch.Tensor]) -> None:
         """Sum each tensor in place across the group (all issued, then all awaited)."""
@@ -119,6 +165,7 @@ class Group:
         try:
             for w in works:
                 w.wait()
+            self._settle()
         except RuntimeError as e:  # gloo and NCCL errors (torch.distributed.DistError is one)
             raise CollectiveError(f"gen {self.gen}: allreduce failed: {e}") from None
         finally:
@@ -134,6 +181,7 @@ class Group:
                 works.append(self.pg.broadcast([t], opts))
             for w in works:
                 w.wait()
+            self._settle()
         except RuntimeError as e:  # gloo and NCCL errors (torch.distributed.DistError is one)
             works.clear()  # a live Work keeps the group's sockets open (see module doc)
             raise CollectiveError(f"gen {self.gen}: broadcast failed: {e}") from None
@@ -145,6 +193,7 @@ class Group:
         try:
             work = self.pg.allgather([out], [tensor])
             work.wait()
+            self._settle()
         except RuntimeError as e:  # gloo and NCCL errors (torch.distributed.DistError is one)
             work = None
             raise CollectiveError(f"gen {self.gen}: allgather failed: {e}") from None
@@ -168,30 +217,41 @@ class Group:
         """Wait for an ``isend``/``irecv``."""
         try:
             work.wait()
+            self._settle()
         except RuntimeError as e:  # gloo and NCCL errors (torch.distributed.DistError is one)
             raise CollectiveError(f"gen {self.gen}: point-to-point transfer failed: {e}") from None
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         try:
             self.pg.send([tensor], dst, 0).wait()
+            self._settle()
         except RuntimeError as e:  # gloo and NCCL errors (torch.distributed.DistError is one)
             raise CollectiveError(f"gen {self.gen}: send to rank {dst} failed: {e}") from None
 
     def recv(self, tensor: torch.Tensor, src: int) -> None:
         try:
             self.pg.recv([tensor], src, 0).wait()
+            self._settle()
         except RuntimeError as e:  # gloo and NCCL errors (torch.distributed.DistError is one)
             raise CollectiveError(f"gen {self.gen}: recv from rank {src} failed: {e}") from None
 
     def barrier(self) -> None:
+        """Every member reaches this point (one CPU number, on the control group)."""
+        ctl = self.control
+        if ctl is not self:
+            ctl.barrier()
+            return
         self.allreduce_([torch.zeros(1)])
 
     def abort(self) -> None:
         """Destroy this member's group so that its connections close and peers' pending collectives fail.
 
         The caller must hold no ``Work`` of this group (``attempt`` clears a
-        failure's traceback first); the group is unusable afterwards.
+        failure's traceback first); the group is unusable afterwards. Its control group goes too.
         """
+        ctl, self.control = self.control, self
+        if ctl is not self:
+            ctl.abort()
         pg, self.pg = self.pg, None
         if pg is None or not self._owned:
             return

@@ -124,6 +124,10 @@ class JobConfig:
     spares: int = 1
     shards: int = 1
     backend: str = "gloo"
+    """The data plane: ``gloo`` (CPU, or CUDA tensors staged where gloo needs them) or ``nccl``."""
+    device: str | None = None
+    """Where the ranks train: ``cpu`` or ``cuda`` (each process on ``cuda:<its slot on the host>``,
+    see ``checkpointless.devices``); None: ``cuda`` with ``nccl``, else ``cpu``."""
     seed: int = 0
     faults: list[FaultSpec] = field(default_factory=list)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
@@ -137,6 +141,15 @@ class JobConfig:
             raise ValueError(f"shards={self.shards} must divide workers={self.workers}")
         if self.backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be gloo or nccl, got {self.backend!r}")
+        if self.device not in (None, "cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+        if self.backend == "nccl" and self.device == "cpu":
+            raise ValueError("backend nccl needs device cuda (NCCL carries CUDA tensors only)")
+
+    @property
+    def device_type(self) -> str:
+        """``cpu`` or ``cuda``: the ``device`` asked for, or the backend's."""
+        return self.device or ("cuda" if self.backend == "nccl" else "cpu")
 
     def to_json(self) -> str:
         d = asdict(self)

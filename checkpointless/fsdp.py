@@ -155,6 +155,7 @@ class Generation:
         world: int,
         shards: int,
         backend: str = "gloo",
+        device_type: str | None = None,
         timeout: timedelta = timedelta(seconds=60),
         store_port: int | None = None,
     ) -> None:
@@ -189,7 +190,7 @@ class Generation:
                         mine[dim] = pg
             from torch.distributed.device_mesh import DeviceMesh
 
-            device = "cuda" if backend == "nccl" else "cpu"
+            device = device_type or ("cuda" if backend == "nccl" else "cpu")  # CUDA over gloo too
             self.mesh: Any = DeviceMesh.from_group(
                 [mine[0], mine[1]], device, mesh=grid, mesh_dim_names=MESH_DIMS
             )
@@ -199,7 +200,7 @@ class Generation:
             self.close()
             raise CollectiveError(f"gen {gen}: group formation failed: {e}") from None
         self._fds = sockets_since(before)
-        self.group = Group.wrap(dist.group.WORLD, gen, rank, world)
+        self.group = Group.wrap(dist.group.WORLD, gen, rank, world, backend=backend)
 
     def release(self) -> None:
         """Fail every pending collective of the generation, here and on the peers (fast: no cleanup)."""

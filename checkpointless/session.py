@@ -91,6 +91,7 @@ from checkpointless.control.client import (
 from checkpointless.control.plan import Plan, ReplicaMap
 from checkpointless.control.vocab import Event, Phase, Reason, Role
 from checkpointless.ddp import BufferSync, GradientReducer, Trainable, reduce_unbucketed
+from checkpointless.devices import local_device
 from checkpointless.durable import DurableWriter
 from checkpointless.durable import load as load_durable
 from checkpointless.errors import FatalError
@@ -215,6 +216,9 @@ class _Progress:
                 "torch": torch.get_rng_state(),
                 "numpy": np.random.get_state(),
                 "python": random.getstate(),
+                # every visible GPU's generator (CPU byte tensors): dropout on the GPU after a
+                # recovery draws what it would have drawn without the failure
+                **({"cuda": torch.cuda.get_rng_state_all()} if torch.cuda.is_available() else {}),
             },
         }
 
@@ -224,6 +228,8 @@ class _Progress:
         torch.set_rng_state(state["rng"]["torch"])
         np.random.set_state(state["rng"]["numpy"])
         random.setstate(state["rng"]["python"])
+        if "cuda" in state["rng"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
 
 
 class Session:
@@ -260,6 +266,14 @@ class Session:
             ``backward()``, as ``DistributedDataParallel`` does (``ddp.GradientReducer``);
             several backward passes per attempt stay correct. The result is the same
             bit for bit either way; turn it off to reduce only in ``reduce_gradients()``.
+
+    ``session.device`` is where this process trains: ``cuda:<slot>`` when the job runs on CUDA
+    (``--backend nccl``, or ``--device cuda`` over gloo), else ``cpu``; the slot is the process's
+    place on its host (``checkpointless.devices``), given by the launcher before a spare has a
+    rank, so ``checkpointless.local_device()`` says it before the session exists: build the
+    model there, and put every batch on ``session.device``. The session makes it the current CUDA
+    device. Over NCCL the gradients and the state move GPU to GPU; the small messages that steer
+    the job (barriers, digests, a transfer's header) run on a gloo group of the same generation.
     """
 
     def __init__(
@@ -281,6 +295,10 @@ class Session:
                 "with build=, the optimizer and more state come from build(mesh), not from arguments"
             )
         self.seed, self.reseed_rng = seed, reseed_rng
+        # where this process trains, from its slot on the host: known before a spare has a rank
+        self.device: torch.device = local_device()
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         self._build = build
         self._generation_state: Generation | None = None  # sharded: this generation's groups and mesh
         self._saved: dict[str, Any] | None = None  # sharded: the state carried between generations
@@ -327,8 +345,9 @@ class Session:
             self._has_state = True
             if build is not None:  # one process: a 1 x 1 mesh
                 self._generation_state = Generation(
-                    dist.HashStore(), gen=0, prefix="local/", rank=0, world=1, shards=1
-                )
+                    dist.HashStore(), gen=0, prefix="local/", rank=0, world=1, shards=1,
+                    device_type=self.device.type,
+                )  # fmt: skip
                 self._group = self._generation_state.group
                 self._build_generation()
             return
@@ -344,6 +363,14 @@ class Session:
             heartbeat_interval=rc.heartbeat_interval_s,
         )
         self._faults = FaultInjector(self.job.faults, self._client)
+        if model is not None:
+            off = next(((n, t.device) for n, t in model.state_dict().items()
+                        if isinstance(t, torch.Tensor) and t.device != self.device), None)  # fmt: skip
+            if off is not None:
+                self._fatal(
+                    f"{off[0]!r} is on {off[1]} but this process trains on {self.device} (session.device): "
+                    "build the model on checkpointless.local_device()"
+                )
         if rc.durable_every and rc.durable_dir:
             self._durable = DurableWriter.for_job(self.job, self.seed, on_event=self._durable_event)
         atexit.register(self._at_exit)
@@ -427,7 +454,10 @@ class Session:
         recovery would otherwise wait for (measured 2.8-5.6 s for llama-tiny on 2 busy cores,
         0.1 s for a build after that)."""
         assert self._build is not None
-        warm = Generation(dist.HashStore(), gen=-1, prefix="prewarm/", rank=0, world=1, shards=1)
+        warm = Generation(
+            dist.HashStore(), gen=-1, prefix="prewarm/", rank=0, world=1, shards=1,
+            device_type=self.device.type,
+        )  # fmt: skip
         try:
             built = self._build(warm.mesh)
             del built
@@ -469,6 +499,8 @@ class Session:
             self.model = self.optimizer = None
             self.state = {}
             self._registry = StateRegistry()
+        if self._group is not None:
+            self._group.abort()  # the generation's own groups stay for close(); a control group goes
         self._group = None
 
     def _close_generation(self) -> None:
@@ -694,7 +726,7 @@ class Session:
             buffers = self._buffers
             moved = self._broadcast_buffers and bool(buffers) and (not buffers.synced or buffers.changed())
             flag = torch.tensor([1.0 if moved else 0.0])
-            self._group.allreduce_([flag])
+            self._group.control.allreduce_([flag])
             if flag.item() > 0:
                 buffers.sync(self._group)
         self._reduced = True
@@ -810,7 +842,7 @@ class Session:
         assert self._group is not None
         payload = (digest or bytes(32)) + self._lineage.to_bytes(8, "little") + bytes([1 if holder else 0])
         mine = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        rows = [bytes(t.tolist()) for t in self._group.allgather(mine)]
+        rows = [bytes(t.tolist()) for t in self._group.control.allgather(mine)]
         digests = {r: row[:32] for r, row in enumerate(rows)}
         lineages = {r: int.from_bytes(row[32:40], "little") for r, row in enumerate(rows)}
         return digests, lineages, {r for r, row in enumerate(rows) if row[40]}
@@ -1051,7 +1083,13 @@ class Session:
                     result["generation"] = Generation(
                         store, gen=plan.gen, prefix=prefix, rank=self.rank, world=plan.world_size,
                         shards=plan.shards, backend=self.job.backend, timeout=timeout,
+                        device_type=self.device.type,
                     )  # fmt: skip
+                    if self.job.backend != "gloo":  # the control messages' gloo group (comm.Group)
+                        result["generation"].group.control = Group(
+                            store, plan.gen, self.rank, plan.world_size, prefix=prefix + "ctl/",
+                            timeout=timeout,
+                        )  # fmt: skip
                 else:
                     result["group"] = Group(
                         store, plan.gen, self.rank, plan.world_size, prefix=prefix,
@@ -1129,7 +1167,7 @@ class Session:
                     self._registry.load_state_dict(state)
                     mine = step
                     break
-            steps = [int(t) for t in self._group.allgather(torch.tensor([mine], dtype=torch.int64))]
+            steps = [int(t) for t in self._group.control.allgather(torch.tensor([mine], dtype=torch.int64))]
             if min(steps) < 0:
                 skipped = ", ".join(map(str, sorted(bad, reverse=True))) or "none here"
                 self._fatal(
@@ -1152,7 +1190,7 @@ class Session:
         text = json.dumps(mine)
         self._client.publish(keys.layout(plan.gen, self.rank), text)
         digest = torch.frombuffer(bytearray(hashlib.sha256(text.encode()).digest()), dtype=torch.uint8)
-        digests = self._group.allgather(digest)
+        digests = self._group.control.allgather(digest)
         if all(torch.equal(d, digests[0]) for d in digests):
             return
         layouts = {r: self._client.read_json(keys.layout(plan.gen, r)) for r in range(plan.world_size)}

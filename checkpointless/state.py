@@ -552,6 +552,25 @@ def _u8(data: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
+def _channel(group: Group, on_accelerator: bool) -> Group:
+    """The group a tensor's bytes travel on (``on_accelerator``: the source holds it off the CPU):
+    the data plane, unless the data plane takes no CPU tensor (NCCL) and this is a CPU tensor
+    (RNG states, an optimizer's step counts), which goes over the control group. Both ends decide
+    from the same flag (the source's tensor, the receiver's metadata), so they agree."""
+    if on_accelerator or group.device.type == "cpu":
+        return group
+    return group.control
+
+
+def _outgoing(
+    mac: AESGCM, index: int, piece: int, data: torch.Tensor, to: torch.device
+) -> tuple[torch.Tensor, bytes]:
+    """One piece as it goes on the wire (``data``, or a copy staged on the channel's device ``to``:
+    a CUDA tensor sent over gloo is staged in host memory) and its GMAC tag."""
+    wire = data if data.device.type == to.type else data.to(to)
+    return wire, _piece_tag(mac, index, piece, wire)
+
+
 def send_state(group: Group, dst: int, state: dict[str, Any], *, key: bytes | None = None) -> TransferStats:
     """Send ``state`` to rank ``dst`` of ``group`` (``dst`` must call ``recv_state``).
 
@@ -569,25 +588,33 @@ def send_state(group: Group, dst: int, state: dict[str, Any], *, key: bytes | No
     salt = os.urandom(_SALT_BYTES)
     mac = _mac(key, ctx, salt)
     meta_digest = hashlib.sha256(meta).digest()
-    group.send(torch.tensor([WIRE_VERSION, len(meta)], dtype=torch.int64), dst)
-    group.send(_u8(meta + salt + _meta_tag(key, ctx, salt, meta_digest)), dst)
-    works: list[Any] = []
+    control = group.control  # header, metadata and trailer are CPU tensors: never NCCL's
+    control.send(torch.tensor([WIRE_VERSION, len(meta)], dtype=torch.int64), dst)
+    control.send(_u8(meta + salt + _meta_tag(key, ctx, salt, meta_digest)), dst)
+    works: list[tuple[Group, Any]] = []
     try:
         # piece k is checked just before it is posted, so the kernel then reads it from the cache
         # (one pass over memory instead of two: measurably faster on a host the wire keeps busy)
         pieces = _pieces(tensors)
-        tags = [_pool().submit(_piece_tag, mac, *p) for p in pieces[:_LOOKAHEAD]]
-        for k, (_, _, data) in enumerate(pieces):
-            tags[k].result()
+        channels = [_channel(group, tensors[i].device.type != "cpu") for i, _, _ in pieces]
+
+        def prepare(k: int) -> Any:
+            return _pool().submit(_outgoing, mac, *pieces[k], channels[k].device)
+
+        tags = [prepare(k) for k in range(min(_LOOKAHEAD, len(pieces)))]
+        for k in range(len(pieces)):
+            wire, _ = tags[k].result()
             if k + _LOOKAHEAD < len(pieces):
-                tags.append(_pool().submit(_piece_tag, mac, *pieces[k + _LOOKAHEAD]))
-            works.append(group.isend(data, dst, tag=k + 1))
+                tags.append(prepare(k + _LOOKAHEAD))
+            works.append((channels[k], channels[k].isend(wire, dst, tag=k + 1)))
+            del wire
         for i in range(len(works)):  # no local name may keep a Work alive in a traceback
-            group.wait(works[i])
+            works[i][0].wait(works[i][1])
     finally:
         works.clear()  # a pending Work keeps the group's sockets open (comm module doc)
-    tensor_digest = hashlib.sha256(b"".join(f.result() for f in tags)).digest()
-    group.send(_u8(_trailer(key, ctx, meta_digest, tensor_digest)), dst)
+    tensor_digest = hashlib.sha256(b"".join(f.result()[1] for f in tags)).digest()
+    tags.clear()  # the staged copies
+    control.send(_u8(_trailer(key, ctx, meta_digest, tensor_digest)), dst)
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     return TransferStats(nbytes, time.perf_counter() - t0, _content_digest(meta_digest, tensor_digest))
 
@@ -627,8 +654,9 @@ def recv_state(
     _check_key(key)
     t0 = time.perf_counter()
     ctx = _context(group.gen, src, group.rank)
+    control = group.control  # header, metadata and trailer are CPU tensors: never NCCL's
     header = torch.zeros(2, dtype=torch.int64)
-    group.recv(header, src)
+    control.recv(header, src)
     version, n = (int(x) for x in header.tolist())
     if version != WIRE_VERSION:
         raise IntegrityError(f"state from rank {src}: wire version {version}, expected {WIRE_VERSION}")
@@ -637,7 +665,7 @@ def recv_state(
             f"state from rank {src}: metadata length {n} is outside 1..{MAX_META_BYTES} bytes; refused"
         )
     raw = torch.empty(n + _SALT_BYTES + _TAG_BYTES, dtype=torch.uint8)
-    group.recv(raw, src)
+    control.recv(raw, src)
     blob = raw.numpy().tobytes()
     del raw
     meta, salt, tag = blob[:n], blob[n : n + _SALT_BYTES], blob[n + _SALT_BYTES :]
@@ -663,14 +691,27 @@ def recv_state(
     tags = []
     try:
         pieces = _pieces(tensors)
-        works.extend(group.irecv(data, src, tag=k + 1) for k, (_, _, data) in enumerate(pieces))
+        channels = [_channel(group, refs[i].on_accelerator) for i, _, _ in pieces]
+        # a piece whose tensor is not on its channel's device arrives in a buffer there (a CUDA
+        # tensor over gloo: host memory) and is copied in once checked
+        wires = [
+            data if data.device.type == ch.device.type else torch.empty_like(data, device=ch.device)
+            for (_, _, data), ch in zip(pieces, channels, strict=True)
+        ]
+        works.extend(
+            ch.irecv(w, src, tag=k + 1) for k, (ch, w) in enumerate(zip(channels, wires, strict=True))
+        )
         for k in range(len(pieces)):  # check each piece once it arrived, while the rest is on the wire
-            group.wait(works[k])
-            tags.append(_pool().submit(_piece_tag, mac, *pieces[k]))
+            channels[k].wait(works[k])
+            i, j, data = pieces[k]
+            tags.append(_pool().submit(_piece_tag, mac, i, j, wires[k]))
+            if wires[k] is not data:
+                data.copy_(wires[k])
     finally:
         works.clear()  # a pending Work keeps the group's sockets open (comm module doc)
+    del wires
     trailer = torch.empty(_TAG_BYTES, dtype=torch.uint8)
-    group.recv(trailer, src)
+    control.recv(trailer, src)
     tensor_digest = hashlib.sha256(b"".join(f.result() for f in tags)).digest()
     if not hmac.compare_digest(trailer.numpy().tobytes(), _trailer(key, ctx, meta_digest, tensor_digest)):
         why = (

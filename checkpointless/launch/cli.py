@@ -46,7 +46,31 @@ def _add_job_args(p: argparse.ArgumentParser, *, workers: int, spares: int) -> N
     p.add_argument("--out", type=Path, default=None, help="write events.jsonl, report.json and logs here")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--port", type=int, default=0, help="control store port (0: any free port)")
+    _add_device_args(p)
     _add_detection_args(p)
+
+
+def _add_device_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
+                   help="data plane: gloo (CPU, or CUDA tensors with --device cuda) or nccl (CUDA; "
+                   "control messages then run on a gloo group beside it); default gloo")  # fmt: skip
+    p.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                   help="where the ranks train: each process on cuda:<its slot on the host> "
+                   "(workers 0..N-1, then spares), or cpu; default cuda with nccl, else cpu")  # fmt: skip
+
+
+def _check_device(job: JobConfig) -> None:
+    """A CUDA job needs CUDA where its processes run (this host: the launcher starts them here)."""
+    if job.device_type != "cuda":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        flag = "--backend nccl" if job.backend == "nccl" and job.device is None else "--device cuda"
+        raise UsageError(
+            f"{flag}: this machine has no usable CUDA device (torch {torch.__version__}"
+            f"{'' if torch.version.cuda else ', a build without CUDA'})"
+        )
 
 
 def _add_detection_args(p: argparse.ArgumentParser, *, defaults: bool = True) -> None:
@@ -140,16 +164,20 @@ def _job(
                           durable=bool(recovery.durable_every), shards=shards,
                           consistency_every=recovery.consistency_every)  # fmt: skip
         _check_out(args.out)  # created only once everything else is known to be right
-        return JobConfig(
+        job = JobConfig(
             workers=args.workers,
             spares=args.spares,
             shards=shards,
+            backend=getattr(args, "backend", None) or "gloo",
+            device=getattr(args, "device", None),
             seed=args.seed,
             faults=faults,
             recovery=recovery,
         )
     except ValueError as e:
         raise UsageError(str(e)) from e
+    _check_device(job)
+    return job
 
 
 def _print_result(console: Console, result: JobResult, label: str) -> None:
@@ -274,7 +302,7 @@ def cmd_demo(argv: list[str]) -> int:
     _positive("global-batch", global_batch)
     spec = DemoModel(
         steps=args.steps, seed=args.seed, d_model=args.d_model, n_layer=args.layers, global_batch=global_batch
-    )
+    )  # its processes train on session.device (JobConfig.device_type)
     if spec.d_model % spec.n_head:
         raise UsageError(
             f"--d-model must be a multiple of the demo's {spec.n_head} attention heads, got {args.d_model}"
@@ -284,7 +312,7 @@ def cmd_demo(argv: list[str]) -> int:
     console = stderr_console()
     console.print(
         f"checkpointless demo: {args.workers} workers + {args.spares} spare(s), {args.steps} steps, "
-        f"global batch {spec.global_batch}, "
+        f"global batch {spec.global_batch}, {job.backend} on {job.device_type}, "
         f"faults: {', '.join(map(str, job.faults)) or 'none'}",
         highlight=False,
     )
@@ -372,6 +400,7 @@ def cmd_run(argv: list[str]) -> int:
     if args.progress_timeout is None:
         args.progress_timeout = cfg.recovery.progress_timeout_s
     args.shards = cfg.parallel.shards
+    args.backend, args.device = cfg.parallel.backend, cfg.parallel.device
     job = _job(args, cfg.train.steps, [], cfg.recovery)
     command = [sys.executable, "-m", "checkpointless.recipes.train", str(args.recipe)]
     for o in overrides:

@@ -33,8 +33,11 @@ class DemoModel:
     eval_every: int = 20
 
 
-def build(spec: DemoModel) -> tuple[torch.nn.Module, torch.optim.Optimizer, SyntheticTokens]:
-    """(model, optimizer, training data) of the demo, identical in every process (and baseline)."""
+def build(
+    spec: DemoModel, device: torch.device | None = None
+) -> tuple[torch.nn.Module, torch.optim.Optimizer, SyntheticTokens]:
+    """(model, optimizer, training data) of the demo, identical in every process (and baseline);
+    the model on ``device`` (``checkpointless.local_device()``; the CPU by default)."""
     from checkpointless.models.tiny_gpt import GPTConfig, TinyGPT
 
     torch.set_num_threads(1)
@@ -43,7 +46,7 @@ def build(spec: DemoModel) -> tuple[torch.nn.Module, torch.optim.Optimizer, Synt
         vocab_size=spec.vocab_size, seq_len=spec.seq_len, d_model=spec.d_model,
         n_layer=spec.n_layer, n_head=spec.n_head,
     )  # fmt: skip
-    model = TinyGPT(cfg)
+    model = TinyGPT(cfg).to(device or torch.device("cpu"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr)
     data = SyntheticTokens(
         seed=spec.seed, vocab_size=spec.vocab_size, seq_len=spec.seq_len, global_batch=spec.global_batch
@@ -55,7 +58,8 @@ def train(spec: DemoModel) -> None:
     """The training script every worker and spare runs: a plain loop with checkpointless."""
     import checkpointless as cl
 
-    model, optimizer, data = build(spec)
+    device = cl.local_device()  # session.device: this process's GPU on a CUDA job, cpu otherwise
+    model, optimizer, data = build(spec, device)
     heldout = SyntheticTokens(
         seed=spec.seed + 1, vocab_size=spec.vocab_size, seq_len=spec.seq_len, global_batch=8
     )
@@ -64,6 +68,7 @@ def train(spec: DemoModel) -> None:
     for step in session.steps(spec.steps):
         with session.attempt() as attempt:
             inputs, targets = data.batch(step, session.dp_rank, session.dp_size)
+            inputs, targets = inputs.to(session.device), targets.to(session.device)
             loss = model(inputs, targets)
             loss.backward()
             session.reduce_gradients()
@@ -76,7 +81,7 @@ def train(spec: DemoModel) -> None:
             model.eval()
             with torch.no_grad():
                 x, y = heldout.batch(0, 0, 1)
-                session.emit(Event.EVAL, heldout_loss=model(x, y).item())
+                session.emit(Event.EVAL, heldout_loss=model(x.to(device), y.to(device)).item())
             model.train()
     session.finish()
 

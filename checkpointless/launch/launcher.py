@@ -60,6 +60,7 @@ from checkpointless.control.bell import ReportBell
 from checkpointless.control.client import ENV_CONFIG, ENV_JOB_ID, ENV_PROC, ENV_ROLE, ENV_STORE
 from checkpointless.control.coordinator import Coordinator, JobFailed
 from checkpointless.control.vocab import Event, Role, event
+from checkpointless.devices import ENV_LOCAL_INDEX
 from checkpointless.errors import JobInterrupted, LaunchError
 from checkpointless.faults import unfired
 from checkpointless.observe.report import build_report
@@ -98,9 +99,10 @@ class _Child:
     """A started process, as the coordinator sees it."""
 
     def __init__(
-        self, name: str, popen: subprocess.Popen[bytes], log_file: IO[bytes], log_path: Path
+        self, name: str, popen: subprocess.Popen[bytes], log_file: IO[bytes], log_path: Path, slot: int = 0
     ) -> None:
         self.name, self.popen, self.log_file, self.log_path = name, popen, log_file, log_path
+        self.slot = slot  # its place on the host (``devices.ENV_LOCAL_INDEX``): which GPU it uses
 
     def alive(self) -> bool:
         return self.popen.poll() is None
@@ -322,8 +324,10 @@ class Launcher:
     """Runs one job: ``command`` is started once per worker and once per spare.
 
     Every process gets ``CHECKPOINTLESS_*`` environment variables naming the
-    store, its process name, its role and the job config, plus a private pipe
-    holding the job's secret; the command's ``Session`` does the rest.
+    store, its process name, its role, the job config and its slot on the host
+    (``CHECKPOINTLESS_LOCAL_INDEX`` and ``LOCAL_RANK``: which GPU it trains on, see
+    ``checkpointless.devices``), plus a private pipe holding the job's secret; the
+    command's ``Session`` does the rest.
     """
 
     def __init__(
@@ -372,6 +376,7 @@ class Launcher:
         _CHILD_NICE = nice if nice and can_restore_priority() else 0
         env = dict(os.environ)
         env.update(self.env)
+        slot = self._free_slot()
         read_end, write_end = os.pipe()
         env.update(
             {
@@ -381,6 +386,8 @@ class Launcher:
                 ENV_CONFIG: self.job.to_json(),
                 ENV_JOB_ID: self.job_id,
                 ENV_SECRET_FD: str(read_end),
+                ENV_LOCAL_INDEX: str(slot),
+                "LOCAL_RANK": str(slot),
                 "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
                 "PYTHONUNBUFFERED": "1",
             }
@@ -405,10 +412,16 @@ class Launcher:
         finally:
             os.close(read_end)
             os.close(write_end)
-        child = _Child(name, popen, log_file, log_path)
+        child = _Child(name, popen, log_file, log_path, slot)
         self.children[name] = child
         self._wakeups.watch(child)
         return child
+
+    def _free_slot(self) -> int:
+        """The lowest slot on this host that no live process holds: workers get 0..N-1 at the start,
+        spares the next ones, and a refilled spare the slot (the GPU) a dead process freed."""
+        held = {c.slot for c in self.children.values() if c.alive()}
+        return next(i for i in range(len(held) + 1) if i not in held)
 
     def _spawn_spare(self) -> _Child:
         name = f"s{self._next_spare}"

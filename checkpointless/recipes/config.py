@@ -63,6 +63,8 @@ Family = Literal["llama", "gpt_oss", "tiny_gpt"]
 Tokenizer = Literal["byte", "bpe"]
 Schedule = Literal["constant", "cosine"]
 DType = Literal["float32", "bfloat16"]
+Backend = Literal["gloo", "nccl"]
+Device = Literal["cpu", "cuda"]
 LayerType = Literal["sliding_attention", "full_attention"]
 
 
@@ -354,6 +356,14 @@ class ParallelConfig:
     dtype: DType = "float32"
     """Parameter / compute dtype; ``bfloat16`` keeps fp32 master weights in the optimizer."""
 
+    backend: Backend = "gloo"
+    """Data plane: ``gloo`` or ``nccl`` (CUDA only; control messages then run on a gloo group
+    beside it). The ``--backend`` of ``checkpointless demo`` and ``launch``."""
+
+    device: Device | None = None
+    """Where the ranks train: ``cuda`` (each process on ``cuda:<its slot on the host>``) or ``cpu``;
+    unset: ``cuda`` with ``backend: nccl``, else ``cpu``."""
+
     def __post_init__(self) -> None:
         _positive("workers", self.workers)
         _positive("spares", self.spares, allow_zero=True)
@@ -364,6 +374,18 @@ class ParallelConfig:
                 f"shards={self.shards} does not divide workers={self.workers} (replicas x shards ranks)",
             )
         _choice("dtype", self.dtype, typing.get_args(DType))
+        _choice("backend", self.backend, typing.get_args(Backend))
+        if self.device is not None:
+            _choice("device", self.device, typing.get_args(Device))
+        if self.backend == "nccl" and self.device == "cpu":
+            raise RecipeError(
+                "device", "cpu cannot train with backend 'nccl' (NCCL carries CUDA tensors only)"
+            )
+
+    @property
+    def device_type(self) -> str:
+        """``cpu`` or ``cuda``: ``device``, or the backend's (``JobConfig.device_type``)."""
+        return self.device or ("cuda" if self.backend == "nccl" else "cpu")
 
     @property
     def replicas(self) -> int:

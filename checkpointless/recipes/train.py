@@ -90,25 +90,32 @@ def shard_model(model: nn.Module, mesh: Any, compute_dtype: torch.dtype = torch.
     return model
 
 
-def heldout_loss(model: nn.Module, data: Any, batches: int) -> float:
-    """Mean loss of ``model`` over the first ``batches`` held-out batches (eval mode, no grad)."""
+def heldout_loss(model: nn.Module, data: Any, batches: int, device: torch.device | None = None) -> float:
+    """Mean loss of ``model`` over the first ``batches`` held-out batches (eval mode, no grad), on
+    ``device`` (the model's: ``session.device``)."""
     model.eval()
     with torch.no_grad():
-        losses = [model(x, y).item() for x, y in (data.batch(i, 0, 1, split="val") for i in range(batches))]
+        losses = [
+            model(x.to(device), y.to(device)).item()
+            for x, y in (data.batch(i, 0, 1, split="val") for i in range(batches))
+        ]
     model.train()
     return sum(losses) / len(losses)
 
 
-def build_training(cfg: RecipeConfig, mesh: Any = None) -> Training:
-    """Build the model, optimizer and LR schedule of recipe ``cfg`` (what every worker trains);
+def build_training(cfg: RecipeConfig, mesh: Any = None, device: torch.device | None = None) -> Training:
+    """Build the model, optimizer and LR schedule of recipe ``cfg`` (what every worker trains) on
+    ``device`` (``checkpointless.local_device()``, which is ``session.device``; the CPU by default);
     with a device ``mesh``, the model is sharded on it first (``shard_model``)."""
     from checkpointless.recipes.models import build_model
 
     dtype = DTYPES[cfg.parallel.dtype]
+    device = device or torch.device("cpu")
     if mesh is None:
-        model = build_model(cfg.model, seed=cfg.train.seed, dtype=dtype)
+        model = build_model(cfg.model, seed=cfg.train.seed, dtype=dtype).to(device)
     else:  # float32 shards (the master weights), FSDP2 computing in ``dtype`` (see shard_model)
-        model = shard_model(build_model(cfg.model, seed=cfg.train.seed, dtype=torch.float32), mesh, dtype)
+        model = build_model(cfg.model, seed=cfg.train.seed, dtype=torch.float32).to(device)
+        model = shard_model(model, mesh, dtype)
     oc = cfg.optim
     hyper: dict[str, Any] = {"lr": oc.lr, "betas": oc.betas, "eps": oc.eps, "weight_decay": oc.weight_decay}
     optimizer: torch.optim.Optimizer
@@ -139,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     if cfg.parallel.shards > 1:
         return train_sharded(cfg)
-    training = build_training(cfg)
+    device = cl.local_device()  # session.device: this process's GPU on a CUDA job, known before the session
+    training = build_training(cfg, device=device)
     model, optimizer, scheduler = training.model, training.optimizer, training.scheduler
     steps = cfg.train.steps
 
@@ -153,11 +161,12 @@ def main(argv: list[str] | None = None) -> int:
 
     session = cl.Session(model, optimizer, state={"scheduler": scheduler}, seed=cfg.train.seed)
     if session.rank == 0 and session.step == 0 and dc.eval_every:
-        session.emit(Event.EVAL, heldout_loss=heldout_loss(model, data, dc.eval_batches))
+        session.emit(Event.EVAL, heldout_loss=heldout_loss(model, data, dc.eval_batches, device))
     for step in session.steps(steps):
         with session.attempt() as attempt:
             data.prefetch(range(step + 1, min(steps, step + 3)), session.dp_rank, session.dp_size)
             inputs, targets = data.batch(step, session.dp_rank, session.dp_size)
+            inputs, targets = inputs.to(device), targets.to(device)
             loss = model(inputs, targets)
             loss.backward()
             session.reduce_gradients()
@@ -170,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"step {step + 1}/{steps} loss {loss.item():.4f} lr {lr:.3e}", flush=True
             )  # into logs/w0.log
         if session.rank == 0 and dc.eval_every and ((step + 1) % dc.eval_every == 0 or step + 1 == steps):
-            session.emit(Event.EVAL, heldout_loss=heldout_loss(model, data, dc.eval_batches))
+            session.emit(Event.EVAL, heldout_loss=heldout_loss(model, data, dc.eval_batches, device))
     data.stop(timeout=5)
     session.finish()
     if session.rank == 0 and not os.environ.get(ENV_STORE):
@@ -193,9 +202,10 @@ def train_sharded(cfg: RecipeConfig) -> int:
     from checkpointless.recipes.config import open_dataset
 
     steps, dc = cfg.train.steps, cfg.data
+    device = cl.local_device()  # session.device
 
     def build(mesh: Any) -> tuple[nn.Module, torch.optim.Optimizer, dict[str, Any]]:
-        t = build_training(cfg, mesh)
+        t = build_training(cfg, mesh, device)
         return t.model, t.optimizer, {"scheduler": t.scheduler}
 
     def dataset() -> TokenDataset:
@@ -213,12 +223,13 @@ def train_sharded(cfg: RecipeConfig) -> int:
             assert isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR)
             training = Training(model, optimizer, scheduler, cfg.optim.grad_clip)
             evaluated = (
-                heldout_loss(model, data, dc.eval_batches)
+                heldout_loss(model, data, dc.eval_batches, device)
                 if dc.eval_every and step % dc.eval_every == 0
                 else None
             )
             data.prefetch(range(step + 1, min(steps, step + 3)), session.dp_rank, session.dp_size)
             inputs, targets = data.batch(step, session.dp_rank, session.dp_size)
+            inputs, targets = inputs.to(device), targets.to(device)
             loss = model(inputs, targets)
             loss.backward()
             session.reduce_gradients()

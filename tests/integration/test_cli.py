@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -65,6 +66,8 @@ def _one_line_exit_2(r: subprocess.CompletedProcess[str], needle: str) -> None:
         # (were the check to regress, a tiny job would run, not the default demo)
         (["demo", "--global-batch", "0", *TINY_JOB], "--global-batch must be >= 1"),
         (["demo", "--d-model", "0"], "--d-model must be >= 1"),
+        (["demo", "--backend", "mpi"], "invalid choice: 'mpi'"),
+        (["demo", "--backend", "nccl", "--device", "cpu"], "backend nccl needs device cuda"),
         (["demo", "--d-model", "3"], "--d-model must be a multiple of"),
         (["demo", "--layers", "0"], "--layers must be >= 1"),
         (["demo", "--hang-timeout", "inf"], "--hang-timeout must be a positive number"),
@@ -86,6 +89,26 @@ def test_bad_input_is_one_line_exit_2(
     code = main(list(args))
     err = capsys.readouterr().err
     _one_line_exit_2(subprocess.CompletedProcess(args, code, "", err), needle)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["demo", "--backend", "nccl"], "--backend nccl: this machine has no usable CUDA device"),
+        (
+            ["launch", "--device", "cuda", "--", "python", "-c", "0"],
+            "--device cuda: this machine has no usable",
+        ),
+    ],
+)
+def test_a_cuda_job_without_cuda_is_one_line_exit_2(
+    args: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from checkpointless.launch.cli import main
+
+    code = main(list(args))
+    _one_line_exit_2(subprocess.CompletedProcess(args, code, "", capsys.readouterr().err), needle)
 
 
 def test_bad_input_from_a_real_shell_is_one_line_exit_2() -> None:
