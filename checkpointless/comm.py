@@ -94,7 +94,9 @@ class Group:
             elif backend == "nccl":
                 self.device = device or torch.device("cuda", torch.cuda.current_device())
                 opts = dist.ProcessGroupNCCL.Options()
-                opts._timeout = timeout
+                from checkpointless._compat import set_nccl_timeout
+
+                set_nccl_timeout(opts, timeout)  # a private name, behind the version gate
                 self.pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
             else:
                 raise ValueError(f"unknown backend {backend!r} (expected gloo or nccl)")

@@ -14,9 +14,12 @@ whole (measured in docs/spikes/fsdp2/REPORT.md):
 - ``Generation.close`` releases the peers: gloo closes a group's connections only when the last
   reference to it goes, and the user's loop may still hold the old model or a loss whose
   autograd graph does (measured: a peer blocked on such a rank waits out the full timeout). So
-  the connections this generation opened are shut down at the socket level (``shutdown(2)``,
-  listening sockets and the control store's connections excluded), which fails every pending
-  collective on them at once, here and on the peers; NCCL groups are aborted. Then the default
+  the connections of this generation's groups are shut down at the socket level
+  (``shutdown(2)``), which fails every pending collective on them at once, here and on the
+  peers; NCCL groups are aborted. They are told apart from what other threads opened meanwhile
+  (a logger's, a data loader's connection) by their endpoints: accepted by one of the listeners
+  the formation opened, or connected to a peer's, which every rank publishes on the
+  generation's store prefix (``group_connections``); never a listener, never the store's. Then the default
   group is destroyed and the old model's garbage collected. DTensor's caches are kept when the
   next generation has the same layout (``_reuse_or_clear_caches``).
 - ``ShardedState`` is the transferable state of one rank: its shard of every parameter and of
@@ -29,10 +32,12 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import ipaddress
+import json
 import logging
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any
 
@@ -40,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from checkpointless import _compat
 from checkpointless.comm import Group
 from checkpointless.errors import CollectiveError
 
@@ -70,11 +76,22 @@ def sockets_since(before: dict[int, str]) -> dict[int, str]:
     return {fd: link for fd, link in sockets().items() if before.get(fd) != link}
 
 
-def shutdown_sockets(fds: dict[int, str], keep_port: int | None) -> int:
-    """Shut down the connected TCP sockets among ``fds`` (still the same sockets, not a listener,
-    not a connection to ``keep_port``); returns how many."""
+#: a TCP endpoint, (address, port); IPv4-mapped IPv6 addresses written as IPv4
+Endpoint = tuple[str, int]
+
+
+def _endpoint(addr: Any) -> Endpoint:
+    ip = ipaddress.ip_address(str(addr[0]).split("%", 1)[0])
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return str(ip), int(addr[1])
+
+
+def _tcp(fds: dict[int, str]) -> dict[int, tuple[bool, Endpoint, Endpoint | None]]:
+    """The TCP sockets among ``fds`` that are still the same sockets: fd -> (listening, local
+    endpoint, remote endpoint or None)."""
     current = sockets()
-    n = 0
+    out: dict[int, tuple[bool, Endpoint, Endpoint | None]] = {}
     for fd, link in fds.items():
         if current.get(fd) != link:
             continue  # closed since, and the number maybe reused
@@ -83,9 +100,79 @@ def shutdown_sockets(fds: dict[int, str], keep_port: int | None) -> int:
         except OSError:
             continue
         try:
+            if s.family not in (socket.AF_INET, socket.AF_INET6) or s.type != socket.SOCK_STREAM:
+                continue
+            listening = bool(s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN))
+            remote = None
+            if not listening:
+                with contextlib.suppress(OSError):
+                    remote = _endpoint(s.getpeername())
+            out[fd] = (listening, _endpoint(s.getsockname()), remote)
+        except (OSError, ValueError):
+            pass
+        finally:
+            s.close()  # the duplicate only
+    return out
+
+
+def _among(ep: Endpoint, targets: Iterable[Endpoint]) -> bool:
+    """``ep`` is one of ``targets`` (a target on the unspecified address matches its port)."""
+    return any(
+        ep[1] == port and (ep[0] == ip or ipaddress.ip_address(ip).is_unspecified) for ip, port in targets
+    )
+
+
+def listeners(fds: dict[int, str]) -> list[Endpoint]:
+    """The listening TCP sockets among ``fds`` (a group's, gloo's or NCCL's, once it formed)."""
+    return sorted(local for listening, local, _ in _tcp(fds).values() if listening)
+
+
+def group_connections(
+    fds: dict[int, str], *, store: Iterable[Endpoint] = (), peers: Iterable[Endpoint] = ()
+) -> dict[int, str]:
+    """The connections among ``fds`` (the sockets opened while a group formed) that the group
+    opened, not what another thread of the process (a logger, a data loader) opened meanwhile:
+
+    - those accepted by a listener among ``fds`` (the group's listener: a peer connected);
+    - those to a peer's listener (``peers``: what the peers published, ``Generation``);
+    - those to the store (``store``: ``store_endpoints``), where the formation's own store
+      connection must end too (``release_formation``).
+    """
+    tcp = _tcp(fds)
+    mine = [local for listening, local, _ in tcp.values() if listening]
+    targets = [_endpoint(ep) for ep in (*store, *peers)]
+    return {
+        fd: fds[fd]
+        for fd, (listening, local, remote) in tcp.items()
+        if not listening and remote is not None and (_among(local, mine) or _among(remote, targets))
+    }
+
+
+def store_endpoints(addr: str) -> set[Endpoint]:
+    """The endpoints a connection to the store at ``addr`` (``host:port``) may have as its peer."""
+    host, port = addr.rsplit(":", 1)
+    host = host.strip("[]")
+    try:
+        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except OSError:
+        return set()
+    return {_endpoint(info[4]) for info in infos}
+
+
+def shutdown_sockets(fds: dict[int, str]) -> int:
+    """Shut down (``shutdown(2)``) the connected TCP sockets among ``fds`` that are still the same
+    sockets, never a listener (shutting gloo's down makes its accept loop terminate the
+    process); returns how many."""
+    n = 0
+    for fd, link in fds.items():
+        try:
+            s = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue  # closed since
+        try:
+            if os.readlink(f"/proc/self/fd/{s.fileno()}") != link:
+                continue  # closed since, and the number reused
             if s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                continue  # gloo's listener: shutting it down makes gloo's accept loop terminate the process
-            if keep_port is not None and keep_port in (s.getpeername()[1], s.getsockname()[1]):
                 continue
             s.shutdown(socket.SHUT_RDWR)
             n += 1
@@ -96,18 +183,18 @@ def shutdown_sockets(fds: dict[int, str], keep_port: int | None) -> int:
     return n
 
 
+def release_formation(before: dict[int, str], store_addr: str) -> int:
+    """Fail an abandoned group formation's waits at once: shut down the connections it opened
+    since ``before`` to the store at ``store_addr`` and those its group's listener accepted (not
+    the other threads' connections); returns how many."""
+    new = sockets_since(before)
+    return shutdown_sockets(group_connections(new, store=store_endpoints(store_addr)))
+
+
 def clear_dtensor_caches() -> None:
-    """Drop DTensor's sharding-propagation and redistribution caches (they hold meshes and groups).
-
-    Private APIs of torch 2.13, pinned by tests/unit/test_fsdp.py.
-    """
-    from torch.distributed.tensor import DTensor, _collective_utils, _redistribute, debug
-
-    debug._clear_sharding_prop_cache()
-    DTensor._op_dispatcher.sharding_propagator._propagate_tensor_meta_cached.cache_clear()  # type: ignore[attr-defined]
-    _redistribute._planner_cache.clear()  # type: ignore[attr-defined]
-    _redistribute._gen_transform_infos.cache_clear()
-    _collective_utils.MeshTopoInfo.build_from_mesh.cache_clear()
+    """Drop DTensor's sharding-propagation and redistribution caches (they hold meshes and groups;
+    private torch APIs, behind ``_compat``'s version gate)."""
+    _compat.clear_dtensor_caches()
 
 
 _cache_signature: tuple[Any, ...] | None = None
@@ -138,11 +225,32 @@ def forget_dtensor_caches() -> None:
     gc.collect()
 
 
+_LISTENERS = "checkpointless/listeners/"  # + rank: a rank's group listeners, on the generation's prefix
+
+
+def _exchange_listeners(
+    store: dist.Store, rank: int, world: int, mine: list[Endpoint], timeout: timedelta
+) -> list[Endpoint]:
+    """Publish this rank's group listeners (``mine``) on ``store``, return the other ranks'."""
+    if world == 1:
+        return []
+    store.set(f"{_LISTENERS}{rank}", json.dumps(mine))
+    keys = [f"{_LISTENERS}{r}" for r in range(world) if r != rank]
+    store.wait(keys, timeout)
+    out: list[Endpoint] = []
+    for value in store.multi_get(keys):
+        with contextlib.suppress(ValueError, TypeError):
+            out.extend((str(ip), int(port)) for ip, port in json.loads(value))
+    return out
+
+
 class Generation:
     """The ``torch.distributed`` world of one generation: default group, mesh groups, ``DeviceMesh``.
 
-    Collective over all ``world`` ranks (each calls it with its rank). ``store_port``: the control
-    store's port, whose connections ``close`` leaves alone.
+    Collective over all ``world`` ranks (each calls it with its rank). Its connections are told
+    apart from those other threads open meanwhile (``group_connections``): each rank publishes its
+    group listeners under the generation's prefix and reads the peers'; ``close`` shuts down only
+    the connections to or from them, never the store's.
     """
 
     def __init__(
@@ -157,7 +265,6 @@ class Generation:
         backend: str = "gloo",
         device_type: str | None = None,
         timeout: timedelta = timedelta(seconds=60),
-        store_port: int | None = None,
     ) -> None:
         if dist.is_initialized():
             raise RuntimeError("a torch.distributed default group already exists in this process")
@@ -168,18 +275,17 @@ class Generation:
         import torch.distributed.tensor.debug
 
         self.gen, self.rank, self.world, self.shards = gen, rank, world, shards
-        self.backend, self._store_port = backend, store_port
+        self.backend = backend
         self._closed = self._released = False
         before = sockets()
         # Group names come from a process-wide counter that destroying the default group resets,
         # but a formation that failed before its default group existed (a peer died, the
         # coordinator aborted it) leaves it advanced: this rank would then name every group one
         # higher than a fresh spare does, and their rendezvous keys would never meet
-        dist.distributed_c10d._world.group_count = 0
+        _compat.reset_group_count()
+        pstore = dist.PrefixStore(prefix, store)
         try:
-            dist.init_process_group(
-                backend, store=dist.PrefixStore(prefix, store), rank=rank, world_size=world, timeout=timeout
-            )
+            dist.init_process_group(backend, store=pstore, rank=rank, world_size=world, timeout=timeout)
             grid = torch.arange(world).reshape(world // shards, shards)
             mine: dict[int, Any] = {}
             # every rank creates every sub-group, in the same order (new_group's rule)
@@ -195,11 +301,13 @@ class Generation:
                 [mine[0], mine[1]], device, mesh=grid, mesh_dim_names=MESH_DIMS
             )
             _reuse_or_clear_caches((world, shards, backend, mine[0].group_name, mine[1].group_name))
+            new = sockets_since(before)
+            peers = _exchange_listeners(pstore, rank, world, listeners(new), timeout)
+            self._fds = group_connections(new, peers=peers)
         except RuntimeError as e:  # gloo, NCCL and store errors (DistError is one)
-            self._fds = sockets_since(before)
+            self._fds = group_connections(sockets_since(before))  # those its listeners accepted
             self.close()
             raise CollectiveError(f"gen {gen}: group formation failed: {e}") from None
-        self._fds = sockets_since(before)
         self.group = Group.wrap(dist.group.WORLD, gen, rank, world, backend=backend)
 
     def release(self) -> None:
@@ -208,10 +316,10 @@ class Generation:
             return
         self._released = True
         if self.backend == "nccl" and dist.is_initialized():
-            for pg in list(dist.distributed_c10d._world.pg_map):
+            for pg in _compat.process_groups():
                 with contextlib.suppress(Exception):
                     pg.abort()
-        n = shutdown_sockets(self._fds, self._store_port)
+        n = shutdown_sockets(self._fds)
         log.debug("gen %d rank %d: shut down %d connections", self.gen, self.rank, n)
 
     def close(self) -> None:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+import threading
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -13,7 +16,18 @@ import torch.distributed as dist
 from torch import nn
 
 from checkpointless.errors import CollectiveError
-from checkpointless.fsdp import Generation, ShardedState, clear_dtensor_caches, shutdown_sockets, sockets
+from checkpointless.fsdp import (
+    Generation,
+    ShardedState,
+    clear_dtensor_caches,
+    group_connections,
+    listeners,
+    release_formation,
+    shutdown_sockets,
+    sockets,
+    sockets_since,
+    store_endpoints,
+)
 from checkpointless.state import combined_digest, entry_digests
 
 pytestmark = pytest.mark.timeout(60)
@@ -96,16 +110,17 @@ def test_dtensor_caches_clear() -> None:
 
 
 def test_shutdown_fails_connections_but_leaves_listeners_and_the_store() -> None:
-    before = sockets()
-    listener = socket.create_server(("127.0.0.1", 0))
     store_side = socket.create_server(("127.0.0.1", 0))
+    before = sockets()
+    listener = socket.create_server(("127.0.0.1", 0))  # the group's, opened while it forms
     peer = socket.create_connection(listener.getsockname())
     mine, _ = listener.accept()
     store_conn = socket.create_connection(store_side.getsockname())
     store_peer, _ = store_side.accept()
     try:
-        fds = {fd: link for fd, link in sockets().items() if before.get(fd) != link}
-        assert shutdown_sockets(fds, keep_port=store_side.getsockname()[1]) >= 1
+        fds = group_connections(sockets_since(before))
+        assert mine.fileno() in fds and store_conn.fileno() not in fds and listener.fileno() not in fds
+        assert shutdown_sockets(fds) >= 1
         peer.settimeout(5)
         assert peer.recv(1) == b""  # the peer sees the connection end at once
         late = socket.create_connection(listener.getsockname())  # the listener still accepts
@@ -115,6 +130,155 @@ def test_shutdown_fails_connections_but_leaves_listeners_and_the_store() -> None
     finally:
         for s in (listener, store_side, peer, mine, store_conn, store_peer):
             s.close()
+
+
+def test_a_groups_connections_are_told_apart_from_other_threads() -> None:
+    """Opened while a group formed: a connection its listener accepted, one to a peer's listener,
+    one to the store (the group's), and one a logger thread opened to a server of its own."""
+    servers = {name: socket.create_server(("127.0.0.1", 0)) for name in ("peer", "store", "logger")}
+    before = sockets()
+    own = socket.create_server(("127.0.0.1", 0))
+    conns = {
+        "in": socket.create_connection(own.getsockname()),
+        "out": socket.create_connection(servers["peer"].getsockname()),
+        "store": socket.create_connection(servers["store"].getsockname()),
+        "logger": socket.create_connection(servers["logger"].getsockname()),
+    }
+    accepted, _ = own.accept()
+    try:
+        new = sockets_since(before)
+        assert listeners(new) == [own.getsockname()]
+        peer_ep = servers["peer"].getsockname()
+        store_ep = ("::ffff:127.0.0.1", servers["store"].getsockname()[1])  # as TCPStore connects
+        picked = group_connections(new, peers=[peer_ep], store=[store_ep])
+        # conns["in"] is the peer's end of the accepted connection (here in the same process):
+        # it connects to our listener, which a peer's list would name; the accepted end is ours
+        assert accepted.fileno() in picked
+        assert conns["out"].fileno() in picked and conns["store"].fileno() in picked
+        assert conns["logger"].fileno() not in picked
+        assert conns["store"].fileno() not in group_connections(new, peers=[peer_ep])  # Generation's
+        any_ip = ("0.0.0.0", peer_ep[1])  # a listener on every address matches by its port
+        assert conns["out"].fileno() in group_connections(new, peers=[any_ip])
+        assert store_endpoints(f"localhost:{store_ep[1]}") >= {("127.0.0.1", store_ep[1])}
+    finally:
+        for s in (*servers.values(), own, *conns.values(), accepted):
+            s.close()
+
+
+def test_an_aborted_formation_spares_another_threads_connection() -> None:
+    """What Session._form_group does when the coordinator aborts a formation whose peer never
+    comes: the formation ends at once, and a connection another thread opened meanwhile (a
+    logger's, to a server of its own) survives it."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    addr = f"127.0.0.1:{server.port}"
+    logger_server = socket.create_server(("127.0.0.1", 0))
+    before = sockets()
+    result: dict[str, Any] = {}
+
+    def form() -> None:
+        store = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=30))
+        try:  # rank 1 never comes: this waits in the store up to the timeout
+            result["generation"] = Generation(
+                store, gen=0, prefix="t6/", rank=0, world=2, shards=1, timeout=timedelta(seconds=30)
+            )
+        except CollectiveError as e:
+            result["error"] = e
+
+    t = threading.Thread(target=form)
+    t.start()
+    logger: dict[str, socket.socket] = {}
+    opener = threading.Thread(
+        target=lambda: logger.update(conn=socket.create_connection(logger_server.getsockname()))
+    )
+    opener.start()
+    opener.join()
+    logger_end, _ = logger_server.accept()
+    try:
+        time.sleep(0.5)  # the formation waits for rank 1
+        assert t.is_alive()
+        start = time.monotonic()
+        assert release_formation(before, addr) >= 1  # the formation's store connection
+        t.join(10)
+        assert not t.is_alive() and "error" in result, result
+        assert time.monotonic() - start < 5  # not the 30 s timeout
+        assert not dist.is_initialized()
+        logger["conn"].sendall(b"log")  # the logger's connection survived, both ways
+        logger_end.settimeout(5)
+        assert logger_end.recv(3) == b"log"
+        logger_end.sendall(b"ok")
+        logger["conn"].settimeout(5)
+        assert logger["conn"].recv(2) == b"ok"
+    finally:
+        t.join(35)
+        for s in (logger_server, logger_end, *logger.values()):
+            s.close()
+
+
+_PEER = """
+import sys, time
+from datetime import timedelta
+import torch, torch.distributed as dist
+from checkpointless.fsdp import Generation
+
+store = dist.TCPStore("127.0.0.1", {port}, is_master=False, timeout=timedelta(seconds=30))
+gen = Generation(store, gen=0, prefix="t7/", rank=1, world=2, shards=1, timeout=timedelta(seconds=30))
+print("formed", flush=True)
+start = time.monotonic()
+try:
+    dist.all_reduce(torch.ones(1))  # rank 0 never joins: only its release ends this wait
+except RuntimeError:
+    pass
+print(round(time.monotonic() - start, 2), flush=True)
+gen.close()
+"""
+
+
+def test_a_generation_releases_its_peer_through_the_connections_it_publishes() -> None:
+    """Two processes form a generation; each publishes its group listeners and reads the other's.
+    Every connection between them is the group's (whichever rank connected), the store's is not,
+    and rank 0's release ends rank 1's pending collective at once."""
+    import subprocess
+    import sys
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    peer = subprocess.Popen(
+        [sys.executable, "-c", _PEER.format(port=server.port)], stdout=subprocess.PIPE, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    try:
+        store = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=30))
+        before = sockets()
+        gen = Generation(store, gen=0, prefix="t7/", rank=0, world=2, shards=1, timeout=timedelta(seconds=30))
+        try:
+            assert peer.stdout is not None and peer.stdout.readline().strip() == "formed"
+            tcp = _tcp_connections(sockets_since(before))
+            # the store's connections: its client's (the formation's) and, here, its server's
+            to_store = {fd for fd, ports in tcp.items() if server.port in ports}
+            to_peer = set(tcp) - to_store
+            assert to_peer and to_peer <= set(gen._fds)  # every connection to rank 1 is the group's
+            assert not to_store & set(gen._fds)
+            time.sleep(0.5)  # rank 1 waits in its all-reduce
+        finally:
+            gen.close()
+        assert float(peer.stdout.readline()) < 10  # released, not the 30 s timeout
+        assert peer.wait(30) == 0
+    finally:
+        peer.kill()
+        peer.wait()
+
+
+def _tcp_connections(fds: dict[int, str]) -> dict[int, tuple[int, int]]:
+    """fd -> (local port, remote port) of the connected TCP sockets among ``fds``."""
+    out = {}
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            s = socket.socket(fileno=os.dup(fd))
+            try:
+                if s.type == socket.SOCK_STREAM and s.family in (socket.AF_INET, socket.AF_INET6):
+                    out[fd] = (s.getsockname()[1], s.getpeername()[1])
+            finally:
+                s.close()
+    return out
 
 
 _SPARE_WARMUP = """
