@@ -379,6 +379,8 @@ class Session:
         if not self._has_state:
             if build is not None:
                 self._prewarm()
+            else:
+                self._materialize_optimizer()
             _restore_priority()  # started niced (launcher): start-up is over, a spare must not lag
             self._client.update(phase=Phase.SPARE)
             self._client.emit(Event.SPARE_READY, sync=True)
@@ -406,8 +408,6 @@ class Session:
         """Make ``model``/``optimizer``/``state`` the session's (once; per generation when sharded)."""
         self.model, self.optimizer, self.state = model, optimizer, state
         self._registry = StateRegistry()
-            else:
-                self._materialize_optimizer()
         if self._build is None:
             self._registry.register("model", model)
             if optimizer is not None:
@@ -448,6 +448,21 @@ class Session:
             self._saved = None
             self._buffers.commit()
 
+    def _materialize_optimizer(self) -> None:
+        """A spare, while it waits: allocate the optimizer's state (AdamW's moments exist only
+        after a first step), so that a recovery's transfer lands in existing tensors instead of
+        allocating each one on arrival (which ran the transfer at 0.43x raw gloo). One step on
+        zero gradients does it; everything it touched is overwritten by the transfer."""
+        if self.optimizer is None or self.optimizer.state or self.model is None:
+            return
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        self.optimizer.step()
+        for p in params:
+            p.grad = None
+
     def _prewarm(self) -> None:
         """A sharded spare builds the model once on a local 1 x 1 mesh while it waits: the first
         build in a process (imports, model classes, FSDP2's first use) takes seconds that a
@@ -478,21 +493,6 @@ class Session:
         if self.model is not None:
             for m in fsdp_modules(self.model):
                 m.reshard()  # a failed forward or backward may have left parameters gathered
-    def _materialize_optimizer(self) -> None:
-        """A spare, while it waits: allocate the optimizer's state (AdamW's moments exist only
-        after a first step), so that a recovery's transfer lands in existing tensors instead of
-        allocating each one on arrival (which ran the transfer at 0.43x raw gloo). One step on
-        zero gradients does it; everything it touched is overwritten by the transfer."""
-        if self.optimizer is None or self.optimizer.state or self.model is None:
-            return
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        self.optimizer.step()
-        for p in params:
-            p.grad = None
-
             self._buffers.restore()
             if self._has_state:
                 self._saved = self._registry.state_dict()
@@ -550,6 +550,8 @@ class Session:
         A failed step is yielded again after recovery; a replacement starts at
         the step the job is at.
         """
+        if self._client is not None:
+            self._client.update(total=total)  # the coordinator checks --fault steps against it
         while True:
             if self._consistency_due():  # due before the last step too: checked, then the loop ends
                 try:
@@ -582,8 +584,6 @@ class Session:
                     self.rank, self._next_step)  # fmt: skip
         if self._durable is not None:
             self._durable.wait()  # a snapshot being written completes
-        if self._client is not None:
-            self._client.update(total=total)  # the coordinator checks --fault steps against it
         self._finished = True
         client.close()
         raise SystemExit(0)
@@ -985,6 +985,24 @@ class Session:
             fault=fault.kind, ranks=list(fault.ranks) or [rank], target=fault.at,
         )  # fmt: skip
 
+    def _caused_by_peers(self, exc: Exception) -> bool:
+        """Whether a failed step is a collective failure, by its cause, not its message: our own
+        group operations raise ``CollectiveError``; an error raised inside a library's collective
+        (FSDP2's all-gather: a bare ``RuntimeError`` naming gloo) counts only if the generation was
+        aborted (a peer died or failed: the coordinator aborts it within its detection time).
+        Anything else the step raised is the user's exception, re-executed a bounded number of times."""
+        if isinstance(exc, CollectiveError):
+            return True
+        if not is_collective_failure(exc) or self._client is None:
+            return False
+        rc = self.job.recovery
+        deadline = time.monotonic() + rc.hang_timeout_s + 4 * rc.heartbeat_interval_s
+        while time.monotonic() < deadline:
+            if self._client.is_set(keys.abort(self.generation)):
+                return True
+            time.sleep(0.01)
+        return False
+
     def _on_failure(self, exc: Exception, step: int) -> None:
         _release_frames(exc)
         reason = Reason.COLLECTIVE_ERROR if self._caused_by_peers(exc) else Reason.EXCEPTION
@@ -1016,24 +1034,6 @@ class Session:
                     self._group.abort()
                     self._group = None
                 self._buffers.restore()  # the failed attempt's forward pass updated them in place
-    def _caused_by_peers(self, exc: Exception) -> bool:
-        """Whether a failed step is a collective failure, by its cause, not its message: our own
-        group operations raise ``CollectiveError``; an error raised inside a library's collective
-        (FSDP2's all-gather: a bare ``RuntimeError`` naming gloo) counts only if the generation was
-        aborted (a peer died or failed: the coordinator aborts it within its detection time).
-        Anything else the step raised is the user's exception, re-executed a bounded number of times."""
-        if isinstance(exc, CollectiveError):
-            return True
-        if not is_collective_failure(exc) or self._client is None:
-            return False
-        rc = self.job.recovery
-        deadline = time.monotonic() + rc.hang_timeout_s + 4 * rc.heartbeat_interval_s
-        while time.monotonic() < deadline:
-            if self._client.is_set(keys.abort(self.generation)):
-                return True
-            time.sleep(0.01)
-        return False
-
                 if self._trainable is not None:
                     self._trainable.restore()
             self._client.update(phase=Phase.RECOVERING)
@@ -1097,6 +1097,8 @@ class Session:
                     )  # fmt: skip
             except (RuntimeError, OSError, TimeoutError) as e:  # the store or a peer failed
                 result["error"] = f"{type(e).__name__}: {e}"
+            except Exception as e:  # a bug, not a peer: no recovery fixes it
+                result["fatal"] = f"{type(e).__name__}: {e}"
 
         before = sockets()
         t = threading.Thread(target=form, name=f"form-gen-{plan.gen}", daemon=True)
@@ -1117,6 +1119,8 @@ class Session:
                 elif "generation" in result:  # formed just as the abort came
                     result["generation"].close()
                 raise CollectiveError(f"gen {plan.gen}: aborted by the coordinator during group formation")
+        if "fatal" in result:
+            self._fatal(f"forming generation {plan.gen}'s process group failed: {result['fatal']}")
         if "error" in result:
             raise CollectiveError(str(result["error"]))
         if self.sharded:
@@ -1134,8 +1138,6 @@ class Session:
         line and, from dp-rank 0 of the shard, a ``durable_failed`` event); one all-gather of the
         steps loaded, and the smallest becomes the bound, until every rank loaded the same step.
         None left: the job stops, in one line.
-            except Exception as e:  # a bug, not a peer: no recovery fixes it
-                result["fatal"] = f"{type(e).__name__}: {e}"
         """
         from dataclasses import replace
 
@@ -1156,8 +1158,6 @@ class Session:
                     except IntegrityError as e:
                         bad.add(step)
                         why.append(str(e))
-        if "fatal" in result:
-            self._fatal(f"forming generation {plan.gen}'s process group failed: {result['fatal']}")
                         log.warning("[gen %d rank %d] durable snapshot not used, trying an older one: %s",
                                     plan.gen, self.rank, e)  # fmt: skip
                         if self.replica == 0:
