@@ -32,15 +32,10 @@ from typing import Any
 
 import torch
 
+from checkpointless._compat import queue_end_of_backward
 from checkpointless.comm import Group
 
 _FIRST_BUCKET_BYTES = 2**20  # as DistributedDataParallel: a small first bucket starts early
-
-
-def _queue_end_of_backward(callback: Any) -> None:
-    """Run ``callback`` when the current backward pass ends (as ``DistributedDataParallel`` does;
-    ``Variable._execution_engine`` is torch's, public in use since 1.x, pinned by a unit test)."""
-    torch.autograd.Variable._execution_engine.queue_callback(callback)  # type: ignore[attr-defined]
 
 
 class GradientReducer:
@@ -151,7 +146,7 @@ class GradientReducer:
         # the first gradient of a backward pass of this attempt
         self._in_pass = True
         reducing = not self._local
-        _queue_end_of_backward(lambda: self._pass_ended(reducing))
+        queue_end_of_backward(lambda: self._pass_ended(reducing))
         if self._open:
             self._settle()  # another pass after a reducing one (gradient accumulation)
         return None

@@ -68,9 +68,7 @@ def test_no_private_torch_name_outside_the_gate() -> None:
         r"|_clear_sharding_prop_cache|torch\._C\b|distributed_c10d\._"
     )
     root = Path(_compat.__file__).parent
-    # ddp.py's end-of-backward callback has its gate (queue_end_of_backward); ddp.py is switched
-    # to it separately
-    known = {("ddp.py", "torch.autograd.Variable._execution_engine.queue_callback(callback)")}
+    known: set[tuple[str, str]] = set()
     found = []
     for path in sorted(root.rglob("*.py")):
         if path.name == "_compat.py":
