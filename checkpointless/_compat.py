@@ -23,15 +23,10 @@ from typing import Any
 
 import torch
 
-from checkpointless.errors import CheckpointlessError
+from checkpointless.errors import UnsupportedTorch as UnsupportedTorch  # re-exported
 
 #: the torch releases (major, minor) these implementations were tested with
 TESTED: tuple[tuple[int, int], ...] = ((2, 13),)
-
-
-class UnsupportedTorch(CheckpointlessError):
-    """A private torch name that this torch lacks or changed (see ``_compat``'s doc). Not a
-    ``RuntimeError``: no ``except RuntimeError`` around a collective takes it for a peer's failure."""
 
 
 def torch_version(text: str | None = None) -> tuple[int, int]:

@@ -88,6 +88,11 @@ class RecipeError(UserInputError):
         return RecipeError(key, self.message, source=source)
 
 
+class UnsupportedTorch(CheckpointlessError):
+    """A private torch name that this torch lacks or changed (``checkpointless._compat``). Not a
+    ``RuntimeError``: no ``except RuntimeError`` around a collective takes it for a peer's failure."""
+
+
 class JobInterrupted(BaseException):
     """SIGINT or SIGTERM reached the launcher (a BaseException, like KeyboardInterrupt)."""
 
