@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-unit lint typecheck bench bench-install bench-quick bench-render clean
+.PHONY: install demo test test-unit lint typecheck bench bench-install bench-quick bench-render gpu-check clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,13 @@ bench: bench-install
 
 bench-quick: bench-install
 	OMP_NUM_THREADS=1 $(PY) bench/run_all.py --quick
+
+# On a machine with CUDA (one GPU is enough; under 10 minutes on one H200): writes
+# bench/results/gpu_check.json. Uses the venv where it exists, else python3 (a GPU image's torch);
+# without CUDA it stops at once with one line. GPU_CHECK_ARGS="--quick" or "--cpu" (a rehearsal).
+GPU_PY ?= $(shell test -x $(PY) && echo $(PY) || echo python3)
+gpu-check:
+	OMP_NUM_THREADS=1 PYTHONPATH=$(CURDIR) $(GPU_PY) bench/gpu_check.py $(GPU_CHECK_ARGS)
 
 bench-render:
 	$(PY) bench/run_all.py --render

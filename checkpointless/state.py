@@ -34,6 +34,14 @@ generation's group, source to receiver, in this order:
    check is what costs (``docs/benchmarks.md``, transfer throughput, the check
    columns).
 
+Devices: the header, the metadata and the trailer travel on the group's ``control`` group (gloo,
+CPU tensors: ``comm.Group``). A piece of a tensor the source holds off the CPU travels on the data
+plane; a CPU tensor's too, unless the data plane takes no CPU tensor (NCCL), when it goes over the
+control group. A piece whose tensor is not on its channel's device is staged through a buffer on
+that device at both ends (a CUDA tensor over gloo, which sends host memory point to point); an
+NCCL piece goes GPU to GPU, and its GMAC is computed from a host copy. Both ends choose from the
+same flag (the source's tensor, the receiver's metadata), so their messages match.
+
 ``ctx`` is ``b"checkpointless/state/v3\\0"`` followed by the generation, the
 source rank and the receiving rank as little-endian int64s, so a transfer is
 only valid for the one (generation, source, receiver) it was made for. ``F`` is
