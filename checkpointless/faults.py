@@ -51,9 +51,11 @@ _RECOVERY_SPECS = {
     "source": "kill:source@recovery",
 }
 
-_SPEC = re.compile(r"^(?P<kind>[a-z]+):rank=(?P<ranks>\d+(?:,\d+)*)@(?P<at>step|check)=(?P<step>\d+)$")
+_SPEC = re.compile(
+    r"^(?P<kind>[a-z]+):rank=(?P<ranks>\d+(?:,\d+)*)@(?P<at>step|check|digests)=(?P<step>\d+)$"
+)
 _CHECK_KINDS = ("kill", "hang")  # what can strike at a consistency check
-_PER_RANK = ("step", "check")  # moments that name their ranks (the rest are moments of a recovery)
+_PER_RANK = ("step", "check", "digests")  # moments that name their ranks (the rest are moments of a recovery)
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,13 +106,13 @@ def parse_fault(spec: str) -> FaultSpec:
     m = _SPEC.match(text)
     if m is None:
         raise ValueError(
-            f"cannot parse fault {spec!r}: expected KIND:rank=R[,R...]@step=S, KIND:rank=R@check=S, "
+            f"cannot parse fault {spec!r}: expected KIND:rank=R[,R...]@step=S, KIND:rank=R@check=S, KIND:rank=R@digests=S, "
             f"{', '.join(_RECOVERY_SPECS.values())}"
         )
     ranks = tuple(int(r) for r in m["ranks"].split(","))
     if len(set(ranks)) != len(ranks):
         raise ValueError(f"fault {spec!r} names a rank twice")
-    if m["at"] == "check" and kind not in _CHECK_KINDS:
+    if m["at"] in ("check", "digests") and kind not in _CHECK_KINDS:
         raise ValueError(
             f"fault {spec!r}: only {' and '.join(_CHECK_KINDS)} can strike at a consistency check"
         )
@@ -154,7 +156,7 @@ def validate_schedule(
                 raise ValueError(f"fault {f}: rank {r} is out of range for --workers {workers}")
         if f.step >= steps:
             raise ValueError(f"fault {f}: step {f.step} is beyond --steps {steps} (steps are 0..{steps - 1})")
-        if f.at == "check" and not (
+        if f.at in ("check", "digests") and not (
             f.step == 1 or (consistency_every > 0 and f.step > 0 and f.step % consistency_every == 0)
         ):
             raise ValueError(
@@ -265,10 +267,12 @@ class FaultInjector:
             if f.at == "step" and f.step == step and rank in f.ranks:
                 self._fire(i, f, on_fire, rank, step, corrupt)
 
-    def at_check(self, rank: int, step: int, on_fire: _OnFire | None = None) -> None:
-        """Called by a worker at the consistency check before step ``step``, before the exchange."""
+    def at_check(self, rank: int, step: int, on_fire: _OnFire | None = None, *, at: str = "check") -> None:
+        """Called by a worker at the consistency check before step ``step``: ``check`` before the
+        replicas exchange digests, ``digests`` after they found a difference, before they publish
+        the per-entry digests that name it."""
         for i, f in self._faults:
-            if f.at == "check" and f.step == step and rank in f.ranks:
+            if f.at == at and f.step == step and rank in f.ranks:
                 self._fire(i, f, on_fire, rank, step)
 
     def at_recovery(

@@ -882,6 +882,8 @@ class Session:
         if all(len({digests[r] for r in ranks}) == 1 for ranks in replica_groups):
             self._lineage = own_lineage(self.generation, self.rank)  # verified: independent again
             return
+        if self._faults is not None:
+            self._faults.at_check(self.rank, step + 1, self._fault_fired, at="digests")
         client.publish(keys.state_digests(self.generation, step, self.rank), json.dumps(entries))
         by_rank = {
             r: [(str(p), str(d)) for p, d in self._wait_peer_json(keys.state_digests(self.generation, step, r))]

@@ -574,6 +574,7 @@ class Launcher:
         if error is not None:
             self._record(event(Event.JOB_FINISHED, proc="launcher", gen=0, ok=False, error=error))
         events = sorted(self._events, key=lambda e: e["t"])
+        self.total_steps = coord.total_steps  # the scripts' own, where --steps was not given
         report = build_report(events, total_steps=self.total_steps, digest=coord.digest)
         report["error"] = error
         report["job_id"] = self.job_id
@@ -587,7 +588,6 @@ class Launcher:
         return JobResult(
             ok=error is None, digest=coord.digest, report=report, events=events, error=error,
             out_dir=self.out_dir, logs={n: c.log_path for n, c in self.children.items()},
-        self.total_steps = coord.total_steps  # the scripts' own, where --steps was not given
             pids={n: c.popen.pid for n, c in self.children.items()}, interrupted=interrupted,
             write_error=write_error,
         )  # fmt: skip

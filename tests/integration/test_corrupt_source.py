@@ -49,3 +49,15 @@ def test_sharded_holders_compare_before_a_shard_is_copied() -> None:
     clean = run_job(workers=8, shards=2, spares=0, steps=steps, command=command, timeout_s=240)
     assert clean.ok, clean.error
     assert result.digest == clean.digest
+
+
+def test_a_rank_dying_during_the_digest_exchange_is_an_ordinary_recovery() -> None:
+    """Rank 0 is corrupt; at the check before step 10 the replicas find a difference and rank 2
+    dies before publishing its per-entry digests. Before: the others waited for them up to
+    plan_timeout_s, the coordinator killed them as stalled and every copy of the state was lost.
+    Now the wait sees the generation's abort: a spare replaces rank 2, the holders outvote rank 0,
+    and the job ends bitwise equal to the fault-free run, well before any such timeout."""
+    faults = ["corrupt:rank=0@step=7", "kill:rank=2@digests=10"]
+    result = run_job(workers=4, spares=1, steps=14, faults=faults, consistency_every=10, timeout_s=50)
+    assert result.ok, result.error
+    assert result.digest == reference_digest(4, 14)
