@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-unit lint typecheck bench bench-install bench-quick bench-render gpu-check clean
+.PHONY: install demo test test-e2e test-unit lint typecheck bench bench-install bench-quick bench-render gpu-check clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -30,9 +30,14 @@ lint: install
 typecheck: install
 	$(VENV)/bin/mypy
 
-# tests/unit: in-process, fast (~50 s); tests/integration: real processes, real signals (~8.5 min)
+# tests/unit: in-process, fast (~70 s); tests/integration: real processes, real signals. `make test`
+# keeps a real-process test of every capability (under 10 min here); the rest of the end-to-end
+# matrix (tests/e2e.txt) is `make test-e2e`, which .ci/run runs too.
 test: install lint typecheck
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not e2e" tests
+
+test-e2e: install
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m e2e tests
 
 test-unit: install
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests/unit

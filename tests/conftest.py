@@ -1,0 +1,42 @@
+"""The split between ``make test`` and ``make test-e2e``.
+
+``make test`` runs every unit test and at least one real-process test of every capability, in
+under 10 minutes on this project's 2-core machines. The rest of the end-to-end matrix (the same
+capability at more world sizes, more fault kinds and moments, slower scenarios) is listed in
+``tests/e2e.txt``, one test id (or id prefix) per line; those tests get the ``e2e`` marker,
+``make test`` deselects them and ``make test-e2e`` runs them; ``.ci/run`` runs both.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+_LIST = Path(__file__).with_name("e2e.txt")
+
+
+def _matrix() -> list[str]:
+    lines = (ln.split("#", 1)[0].strip() for ln in _LIST.read_text().splitlines())
+    return [ln for ln in lines if ln]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "e2e: the end-to-end matrix beyond `make test` (tests/e2e.txt)")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m / -k deselect anything
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    matrix = _matrix()
+    seen: set[str] = set()
+    for item in items:
+        for entry in matrix:
+            if item.nodeid == entry or item.nodeid.startswith((entry + "[", entry + "::")):
+                item.add_marker(pytest.mark.e2e)
+                seen.add(entry)
+    collected_all = any(item.nodeid.startswith("tests/integration/") for item in items)
+    stale = [
+        e for e in matrix if e not in seen and e.split("::")[0] in {i.nodeid.split("::")[0] for i in items}
+    ]
+    if collected_all and stale:
+        raise pytest.UsageError(f"tests/e2e.txt names tests that do not exist: {stale}")
