@@ -77,6 +77,36 @@ def summary(xs: Iterable[float | None]) -> dict[str, float | int]:
     }
 
 
+# two-sided 95% quantiles of Student's t, by degrees of freedom (1..30; beyond: the normal's)
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
+         2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
+         2.045, 2.042)  # fmt: skip
+
+
+def paired_interval(ratios: Sequence[float]) -> tuple[float, float, float] | None:
+    """The paired per-repetition ratios' geometric mean and its 95% interval (a t interval on the
+    logs: a ratio's log is symmetric around 0 where a ratio is not). None below two pairs."""
+    import math
+
+    if len(ratios) < 2:
+        return None
+    logs = [math.log(r) for r in ratios]
+    mean, sd = statistics.fmean(logs), statistics.stdev(logs)
+    n = len(logs)
+    half = (_T975[n - 2] if n - 1 <= len(_T975) else 1.96) * sd / math.sqrt(n)
+    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
+
+
+def interval_verdict(lo: float, hi: float, limit: float) -> str:
+    """``met`` only where the whole interval lies within ``limit`` (a ratio bound such as 1.01);
+    ``not met`` where it lies beyond; else neither is established at this resolution."""
+    if hi <= limit:
+        return "met"
+    if lo > limit:
+        return "**not met**"
+    return f"not established (interval {lo:.3f}-{hi:.3f} straddles {limit:g})"
+
+
 def fmt(x: Any, digits: int = 3) -> str:
     if x is None:
         return "–"

@@ -213,3 +213,16 @@ def test_committed_compare_reading_is_accurate() -> None:
     if steps.get("torchft") != steps.get("checkpointless"):
         assert "checkpointless, plain_ddp, torchft" not in md
         assert f"({steps['checkpointless']} steps each) end in the same state" in md
+
+
+def test_paired_interval_and_its_verdict() -> None:
+    """A target is met only when the whole 95% interval of the paired ratio lies within it."""
+    assert common.paired_interval([1.02]) is None
+    g, lo, hi = common.paired_interval([1.0713571522210632, 1.0531654441203506, 1.0228137162375355,
+                                        1.0244749314581185])  # fmt: skip
+    assert lo < g < hi and 1.04 < g < 1.045 and abs(lo - 1.006) < 0.002 and abs(hi - 1.081) < 0.002
+    assert common.interval_verdict(lo, hi, 1.01).startswith("not established")
+    assert common.interval_verdict(0.995, 1.008, 1.01) == "met"
+    assert common.interval_verdict(1.02, 1.05, 1.01) == "**not met**"
+    g, lo, hi = common.paired_interval([1.0, 1.0, 1.0])
+    assert g == lo == hi == 1.0
