@@ -852,14 +852,25 @@ class Session:
         coordinator aborts the generation (a peer died): every wait inside a step becomes a
         normal recovery, never a wait for ``plan_timeout_s``."""
         assert self._client is not None
-        client, deadline = self._client, time.monotonic() + self._plan_timeout.total_seconds()
-        while not client.is_set(key):
+        outcome = self._poll_abort(self._plan_timeout.total_seconds(), until=key)
+        if outcome is None:
+            raise TimeoutError(f"{key} was not published within {self._plan_timeout.total_seconds():g} s")
+        if outcome:
+            raise CollectiveError(f"gen {self.generation}: aborted while waiting for {key}")
+        return self._client.wait_json(key, self._plan_timeout)
+
+    def _poll_abort(self, seconds: float, until: str | None = None) -> bool | None:
+        """Poll the store until this generation is aborted (True), ``until`` is published (False)
+        or ``seconds`` pass (None)."""
+        assert self._client is not None
+        client, deadline = self._client, time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if until is not None and client.is_set(until):
+                return False
             if client.is_set(keys.abort(self.generation)):
-                raise CollectiveError(f"gen {self.generation}: aborted while waiting for {key}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{key} was not published within {self._plan_timeout.total_seconds():g} s")
+                return True
             time.sleep(0.005)
-        return client.wait_json(key, self._plan_timeout)
+        return None
 
     def _check_consistency(self) -> None:
         """Compare a digest of every replica's state (one 32-byte all-gather); act on a difference.
@@ -998,12 +1009,7 @@ class Session:
         if not is_collective_failure(exc) or self._client is None:
             return False
         rc = self.job.recovery
-        deadline = time.monotonic() + rc.hang_timeout_s + 4 * rc.heartbeat_interval_s
-        while time.monotonic() < deadline:
-            if self._client.is_set(keys.abort(self.generation)):
-                return True
-            time.sleep(0.01)
-        return False
+        return self._poll_abort(rc.hang_timeout_s + 4 * rc.heartbeat_interval_s) is True
 
     def _on_failure(self, exc: Exception, step: int) -> None:
         _release_frames(exc)
