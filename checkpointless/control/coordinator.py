@@ -71,7 +71,8 @@ class ProcessHandle(Protocol):
         ...
 
     def log_tail(self) -> str:
-        """The last non-empty line of the process's output ("" if none)."""
+        """The last Python exception line of the process's output, else its last non-empty line
+        ("" if none)."""
         ...
 
 
@@ -361,7 +362,7 @@ class Coordinator:
             )
         self._emit(Event.FAULT_DETECTED, rank=rank, reason=Reason.PROCESS_EXIT, target=name, role=role, exitcode=code,
                    log_tail=tail if code else "")  # fmt: skip
-        if role == Role.WORKER and rank is not None and code and code > 0 and not p.killed:
+        if role == Role.WORKER and rank is not None and code and not p.killed:
             # An exception outside the step ended the process. Replaced once (a machine fault may
             # strike once); the same line from the replacement is the script's: no spare fixes it.
             if tail and self._crash_lines.get(rank) == tail:

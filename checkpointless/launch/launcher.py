@@ -35,6 +35,7 @@ import ctypes
 import json
 import logging
 import os
+import re
 import selectors
 import shutil
 import signal
@@ -95,6 +96,10 @@ def can_restore_priority() -> bool:
     return os.geteuid() == 0 or resource.getrlimit(resource.RLIMIT_NICE)[0] >= 20
 
 
+_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception|Exit)\b(?::|$)")
+"""A Python exception's last traceback line (``ValueError: ...``, ``torch.OutOfMemoryError: ...``)."""
+
+
 class _Child:
     """A started process, as the coordinator sees it."""
 
@@ -127,7 +132,10 @@ class _Child:
             with open(self.log_path, "rb") as f:
                 f.seek(max(0, os.path.getsize(self.log_path) - 4096))
                 lines = [ln.strip() for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
-                return lines[-1][:300] if lines else ""
+                # the exception that ended it, if any: a line after it (a C++ runtime's "terminate
+                # called ..." as gloo's threads die at exit) would hide the cause
+                raised = [ln for ln in lines if _EXCEPTION_LINE.match(ln)]
+                return (raised or lines or [""])[-1][:300]
         return ""
 
 
