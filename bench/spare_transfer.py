@@ -18,6 +18,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from checkpointless.control.vocab import Event
+
 
 def once(out: Path) -> float:
     cmd = [sys.executable, "-m", "checkpointless", "demo", "--workers", "2", "--spares", "1", "--steps", "12",
@@ -26,7 +28,7 @@ def once(out: Path) -> float:
     subprocess.run(cmd, check=True, capture_output=True, timeout=600)
     for line in (out / "events.jsonl").read_text().splitlines():
         e = json.loads(line)
-        if e["kind"] == "transfer_ended":
+        if e["kind"] == Event.TRANSFER_ENDED:
             rate = e["bytes"] / e["seconds"] / 1e9
             print(f"{e['bytes'] / 1e6:.1f} MB in {e['seconds']:.3f} s = {rate:.2f} GB/s", flush=True)
             return float(rate)
