@@ -90,13 +90,15 @@ def run_checkpointless(
     *,
     steps: int | None,
     kill_step: int | None = None,
+    fault: str = "kill",
     duration_s: float | None = None,
     kill_every_s: float = 0.0,
     timeout_s: float = 900.0,
     recovery: Any = None,
 ) -> baselines.RunResult:
     """One Launcher job (``recovery``: a ``RecoveryConfig``, default settings if None); its events
-    are rewritten into the common log format."""
+    are rewritten into the common log format. ``fault``: what rank 1 does at ``kill_step`` (its
+    own ``kill`` or ``hang`` fault)."""
     import shutil
 
     from checkpointless.config import JobConfig
@@ -108,7 +110,7 @@ def run_checkpointless(
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     total = steps if steps is not None else 10**9
-    faults = [f"kill:rank=1@step={kill_step}"] if kill_step is not None else []
+    faults = [f"{fault}:rank=1@step={kill_step}"] if kill_step is not None else []
     job = JobConfig(workers=baselines.WORLD, spares=1, faults=parse_faults(faults))
     if recovery is not None:
         job = replace(job, recovery=recovery)

@@ -25,6 +25,8 @@ Benchmarks (each also runs alone: ``python bench/NAME.py [--quick]``):
 - ``consistency``: the replica consistency check's cost per step at its default interval;
 - ``hsdp``: sharded (FSDP2 HSDP 2x2) kill stall and bytes moved per recovery against DDP on the same
   model, and steady-state step time against plain FSDP2 HSDP;
+- ``hang_compare``: a hang (SIGSTOP) side by side with torchft at matched timeouts (2 s and 0.5 s),
+  paired per repetition, with false failures of fault-free jobs at each setting;
 - ``kill_cost``: where a kill's time goes (stall vs slowdown after it), spares started niced or not;
 - ``steady_compare``: fault-free step time of every system against plain DDP at two model sizes;
 - ``control_load``: the launcher's, heartbeats' and idle spare's CPU and wake-ups on HSDP 2x2, the
@@ -50,6 +52,7 @@ import common
 import compare
 import consistency
 import control_load
+import hang_compare
 import hsdp
 import kill_cost
 import large_state
@@ -68,6 +71,7 @@ BENCHES: list[tuple[str, str, Any]] = [
     ("recovery_stall", "Recovery stall (kill, hang)", recovery_stall),
     ("steady_state", "Steady-state overhead against DDP", steady_state),
     ("compare", "Side by side: torchrun + DCP, torchft, plain DDP, checkpointless", compare),
+    ("hang_compare", "Hangs at matched settings: checkpointless against torchft", hang_compare),
     ("kill_cost", "Where the time of a kill goes", kill_cost),
     ("large_state", "Side by side at 1.5 GB of state", large_state),
     ("consistency", "Cost of the replica consistency check", consistency),
@@ -118,6 +122,15 @@ def targets(results: dict[str, Any]) -> str:
                 ["steady-state step time vs DDP, paired per-repetition ratio (geometric mean, 95% interval)",
                  "≤ 1.01", f"{g:.3f} [{lo:.3f}, {hi:.3f}], n={len(s['paired_ratios'])}",
                  common.interval_verdict(lo, hi, 1.01)]
+            )  # fmt: skip
+    hc = results.get("hang_compare")
+    for pair in (hc or {}).get("pairs", []):
+        if pair.get("interval"):
+            g, lo, hi = pair["interval"]
+            rows.append(
+                [f"hang stall vs torchft at the same {pair['timeout_s']:g} s timeout, paired ratio (geometric mean, "
+                 "95% interval)", "< 1", f"{g:.3f} [{lo:.3f}, {hi:.3f}], n={len(pair['ratios'])}",
+                 common.interval_verdict(lo, hi, 1.0)]
             )  # fmt: skip
     tr = results.get("transfer")
     if tr and "rows" in tr:

@@ -2,7 +2,8 @@
 
 Runs the demo (2 workers + 1 spare, d_model 512, 4 layers: 152.5 MB of model and AdamW state),
 kills rank 1 at step 6, and reads the ``transfer_ended`` event: bytes / seconds into the spare's
-own tensors, repetition by repetition.
+own tensors, repetition by repetition (``seconds`` from the header's arrival, as ``bench/transfer.py``
+times after a barrier; ``waited_s``, the spare's wait for the source to begin, is printed beside it).
 
 Usage: ``OMP_NUM_THREADS=1 python bench/spare_transfer.py [--reps 3]`` (prints one line a repetition
 and the median; run it on two trees to compare, e.g. with and without a change).
@@ -30,7 +31,8 @@ def once(out: Path) -> float:
         e = json.loads(line)
         if e["kind"] == Event.TRANSFER_ENDED:
             rate = e["bytes"] / e["seconds"] / 1e9
-            print(f"{e['bytes'] / 1e6:.1f} MB in {e['seconds']:.3f} s = {rate:.2f} GB/s", flush=True)
+            print(f"{e['bytes'] / 1e6:.1f} MB in {e['seconds']:.3f} s = {rate:.2f} GB/s "
+                  f"(after waiting {e.get('waited_s', 0.0):.3f} s for the source)", flush=True)  # fmt: skip
             return float(rate)
     raise SystemExit("no transfer_ended event: the recovery did not transfer state")
 

@@ -1301,7 +1301,7 @@ class Session:
             self._lineage = self._lineages.get(src, own_lineage(plan.gen, src))
             client.emit(
                 Event.TRANSFER_ENDED, rank=rank, gen=plan.gen, step=plan.resume_step, src=src,
-                bytes=stats.bytes, seconds=stats.seconds, sha256_ok=True,
+                bytes=stats.bytes, seconds=stats.seconds, waited_s=round(stats.waited_s, 4), sha256_ok=True,
             )  # fmt: skip
         for dst in sorted(r for r, s in sources.items() if s == rank):
             if self._faults is not None:

@@ -548,8 +548,9 @@ class StateRegistry:
 @dataclass(frozen=True, slots=True)
 class TransferStats:
     bytes: int
-    seconds: float
+    seconds: float  # the transfer, from the header's arrival (the receiver) or its sending (the sender)
     sha256: str  # SHA-256 over sha256(meta) and D: equal on both sides of one transfer
+    waited_s: float = 0.0  # the receiver: how long it waited for the sender to begin
 
 
 def _wire(t: torch.Tensor) -> torch.Tensor:
@@ -665,6 +666,7 @@ def recv_state(
     control = group.control  # header, metadata and trailer are CPU tensors: never NCCL's
     header = torch.zeros(2, dtype=torch.int64)
     control.recv(header, src)
+    t_header = time.perf_counter()
     version, n = (int(x) for x in header.tolist())
     if version != WIRE_VERSION:
         raise IntegrityError(f"state from rank {src}: wire version {version}, expected {WIRE_VERSION}")
@@ -729,7 +731,9 @@ def recv_state(
         )
         raise IntegrityError(f"state from rank {src}: tensors or metadata failed {why}")
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    stats = TransferStats(nbytes, time.perf_counter() - t0, _content_digest(meta_digest, tensor_digest))
+    stats = TransferStats(
+        nbytes, time.perf_counter() - t_header, _content_digest(meta_digest, tensor_digest), t_header - t0
+    )
     return _unflatten(skeleton, tensors), stats
 
 

@@ -72,6 +72,7 @@ class FakeProcess:
         self.die_on_kill = die_on_kill
         self.kills = 0
         self._exitcode: int | None = None
+        self.cpu: float | None = None  # what ``cpu_seconds`` reports (None: not visible)
 
     def alive(self) -> bool:
         return self._exitcode is None
@@ -87,6 +88,9 @@ class FakeProcess:
     def log_tail(self) -> str:
         lines = [line for line in self.log.splitlines() if line.strip()]
         return lines[-1] if lines else ""
+
+    def cpu_seconds(self) -> float | None:
+        return self.cpu
 
     def exit(self, code: int) -> None:
         """The process ends with ``code`` (negative: killed by that signal)."""

@@ -31,7 +31,7 @@ def run_job(
     steps: int = 10,
     faults: list[str] | None = None,
     out: Path | None = None,
-    hang_timeout_s: float = 2.0,
+    hang_timeout_s: float = RecoveryConfig().hang_timeout_s,
     progress_timeout_s: float = 60.0,
     spare_restart_limit: int = 3,
     spare_start_nice: int = 0,

@@ -110,6 +110,7 @@ def worker(cfg: dict[str, Any]) -> int:
     spec = spec_from_json(cfg["spec"])
     steps = int(cfg["steps"])
     kill_step, kill_rank = cfg.get("kill_step"), int(cfg.get("kill_rank", 1))
+    fault_signal = signal.SIGSTOP if cfg.get("fault") == "hang" else signal.SIGKILL
     marker = run_dir / "killed-once"
 
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -153,7 +154,7 @@ def worker(cfg: dict[str, Any]) -> int:
         if kill_step is not None and s_pre == int(kill_step) and group == kill_rank and not marker.exists():
             marker.write_text(str(os.getpid()))
             log.write("fault", step=s_pre, how="self")
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), fault_signal)
         loss.backward()
         manager.wait_quorum()
         s = manager.current_step()  # a healing group jumps to the group it heals from
@@ -180,6 +181,7 @@ def run(
     steps: int | None,
     kill_step: int | None = None,
     kill_rank: int = 1,
+    fault: str = "kill",
     duration_s: float | None = None,
     kill_every_s: float = 0.0,
     heartbeat_timeout_ms: int = 2000,
@@ -189,7 +191,8 @@ def run(
     timeout_s: float = 600.0,
 ) -> RunResult:
     """Both replica groups for ``steps`` steps (or ``duration_s`` after the first commit); a dead
-    group is restarted at once. Every process is ended, and the lighthouse shut down, before return."""
+    group is restarted at once. ``fault="hang"`` stops group ``kill_rank`` at ``kill_step`` instead
+    (SIGSTOP): the job ends when the other group has finished its steps alone. Every process is ended, and the lighthouse shut down, before return."""
     run_dir = Path(run_dir)
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
@@ -206,6 +209,7 @@ def run(
         "steps": ENDLESS if steps is None else steps,
         "kill_step": kill_step,
         "kill_rank": kill_rank,
+        "fault": fault,
         "lighthouse": f"http://127.0.0.1:{port}",
         "pg_timeout_s": pg_timeout_s,
     }
@@ -230,6 +234,11 @@ def run(
             spawn(g)
         deadline = time.monotonic() + timeout_s
         while len(done) < WORLD:
+            if fault == "hang" and done and (run_dir / "killed-once").exists():
+                for g in set(procs) - done:  # the stopped group: nothing in torchft ends it
+                    end_group(procs[g], grace_s=0.0)
+                    done.add(g)
+                break
             for g, p in list(procs.items()):
                 rc = p.poll()
                 if rc is None or g in done:

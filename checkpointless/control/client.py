@@ -279,12 +279,21 @@ class ControlClient:
         that has not returned (a partition) or a connection that cannot be re-made (the launcher
         is gone). The coordinator declares a silent process dead only later (``hang_timeout_s``),
         so a cut-off worker has given up its rank before a spare takes it. A heartbeat thread that
-        is merely slow to run (a loaded machine) has no round trip under way: no exit for that."""
+        is merely slow to run (a loaded machine) has no round trip under way, and a process that
+        did not run (a pause holding the GIL) gets a period after it: no exit for either."""
         parent = os.getppid()
-        while not self._stop.wait(self._ack_every / 2):
+        period = self._ack_every / 2
+        woke = time.monotonic()
+        while not self._stop.wait(period):
             if os.getppid() != parent:
                 os._exit(3)  # the launcher is gone
-            now = time.monotonic()
+            now, last = time.monotonic(), woke
+            woke = now
+            if now - last > 2 * period:
+                # This thread ran late: the process did not run (a full garbage collection or
+                # native code holding the GIL, a stop), so the heartbeat thread could not take
+                # the answer that may have arrived meanwhile: it gets a period to do so first.
+                continue
             silent = now - self._last_ack
             sent = self._in_flight
             stuck = self._broken or (sent is not None and now - sent > self._lease / 4)

@@ -54,7 +54,11 @@ from checkpointless.errors import JobFailed
 log = logging.getLogger(__name__)
 
 _SWEEP_S = 1.0  # steady state: how often the keys behind the wake-ups are read anyway
-_INTRUDER_CHECK_S = 5.0  # how often the plain (un-namespaced) key names are checked for strangers' writes
+_INTRUDER_CHECK_S = 5.0
+#: a silent process that used at least this share of one core in a sampling window (and at least
+#: one 10 ms tick of /proc's) is busy, not hung: a stopped process uses none, a blocked one next to
+#: none (a runtime's watchdog thread), one collecting garbage on a loaded host still gets its share
+_BUSY_SHARE = 0.1  # how often the plain (un-namespaced) key names are checked for strangers' writes
 
 
 class ProcessHandle(Protocol):
@@ -75,6 +79,11 @@ class ProcessHandle(Protocol):
         ("" if none)."""
         ...
 
+    def cpu_seconds(self) -> float | None:
+        """The CPU time the process (and its descendants) has used so far, None where the caller
+        cannot see it (another host, no ``/proc``)."""
+        ...
+
 
 @dataclass
 class _Proc:
@@ -87,6 +96,10 @@ class _Proc:
     started: float = 0.0
     killed: bool = False
     was_ready: bool = False  # a spare that reached its waiting phase
+    cpu_mark: tuple[float, float] | None = None  # (when, CPU seconds) sampled while it is silent
+    busy: bool | None = (
+        None  # silent, and it used CPU in the last sampled window (None: not sampled; see _hung)
+    )
 
     @property
     def joined(self) -> bool:
@@ -275,6 +288,7 @@ class Coordinator:
                 if p.hb and int(hb.get("seq", 0)) <= int(p.hb.get("seq", 0)):
                     continue  # a replay of an older real heartbeat must not hide a hang
                 p.raw_hb, p.last_change = raw, now
+                p.cpu_mark, p.busy = None, None
                 if hb.get("phase") == Phase.SPARE and not p.was_ready:
                     p.was_ready = True
                     self._spare_failures = 0
@@ -326,14 +340,42 @@ class Coordinator:
                 )
                 p.killed = True
                 p.handle.kill()
-            elif p.joined and not p.killed and now - p.last_change > rc.hang_timeout_s:
+            elif p.joined and not p.killed and self._hung(p, now):
+                silent = now - p.last_change
                 self._emit(Event.FAULT_DETECTED, rank=rank, reason=Reason.HEARTBEAT_TIMEOUT, target=name,
-                           silent_s=round(now - p.last_change, 3))  # fmt: skip
+                           silent_s=round(silent, 3), busy=bool(p.busy))  # fmt: skip
                 log.warning(
-                    "%s (rank %s): no heartbeat for %.1fs, killing it", name, rank, now - p.last_change
-                )
+                    "%s (rank %s): no heartbeat for %.1fs%s, killing it", name, rank, silent,
+                    " (using CPU all along: a thread holding the GIL, or stuck in native code)" if p.busy else "",
+                )  # fmt: skip
                 p.killed = True
                 p.handle.kill()
+
+    def _hung(self, p: _Proc, now: float) -> bool:
+        """Whether a joined process's heartbeat has been silent too long.
+
+        Silent for ``hang_timeout_s``: hung, unless it used CPU in the last window sampled (windows
+        of half the timeout, from half the timeout of silence on): a full garbage collection, or native code holding the GIL,
+        stops a Python heartbeat thread but not the process, and such a pause must not cost a
+        recovery. A stopped process (SIGSTOP, a frozen host) or one blocked for good uses no CPU. A
+        process silent but busy is declared hung after ``progress_timeout_s``."""
+        rc = self.job.recovery
+        hang, silent = rc.hang_timeout_s, now - p.last_change
+        if silent <= hang / 2:
+            return False
+        cpu = p.handle.cpu_seconds()
+        if cpu is None:
+            return silent > hang
+        if p.cpu_mark is None:
+            p.cpu_mark = (now, cpu)
+            return False
+        window = now - p.cpu_mark[0]
+        if window >= hang / 2 or (silent > hang and window >= hang / 4):
+            p.busy = cpu - p.cpu_mark[1] >= max(0.01, _BUSY_SHARE * window)
+            p.cpu_mark = (now, cpu)
+        if silent > max(rc.progress_timeout_s, hang):
+            return True
+        return silent > hang and p.busy is False
 
     def _on_exit(self, name: str, p: _Proc, rank: int | None, now: float) -> None:
         """A process is gone: a fault to recover from, a spare to restart, or the end of the job."""

@@ -100,6 +100,33 @@ _EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception|Ex
 """A Python exception's last traceback line (``ValueError: ...``, ``torch.OutOfMemoryError: ...``)."""
 
 
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _tree_cpu_seconds(pid: int) -> float | None:
+    """CPU seconds (user + system) used by ``pid`` and the live processes below it; None if ``pid``
+    cannot be read (gone, or no ``/proc``). A stopped process's count does not move."""
+    total, todo, seen = 0.0, [pid], set()
+    while todo:
+        p = todo.pop()
+        if p in seen:
+            continue
+        seen.add(p)
+        try:
+            stat = Path(f"/proc/{p}/stat").read_text()
+            # the name (field 2) may hold spaces: count from the closing parenthesis
+            fields = stat[stat.rindex(")") + 2 :].split()
+            total += (int(fields[11]) + int(fields[12])) / _CLK_TCK  # utime, stime
+        except (OSError, ValueError, IndexError):
+            if p == pid:
+                return None
+            continue
+        with contextlib.suppress(OSError, ValueError):  # no CONFIG_PROC_CHILDREN: the process alone
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo.extend(int(c) for c in (task / "children").read_text().split())
+    return total
+
+
 class _Child:
     """A started process, as the coordinator sees it."""
 
@@ -125,6 +152,10 @@ class _Child:
 
     def exitcode(self) -> int | None:
         return self.popen.poll()
+
+    def cpu_seconds(self) -> float | None:
+        """User + system CPU time of the process and its descendants (``/proc``), None where unreadable."""
+        return _tree_cpu_seconds(self.popen.pid)
 
     def log_tail(self) -> str:
         with contextlib.suppress(OSError):

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from checkpointless.config import RecoveryConfig
 from checkpointless.launch.launcher import JobResult, Launcher, can_restore_priority
 from tests.jobs import injected_fired, kill_while_starting, logs_of, reference_digest, run_job
 
@@ -155,6 +156,17 @@ def test_a_slow_step_with_a_live_heartbeat_is_not_killed() -> None:
     result = _misbehave("slow_step", "1@4", spares=1)
     assert result.ok, f"{result.error}\n{logs_of(result)}"
     assert not _kinds(result, "fault_detected") and not result.report["faults"]
+    assert result.digest == _misbehave("clean", spares=0).digest
+
+
+def test_a_pause_holding_the_gil_is_not_a_hang() -> None:
+    """A 2 s pause holding the GIL (the heartbeat thread silent, the process busy) at the default
+    sub-second hang timeout: no fault, and the same final state as without it."""
+    assert RecoveryConfig().hang_timeout_s < 1.0
+    result = _misbehave("gil_pause", "1@4", spares=1)
+    assert result.ok, f"{result.error}\n{logs_of(result)}"
+    assert not _kinds(result, "fault_detected") and not result.report["faults"]
+    assert "no answer from the control store" not in logs_of(result)
     assert result.digest == _misbehave("clean", spares=0).digest
 
 

@@ -4,7 +4,9 @@ Usage: misbehave.py STEPS MODE [RANK@STEP]
 
 Modes: ``clean``; ``skip_reduce`` (RANK skips reduce_gradients at STEP); ``shapes`` (RANK builds
 a wider layer); ``no_finish`` (every rank forgets session.finish()); ``log_outside`` (session.log
-after the block); ``slow_step`` (RANK sleeps 3 s once at STEP, heartbeat alive); ``spare_dies``
+after the block); ``slow_step`` (RANK sleeps 3 s once at STEP, heartbeat alive); ``gil_pause``
+(RANK holds the GIL for 2 s once at STEP, in native code: the heartbeat thread cannot run, as in a
+full garbage collection); ``spare_dies``
 (a spare exits with code 1 while starting); ``exception_first`` (the loop of the recipe style: an
 exception at step 0, then code after the block); ``gloo_error`` (RANK's step raises, every time
 from STEP on, a RuntimeError whose text names gloo: the user's, not a peer's); ``no_attempt`` (the
@@ -50,6 +52,12 @@ def main() -> None:
             if mode == "slow_step" and here and not slowed:
                 slowed = True
                 time.sleep(3.0)  # a slow read or a GC pause: the heartbeat thread keeps beating
+            if mode == "gil_pause" and here and not slowed:
+                slowed = True
+                t = time.perf_counter()
+                sum(range(1_000_000))
+                per_item = (time.perf_counter() - t) / 1_000_000
+                sum(range(int(2.0 / per_item)))  # one C call holding the GIL throughout
             if mode == "exception_first" and step == 0 and session.rank == 1 and not slowed:
                 slowed = True
                 raise RuntimeError("a recoverable error at step 0")

@@ -152,6 +152,68 @@ def test_silent_heartbeat_is_killed_exactly_once(silent: str, rank: int | None, 
     assert job.store.get(keys.abort(0)) is None and job.plan(1) is None
 
 
+@pytest.mark.parametrize("cpu_per_tick", [0.0, 0.02])
+def test_silent_and_idle_is_hung_at_the_timeout(cpu_per_tick: float) -> None:
+    """A process the coordinator can see: silent and not using CPU (stopped; blocked, with a
+    runtime's thread using 8% of a core) is hung at the same moment as one it cannot see."""
+    job = Job()
+    job.steady()
+    job.procs["w1"].cpu = 5.0
+    job.beating.discard("w1")
+    last, hang = job.clock.now, job.config.recovery.hang_timeout_s
+    while not job.faults():
+        job.procs["w1"].cpu += cpu_per_tick
+        job.tick()
+    assert job.clock.now == last + hang + DT
+    assert job.faults() == [("heartbeat_timeout", "w1")] and job.kinds("fault_detected")[0]["busy"] is False
+
+
+def test_silent_but_using_cpu_is_not_hung_until_the_progress_timeout() -> None:
+    """A full garbage collection, or native code holding the GIL, silences the heartbeat thread but
+    not the process: no kill while it uses CPU; killed once it stops using it, within the hang
+    timeout; and a process silent and busy for the whole progress timeout is killed too."""
+    job = Job()
+    job.steady()
+    job.procs["w1"].cpu = 5.0
+    job.beating.discard("w1")
+    last, rc = job.clock.now, job.config.recovery
+    while job.clock.now < last + 3 * rc.hang_timeout_s:  # a 6 s pause, busy all along
+        job.procs["w1"].cpu += 0.2
+        job.tick()
+    assert job.faults() == [] and job.kills() == {}
+    stopped = job.clock.now  # now it stops (SIGSTOP): its CPU time no longer moves
+    job.tick_until(stopped + 1.5 * rc.hang_timeout_s)
+    assert job.faults() == [("heartbeat_timeout", "w1")] and job.kills() == {"w1": 1}
+    assert job.kinds("fault_detected")[0]["busy"] is False
+
+    job = Job()
+    job.steady()
+    job.procs["w1"].cpu = 5.0
+    job.beating.discard("w1")
+    last = job.clock.now
+    while not job.faults():
+        job.procs["w1"].cpu += 0.2
+        job.tick()
+    assert job.clock.now == last + rc.progress_timeout_s + DT
+    assert job.kinds("fault_detected")[0]["busy"] is True
+
+
+def test_a_heartbeat_after_a_busy_pause_clears_it() -> None:
+    job = Job()
+    job.steady()
+    job.procs["w1"].cpu = 5.0
+    job.beating.discard("w1")
+    for _ in range(12):  # 3 s silent and busy
+        job.procs["w1"].cpu += 0.2
+        job.tick()
+    job.beating.add("w1")  # the pause ends
+    job.tick(2)
+    job.beating.discard("w1")  # and it is stopped: a new silence, judged afresh
+    last = job.clock.now
+    job.tick_until(last + job.config.recovery.hang_timeout_s + DT)
+    assert job.faults() == [("heartbeat_timeout", "w1")]
+
+
 # == 2. a dead worker is replaced by the ready spare ================================================
 
 

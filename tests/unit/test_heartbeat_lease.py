@@ -108,13 +108,19 @@ def test_a_store_unreachable_for_less_than_the_lease_does_not_kill_the_worker(
         time.sleep(0.4 * LEASE)
         before = _seq(server)
         proxy.restore()
-        assert _beats_again(server, before), "no heartbeat arrived after the link came back"
+        assert _beats_again(server, before), (
+            f"no heartbeat arrived after the link came back: {child.stderr()}"
+        )
         time.sleep(0.5)
     time.sleep(LEASE)
     assert child.popen.poll() is None, f"exit code {child.popen.poll()}: {child.stderr()}"
     # the main connection (plans, reports) reconnects too
     assert child.ask("pub probe") == "ok probe"
-    assert SignedStore(server, SECRET, namespace=job_namespace(SECRET)).get("probe") == "1"
+    view = SignedStore(server, SECRET, namespace=job_namespace(SECRET))
+    deadline = time.monotonic() + 5  # a ``set`` has no reply: "ok" means sent, not arrived
+    while view.get("probe") is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert view.get("probe") == "1"
 
 
 @pytest.mark.parametrize("how", ["cut", "freeze"])
@@ -130,6 +136,33 @@ def test_a_store_unreachable_for_longer_than_the_lease_ends_the_worker(
     assert code == 3, child.stderr()
     assert LEASE - 4 * INTERVAL <= waited <= LEASE + 1.5, waited
     assert "no answer from the control store" in child.stderr()
+
+
+def test_a_pause_holding_the_gil_while_a_round_trip_is_answered_does_not_kill_the_worker(
+    link: tuple[TCPStore, CutProxy, Child],
+) -> None:
+    """A full garbage collection (here: native code holding the GIL) longer than the lease, begun
+    while a round trip was under way: its answer arrives during the pause and the heartbeat thread
+    can take it only after. The lease thread, late itself, must leave it that chance."""
+    import threading
+
+    server, proxy, child = link
+    for _ in range(3):
+        proxy.freeze()
+        time.sleep(0.2)  # the next round trip is sent and held: under way when the pause begins
+        replies: list[str] = []
+
+        def hold_the_gil(replies: list[str] = replies) -> None:
+            replies.append(child.ask(f"gil {2 * LEASE}"))
+
+        pause = threading.Thread(target=hold_the_gil)
+        pause.start()
+        time.sleep(0.3)
+        proxy.restore()  # the answer arrives while the child holds the GIL
+        pause.join(timeout=30)
+        assert replies == ["ok gil"], f"{replies} {child.stderr()}"
+        assert _beats_again(server, _seq(server)), child.stderr()
+    assert child.popen.poll() is None, f"exit code {child.popen.poll()}: {child.stderr()}"
 
 
 def test_a_restarted_store_server_does_not_kill_the_worker() -> None:
@@ -150,12 +183,14 @@ def test_a_restarted_store_server_does_not_kill_the_worker() -> None:
 
 def test_lease_timing_rule_is_validated() -> None:
     rc = RecoveryConfig()
-    assert (rc.lease_s, rc.hang_timeout_s, rc.heartbeat_interval_s) == (1.0, 2.0, 0.1)
+    assert (rc.lease_s, rc.hang_timeout_s, rc.heartbeat_interval_s) == (0.25, 0.5, 0.1)
+    assert rc.lease_s + rc.heartbeat_interval_s <= 0.75 * rc.hang_timeout_s  # the default keeps the rule
     assert RecoveryConfig(hang_timeout_s=0.4, heartbeat_interval_s=0.1).lease_s == 0.2  # hang / 4 passes
     assert RecoveryConfig(hang_timeout_s=0.3, heartbeat_interval_s=0.3 / 4).lease_s == 0.15
-    assert RecoveryConfig(heartbeat_lease_s=1.4).lease_s == 1.4
+    assert RecoveryConfig(hang_timeout_s=2.0, heartbeat_lease_s=1.4).lease_s == 1.4
     for bad in (
-        {"heartbeat_lease_s": 1.5},  # + interval > 0.75 x hang_timeout_s
+        {"hang_timeout_s": 2.0, "heartbeat_lease_s": 1.5},  # + interval > 0.75 x hang_timeout_s
+        {"heartbeat_lease_s": 0.3},  # + interval > 0.75 x the default 0.5 s
         {"heartbeat_lease_s": 0.15},  # < 2 heartbeats
         {"hang_timeout_s": 1.0, "heartbeat_interval_s": 0.3},  # default lease 0.5 < 2 x 0.3
     ):
