@@ -49,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import baselines
 import common
+import split
 from baselines import plain_ddp, torchft_ddp, torchrun_dcp
 
 from checkpointless.control.vocab import Event
@@ -161,9 +162,12 @@ def run_checkpointless(
     baselines.write_records(run_dir / "log-checkpointless.jsonl", recs)
     ok = res.ok or (duration_s is not None and res.error == "benchmark window over")
     faults_rep = res.report.get("faults", [])
+    # every fault, injected or the killer's (its own log): where each recovery's stall went
+    struck = [(float(r["t"]), {int(r["rank"])}) for r in baselines.read_logs(run_dir) if r["ev"] == "fault"]
     return baselines.RunResult(
         "checkpointless", run_dir, ok, time.time() - t0, None if ok else res.error,
-        {"kills": killer.kills, "report_faults": faults_rep, "step_time_s": res.report.get("step_time_s")},
+        {"kills": killer.kills, "report_faults": faults_rep, "step_time_s": res.report.get("step_time_s"),
+         "split": split.stall_splits(res.events, sorted(struck, key=lambda f: f[0]))},
     )  # fmt: skip
 
 
@@ -547,6 +551,10 @@ def markdown(results: dict[str, Any]) -> str:
             rows,
         )
     )
+    ours = [j for j in r["jobs"] if j["system"] == "checkpointless" and "-kill-" in j["name"]]
+    text = split.describe(x for j in ours for x in (j.get("extra") or {}).get("split") or [])
+    if text:
+        lines += ["", text]
     lines.append("")
     lines.append("**Steady state** (fault-free, steps/s over the reference job; step = one global batch):\n")
     ddp = r["fault_free_steps_per_s"].get("plain_ddp")

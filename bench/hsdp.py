@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import common
+import split
 
 from checkpointless.control.vocab import Event
 
@@ -70,8 +71,14 @@ def kill_run(layout: str, shards: int, kills: int, dest: Path) -> dict[str, Any]
     if p.returncode != 0:
         return {"layout": layout, "shards": shards, "ok": False, "error": p.stderr[-2000:], "wall_s": wall}
     report = json.loads((out / "report.json").read_text())
+    events = list(_events(out))
+    struck = [
+        (float(e["t"]), set(e.get("ranks") or [e["rank"]]))
+        for e in events
+        if e["kind"] == Event.FAULT_INJECTED
+    ]
     by_gen: dict[int, int] = {}
-    for e in _events(out):
+    for e in events:
         if e["kind"] == Event.TRANSFER_ENDED:
             by_gen[int(e["gen"])] = by_gen.get(int(e["gen"]), 0) + int(e["bytes"])
     stalls = [f["stall_s"] for f in report["faults"] if f.get("stall_s") is not None]
@@ -88,6 +95,7 @@ def kill_run(layout: str, shards: int, kills: int, dest: Path) -> dict[str, Any]
         "bytes_per_recovery": common.summary([float(b) for b in moved]),
         "lost_steps": sum(int(f.get("lost_steps") or 0) for f in report["faults"]),
         "digest": report.get("final_state_sha256"),
+        "split": split.stall_splits(events, struck),
     }
 
 
@@ -182,6 +190,11 @@ def markdown(res: dict[str, Any]) -> str:
         f"Model: {res['model']}, 4 workers. Kills: every {EVERY} steps, the rank rotating, 2 hot spares.\n\n"
         + kill
         + "\n\n"
+        + "".join(
+            f"{text}\n\n"
+            for r in res["kill"]
+            if r.get("ok") and (text := split.describe(r.get("split") or [], f"checkpointless {r['layout']}"))
+        )
         + (
             ""
             if ratio is None

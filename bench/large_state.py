@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import baselines
 import common
 import compare
+import split
 from baselines import torchft_ddp
 
 
@@ -110,7 +111,9 @@ def run(plan: Plan, out: Path) -> dict[str, Any]:
                           steps=None, duration_s=plan.window_s, timeout_s=plan.window_s + 400,
                           kill_every_s=plan.interval_s, **kw)  # fmt: skip
         rows.append(row(label, system, free, hit, plan.window_s))
+    ours = [j for j in jobs if j["system"] == "checkpointless" and j["name"].startswith("kill-")]
     return {
+        "split": [x for j in ours for x in (j.get("extra") or {}).get("split") or []],
         "quick": plan is QUICK,
         "plan": plan.__dict__,
         "model": {**SPEC_FIELDS, "state_bytes": state_bytes(s)},
@@ -188,6 +191,7 @@ def markdown(res: dict[str, Any]) -> str:
         "restarts: its useful steps count steps, the global-batch column counts the data they read.\n\n"
         + table
         + "\n"
+        + (f"\n{text}\n" if (text := split.describe(res.get("split") or [])) else "")
     )
 
 
