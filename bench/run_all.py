@@ -187,7 +187,7 @@ def slim(key: str, res: dict[str, Any]) -> dict[str, Any]:
     and ``steady_state``'s per-step intervals (its tables use the summaries).
     """
     res = json.loads(json.dumps(res, default=str))  # a deep copy, JSON types only
-    if key in ("compare", "kill_cost"):
+    if key in ("compare", "kill_cost", "hang_compare"):
         for job in res.get("jobs", []):
             if isinstance(job.get("analysis"), dict):
                 job["analysis"].pop("curve", None)
