@@ -2,7 +2,7 @@
 
 Usage::
 
-    OMP_NUM_THREADS=1 python bench/run_all.py           # full: ~80 min on 2 cores
+    OMP_NUM_THREADS=1 python bench/run_all.py           # full: ~90 min on 2 cores
     OMP_NUM_THREADS=1 python bench/run_all.py --quick   # smoke: ~10 min
     python bench/run_all.py --render                    # rebuild the page from bench/results/, run nothing
 
