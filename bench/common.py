@@ -142,9 +142,14 @@ def rel(path: Path | str) -> str:
         return p.as_posix()
 
 
+#: what the benchmarks write into the tree (``git_state`` does not count them as changed code)
+OUTPUTS = ("bench/results", "docs/benchmarks.md", "docs/bench-compare.png", "docs/bench-scale-goodput.png")
+
+
 def git_state(repo: Path = REPO) -> dict[str, Any]:
     """The code a result was measured with: ``commit`` (``git rev-parse HEAD``) and ``dirty``
-    (``git status --porcelain`` non-empty: uncommitted or untracked files in the tree).
+    (``git status --porcelain`` non-empty: uncommitted or untracked files in the tree, other than
+    the benchmarks' own ``OUTPUTS``).
 
     ``None`` for either when git cannot tell (no git, not a repository). ``bench/run_all.py``
     stores them in every result as ``_commit`` and ``_dirty``.
@@ -159,7 +164,8 @@ def git_state(repo: Path = REPO) -> dict[str, Any]:
         return out.stdout if out.returncode == 0 else None
 
     commit = git("rev-parse", "HEAD")
-    status = git("status", "--porcelain")
+    # the benchmarks' own outputs do not count: a run of several sections writes them as it goes
+    status = git("status", "--porcelain", "--", ".", *(f":!{p}" for p in OUTPUTS))
     return {
         "commit": (commit.strip() or None) if commit is not None else None,
         "dirty": None if status is None else bool(status.strip()),

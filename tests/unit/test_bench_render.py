@@ -156,6 +156,30 @@ def test_git_state_records_commit_and_dirty(tmp_path: Path) -> None:
     assert common.git_state(tmp_path) == {"commit": None, "dirty": None}  # not a repository
 
 
+def test_the_benchmarks_own_outputs_do_not_make_the_tree_dirty(tmp_path: Path) -> None:
+    """A run of several sections writes results as it goes: the next section's code is still clean."""
+    import subprocess
+
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                       check=True, capture_output=True, timeout=30)  # fmt: skip
+
+    (tmp_path / "bench" / "results").mkdir(parents=True)
+    (tmp_path / "docs").mkdir()
+    for name in ("code.py", "bench/results/a.json", "docs/benchmarks.md"):
+        (tmp_path / name).write_text("0")
+    git("init", "-q")
+    git("add", "-A")
+    git("commit", "-qm", "x")
+    assert common.git_state(tmp_path)["dirty"] is False
+    (tmp_path / "bench" / "results" / "a.json").write_text("1")
+    (tmp_path / "bench" / "results" / "b.json").write_text("1")
+    (tmp_path / "docs" / "benchmarks.md").write_text("1")
+    assert common.git_state(tmp_path)["dirty"] is False
+    (tmp_path / "code.py").write_text("1")
+    assert common.git_state(tmp_path)["dirty"] is True
+
+
 def test_every_result_run_all_writes_carries_its_commit(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
