@@ -162,6 +162,41 @@ def analyse(events: list[dict[str, Any]], report: dict[str, Any]) -> list[dict[s
     return rows
 
 
+def kill_floor(rows: list[dict[str, Any]], out_dir: Path, quick: bool) -> dict[str, Any]:
+    """Each kill's survivor gap against its floor, measured in the same run: the faulted step's lost
+    work + detection + plan + group formation (this fault's own) + the bytes it moved at raw gloo speed
+    into the same kind of tensors (``bench/transfer.py``'s ``wire_into``, measured right after the
+    jobs between two processes of the same size of state) + one normal step. Also the transfer inside
+    each recovery against that raw speed. Per fault ratios; their geometric mean with a 95% interval."""
+    import transfer
+
+    sized = [r for r in rows if r.get("bytes") and r.get("survivor_gap_s")]
+    if not sized:
+        return {}
+    nbytes = int(statistics.median(r["bytes"] for r in sized))
+    raw = transfer.run(quick, out_dir / "recovery_floor", sizes=[nbytes], reps=3 if quick else 5)["rows"][0][
+        "wire_into_gbps"
+    ]
+    per: list[dict[str, Any]] = []
+    for r in sized:
+        sp = r["split"]
+        if any(sp[p] is None for p in ("pre_fault", "detect", "plan", "join")):
+            continue
+        wire_s = r["bytes"] / (raw * 1e9)
+        fl = sp["pre_fault"] + sp["detect"] + sp["plan"] + sp["join"] + wire_s + r["step_time_s"]
+        per.append({"gap_s": r["survivor_gap_s"], "floor_s": fl, "ratio": r["survivor_gap_s"] / fl,
+                    "transfer_vs_raw": wire_s / r["transfer_seconds"] if r.get("transfer_seconds") else None})  # fmt: skip
+    return {
+        "bytes": nbytes,
+        "raw_gbps": raw,
+        "faults": per,
+        "ratio": common.paired_interval([p["ratio"] for p in per]),
+        "transfer_vs_raw": common.paired_interval(
+            [p["transfer_vs_raw"] for p in per if p["transfer_vs_raw"]]
+        ),
+    }
+
+
 def run(quick: bool, out_dir: Path) -> dict[str, Any]:
     n = 3 if quick else 10
     per_job = 3 if quick else 5
@@ -238,10 +273,12 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
             "spare_ready_before_every_fault": all(r["spare_ready_before_fault"] for r in rows),
             "detected_by": sorted({str(r["detected_by"]) for r in rows}),
         }
+    floor = kill_floor(kinds.get("kill", []), out_dir, quick)
     from checkpointless.config import RecoveryConfig
 
     rc = RecoveryConfig()
     return {
+        "floor": floor,
         "quick": quick,
         "faults_per_kind": n,
         "faults_per_job": per_job,
@@ -317,6 +354,7 @@ def markdown(res: dict[str, Any]) -> str:
         f"{common.md_table(head, rows)}\n\n"
         f"Where the survivor's time goes (medians, seconds; the phases sum to the survivor's gap between "
         f"two commits, and stall = gap − one normal step):\n\n{split}\n\n"
+        f"{_floor_text(res.get('floor') or {})}"
         f"Spare had reported ready before every fault: kill {s['kill']['spare_ready_before_every_fault']}, "
         f"hang {s['hang']['spare_ready_before_every_fault']}.\n\n"
         f"The fault-free reference runs with hang_timeout_s={REFERENCE_HANG_TIMEOUT_S:g} (see "
@@ -328,6 +366,27 @@ def markdown(res: dict[str, Any]) -> str:
         f"(all match: **{res['all_digests_match']}**):\n\n{digests}\n\n"
         f"<details><summary>Every fault</summary>\n\n{per_fault}\n\n</details>\n"
     )
+
+
+def _floor_text(fl: dict[str, Any]) -> str:
+    """The kill floor paragraph (empty for results measured before it existed)."""
+    if not fl.get("ratio"):
+        return ""
+    g, lo, hi = fl["ratio"]
+    text = (
+        f"Against its floor (`kill_floor`: this fault's lost work, detection, plan and group formation, the "
+        f"{fl['bytes'] / 1e6:.1f} MB at raw gloo speed into the same kind of tensors, {fl['raw_gbps']:.2f} GB/s "
+        f"measured in this run, and one normal step), each kill's survivor gap is {g:.3f}x it (geometric mean, "
+        f"95% interval [{lo:.3f}, {hi:.3f}], n={len(fl['faults'])}; goal ≤ 1.2x: "
+        f"{common.interval_verdict(lo, hi, 1.2)})"
+    )
+    if fl.get("transfer_vs_raw"):
+        g, lo, hi = fl["transfer_vs_raw"]
+        text += (
+            f"; the transfer inside the recovery runs at {g:.2f}x that raw speed ([{lo:.2f}, {hi:.2f}]; goal ≥ 0.8x: "
+            f"{'met' if lo >= 0.8 else ('**not met**' if hi < 0.8 else 'not established')})"
+        )
+    return text + ".\n\n"
 
 
 def _rows(res: dict[str, Any], kind: str) -> list[dict[str, Any]]:
