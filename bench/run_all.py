@@ -102,6 +102,17 @@ def targets(results: dict[str, Any]) -> str:
                     [label, f"≤ {limit:g} s", f"{st['median']:.3f} s (p95 {st['p95']:.3f} s, n={st['n']})",
                      _verdict(st["median"] <= limit)]
                 )  # fmt: skip
+        fl = rec.get("floor") or {}
+        if fl.get("ratio"):
+            g, lo, hi = fl["ratio"]
+            rows.append(["kill: survivor gap vs its floor measured in the same run (geometric mean, 95% interval)",
+                         "≤ 1.2", f"{g:.3f} [{lo:.3f}, {hi:.3f}], n={len(fl['faults'])}",
+                         common.interval_verdict(lo, hi, 1.2)])  # fmt: skip
+        if fl.get("transfer_vs_raw"):
+            g, lo, hi = fl["transfer_vs_raw"]
+            rows.append(["kill: transfer inside the recovery vs raw gloo into the same tensors", "≥ 0.8×",
+                         f"{g:.2f}× [{lo:.2f}, {hi:.2f}]",
+                         "met" if lo >= 0.8 else ("**not met**" if hi < 0.8 else "not established")])  # fmt: skip
         rows.append(
             ["final state of every faulted run = fault-free run", "bitwise", str(rec["all_digests_match"]),
              _verdict(rec["all_digests_match"])]
