@@ -106,7 +106,7 @@ def _pair(fn: Callable[[Any, int], Any], backend: str, devices: list[Any]) -> li
 def transfer(device: str, quick: bool) -> dict[str, Any]:
     import torch
 
-    from checkpointless.session import _Progress
+    from checkpointless.session_base import _Progress
     from checkpointless.state import recv_state, send_state
 
     mb = 16 if quick else 256
