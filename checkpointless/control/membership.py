@@ -1,0 +1,308 @@
+"""The coordinator's view of the job's processes: the process table (each one's handle, role and
+latest verified heartbeat), the spare pool with its restart back-off, and what the coordinator
+keeps on the control store (its published values, re-published when a stranger overwrites them;
+strangers' writes to the plain key names, recorded and cleared)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from checkpointless.config import JobConfig
+from checkpointless.control import keys
+from checkpointless.control.auth import SignedStore
+from checkpointless.control.plan import Plan, initial_plan
+from checkpointless.control.vocab import Event, Phase, Role, event
+
+log = logging.getLogger(__name__)
+
+
+class ProcessHandle(Protocol):
+    """What the coordinator needs of a process the launcher started."""
+
+    name: str
+
+    def alive(self) -> bool: ...
+
+    def kill(self) -> None: ...
+
+    def exitcode(self) -> int | None:
+        """The exit status once dead (negative: killed by that signal), else None."""
+        ...
+
+    def log_tail(self) -> str:
+        """The last Python exception line of the process's output, else its last non-empty line
+        ("" if none)."""
+        ...
+
+    def cpu_seconds(self) -> float | None:
+        """The CPU time the process (and its descendants) has used so far, None where the caller
+        cannot see it (another host, no ``/proc``)."""
+        ...
+
+
+@dataclass
+class _Proc:
+    handle: ProcessHandle
+    role: Role
+    raw_hb: bytes = b""
+    hb: dict[str, Any] = field(default_factory=dict)
+    last_change: float = 0.0
+    phase_since: float = 0.0  # when (phase, attempt) last changed
+    started: float = 0.0
+    killed: bool = False
+    was_ready: bool = False  # a spare that reached its waiting phase
+    cpu_mark: tuple[float, float] | None = None  # (when, CPU seconds) sampled while it is silent
+    busy: bool | None = (
+        None  # silent, and it used CPU in the last sampled window (None: not sampled; see _hung)
+    )
+
+    @property
+    def joined(self) -> bool:
+        """The process has sent a (valid) heartbeat: it runs a ``Session``."""
+        return bool(self.raw_hb)
+
+
+@dataclass
+class _Failure:
+    gen: int
+    started: float
+    dead: set[int] = field(default_factory=set)
+    reported: dict[int, int] = field(default_factory=dict)
+    holders: set[int] = field(default_factory=set)
+
+
+class Membership:
+    """The process table, the spare pool and the coordinator's published values."""
+
+    def __init__(
+        self,
+        store: SignedStore,
+        job: JobConfig,
+        total_steps: int | None,
+        spawn_spare: Callable[[], ProcessHandle],
+        emit: Callable[[dict[str, Any]], None],
+        clock: Callable[[], float] = time.monotonic,
+        report_bell: Callable[[], bool] | None = None,
+    ) -> None:
+        """``report_bell``: true once after a process reported a failure (``ReportBell.rung``);
+        with it, failure reports are read when it rings (else at the heartbeat pace) instead of
+        every tick."""
+        self.store, self.job, self.total_steps = store, job, total_steps
+        self._report_bell = report_bell
+        self._spawn_spare, self._emit_cb, self._clock = spawn_spare, emit, clock
+        self.procs: dict[str, _Proc] = {}
+        self.plan: Plan | None = None
+        self._failure: _Failure | None = None
+        self._recovering: tuple[float, Plan] | None = None
+        self._retries: Counter[int] = Counter()
+        self._step_times: list[float] = []
+        self._refills = 0  # spares to start once the current recovery is done
+        self._spares_due: list[float] = []  # when to start the next spares (backoff after start deaths)
+        self._spare_failures = 0  # spares in a row that died before they were ready
+        self._last_spare_death = ""
+        self._pool_exhausted = False
+        self._last_poll = float("-inf")
+        self._last_sweep = float("-inf")
+        self._last_intruder_check = float("-inf")
+        self._intruded: set[str] = set()  # plain key names a stranger wrote (a bounded list of names)
+        self._published: dict[str, str] = {}  # sealed values to re-publish if a stranger overwrites them
+        self.digest: str | None = None
+        self.registered_digest: str | None = None  # of everything registered but per-rank RNG
+        self._done: dict[int, dict[str, Any]] = {}
+        self._totals: dict[str, int] = {}  # session.steps(total) of each worker
+        self._steps_given = total_steps is not None  # --steps; else the scripts' own total
+        self._crash_lines: dict[int, str] = {}  # rank -> last log line of its process that raised
+        self.finished = False
+
+    # -- setup --------------------------------------------------------------------
+    def start(self, workers: list[ProcessHandle], spares: list[ProcessHandle]) -> None:
+        for h in workers:
+            self._add(h, Role.WORKER)
+        for h in spares:
+            self._add(h, Role.SPARE)
+        self.plan = initial_plan(self.job.workers, self.job.shards, [h.name for h in workers])
+        self._publish_value(keys.plan(0), self.plan.to_json())
+        self._publish_value(keys.LATEST_GEN, "0")
+        self._emit(Event.GENERATION_STARTED, gen=0, members=self.plan.members, resume_step=0)
+
+    def _add(self, h: ProcessHandle, role: Role) -> None:
+        now = self._clock()
+        self.procs[h.name] = _Proc(h, role, last_change=now, started=now)
+
+    def _emit(self, kind: Event, **fields: Any) -> None:
+        fields.setdefault("gen", self.plan.gen if self.plan else 0)
+        self._emit_cb(event(kind, proc="coordinator", **fields))
+
+    # -- views --------------------------------------------------------------------
+    @property
+    def members(self) -> dict[int, str]:
+        assert self.plan is not None
+        return self.plan.members
+
+    def member_status(self) -> dict[int, dict[str, Any]]:
+        """Latest heartbeat of every rank (for progress display and metrics)."""
+        return {r: self.procs[p].hb for r, p in self.members.items() if p in self.procs}
+
+    def announced_chunks(self) -> dict[str, int]:
+        """How many event chunks each live process's last heartbeat says it has written."""
+        return {
+            n: int(p.hb["chunks"]) for n, p in self.procs.items() if p.role != Role.GONE and "chunks" in p.hb
+        }
+
+    def ready_spares(self) -> list[str]:
+        return [
+            n for n, p in self.procs.items()
+            if p.role == Role.SPARE and not p.killed and p.hb.get("phase") == Phase.SPARE and p.handle.alive()
+        ]  # fmt: skip
+
+    def median_step_time(self) -> float:
+        return statistics.median(self._step_times[-50:]) if self._step_times else 0.0
+
+    def _read_heartbeats(self, now: float) -> None:
+        live = [(name, p) for name, p in self.procs.items() if p.role != Role.GONE]
+        # a heartbeat key, once written, stays: those read before come in one round trip
+        known = [name for name, p in live if p.raw_hb]
+        raws = dict(
+            zip(known, self.store.get_sealed_present([keys.heartbeat(n) for n in known]), strict=True)
+        )
+        for name, p in live:
+            key = keys.heartbeat(name)
+            raw = raws[name] if name in raws else self.store.get_sealed(key)
+            if raw is not None and raw != p.raw_hb:
+                text = self.store.open(key, raw)
+                if text is None:
+                    continue  # forged: keep the last real heartbeat
+                hb = json.loads(text)
+                if p.hb and int(hb.get("seq", 0)) <= int(p.hb.get("seq", 0)):
+                    continue  # a replay of an older real heartbeat must not hide a hang
+                p.raw_hb, p.last_change = raw, now
+                p.cpu_mark, p.busy = None, None
+                if hb.get("phase") == Phase.SPARE and not p.was_ready:
+                    p.was_ready = True
+                    self._spare_failures = 0
+                if (
+                    p.role == Role.WORKER
+                    and hb.get("step_time_s")
+                    and hb.get("committed") != p.hb.get("committed")
+                ):
+                    self._step_times.append(float(hb["step_time_s"]))
+                if (hb.get("phase"), hb.get("attempt")) != (p.hb.get("phase"), p.hb.get("attempt")):
+                    p.phase_since = now
+                if (
+                    p.role == Role.WORKER
+                    and hb.get("total") is not None
+                    and hb.get("total") != p.hb.get("total")
+                ):
+                    self._script_total(name, int(hb["total"]))
+                p.hb = hb
+
+    def _script_total(self, name: str, total: int) -> None:
+        """A worker's ``session.steps(total)``: the job's step count where ``--steps`` was not
+        given (the largest: a script may call ``steps`` once per epoch with a growing total). A
+        ``--fault`` beyond it never fires and is reported as such at the end (``unfired_faults``)."""
+        if self._steps_given:
+            if total != self.total_steps and name not in self._totals:
+                log.warning("%s runs session.steps(%d) but --steps says %s", name, total, self.total_steps)
+        elif self.total_steps is None or total > self.total_steps:
+            self.total_steps = total
+        self._totals[name] = total
+
+    def _rank_of(self, name: str) -> int | None:
+        assert self.plan is not None
+        return self.plan.rank_of(name)
+
+    def _spare_died(self, name: str, why: str, now: float) -> None:
+        """A spare died before it was ready: restart it with exponential backoff, up to the cap."""
+        self._spare_failures += 1
+        self._last_spare_death = why
+        limit = self.job.recovery.spare_restart_limit
+        if self._spare_failures > limit:
+            if not self._pool_exhausted:
+                self._pool_exhausted = True
+                self._emit(Event.SPARE_POOL_EXHAUSTED, target=name, failures=self._spare_failures, error=why)
+                log.warning("%d spares in a row died while starting; not restarting them: %s",
+                            self._spare_failures, why)  # fmt: skip
+            return
+        delay = 0.5 * 2 ** (self._spare_failures - 1)
+        self._emit(
+            Event.SPARE_RESTART_SCHEDULED,
+            target=name,
+            delay_s=delay,
+            failures=self._spare_failures,
+            error=why,
+        )
+        log.warning("spare %s died while starting; starting another in %.1fs: %s", name, delay, why)
+        self._spares_due.append(now + delay)
+
+    def _start_due_spares(self, now: float) -> None:
+        due = [t for t in self._spares_due if t <= now]
+        if not due:
+            return
+        self._spares_due = [t for t in self._spares_due if t > now]
+        for _ in due:
+            self._add(self._spawn_spare(), Role.SPARE)
+
+    def _start_refills(self) -> None:
+        now = self._clock()
+        while self._refills > 0:
+            self._refills -= 1
+            self._spares_due.append(now)
+        self._start_due_spares(now)
+
+    def _check_intruders(self) -> None:
+        """Record (and clear) writes to the protocol's plain key names: the job's real keys live
+        under its secret namespace, so anything there comes from a process without the secret."""
+        if not self.store.namespace or self.plan is None:
+            return
+        gen = self.plan.gen
+        names = [keys.LATEST_GEN, keys.JOB_STOP, keys.FATAL_COUNT, keys.abort(gen), keys.fail_count(gen)]
+        names += [
+            keys.plan(g) for g in range(gen + 2)
+        ]  # an earlier generation's too: checks are seconds apart
+        names += [keys.done(r) for r in self.members] + [keys.fail(gen, r) for r in self.members]
+        for proc in self.procs:
+            names += [keys.heartbeat(proc), keys.assign(proc), keys.fatal(proc), keys.events(proc, 0)]
+        for key in names:
+            if self.store.raw.check([key]):
+                # every write is an event (the launcher counts them and keeps the first of each key);
+                # the log says it once per key, not every few seconds for as long as a stranger writes
+                self._emit(Event.MESSAGE_REJECTED, key=key, why="written outside the job's secret namespace")
+                if key not in self._intruded:
+                    self._intruded.add(key)
+                    log.warning("a process without this job's secret wrote %r; ignored (and from now "
+                                "on counted, not logged)", key)  # fmt: skip
+                self.store.raw.delete_key(key)
+
+    def _publish_value(self, key: str, value: str) -> None:
+        """Seal and write ``key``, and keep re-publishing it while someone may still wait for it."""
+        self.store.set(key, value)
+        self._published[key] = value
+
+    def _check_published(self) -> None:
+        """Re-publish what a stranger overwrote: a worker would wait for a plan, a spare for its
+        assignment, a finished rank for an abort, forever."""
+        assert self.plan is not None
+        for key, value in list(self._published.items()):
+            if self.store.get(key) != value:
+                self.store.set(key, value)
+
+    def _prune_published(self) -> None:
+        """Forget values no one waits for any more (an older plan, an abort of an older generation,
+        an assignment its spare has acted on)."""
+        assert self.plan is not None
+        current = {keys.plan(self.plan.gen), keys.LATEST_GEN}
+        for key in list(self._published):
+            if key in current or key == keys.abort(self.plan.gen):
+                continue
+            if key.startswith("assign/"):
+                p = self.procs.get(key.split("/", 1)[1])
+                if p is not None and p.role != Role.GONE and p.hb.get("gen", -1) < int(self._published[key]):
+                    continue
+            del self._published[key]
