@@ -14,7 +14,7 @@ receives. Per repetition, after a barrier, the receiver times:
 - ``wire``: plain ``Group.send``/``Group.recv`` into one 16 MiB buffer freed and allocated again
   per tensor (the allocator hands the same memory back, so the destination stays in cache: no
   receiver that keeps the bytes can do this; shown because earlier runs used it as the reference);
-- ``check``: ``checkpointless.state._seal_tensors`` (the GMAC tags the protocol computes) over the
+- ``check``: ``checkpointless.state.transfer._seal_tensors`` (the GMAC tags the protocol computes) over the
   same tensors, timed in each process (the protocol checks on both sides, per tensor in a thread
   pool, while the tensors are on the wire, so check and wire time overlap and the columns of the
   split need not add up).
@@ -86,7 +86,8 @@ def worker(rank: int, port: int, sizes: list[int], reps: int, out: Path) -> None
 
     from checkpointless.comm import Group
     from checkpointless.control.client import connect
-    from checkpointless.state import _seal_tensors, recv_state, send_state
+    from checkpointless.state import recv_state, send_state
+    from checkpointless.state.transfer import _seal_tensors
 
     store = connect(f"127.0.0.1:{port}", timedelta(seconds=60))
     key = b"bench/transfer job key, 32 bytes"  # the launcher's jobs always have one (32 random bytes)

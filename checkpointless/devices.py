@@ -20,11 +20,8 @@ import os
 import torch
 
 from checkpointless.config import JobConfig
-from checkpointless.control.client import ENV_CONFIG
+from checkpointless.control.env import ENV_CONFIG, ENV_LOCAL_INDEX
 from checkpointless.errors import UsageError
-
-ENV_LOCAL_INDEX = "CHECKPOINTLESS_LOCAL_INDEX"
-"""The process's slot on its host (0, 1, ...), set by the launcher for every worker and spare."""
 
 
 def local_index() -> int:

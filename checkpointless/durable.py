@@ -20,7 +20,7 @@ newest snapshot complete for every shard, of this job's shape and seed, at or be
 step the job committed (``latest_complete``); the ranks load their own run's newest one at or
 before that step which verifies (``Session._restore_durable``).
 
-A snapshot's state is flattened the way the transfer flattens it (``state._encode_state``): the
+A snapshot's state is flattened the way the transfer flattens it (``state.codec._encode_state``): the
 DCP state dict holds the tensors as ``t0, t1, ...`` and the manifest holds the metadata skeleton,
 the BLAKE3 digest of the tensors and the size of every data file. Loading decodes the skeleton
 with the transfer's safe decoder, allocates exactly the tensors it declares, lets DCP fill them,
@@ -216,7 +216,8 @@ def _read(data: Path, meta: str, digest: object, where: str) -> Any:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from checkpointless.state import _decode_meta, _hash_tensors, _unflatten
+    from checkpointless.state.codec import _decode_meta, _unflatten
+    from checkpointless.state.digests import _hash_tensors
 
     try:
         skeleton, refs = _decode_meta(meta.encode("ascii"))
@@ -240,7 +241,7 @@ def _write(
     stays complete and intact until the new data is checked, and is never complete without its data."""
     import torch.distributed.checkpoint as dcp
 
-    from checkpointless.state import _hash_tensors
+    from checkpointless.state.digests import _hash_tensors
 
     step_dir = _step_dir(run_dir, step)
     final, manifest = step_dir / f"shard-{shard}", _manifest(run_dir, step, shard)
@@ -327,7 +328,7 @@ class DurableWriter:
             return False
         from torch.distributed.checkpoint.api import CheckpointException
 
-        from checkpointless.state import _encode_state
+        from checkpointless.state.codec import _encode_state
 
         meta, tensors = _encode_state(state)
         staged = [t.detach().to("cpu", copy=True).contiguous() for t in tensors]

@@ -36,7 +36,8 @@ from typing import Any
 
 from torch.distributed import DistStoreError
 
-ENV_SECRET_FD = "CHECKPOINTLESS_SECRET_FD"
+from checkpointless.control.env import ENV_SECRET_FD
+
 SECRET_BYTES = 32
 
 _MAC_HEX = 64

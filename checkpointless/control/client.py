@@ -29,17 +29,12 @@ from torch.distributed import DistNetworkError, TCPStore
 from checkpointless.config import JobConfig, RecoveryConfig
 from checkpointless.control import keys
 from checkpointless.control.auth import SignedStore, job_namespace
+from checkpointless.control.env import ENV_CONFIG
 from checkpointless.control.plan import Plan
 from checkpointless.control.vocab import Event, Phase, event
 from checkpointless.errors import JobStopped
 
 log = logging.getLogger(__name__)
-
-ENV_STORE = "CHECKPOINTLESS_STORE"
-ENV_PROC = "CHECKPOINTLESS_PROC"
-ENV_ROLE = "CHECKPOINTLESS_ROLE"
-ENV_CONFIG = "CHECKPOINTLESS_CONFIG"
-ENV_JOB_ID = "CHECKPOINTLESS_JOB_ID"
 
 _POLL = timedelta(seconds=0.5)
 # A spare waits on its assignment key in long rounds: each timed-out wait makes c10d log two

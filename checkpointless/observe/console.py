@@ -11,7 +11,7 @@ from rich.table import Table
 
 from checkpointless.control.coordinator import Coordinator
 from checkpointless.control.vocab import Role
-from checkpointless.observe import report
+from checkpointless.observe import fault_list
 from checkpointless.observe.progress import StepStats
 
 _NOT_A_TERMINAL_WIDTH = 1000
@@ -62,7 +62,7 @@ class LiveProgress:
         faults_changed = False
         for ev in new:
             self.stats.add(ev)
-            faults_changed |= ev.get("kind") in report.FAULT_EVENT_KINDS
+            faults_changed |= ev.get("kind") in fault_list.FAULT_EVENT_KINDS
         if faults_changed:
             self._faults = count_faults(self.events)
         stats = self.stats
@@ -93,9 +93,9 @@ def count_faults(events: list[dict[str, Any]]) -> int:
     """Faults in ``events`` so far: the length ``report.json``'s list has for the same events.
 
     The launcher's live list holds its own, the coordinator's and (collected every 0.2 s) the
-    processes' events; :func:`checkpointless.observe.report.derive_faults` reads any prefix of it.
+    processes' events; :func:`checkpointless.observe.fault_list.derive_faults` reads any prefix of it.
     """
-    return report.count_faults(events)
+    return fault_list.count_faults(events)
 
 
 def _cause_cell(f: dict[str, Any]) -> str:

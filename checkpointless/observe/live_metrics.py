@@ -6,9 +6,9 @@ from typing import Any
 
 from checkpointless.control.coordinator import Coordinator
 from checkpointless.control.vocab import Event
+from checkpointless.observe.fault_list import FAULT_EVENT_KINDS, derive_faults
 from checkpointless.observe.metrics import JobMetrics
 from checkpointless.observe.progress import StepStats
-from checkpointless.observe.report import FAULT_EVENT_KINDS, derive_faults
 
 
 class MetricsFeed:
@@ -16,7 +16,7 @@ class MetricsFeed:
 
     Everything it sets comes from the launcher's event list, through the derivations behind
     ``report.json``: commits and goodput from :class:`~checkpointless.observe.progress.StepStats`,
-    faults from :func:`~checkpointless.observe.report.derive_faults` (each fault counted once, when
+    faults from :func:`~checkpointless.observe.fault_list.derive_faults` (each fault counted once, when
     first detected, labelled by what was detected, ``kind``, and the detection reason, ``cause``).
     Only the generation is read from the coordinator.
     """

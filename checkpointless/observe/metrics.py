@@ -13,7 +13,7 @@ Exposed metrics (all prefixed ``checkpointless_``):
 * ``checkpointless_faults_total{kind,cause}`` (counter): faults detected, by what was detected
   (``kind``: crash, hang, stuck, exception, start_failure) and the detection reason (``cause``:
   process_exit, heartbeat_timeout, no_progress, exception, start_failure, start_timeout). One fault counts once,
-  as ``report.json`` lists it (:func:`checkpointless.observe.report.derive_faults`): a hang the
+  as ``report.json`` lists it (:func:`checkpointless.observe.fault_list.derive_faults`): a hang the
   coordinator then kills is one ``hang``, not also a ``crash``.
 * ``checkpointless_recovery_seconds`` (histogram): recovery durations, buckets 0.05 s .. 30 s.
 * ``checkpointless_step_time_seconds{rank}`` (gauge): last step time reported by each rank.

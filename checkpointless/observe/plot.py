@@ -9,7 +9,7 @@ final report). :func:`write_report` reads both and writes:
   vs step.
 * ``summary.txt``: a short plain-text summary, also returned.
 
-Faults, in the summary and on the plot, are the one list :func:`checkpointless.observe.report.derive_faults`
+Faults, in the summary and on the plot, are the one list :func:`checkpointless.observe.fault_list.derive_faults`
 makes from the events (the list ``report.json`` holds): every detected fault with its cause, injected
 ones marked with their spec.
 
@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from checkpointless.control.vocab import Event, Role
+from checkpointless.observe.fault_list import derive_faults, fault_entries
 from checkpointless.observe.fields import integer as _int
 from checkpointless.observe.fields import number as _num
-from checkpointless.observe.report import derive_faults, fault_entries
 
 __all__ = ["RunData", "format_summary", "load_run", "main", "write_report"]
 
@@ -162,7 +162,7 @@ def _heldout_loss(run: RunData) -> list[tuple[int, float]]:
 
 @dataclass
 class _FaultSpan:
-    """One fault on the timeline, from :func:`checkpointless.observe.report.derive_faults` (the report's list)."""
+    """One fault on the timeline, from :func:`checkpointless.observe.fault_list.derive_faults` (the report's list)."""
 
     kind: str
     ranks: list[int]

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from checkpointless.control.client import ENV_JOB_ID, ENV_STORE
+from checkpointless.control.env import ENV_JOB_ID, ENV_STORE
 from checkpointless.control.vocab import Event
 from checkpointless.recipes.precision import MasterWeightAdamW
 

@@ -17,7 +17,7 @@ import time
 import torch
 
 import checkpointless as cl
-from checkpointless.control.client import ENV_JOB_ID
+from checkpointless.control.env import ENV_JOB_ID
 from checkpointless.data.shm_cache import ShmBatchCache
 
 

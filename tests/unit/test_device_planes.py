@@ -21,9 +21,8 @@ import pytest
 import torch
 from torch.distributed import TCPStore
 
-from checkpointless import state as S
 from checkpointless.comm import Group
-from checkpointless.state import recv_state, send_state
+from checkpointless.state import recv_state, send_state, transfer
 from tests import devicefake
 from tests.devicefake import PRETEND, PlaneGroup, Pretend, PretendMode
 
@@ -74,7 +73,7 @@ def _state(seed: int) -> dict[str, Any]:
             "w": Pretend(torch.randn(3, 5, generator=g)),
             "mask": Pretend(torch.rand(7, generator=g) > 0.5),
             "empty": Pretend(torch.zeros(0)),
-            "big": Pretend(torch.randn(S._MAC_PIECE // 4 + 3, generator=g)),
+            "big": Pretend(torch.randn(transfer._MAC_PIECE // 4 + 3, generator=g)),
         },
         "optimizer": {
             "state": {0: {"step": torch.tensor(float(seed)), "exp_avg": Pretend(torch.randn(4, generator=g))}}

@@ -11,9 +11,10 @@ from rich.console import Console
 
 from checkpointless.faults import parse_faults, unfired
 from checkpointless.observe.console import count_faults, stderr_console, summary_table
+from checkpointless.observe.fault_list import derive_faults, signal_name
 from checkpointless.observe.live_metrics import MetricsFeed
 from checkpointless.observe.metrics import JobMetrics
-from checkpointless.observe.report import build_report, derive_faults, signal_name
+from checkpointless.observe.report import build_report
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -25,18 +25,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed import TCPStore
 
-from checkpointless import state as S
 from checkpointless.comm import CollectiveError, Group
 from checkpointless.ddp import GradientReducer
 from checkpointless.models.tiny_gpt import GPTConfig, TinyGPT
-from checkpointless.session import _Progress
+from checkpointless.session_base import _Progress
 from checkpointless.state import (
     IntegrityError,
     StateRegistry,
+    codec,
     digest_state,
+    digests,
     recv_state,
     send_state,
 )
+from checkpointless.state import transfer as wire
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -106,7 +108,9 @@ def assert_same(a: Any, b: Any, path: str = "state") -> None:
             assert_same(x, y, f"{path}[{i}]")
     elif isinstance(a, torch.Tensor):
         assert (a.dtype, a.shape) == (b.dtype, b.shape), f"{path}: {a.dtype}{a.shape} != {b.dtype}{b.shape}"
-        assert bytes(S._bytes_of(a.contiguous())) == bytes(S._bytes_of(b.contiguous())), f"{path}: data"
+        assert bytes(digests._bytes_of(a.contiguous())) == bytes(digests._bytes_of(b.contiguous())), (
+            f"{path}: data"
+        )
     elif isinstance(a, np.ndarray | np.generic):
         assert (a.dtype, a.shape) == (b.dtype, b.shape), f"{path}: {a.dtype}{a.shape} != {b.dtype}{b.shape}"
         assert a.tobytes() == b.tobytes(), f"{path}: data"
@@ -118,10 +122,10 @@ def assert_same(a: Any, b: Any, path: str = "state") -> None:
 
 def round_trip(state: dict[str, Any]) -> dict[str, Any]:
     """Encode and decode ``state`` without a network (the received tensors are the sent ones)."""
-    meta, tensors = S._encode_state(state)
-    skeleton, refs = S._decode_meta(meta)
+    meta, tensors = codec._encode_state(state)
+    skeleton, refs = codec._decode_meta(meta)
     assert [r.index for r in refs] == list(range(len(tensors)))
-    got: dict[str, Any] = S._unflatten(skeleton, tensors)
+    got: dict[str, Any] = codec._unflatten(skeleton, tensors)
     return got
 
 
@@ -273,7 +277,7 @@ def test_every_supported_type_crosses_the_wire_exactly(key: bytes | None) -> Non
     got, stats = transfer(state, send_key=key, recv_key=key)
     state["torch"]["noncontig"] = state["torch"]["noncontig"].contiguous()  # sent as its values
     assert_same(state, got)
-    assert stats.bytes == sum(t.numel() * t.element_size() for t in S._encode_state(state)[1])
+    assert stats.bytes == sum(t.numel() * t.element_size() for t in codec._encode_state(state)[1])
 
 
 def test_model_optimizers_and_scheduler_round_trip_and_keep_training_identically() -> None:
@@ -384,7 +388,7 @@ def test_sender_refuses_cycles_and_oversized_metadata(monkeypatch: pytest.Monkey
     cycle.append(cycle)
     with pytest.raises(ValueError, match="nested deeper than"):
         send_state(cast(Group, _NoNetwork()), 1, {"c": cycle})
-    monkeypatch.setattr(S, "MAX_META_BYTES", 1000)
+    monkeypatch.setattr(codec, "MAX_META_BYTES", 1000)
     with pytest.raises(ValueError, match="above the limit of 1000"):
         send_state(cast(Group, _NoNetwork()), 1, {"x": "a" * 2000})
 
@@ -411,15 +415,18 @@ def send_raw(
 ) -> None:
     """Send ``meta`` and ``tensors`` to rank 1, sealed (under ``key``) as if they were the
     ``sealed_*`` ones: a sender that alters what it sends after computing its tags."""
-    ctx = S._context(group.gen if gen is None else gen, group.rank, 1)
+    ctx = wire._context(group.gen if gen is None else gen, group.rank, 1)
     meta_digest = hashlib.sha256(meta if sealed_meta is None else sealed_meta).digest()
     sealed = tensors if sealed_tensors is None else sealed_tensors
     salt = os.urandom(16)
-    group.send(torch.tensor([S.WIRE_VERSION, len(meta)], dtype=torch.int64), 1)
-    group.send(S._u8(meta + salt + S._meta_tag(key, ctx, salt, meta_digest)), 1)
-    for w in [group.isend(data, 1, tag=k + 1) for k, (_, _, data) in enumerate(S._pieces(tensors))]:
+    group.send(torch.tensor([wire.WIRE_VERSION, len(meta)], dtype=torch.int64), 1)
+    group.send(wire._u8(meta + salt + wire._meta_tag(key, ctx, salt, meta_digest)), 1)
+    for w in [group.isend(data, 1, tag=k + 1) for k, (_, _, data) in enumerate(wire._pieces(tensors))]:
         group.wait(w)
-    group.send(S._u8(S._trailer(key, ctx, meta_digest, S._seal_tensors(key, ctx, salt, sealed))), 1)
+    group.send(
+        wire._u8(wire._trailer(key, ctx, meta_digest, wire._seal_tensors(key, ctx, salt, sealed))),
+        1,
+    )
 
 
 class _CreateFile:
@@ -456,10 +463,10 @@ def test_pickle_payload_in_the_metadata_is_never_run(tmp_path: Path, key: bytes 
 @pytest.mark.parametrize(
     ("header", "match"),
     [
-        ([S.WIRE_VERSION, 2**40], "metadata length 1099511627776 is outside"),
-        ([S.WIRE_VERSION, S.MAX_META_BYTES + 1], "is outside"),
-        ([S.WIRE_VERSION, -8], "is outside"),
-        ([S.WIRE_VERSION, 0], "is outside"),
+        ([wire.WIRE_VERSION, 2**40], "metadata length 1099511627776 is outside"),
+        ([wire.WIRE_VERSION, codec.MAX_META_BYTES + 1], "is outside"),
+        ([wire.WIRE_VERSION, -8], "is outside"),
+        ([wire.WIRE_VERSION, 0], "is outside"),
         ([7, 100], "wire version 7"),
     ],
 )
@@ -496,7 +503,7 @@ def test_wrong_or_missing_key_is_refused_before_parsing(
 
 
 def test_transfer_sealed_for_another_generation_is_refused() -> None:
-    meta, tensors = S._encode_state({"w": torch.ones(4)})
+    meta, tensors = codec._encode_state({"w": torch.ones(4)})
 
     def fn(group: Group) -> Any:
         if group.rank == 0:
@@ -509,7 +516,7 @@ def test_transfer_sealed_for_another_generation_is_refused() -> None:
 
 @pytest.mark.parametrize("key", [None, KEY])
 def test_corrupted_tensor_is_caught(key: bytes | None) -> None:
-    meta, tensors = S._encode_state({"w": torch.ones(4), "b": torch.zeros(3)})
+    meta, tensors = codec._encode_state({"w": torch.ones(4), "b": torch.zeros(3)})
     corrupted = [tensors[0].clone(), tensors[1]]
     corrupted[0][2] = 1.0000001
 
@@ -528,17 +535,19 @@ def test_every_mac_piece_of_a_large_tensor_is_checked(
 ) -> None:
     """A tensor larger than one GMAC piece gets one tag per piece: a flipped bit in a later piece
     and two swapped pieces (same bytes, other order) are both refused; the intact one arrives."""
-    monkeypatch.setattr(S, "_MAC_PIECE", 256)
+    monkeypatch.setattr(wire, "_MAC_PIECE", 256)
     w = torch.arange(1000, dtype=torch.float32)  # 4000 bytes: 16 pieces
-    meta, tensors = S._encode_state({"w": w})
+    meta, tensors = codec._encode_state({"w": w})
     flipped = tensors[0].clone()
     flipped.view(torch.uint8)[3 * 256 + 17] ^= 0x10
     swapped = tensors[0].clone()
     swapped.view(torch.uint8)[:512] = torch.cat(
         [tensors[0].view(torch.uint8)[256:512], tensors[0].view(torch.uint8)[:256]]
     )
-    assert len(S._pieces([w])) == 16
-    assert S._seal_tensors(key, b"c", b"s" * 16, [w]) != S._seal_tensors(key, b"c", b"s" * 16, [swapped])
+    assert len(wire._pieces([w])) == 16
+    assert wire._seal_tensors(key, b"c", b"s" * 16, [w]) != wire._seal_tensors(
+        key, b"c", b"s" * 16, [swapped]
+    )
     for altered in (flipped, swapped):
 
         def fn(group: Group, altered: torch.Tensor = altered) -> Any:
@@ -560,23 +569,24 @@ def test_every_mac_piece_of_a_large_tensor_is_checked(
 
 def test_trailer_covers_the_metadata() -> None:
     """Without a key anyone can reseal forged metadata, but not the trailer the source computed."""
-    meta, tensors = S._encode_state({"lr": 0.1, "w": torch.ones(4)})
+    meta, tensors = codec._encode_state({"lr": 0.1, "w": torch.ones(4)})
     forged = meta.replace(b'"lr",0.1', b'"lr",9.9')
     assert forged != meta
 
     def fn(group: Group) -> Any:
         if group.rank == 0:
             # the metadata tag is recomputed for the forgery, the trailer is the honest one
-            ctx = S._context(group.gen, 0, 1)
+            ctx = wire._context(group.gen, 0, 1)
             honest = hashlib.sha256(meta).digest()
             salt = os.urandom(16)
-            group.send(torch.tensor([S.WIRE_VERSION, len(forged)], dtype=torch.int64), 1)
+            group.send(torch.tensor([wire.WIRE_VERSION, len(forged)], dtype=torch.int64), 1)
             group.send(
-                S._u8(forged + salt + S._meta_tag(None, ctx, salt, hashlib.sha256(forged).digest())), 1
+                wire._u8(forged + salt + wire._meta_tag(None, ctx, salt, hashlib.sha256(forged).digest())),
+                1,
             )
             group.wait(group.isend(tensors[0], 1, tag=1))
-            trailer = S._trailer(None, ctx, honest, S._seal_tensors(None, ctx, salt, tensors))
-            group.send(S._u8(trailer), 1)
+            trailer = wire._trailer(None, ctx, honest, wire._seal_tensors(None, ctx, salt, tensors))
+            group.send(wire._u8(trailer), 1)
             return None
         return recv_state(group, 0)
 
@@ -587,7 +597,7 @@ def test_trailer_covers_the_metadata() -> None:
 def _doc(state: Any, tensors: int = 0, **fields: Any) -> bytes:
     doc = {
         "format": "checkpointless-state",
-        "version": S._META_VERSION,
+        "version": codec._META_VERSION,
         "tensors": tensors,
         "state": state,
         **fields,
@@ -658,14 +668,14 @@ TENSOR = ["tensor", 0, "float32", [2], False]
 )
 def test_malformed_metadata_raises_integrity_error(meta: bytes) -> None:
     with pytest.raises(IntegrityError):
-        S._decode_meta(meta)
+        codec._decode_meta(meta)
 
 
 def test_decoder_accepts_what_it_should() -> None:
     """The strict decoder is not too strict: the documented forms decode to the right types."""
-    state, refs = S._decode_meta(_doc(["dict", "x", TENSOR, "n", _nested(50)], tensors=1))
-    assert state["x"] == S._TensorRef(0, torch.float32, (2,), False) and refs == [state["x"]]
-    assert S._decode_meta(_doc(["dict", "f", ["float", "fff0000000000000"]]))[0] == {"f": -math.inf}
+    state, refs = codec._decode_meta(_doc(["dict", "x", TENSOR, "n", _nested(50)], tensors=1))
+    assert state["x"] == codec._TensorRef(0, torch.float32, (2,), False) and refs == [state["x"]]
+    assert codec._decode_meta(_doc(["dict", "f", ["float", "fff0000000000000"]]))[0] == {"f": -math.inf}
 
 
 _keys = st.one_of(st.none(), st.booleans(), st.integers(), st.text(max_size=8))

@@ -1,0 +1,20 @@
+"""The environment contract between the launcher and the processes it starts: every
+``CHECKPOINTLESS_*`` variable a worker or a spare reads, in one place (as ``keys.py`` holds every
+control-store key). A process started without ``ENV_STORE`` runs alone, without fault tolerance."""
+
+from __future__ import annotations
+
+ENV_STORE = "CHECKPOINTLESS_STORE"
+"""``HOST:PORT`` of the job's control store."""
+ENV_PROC = "CHECKPOINTLESS_PROC"
+"""The process's name in the job (``w0``, ``s1``, ...): its heartbeat and report keys."""
+ENV_ROLE = "CHECKPOINTLESS_ROLE"
+"""``worker`` or ``spare`` (``control.vocab.Role``)."""
+ENV_CONFIG = "CHECKPOINTLESS_CONFIG"
+"""The job's configuration (``JobConfig`` as JSON)."""
+ENV_JOB_ID = "CHECKPOINTLESS_JOB_ID"
+"""The job's id (names the node's shared-memory batch cache)."""
+ENV_SECRET_FD = "CHECKPOINTLESS_SECRET_FD"
+"""A file descriptor the job's secret is read from once (never the secret itself)."""
+ENV_LOCAL_INDEX = "CHECKPOINTLESS_LOCAL_INDEX"
+"""The process's slot on its host (0, 1, ...), set by the launcher for every worker and spare."""
