@@ -1,7 +1,9 @@
-"""The launcher: starts workers and spares as OS processes and hosts the control plane.
+"""The launcher: the control plane of one job, and its host's node agent.
 
-The control store (a ``TCPStore``) and the ``Coordinator`` live in the launcher
-process, outside every worker, so any worker may die. The spare pool refills:
+The control store (a ``TCPStore``), the ``Coordinator`` and the event sink live in the launcher
+process, outside every worker, so any worker may die. The job's processes are started, watched
+and stopped by a ``NodeAgent`` (``agent.py``); on one host it lives in this process and the
+coordinator reaches the processes through it only (``ProcessHandle``). The spare pool refills:
 the coordinator asks for a new spare each time one is consumed or lost.
 
 What the launcher guarantees around a job:
@@ -10,9 +12,8 @@ What the launcher guarantees around a job:
   every control message is sealed with a per-job secret that each child reads
   from a private pipe (``control/auth.py``): a stranger or a process of another
   job cannot steer this one;
-- children die with the launcher at any moment (``PR_SET_PDEATHSIG`` is set
-  between fork and exec, before the child runs any code) and live in their own
-  session, so a terminal's Ctrl-C reaches the launcher alone, which stops them;
+- children die with the launcher at any moment (``agent.py``), and a terminal's
+  Ctrl-C reaches the launcher alone, which stops them;
 - events reach ``<out>/events.jsonl`` while the job runs (appended and flushed
   every tick), so a crash of the launcher keeps what happened up to it; at the
   end the file is rewritten in time order and ``report.json`` is written, both
@@ -22,21 +23,16 @@ What the launcher guarantees around a job:
   report with the reason is written, and ``JobResult.interrupted`` holds the signal
   number; a job whose ranks finished their last step meanwhile is reported finished,
   with its final digest;
-- a previous run's files in ``out`` are moved aside first, so they never pass for
-  this run's, and the last complete run (one with its ``report.json``) is never lost:
-  a complete run goes to ``out/previous/``, one whose launcher was killed before its
-  report to ``out/unfinished/`` (``previous/`` stays); see ``set_aside_previous_run``.
+- a previous run's files in ``out`` are moved aside first and the last complete run is
+  never lost (``outputs.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import logging
 import os
-import re
-import selectors
 import shutil
 import signal
 import socket
@@ -56,187 +52,22 @@ from torch.distributed import TCPStore
 
 from checkpointless.config import JobConfig
 from checkpointless.control import keys
-from checkpointless.control.auth import ENV_SECRET_FD, SignedStore, job_namespace, new_secret
+from checkpointless.control.auth import SignedStore, job_namespace, new_secret
 from checkpointless.control.bell import ReportBell
-from checkpointless.control.client import ENV_CONFIG, ENV_JOB_ID, ENV_PROC, ENV_ROLE, ENV_STORE
 from checkpointless.control.coordinator import Coordinator, JobFailed
 from checkpointless.control.vocab import Event, Role, event
-from checkpointless.devices import ENV_LOCAL_INDEX
 from checkpointless.errors import JobInterrupted, LaunchError
 from checkpointless.faults import unfired
+from checkpointless.launch.agent import NodeAgent, _Child, _Wakeups
+from checkpointless.launch.outputs import _write_atomic, set_aside_previous_run
 from checkpointless.observe.report import build_report
 
 log = logging.getLogger(__name__)
 
-RUN_FILES = ("events.jsonl", "report.json", "timeline.png", "summary.txt", "logs", "reference")
 MAX_REJECTED_KEYS = 64
 """Messages not sealed with the job's secret are all counted (``report.json``'s ``rejected_messages``),
 and the first one of each key is kept as a ``message_rejected`` event, for at most this many keys:
 a stranger writing junk for as long as a job runs must not grow the launcher without bound."""
-
-
-_LIBC: Any = None
-_LAUNCHER_PID = 0  # set before each fork: the parent a child must still have after prctl
-_CHILD_NICE = 0  # set before each fork: the nice value the child starts at
-
-
-def _die_with_launcher() -> None:
-    """Runs in the child between fork and exec: SIGKILL it when the launcher dies, from its first instruction."""
-    _LIBC.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() != _LAUNCHER_PID:  # the launcher died before prctl took effect (reparented)
-        os._exit(1)
-    if _CHILD_NICE:
-        os.nice(_CHILD_NICE)
-
-
-def can_restore_priority() -> bool:
-    """Whether a process of this user may lower its nice value back to 0 (root, or RLIMIT_NICE >= 20)."""
-    import resource
-
-    return os.geteuid() == 0 or resource.getrlimit(resource.RLIMIT_NICE)[0] >= 20
-
-
-_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception|Exit)\b(?::|$)")
-"""A Python exception's last traceback line (``ValueError: ...``, ``torch.OutOfMemoryError: ...``)."""
-
-
-_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
-def _tree_cpu_seconds(pid: int) -> float | None:
-    """CPU seconds (user + system) used by ``pid`` and the live processes below it; None if ``pid``
-    cannot be read (gone, or no ``/proc``). A stopped process's count does not move."""
-    total, todo, seen = 0.0, [pid], set()
-    while todo:
-        p = todo.pop()
-        if p in seen:
-            continue
-        seen.add(p)
-        try:
-            stat = Path(f"/proc/{p}/stat").read_text()
-            # the name (field 2) may hold spaces: count from the closing parenthesis
-            fields = stat[stat.rindex(")") + 2 :].split()
-            total += (int(fields[11]) + int(fields[12])) / _CLK_TCK  # utime, stime
-        except (OSError, ValueError, IndexError):
-            if p == pid:
-                return None
-            continue
-        with contextlib.suppress(OSError, ValueError):  # no CONFIG_PROC_CHILDREN: the process alone
-            for task in Path(f"/proc/{p}/task").iterdir():
-                todo.extend(int(c) for c in (task / "children").read_text().split())
-    return total
-
-
-class _Child:
-    """A started process, as the coordinator sees it."""
-
-    def __init__(
-        self, name: str, popen: subprocess.Popen[bytes], log_file: IO[bytes], log_path: Path, slot: int = 0
-    ) -> None:
-        self.name, self.popen, self.log_file, self.log_path = name, popen, log_file, log_path
-        self.slot = slot  # its place on the host (``devices.ENV_LOCAL_INDEX``): which GPU it uses
-
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def exit_fd(self) -> int | None:
-        """A descriptor that becomes readable when the process exits (a pidfd), or None."""
-        try:
-            return os.pidfd_open(self.popen.pid)
-        except (AttributeError, OSError):  # Linux < 5.3, or not Linux
-            return None
-
-    def kill(self) -> None:
-        if self.alive():
-            self.popen.kill()
-
-    def exitcode(self) -> int | None:
-        return self.popen.poll()
-
-    def cpu_seconds(self) -> float | None:
-        """User + system CPU time of the process and its descendants (``/proc``), None where unreadable."""
-        return _tree_cpu_seconds(self.popen.pid)
-
-    def log_tail(self) -> str:
-        with contextlib.suppress(OSError):
-            self.log_file.flush()
-            with open(self.log_path, "rb") as f:
-                f.seek(max(0, os.path.getsize(self.log_path) - 4096))
-                lines = [ln.strip() for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
-                # the exception that ended it, if any: a line after it (a C++ runtime's "terminate
-                # called ..." as gloo's threads die at exit) would hide the cause
-                raised = [ln for ln in lines if _EXCEPTION_LINE.match(ln)]
-                return (raised or lines or [""])[-1][:300]
-        return ""
-
-
-class _Wakeups:
-    """What ends the launcher's wait between two ticks besides the clock: a child's exit (its
-    pidfd becomes readable) or a failure report (the report bell writes a byte to a pipe). In
-    steady state the launcher then ticks at the heartbeat pace, not every 10 ms: each wake-up on a
-    machine the workers keep busy delays one of them (1.5% of an HSDP 2x2 step here). Without
-    pidfds (Linux < 5.3) it ticks every 10 ms as before."""
-
-    def __init__(self) -> None:
-        self._selector: selectors.BaseSelector | None = None  # opened with the first child
-        self._read = self._write = -1
-        self._exits: dict[str, int] = {}
-        self._lock = threading.Lock()  # ``ring`` comes from the bell's thread
-        self.complete = True  # every child's exit ends a wait
-
-    def _open(self) -> selectors.BaseSelector:
-        if self._selector is None:
-            self._selector = selectors.DefaultSelector()
-            self._read, self._write = os.pipe()
-            os.set_blocking(self._read, False)
-            os.set_blocking(self._write, False)
-            self._selector.register(self._read, selectors.EVENT_READ)
-        return self._selector
-
-    def watch(self, child: _Child) -> None:
-        selector = self._open()
-        fd = child.exit_fd()
-        if fd is None:
-            self.complete = False
-            return
-        self._exits[child.name] = fd
-        selector.register(fd, selectors.EVENT_READ)
-
-    def watched(self) -> list[str]:
-        return list(self._exits)
-
-    def forget(self, name: str) -> None:
-        """Stop watching a child whose exit was handled (its pidfd stays readable)."""
-        fd = self._exits.pop(name, None)
-        if fd is not None and self._selector is not None:
-            self._selector.unregister(fd)
-            os.close(fd)
-
-    def ring(self) -> None:
-        with self._lock:
-            if self._selector is not None:
-                with contextlib.suppress(BlockingIOError):  # the pipe is full: a wake-up is pending
-                    os.write(self._write, b"x")
-
-    def wait(self, timeout: float) -> None:
-        if self._selector is None:
-            time.sleep(timeout)
-            return
-        for key, _ in self._selector.select(timeout):
-            if key.fd == self._read:
-                with contextlib.suppress(BlockingIOError):
-                    while os.read(self._read, 4096):
-                        pass
-
-    def close(self) -> None:
-        with self._lock:
-            for name in list(self._exits):
-                self.forget(name)
-            if self._selector is not None:
-                self._selector.close()
-                os.close(self._read)
-                os.close(self._write)
-                self._selector = None
 
 
 @dataclass
@@ -277,68 +108,6 @@ def open_store(host: str, port: int) -> TCPStore:
     except Exception as e:
         os.close(fd)
         raise LaunchError(f"cannot start the control store on {host}:{port}: {e}") from e
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-
-
-PREVIOUS = "previous"
-"""``<out>/previous/``: the last complete run (it has its ``report.json``) before the one in ``<out>``."""
-UNFINISHED = "unfinished"
-"""``<out>/unfinished/``: a run whose launcher was killed before it wrote its report."""
-_STAGING = ".into-"  # <out>/.into-<target>/: a run on its way into <out>/<target>/
-_OLD = ".old-"  # <out>/.old-<target>/: what <out>/<target>/ held, deleted once replaced
-
-
-def set_aside_previous_run(out_dir: Path) -> None:
-    """Move the run in ``out_dir`` aside for a new one, never losing the last complete run.
-
-    A complete run (it has its ``report.json``) moves to ``previous/``, replacing the older one
-    there; an unfinished one (its launcher was killed before the report) moves to ``unfinished/``
-    and ``previous/`` is kept: after any number of reruns killed at their start, the last complete
-    run is still there. A move is a staging directory filled file by file (``report.json`` last),
-    then two renames; a launcher killed in between leaves the staging directory, and the next one
-    completes that move first. So at every moment the last complete run is whole, in ``out_dir``,
-    in the staging directory or in ``previous/``.
-    """
-    for target in (PREVIOUS, UNFINISHED):
-        if (out_dir / f"{_STAGING}{target}").is_dir():  # a move that a killed launcher left half done
-            _move_run(out_dir, target)
-        old = out_dir / f"{_OLD}{target}"
-        if old.is_dir():
-            if (out_dir / target).exists():
-                shutil.rmtree(old)
-            else:  # (cannot happen without a staging directory, which was completed above)
-                os.replace(old, out_dir / target)
-    if any(os.path.lexists(out_dir / name) for name in RUN_FILES):
-        _move_run(out_dir, PREVIOUS if (out_dir / "report.json").is_file() else UNFINISHED)
-
-
-def _move_run(out_dir: Path, target: str) -> None:
-    """Move the run files in ``out_dir`` to ``out_dir/target/``, replacing what it held (see
-    ``set_aside_previous_run``); picks up where a killed launcher left the same move."""
-    staging = out_dir / f"{_STAGING}{target}"
-    staging.mkdir(exist_ok=True)
-    for name in sorted(RUN_FILES, key=lambda n: n == "report.json"):  # the report last: it marks a whole run
-        if os.path.lexists(out_dir / name):
-            os.replace(out_dir / name, staging / name)
-    dest, old = out_dir / target, out_dir / f"{_OLD}{target}"
-    if dest.exists():
-        if old.exists():  # left by a launcher killed after its last move's renames
-            shutil.rmtree(old)
-        os.replace(dest, old)
-    os.replace(staging, dest)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -389,9 +158,7 @@ class Launcher:
         self.on_tick = on_tick if isinstance(on_tick, list) else [on_tick] if on_tick else []
         self.job_id = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.timeout_s = timeout_s
-        self.children: dict[str, _Child] = {}
-        self._next_spare = 0
-        self._spares: list[str] = []  # every spare started, in order
+        self.agent: NodeAgent | None = None  # this host's processes (made in run())
         self._coord: Coordinator | None = None
         self._bell: ReportBell | None = None
         self._wakeups = _Wakeups()
@@ -406,67 +173,10 @@ class Launcher:
         self._logdir = Path(out_dir / "logs") if out_dir else Path(tempfile.gettempdir())  # see run()
 
     # -- processes ------------------------------------------------------------------
-    def _spawn(self, name: str, role: str) -> _Child:
-        global _LIBC, _LAUNCHER_PID, _CHILD_NICE
-        if _LIBC is None:
-            _LIBC = ctypes.CDLL("libc.so.6", use_errno=True)
-        _LAUNCHER_PID = os.getpid()
-        nice = self.job.recovery.spare_start_nice if role == Role.SPARE else 0
-        _CHILD_NICE = nice if nice and can_restore_priority() else 0
-        env = dict(os.environ)
-        env.update(self.env)
-        slot = self._free_slot()
-        read_end, write_end = os.pipe()
-        env.update(
-            {
-                ENV_STORE: f"{self.host}:{self.store.raw.port}",
-                ENV_PROC: name,
-                ENV_ROLE: role,
-                ENV_CONFIG: self.job.to_json(),
-                ENV_JOB_ID: self.job_id,
-                ENV_SECRET_FD: str(read_end),
-                ENV_LOCAL_INDEX: str(slot),
-                "LOCAL_RANK": str(slot),
-                "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
-                "PYTHONUNBUFFERED": "1",
-            }
-        )
-        self._logdir.mkdir(parents=True, exist_ok=True)
-        log_path = self._logdir / f"{name}.log"
-        log_file = open(log_path, "wb")  # noqa: SIM115 (closed in _cleanup)
-        try:
-            # Its own process group, not its own session: the terminal's Ctrl-C reaches the launcher
-            # only, which ends the job; and every child stays in the launcher's scheduling
-            # autogroup (Linux, CONFIG_SCHED_AUTOGROUP): ranks in a group each, as a session each
-            # gives them, wait longer for one another at every collective (bench/control_load.py
-            # measures it on plain FSDP2)
-            popen = subprocess.Popen(
-                self.command, env=env, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                pass_fds=(read_end,), preexec_fn=_die_with_launcher, process_group=0,
-            )  # fmt: skip
-            os.write(write_end, self._secret)  # 32 bytes: fits the pipe buffer, never blocks
-        except OSError as e:
-            log_file.close()
-            raise LaunchError(f"cannot start {self.command[0]!r}: {e.strerror or e}") from e
-        finally:
-            os.close(read_end)
-            os.close(write_end)
-        child = _Child(name, popen, log_file, log_path, slot)
-        self.children[name] = child
-        self._wakeups.watch(child)
-        return child
-
-    def _free_slot(self) -> int:
-        """The lowest slot on this host that no live process holds: workers get 0..N-1 at the start,
-        spares the next ones, and a refilled spare the slot (the GPU) a dead process freed."""
-        held = {c.slot for c in self.children.values() if c.alive()}
-        return next(i for i in range(len(held) + 1) if i not in held)
-
-    def _spawn_spare(self) -> _Child:
-        name = f"s{self._next_spare}"
-        self._next_spare += 1
-        self._spares.append(name)
-        return self._spawn(name, Role.SPARE)
+    @property
+    def children(self) -> dict[str, _Child]:
+        """Every process started so far, by name."""
+        return self.agent.children if self.agent is not None else {}
 
     # -- events ---------------------------------------------------------------------
     def _record(self, ev: dict[str, Any]) -> None:
@@ -569,6 +279,11 @@ class Launcher:
         )
         if self._own_logdir:  # made only once the job can start, so a refused launch leaves nothing
             self._logdir = Path(tempfile.mkdtemp(prefix="checkpointless-logs-"))
+        self.agent = NodeAgent(
+            self.job, self.command, job_id=self.job_id, secret=self._secret,
+            store_addr=f"{self.host}:{self.store.raw.port}", logdir=self._logdir, env=self.env,
+            wakeups=self._wakeups,
+        )  # fmt: skip
         if self.out_dir is not None:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             set_aside_previous_run(self.out_dir)
@@ -586,7 +301,7 @@ class Launcher:
             )  # fmt: skip
         except RuntimeError as e:  # the coordinator then reads failure reports every tick
             log.warning("no report bell (%s); failure reports are polled", e)
-        coord = Coordinator(self.store, self.job, self.total_steps, self._spawn_spare, self._record,
+        coord = Coordinator(self.store, self.job, self.total_steps, self.agent.spawn_spare, self._record,
                             report_bell=self._bell.rung if self._bell is not None else None)  # fmt: skip
         self._coord = coord
         error: str | None = None
@@ -632,8 +347,9 @@ class Launcher:
         )  # fmt: skip
 
     def _run(self, coord: Coordinator) -> None:
-        workers = [self._spawn(f"w{r}", Role.WORKER) for r in range(self.job.workers)]
-        spares = [self._spawn_spare() for _ in range(self.job.spares)]
+        assert self.agent is not None
+        workers = [self.agent.spawn(f"w{r}", Role.WORKER) for r in range(self.job.workers)]
+        spares = [self.agent.spawn_spare() for _ in range(self.job.spares)]
         coord.start(list(workers), list(spares))
         deadline = time.monotonic() + self.timeout_s
         last_collect = 0.0
@@ -720,7 +436,7 @@ class Launcher:
         """Give every spare never assigned the ``stop`` assignment (a ready one waits on that key);
         one still starting (importing torch, building its model) holds no state and would see the
         key only seconds later: it is killed at once."""
-        for name in self._spares:
+        for name in self.agent.spares if self.agent is not None else []:
             try:
                 if self.store.get(keys.assign(name)) is None:
                     self.store.set(keys.assign(name), keys.STOP)
@@ -745,20 +461,13 @@ class Launcher:
             self._wake_waiting_spares()
         if self._bell is not None:
             self._bell.close()
-        deadline = time.monotonic() + 5
-        for child in self.children.values():
-            try:
-                child.popen.wait(timeout=max(0.05, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.popen.wait(timeout=5)
-            child.log_file.close()
+        if self.agent is not None:
+            self.agent.stop()
         try:
             self._collect_events()
         except (RuntimeError, OSError) as e:
             log.warning("could not collect the processes' last events (%s); the event log may miss them", e)
         # after every child is gone, so that none can create the directory again
-        from checkpointless.data.shm_cache import ShmBatchCache
-
-        ShmBatchCache(self.job_id, cleanup_on_exit=False).cleanup()
+        if self.agent is not None:
+            self.agent.free_node_cache()
         self._wakeups.close()

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from checkpointless.launch.launcher import set_aside_previous_run
+from checkpointless.launch.outputs import set_aside_previous_run
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -1,0 +1,309 @@
+"""The node agent: the job's processes on one host.
+
+It starts every worker and spare of its host (the environment contract of ``control/env.py``,
+the job's secret on a private pipe, the process's slot on the host), sees their exits at once
+(a pidfd each), kills them when told, reads their log tails and CPU time for the coordinator,
+stops them all at the end (politely, then by force) and frees the node's shared-memory batch
+cache. The coordinator sees each process through ``control.membership.ProcessHandle`` and never
+touches one directly; on one host the agent lives in the launcher's process.
+
+Children die with the launcher at any moment (``PR_SET_PDEATHSIG`` is set between fork and exec,
+before the child runs any code) and live in their own process group, so a terminal's Ctrl-C
+reaches the launcher alone, which stops them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import re
+import selectors
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import IO, Any
+
+from checkpointless.config import JobConfig
+from checkpointless.control.env import (
+    ENV_CONFIG,
+    ENV_JOB_ID,
+    ENV_LOCAL_INDEX,
+    ENV_PROC,
+    ENV_ROLE,
+    ENV_SECRET_FD,
+    ENV_STORE,
+)
+from checkpointless.control.vocab import Role
+from checkpointless.errors import LaunchError
+
+log = logging.getLogger(__name__)
+
+_LIBC: Any = None
+_LAUNCHER_PID = 0  # set before each fork: the parent a child must still have after prctl
+_CHILD_NICE = 0  # set before each fork: the nice value the child starts at
+
+
+def _die_with_launcher() -> None:
+    """Runs in the child between fork and exec: SIGKILL it when the launcher dies, from its first instruction."""
+    _LIBC.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != _LAUNCHER_PID:  # the launcher died before prctl took effect (reparented)
+        os._exit(1)
+    if _CHILD_NICE:
+        os.nice(_CHILD_NICE)
+
+
+def can_restore_priority() -> bool:
+    """Whether a process of this user may lower its nice value back to 0 (root, or RLIMIT_NICE >= 20)."""
+    import resource
+
+    return os.geteuid() == 0 or resource.getrlimit(resource.RLIMIT_NICE)[0] >= 20
+
+
+_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception|Exit)\b(?::|$)")
+"""A Python exception's last traceback line (``ValueError: ...``, ``torch.OutOfMemoryError: ...``)."""
+
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _tree_cpu_seconds(pid: int) -> float | None:
+    """CPU seconds (user + system) used by ``pid`` and the live processes below it; None if ``pid``
+    cannot be read (gone, or no ``/proc``). A stopped process's count does not move."""
+    total, todo, seen = 0.0, [pid], set()
+    while todo:
+        p = todo.pop()
+        if p in seen:
+            continue
+        seen.add(p)
+        try:
+            stat = Path(f"/proc/{p}/stat").read_text()
+            # the name (field 2) may hold spaces: count from the closing parenthesis
+            fields = stat[stat.rindex(")") + 2 :].split()
+            total += (int(fields[11]) + int(fields[12])) / _CLK_TCK  # utime, stime
+        except (OSError, ValueError, IndexError):
+            if p == pid:
+                return None
+            continue
+        with contextlib.suppress(OSError, ValueError):  # no CONFIG_PROC_CHILDREN: the process alone
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo.extend(int(c) for c in (task / "children").read_text().split())
+    return total
+
+
+class _Child:
+    """A started process, as the coordinator sees it."""
+
+    def __init__(
+        self, name: str, popen: subprocess.Popen[bytes], log_file: IO[bytes], log_path: Path, slot: int = 0
+    ) -> None:
+        self.name, self.popen, self.log_file, self.log_path = name, popen, log_file, log_path
+        self.slot = slot  # its place on the host (``control.env.ENV_LOCAL_INDEX``): which GPU it uses
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def exit_fd(self) -> int | None:
+        """A descriptor that becomes readable when the process exits (a pidfd), or None."""
+        try:
+            return os.pidfd_open(self.popen.pid)
+        except (AttributeError, OSError):  # Linux < 5.3, or not Linux
+            return None
+
+    def kill(self) -> None:
+        if self.alive():
+            self.popen.kill()
+
+    def exitcode(self) -> int | None:
+        return self.popen.poll()
+
+    def cpu_seconds(self) -> float | None:
+        """User + system CPU time of the process and its descendants (``/proc``), None where unreadable."""
+        return _tree_cpu_seconds(self.popen.pid)
+
+    def log_tail(self) -> str:
+        with contextlib.suppress(OSError):
+            self.log_file.flush()
+            with open(self.log_path, "rb") as f:
+                f.seek(max(0, os.path.getsize(self.log_path) - 4096))
+                lines = [ln.strip() for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
+                # the exception that ended it, if any: a line after it (a C++ runtime's "terminate
+                # called ..." as gloo's threads die at exit) would hide the cause
+                raised = [ln for ln in lines if _EXCEPTION_LINE.match(ln)]
+                return (raised or lines or [""])[-1][:300]
+        return ""
+
+
+class _Wakeups:
+    """What ends the launcher's wait between two ticks besides the clock: a child's exit (its
+    pidfd becomes readable) or a failure report (the report bell writes a byte to a pipe). In
+    steady state the launcher then ticks at the heartbeat pace, not every 10 ms: each wake-up on a
+    machine the workers keep busy delays one of them (1.5% of an HSDP 2x2 step here). Without
+    pidfds (Linux < 5.3) it ticks every 10 ms as before."""
+
+    def __init__(self) -> None:
+        self._selector: selectors.BaseSelector | None = None  # opened with the first child
+        self._read = self._write = -1
+        self._exits: dict[str, int] = {}
+        self._lock = threading.Lock()  # ``ring`` comes from the bell's thread
+        self.complete = True  # every child's exit ends a wait
+
+    def _open(self) -> selectors.BaseSelector:
+        if self._selector is None:
+            self._selector = selectors.DefaultSelector()
+            self._read, self._write = os.pipe()
+            os.set_blocking(self._read, False)
+            os.set_blocking(self._write, False)
+            self._selector.register(self._read, selectors.EVENT_READ)
+        return self._selector
+
+    def watch(self, child: _Child) -> None:
+        selector = self._open()
+        fd = child.exit_fd()
+        if fd is None:
+            self.complete = False
+            return
+        self._exits[child.name] = fd
+        selector.register(fd, selectors.EVENT_READ)
+
+    def watched(self) -> list[str]:
+        return list(self._exits)
+
+    def forget(self, name: str) -> None:
+        """Stop watching a child whose exit was handled (its pidfd stays readable)."""
+        fd = self._exits.pop(name, None)
+        if fd is not None and self._selector is not None:
+            self._selector.unregister(fd)
+            os.close(fd)
+
+    def ring(self) -> None:
+        with self._lock:
+            if self._selector is not None:
+                with contextlib.suppress(BlockingIOError):  # the pipe is full: a wake-up is pending
+                    os.write(self._write, b"x")
+
+    def wait(self, timeout: float) -> None:
+        if self._selector is None:
+            time.sleep(timeout)
+            return
+        for key, _ in self._selector.select(timeout):
+            if key.fd == self._read:
+                with contextlib.suppress(BlockingIOError):
+                    while os.read(self._read, 4096):
+                        pass
+
+    def close(self) -> None:
+        with self._lock:
+            for name in list(self._exits):
+                self.forget(name)
+            if self._selector is not None:
+                self._selector.close()
+                os.close(self._read)
+                os.close(self._write)
+                self._selector = None
+
+
+class NodeAgent:
+    """Starts, watches and stops the job's processes on this host (see the module docstring)."""
+
+    def __init__(
+        self,
+        job: JobConfig,
+        command: list[str],
+        *,
+        job_id: str,
+        secret: bytes,
+        store_addr: str,
+        logdir: Path,
+        env: dict[str, str],
+        wakeups: _Wakeups,
+    ) -> None:
+        self.job, self.command, self.job_id, self.env = job, command, job_id, env
+        self._secret, self.store_addr, self._logdir, self.wakeups = secret, store_addr, logdir, wakeups
+        self.children: dict[str, _Child] = {}
+        self._next_spare = 0
+        self.spares: list[str] = []  # every spare started, in order
+
+    def spawn(self, name: str, role: str) -> _Child:
+        """Start ``name`` (``w<rank>`` or ``s<n>``) in ``role`` with the job's environment and secret."""
+        global _LIBC, _LAUNCHER_PID, _CHILD_NICE
+        if _LIBC is None:
+            _LIBC = ctypes.CDLL("libc.so.6", use_errno=True)
+        _LAUNCHER_PID = os.getpid()
+        nice = self.job.recovery.spare_start_nice if role == Role.SPARE else 0
+        _CHILD_NICE = nice if nice and can_restore_priority() else 0
+        env = dict(os.environ)
+        env.update(self.env)
+        slot = self._free_slot()
+        read_end, write_end = os.pipe()
+        env.update(
+            {
+                ENV_STORE: self.store_addr,
+                ENV_PROC: name,
+                ENV_ROLE: role,
+                ENV_CONFIG: self.job.to_json(),
+                ENV_JOB_ID: self.job_id,
+                ENV_SECRET_FD: str(read_end),
+                ENV_LOCAL_INDEX: str(slot),
+                "LOCAL_RANK": str(slot),
+                "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
+        self._logdir.mkdir(parents=True, exist_ok=True)
+        log_path = self._logdir / f"{name}.log"
+        log_file = open(log_path, "wb")  # noqa: SIM115 (closed in _cleanup)
+        try:
+            # Its own process group, not its own session: the terminal's Ctrl-C reaches the launcher
+            # only, which ends the job; and every child stays in the launcher's scheduling
+            # autogroup (Linux, CONFIG_SCHED_AUTOGROUP): ranks in a group each, as a session each
+            # gives them, wait longer for one another at every collective (bench/control_load.py
+            # measures it on plain FSDP2)
+            popen = subprocess.Popen(
+                self.command, env=env, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                pass_fds=(read_end,), preexec_fn=_die_with_launcher, process_group=0,
+            )  # fmt: skip
+            os.write(write_end, self._secret)  # 32 bytes: fits the pipe buffer, never blocks
+        except OSError as e:
+            log_file.close()
+            raise LaunchError(f"cannot start {self.command[0]!r}: {e.strerror or e}") from e
+        finally:
+            os.close(read_end)
+            os.close(write_end)
+        child = _Child(name, popen, log_file, log_path, slot)
+        self.children[name] = child
+        self.wakeups.watch(child)
+        return child
+
+    def _free_slot(self) -> int:
+        """The lowest slot on this host that no live process holds: workers get 0..N-1 at the start,
+        spares the next ones, and a refilled spare the slot (the GPU) a dead process freed."""
+        held = {c.slot for c in self.children.values() if c.alive()}
+        return next(i for i in range(len(held) + 1) if i not in held)
+
+    def spawn_spare(self) -> _Child:
+        name = f"s{self._next_spare}"
+        self._next_spare += 1
+        self.spares.append(name)
+        return self.spawn(name, Role.SPARE)
+
+    def stop(self) -> None:
+        """Let every child exit within a grace period, then kill the rest; close their logs."""
+        deadline = time.monotonic() + 5
+        for child in self.children.values():
+            try:
+                child.popen.wait(timeout=max(0.05, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.popen.wait(timeout=5)
+            child.log_file.close()
+
+    def free_node_cache(self) -> None:
+        """Remove the job's shared-memory batch cache on this host (once every child is gone, so
+        that none can create it again)."""
+        from checkpointless.data.shm_cache import ShmBatchCache
+
+        ShmBatchCache(self.job_id, cleanup_on_exit=False).cleanup()
