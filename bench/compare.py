@@ -764,12 +764,18 @@ def reading(r: dict[str, Any]) -> str:
     if tf is not None and cl is not None and tf < cl:
         loses.append("torchft's survivor resumes sooner (it trades exactness and half the batch for it)")
     out.append("Where checkpointless loses: " + "; ".join(loses) + ".")
+    from checkpointless.config import RecoveryConfig
+
+    hang = r.get("hang_timeout_s", RecoveryConfig().hang_timeout_s)
     out.append(
         "Caveats: a 2-core VM shared with other benchmarks (load average in the header), a tiny model (steps of "
-        "tens of ms, so process start-up dominates every restart), few repetitions in quick mode; torchft runs "
-        "with a fixed DDP comm hook (its 0.2.0 hook crashes the survivor on a failed all-reduce, see "
-        "bench/baselines/torchft_ddp.py) at heartbeat_timeout_ms=2000 (checkpointless' hang timeout is 2 s) "
-        f"and {TORCHFT_FAST_HB_MS} (no false failure in its fault-free runs; shorter was not tried)."
+        "tens of ms, so process start-up dominates every restart)"
+        + (", one repetition (quick mode)" if r.get("quick") else "")
+        + "; torchft runs with a fixed DDP comm hook (its 0.2.0 hook crashes the survivor on a failed "
+        "all-reduce, see bench/baselines/torchft_ddp.py) at heartbeat_timeout_ms=2000 and "
+        f"{TORCHFT_FAST_HB_MS} (no false failure in its fault-free runs; shorter was not tried); "
+        f"checkpointless' hang timeout is {hang:g} s (its default). Hangs side by side at matched "
+        "timeouts: the hang_compare section."
     )
     return " ".join(out) + "\n"
 
