@@ -66,8 +66,11 @@ class FakeStore:
 class FakeProcess:
     """A ``ProcessHandle``: alive until ``exit``; ``kill`` is counted."""
 
-    def __init__(self, name: str, log: str = "", *, die_on_kill: bool = False) -> None:
+    def __init__(
+        self, name: str, log: str = "", *, die_on_kill: bool = False, host: str = "localhost"
+    ) -> None:
         self.name = name
+        self.host = host
         self.log = log
         self.die_on_kill = die_on_kill
         self.kills = 0

@@ -46,10 +46,11 @@ class Coordinator(Detection):
     # -- the loop -----------------------------------------------------------------
     def next_tick_s(self, tick_s: float = 0.01) -> float:
         """How long the caller may wait before the next ``tick`` if nothing wakes it earlier: one
-        ``tick_s`` during a failure or a recovery; in steady state until the next heartbeat poll or
-        due spare start. The caller must also tick at once when a process exits or a failure
-        report rings (``ReportBell``): what a steady state waits for besides the clock."""
-        if self._failure is not None or self._recovering is not None or self.plan is None:
+        ``tick_s`` during a failure (until the plan is out); otherwise, a recovery under way too,
+        until the next heartbeat poll or due spare start. The caller must also tick at once when a
+        process exits or a failure report rings (``ReportBell``): what the coordinator waits for
+        besides the clock."""
+        if self._failure is not None or self.plan is None:
             return tick_s
         now = self._clock()
         due = [self._last_poll + self.job.recovery.heartbeat_interval_s, *self._spares_due]
@@ -64,18 +65,27 @@ class Coordinator(Detection):
         state waits for besides them comes with a wake-up: a failure or fatal report rings the
         report bell, an exit is a pidfd, a finished rank says so in its heartbeat. The keys
         behind those hints are also swept once a ``_SWEEP_S`` (a lost ring must not stall a job),
-        strangers' writes once an ``_INTRUDER_CHECK_S``. During a failure or a recovery, every tick
-        reads everything.
+        strangers' writes once an ``_INTRUDER_CHECK_S``. During a failure, until the plan is out,
+        every tick reads everything. Once it is out, the recovery is the members' to make (join,
+        transfer, re-execute): the coordinator reads at the heartbeat pace (everything, at each
+        poll), so that its reads do not wake the cores the transfer runs on 100 times a second; a
+        new failure still comes with a wake-up, and ``recovery_done`` is seen at the next poll.
         """
         assert self.plan is not None
         now = self._clock()
-        steady = self._failure is None and self._recovering is None
+        steady = self._failure is None  # a recovery under way too (the docstring)
         poll = not steady or now - self._last_poll >= self.job.recovery.heartbeat_interval_s
         bell = self._report_bell
         # without a bell (a coordinator driven by hand, or the bell failed), the keys it stands
         # for are read every tick
         hinted = bell() if bell is not None else True
-        sweep = not steady or hinted or now - self._last_sweep >= _SWEEP_S
+        # once a plan is out, what a recovery waits for (a re-published plan) at the heartbeat pace
+        sweep = (
+            not steady
+            or hinted
+            or now - self._last_sweep >= _SWEEP_S
+            or (poll and self._recovering is not None)
+        )
         if sweep:
             self._last_sweep = now
         if poll:
@@ -175,7 +185,13 @@ class Coordinator(Detection):
             durable_on = bool(rc.durable_every and rc.durable_dir)
             step = self._durable_step(committed) if durable_on else None
             plan = make_plan(
-                self.plan, committed, spares, holders=f.holders, durable_on=durable_on, durable_step=step
+                self.plan,
+                committed,
+                spares,
+                holders=f.holders,
+                durable_on=durable_on,
+                durable_step=step,
+                hosts={name: p.handle.host for name, p in self.procs.items()},
             )
         except PlanError as e:
             raise JobFailed(f"generation {f.gen}: {e}") from e

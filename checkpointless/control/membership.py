@@ -27,6 +27,7 @@ class ProcessHandle(Protocol):
     """What the coordinator needs of a process the launcher started."""
 
     name: str
+    host: str  # the host it runs on (its node agent's): the unit of failure and replacement
 
     def alive(self) -> bool: ...
 
@@ -127,7 +128,9 @@ class Membership:
             self._add(h, Role.WORKER)
         for h in spares:
             self._add(h, Role.SPARE)
-        self.plan = initial_plan(self.job.workers, self.job.shards, [h.name for h in workers])
+        self.plan = initial_plan(
+            self.job.workers, self.job.shards, [h.name for h in workers], {h.name: h.host for h in workers}
+        )
         self._publish_value(keys.plan(0), self.plan.to_json())
         self._publish_value(keys.LATEST_GEN, "0")
         self._emit(Event.GENERATION_STARTED, gen=0, members=self.plan.members, resume_step=0)
@@ -261,13 +264,14 @@ class Membership:
         under its secret namespace, so anything there comes from a process without the secret."""
         if not self.store.namespace or self.plan is None:
             return
+        # What someone may still read: bounded by the live processes and the generations around
+        # the current one, not by every process and generation the job has seen (a long job's
+        # check would otherwise grow with its failures, one store round trip per key)
         gen = self.plan.gen
         names = [keys.LATEST_GEN, keys.JOB_STOP, keys.FATAL_COUNT, keys.abort(gen), keys.fail_count(gen)]
-        names += [
-            keys.plan(g) for g in range(gen + 2)
-        ]  # an earlier generation's too: checks are seconds apart
+        names += [keys.plan(g) for g in range(max(0, gen - 1), gen + 2)]  # checks are seconds apart
         names += [keys.done(r) for r in self.members] + [keys.fail(gen, r) for r in self.members]
-        for proc in self.procs:
+        for proc in (name for name, p in self.procs.items() if p.role != Role.GONE):
             names += [keys.heartbeat(proc), keys.assign(proc), keys.fatal(proc), keys.events(proc, 0)]
         for key in names:
             if self.store.raw.check([key]):

@@ -4,6 +4,13 @@
 decision can be tested without processes. Recovery is per (shard, replica
 group): a rank's state can only come from a survivor holding the same shard.
 DDP is the case of one shard.
+
+The topology is data (``hosts``: the host of every process): the node is the unit of failure.
+A host whose every rank is lost is replaced as a whole by one spare host (the smallest with
+enough ready spares); a rank lost on a host that lives on takes a spare of its own host first.
+Sources are spread over the hosts that hold the state, so that the receivers of a lost host pull
+from several hosts at once, one stream per rank. On one host all of this is today's single-host
+plan.
 """
 
 from __future__ import annotations
@@ -56,6 +63,8 @@ class Plan:
     replaced: dict[int, str] = field(default_factory=dict)  # rank -> proc that left
     #: every rank loads the durable snapshot of this step (no live replica held some shard)
     restore: int | None = None
+    #: the host of each rank's process ({} when the topology is not known: one host)
+    hosts: dict[int, str] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(
@@ -68,6 +77,7 @@ class Plan:
                 "sources": {str(k): v for k, v in self.sources.items()},
                 "replaced": {str(k): v for k, v in self.replaced.items()},
                 "restore": self.restore,
+                "hosts": {str(k): v for k, v in self.hosts.items()},
             }
         )
 
@@ -83,6 +93,7 @@ class Plan:
             sources={int(k): int(v) for k, v in d["sources"].items()},
             replaced={int(k): str(v) for k, v in d["replaced"].items()},
             restore=None if d.get("restore") is None else int(d["restore"]),
+            hosts={int(k): str(v) for k, v in d.get("hosts", {}).items()},
         )
 
     def rank_of(self, proc: str) -> int | None:
@@ -92,9 +103,85 @@ class Plan:
         return None
 
 
-def initial_plan(world_size: int, shards: int, procs: list[str]) -> Plan:
+def initial_plan(world_size: int, shards: int, procs: list[str], hosts: dict[str, str] | None = None) -> Plan:
+    """Generation 0: rank ``r`` is ``procs[r]``; ``hosts`` gives each process's host."""
     assert len(procs) == world_size
-    return Plan(gen=0, world_size=world_size, shards=shards, members=dict(enumerate(procs)), resume_step=0)
+    return Plan(
+        gen=0, world_size=world_size, shards=shards, members=dict(enumerate(procs)), resume_step=0,
+        hosts={r: hosts[p] for r, p in enumerate(procs) if p in hosts} if hosts else {},
+    )  # fmt: skip
+
+
+def shared_hosts(members: dict[int, str], hosts: dict[str, str], shards: int) -> dict[int, list[str]]:
+    """The shards some of whose replicas share a host (a failure of that host loses several
+    copies of the shard, and all of them if no other host holds one): shard -> those hosts."""
+    layout = ReplicaMap(len(members), shards)
+    out: dict[int, list[str]] = {}
+    for shard in range(shards):
+        on = [hosts.get(members[r], "") for r in layout.replica_group(shard)]
+        crowded = sorted({h for h in on if on.count(h) > 1})
+        if crowded:
+            out[shard] = crowded
+    return out
+
+
+def assign_spares(
+    members: dict[int, str], dead: list[int], spares: list[str], hosts: dict[str, str] | None = None
+) -> dict[int, str]:
+    """Which ready spare takes each dead rank (``spares`` in the pool's order; as many as ``dead``).
+
+    Without a topology the pool's order. With one (``hosts``: every process's host): a host whose
+    every rank is dead is replaced by one spare host, the smallest that has enough ready spares
+    (a host running no rank), largest lost host first; a rank lost on a host that lives on takes
+    a spare of its own host first, then the pool's order; a lost host that no single spare host
+    can take is filled in the pool's order too.
+    """
+    if not hosts:
+        return dict(zip(dead, spares, strict=False))
+    pool = list(spares)
+    where = {r: hosts.get(p, "") for r, p in members.items()}
+    live_hosts = {where[r] for r in members if r not in dead}
+    lost: dict[str, list[int]] = {}
+    for r in dead:
+        lost.setdefault(where[r], []).append(r)
+    out: dict[int, str] = {}
+
+    def take(ranks: list[int], candidates: list[str]) -> None:
+        for r, s in zip(ranks, candidates, strict=False):
+            out[r] = s
+            pool.remove(s)
+
+    for host, ranks in sorted(lost.items(), key=lambda kv: (-len(kv[1]), kv[0])):
+        if host in live_hosts:
+            continue  # a process fault: below
+        by_host: dict[str, list[str]] = {}
+        for s in pool:
+            by_host.setdefault(hosts.get(s, ""), []).append(s)
+        fits = [h for h, ss in by_host.items() if h not in live_hosts and len(ss) >= len(ranks)]
+        if fits:
+            best = min(fits, key=lambda h: (len(by_host[h]), pool.index(by_host[h][0])))
+            take(ranks, by_host[best])
+    for r in dead:
+        if r in out:
+            continue
+        local = [s for s in pool if hosts.get(s, "") == where[r]]
+        take([r], local or pool)
+    return out
+
+
+def _spread(ranks: list[int], hosts: dict[int, str]) -> list[int]:
+    """``ranks`` (in rank order) interleaved over their hosts: one from each host in turn, so that
+    consecutive receivers pull from different hosts (one host: unchanged)."""
+    by_host: dict[str, list[int]] = {}
+    for r in ranks:
+        by_host.setdefault(hosts.get(r, ""), []).append(r)
+    queues = list(by_host.values())
+    out: list[int] = []
+    while any(queues):
+        for q in queues:
+            if q:
+                out.append(q.pop(0))
+    return out
 
 
 def make_plan(
@@ -105,6 +192,7 @@ def make_plan(
     *,
     durable_on: bool = False,
     durable_step: int | None = None,
+    hosts: dict[str, str] | None = None,
 ) -> Plan:
     """The next generation after a failure in ``prev``.
 
@@ -123,6 +211,9 @@ def make_plan(
     newest complete snapshot (``durable.latest_complete``), None if none. When some shard has no
     holder and there is a snapshot, every rank rolls back to it: a plan with ``restore`` set,
     resuming after the snapshot's step, with no transfers.
+
+    ``hosts``: the host of every process (members and spares); spares are placed by
+    ``assign_spares`` and sources spread over hosts (module docstring). None: one host.
     """
     layout = ReplicaMap(prev.world_size, prev.shards)
     holders = set(committed) if holders is None else holders & set(committed)
@@ -136,7 +227,7 @@ def make_plan(
         alive = [r for r in layout.replica_group(shard) if r in holders]
         if not alive:
             if durable_on and durable_step is not None:
-                return _restore_plan(prev, dead, spares, durable_step)
+                return _restore_plan(prev, dead, spares, durable_step, hosts)
             what = "the state" if prev.shards == 1 else f"shard {shard} of the state"
             why = (
                 "the durable tier holds no complete snapshot yet"
@@ -149,15 +240,11 @@ def make_plan(
     ahead = [r for r, c in committed.items() if c >= resume]
     if ahead:
         raise PlanError(f"ranks {ahead} committed past step {resume - 1}, which another shard cannot reach")
-    members = dict(prev.members)
-    replaced: dict[int, str] = {}
-    for rank, proc in zip(dead, spares, strict=False):
-        replaced[rank] = members[rank]
-        members[rank] = proc
+    members, replaced, where = _replace(prev, dead, spares, hosts)
     sources: dict[int, int] = {}
     for shard in range(prev.shards):
         group = layout.replica_group(shard)
-        up_to_date = [r for r in group if r in holders and committed[r] == resume - 1]
+        up_to_date = _spread([r for r in group if r in holders and committed[r] == resume - 1], where)
         receivers = [
             r for r in group if r in replaced or r not in holders or committed.get(r, -1) < resume - 1
         ]
@@ -171,16 +258,28 @@ def make_plan(
         resume_step=resume,
         sources=sources,
         replaced=replaced,
+        hosts=where,
     )
 
 
-def _restore_plan(prev: Plan, dead: list[int], spares: list[str], step: int) -> Plan:
-    """Every rank rolls back to the durable snapshot of ``step``; dead ranks get spares."""
+def _replace(
+    prev: Plan, dead: list[int], spares: list[str], hosts: dict[str, str] | None
+) -> tuple[dict[int, str], dict[int, str], dict[int, str]]:
+    """The next generation's members, the processes replaced (rank -> old) and every rank's host."""
     members = dict(prev.members)
     replaced: dict[int, str] = {}
-    for rank, proc in zip(dead, spares, strict=False):
+    for rank, proc in assign_spares(prev.members, dead, spares, hosts).items():
         replaced[rank] = members[rank]
         members[rank] = proc
+    where = {r: hosts[p] for r, p in members.items() if p in hosts} if hosts else {}
+    return members, replaced, where
+
+
+def _restore_plan(
+    prev: Plan, dead: list[int], spares: list[str], step: int, hosts: dict[str, str] | None
+) -> Plan:
+    """Every rank rolls back to the durable snapshot of ``step``; dead ranks get spares."""
+    members, replaced, where = _replace(prev, dead, spares, hosts)
     return Plan(
         gen=prev.gen + 1,
         world_size=prev.world_size,
@@ -189,6 +288,7 @@ def _restore_plan(prev: Plan, dead: list[int], spares: list[str], step: int) -> 
         resume_step=step + 1,
         replaced=replaced,
         restore=step,
+        hosts=where,
     )
 
 

@@ -21,6 +21,7 @@ import os
 import re
 import selectors
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -98,9 +99,16 @@ class _Child:
     """A started process, as the coordinator sees it."""
 
     def __init__(
-        self, name: str, popen: subprocess.Popen[bytes], log_file: IO[bytes], log_path: Path, slot: int = 0
+        self,
+        name: str,
+        popen: subprocess.Popen[bytes],
+        log_file: IO[bytes],
+        log_path: Path,
+        slot: int = 0,
+        host: str = "",
     ) -> None:
         self.name, self.popen, self.log_file, self.log_path = name, popen, log_file, log_path
+        self.host = host or socket.gethostname()  # the agent's host
         self.slot = slot  # its place on the host (``control.env.ENV_LOCAL_INDEX``): which GPU it uses
 
     def alive(self) -> bool:
@@ -220,10 +228,12 @@ class NodeAgent:
         logdir: Path,
         env: dict[str, str],
         wakeups: _Wakeups,
+        host: str = "",
     ) -> None:
         self.job, self.command, self.job_id, self.env = job, command, job_id, env
         self._secret, self.store_addr, self._logdir, self.wakeups = secret, store_addr, logdir, wakeups
         self.children: dict[str, _Child] = {}
+        self.host = host or socket.gethostname()  # this host's name in the job's topology
         self._next_spare = 0
         self.spares: list[str] = []  # every spare started, in order
 
@@ -273,7 +283,7 @@ class NodeAgent:
         finally:
             os.close(read_end)
             os.close(write_end)
-        child = _Child(name, popen, log_file, log_path, slot)
+        child = _Child(name, popen, log_file, log_path, slot, self.host)
         self.children[name] = child
         self.wakeups.watch(child)
         return child

@@ -166,6 +166,7 @@ class Launcher:
         self._rejections = 0  # messages rejected (every one); the first of each key is in the events
         self._rejected_keys: set[str] = set()
         self._chunks_read: dict[str, int] = {}
+        self._drained: set[str] = set()  # exited processes whose every chunk was read
         self._stream: IO[str] | None = None
         self._stream_error: str | None = None
         self._secret = new_secret()
@@ -234,9 +235,10 @@ class Launcher:
         for (name, i), raw in zip(known, raws, strict=True):
             self._record_chunk(name, keys.events(name, i), raw)
             self._chunks_read[name] = i + 1
-        for name in self.children:
-            if name in announced:
+        for name, child in self.children.items():
+            if name in announced or name in self._drained:
                 continue
+            gone = not child.alive()  # seen before reading: a process that is gone writes no more
             seen = self._chunks_read.get(name, 0)
             while True:  # chunks are numbered from 0 and written in order: read until a gap
                 key = keys.events(name, seen)
@@ -245,6 +247,8 @@ class Launcher:
                     break  # not written yet, or forged (the real chunk will overwrite it)
                 seen += 1
             self._chunks_read[name] = seen
+            if gone:  # read to its end once after its exit: never probed again (a long job's
+                self._drained.add(name)  # dead processes would cost a round trip each, 5 times a second)
         if self._stream is not None:
             try:
                 self._stream.flush()

@@ -248,7 +248,7 @@ def test_dead_worker_is_replaced_by_the_ready_spare(order: str) -> None:
         job.tick()
     assert job.plan(1) == Plan(
         gen=1, world_size=2, shards=1, members={0: "w0", 1: "s0"}, resume_step=5, sources={1: 0},
-        replaced={1: "w1"},
+        replaced={1: "w1"}, hosts={0: "localhost", 1: "localhost"},
     )  # fmt: skip
     assert job.store.get(keys.LATEST_GEN) == "1"
     assert job.store.get(keys.assign("s0")) == "1" and job.store.get(keys.assign("w0")) is None
@@ -740,7 +740,9 @@ def test_current_plan_overwritten_by_a_stranger_is_published_again_at_the_next_s
     forged["members"]["1"] = "evil"
     _forge(job, keys.plan(1), json.dumps(forged), how)
     _forge(job, keys.LATEST_GEN, "7", how)
-    job.tick(dt=0.01)  # during a recovery every tick polls
+    job.tick(dt=0.01)  # once the plan is out, the published keys are swept at the heartbeat pace
+    assert job.store.get(keys.plan(1)) is None
+    job.tick()
     assert job.store.get(keys.plan(1)) == real and job.store.get(keys.LATEST_GEN) == "1"
     assert sorted(set(job.rejected)) == ["gen/1/plan", "gen/latest"]
     # in steady state, at the next sweep of the published keys (a second after the last)
@@ -837,7 +839,7 @@ def test_receiver_left_alone_after_its_source_died(has_state: bool) -> None:
     job.tick()
     assert job.plan(2) == Plan(
         gen=2, world_size=2, shards=1, members={0: "s1", 1: "s0"}, resume_step=5, sources={0: 1},
-        replaced={0: "w0"},
+        replaced={0: "w0"}, hosts={0: "localhost", 1: "localhost"},
     )  # fmt: skip
 
 
@@ -936,3 +938,60 @@ def test_a_replacement_that_finishes_early_during_the_recovery_ends_the_job() ->
         JobFailed, match=r"^rank 1 \(s0\) finished its loop after step 4 while rank 0 \(w0\) attempts step 5"
     ):
         job.tick()
+
+
+# == periodic scans stay bounded ===================================================================
+
+
+def test_the_strangers_check_reads_what_is_live_not_every_process_and_generation_ever_seen() -> None:
+    """Each recovery retires a process and a generation: the check for strangers' writes (one
+    store round trip per key) reads the same number of keys after six recoveries as after one,
+    and still catches a stranger's write to the current generation's plan."""
+    job = Job(workers=2, spares=1)
+    job.steady(committed=0)
+    checks: list[int] = []
+    real_check = job.raw.check
+
+    def counted() -> int:
+        """The keys one check reads (one round trip each). This job's real keys are not under a
+        namespace, so the check is run as if they were, with no stranger's write to find."""
+        calls = 0
+
+        def check(keys_: list[str]) -> bool:
+            nonlocal calls
+            calls += 1
+            return False
+
+        job.raw.check = check  # type: ignore[method-assign]
+        job.signed.namespace = "job/"
+        try:
+            job.coord._check_intruders()
+        finally:
+            job.raw.check = real_check  # type: ignore[method-assign]
+            job.signed.namespace = ""
+        return calls
+
+    for gen in range(6):
+        victim = job.coord.members[1]
+        job.exit(victim, -9)
+        job.tick()
+        job[job.coord.members[0]].recover()
+        job.tick()
+        plan = job.plan(gen + 1)
+        assert plan is not None and plan.replaced == {1: victim}
+        for rank, name in plan.members.items():
+            job[name].enter(rank, gen + 1, gen)
+        job.tick()
+        for name in plan.members.values():
+            job[name].commit(gen + 1, 0.5)
+        job.tick()
+        refill = job.spawned[-1][0]  # the pool refills once the recovery is done
+        job[refill].ready_spare()
+        job.tick()
+        checks.append(counted())
+    assert len(set(checks)) == 1 and checks[0] > 10, checks
+    job.raw.set(keys.plan(7), "forged")  # a plain (un-namespaced) name: a stranger's write
+    job.signed.namespace = "job/"
+    job.coord._check_intruders()
+    rejected = {e["key"] for e in job.kinds("message_rejected")}
+    assert keys.plan(7) in rejected and not job.raw.check([keys.plan(7)])

@@ -6,7 +6,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from checkpointless.control.plan import Plan, PlanError, ReplicaMap, initial_plan, make_plan
+from checkpointless.control.plan import (
+    Plan,
+    PlanError,
+    ReplicaMap,
+    assign_spares,
+    initial_plan,
+    make_plan,
+    shared_hosts,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -115,3 +123,105 @@ def test_random_failures_yield_a_consistent_plan(replicas: int, shards: int, dat
         else:
             assert plan.members[r] == f"w{r}"
             assert committed[r] == plan.resume_step - 1 or r in plan.sources
+
+
+# == the topology: the node as the unit of failure ==================================================
+
+
+def _hosts(layout: dict[str, list[str]]) -> dict[str, str]:
+    """host -> its processes, as the process -> host map ``make_plan`` takes."""
+    return {proc: host for host, procs in layout.items() for proc in procs}
+
+
+def test_a_lost_host_is_replaced_by_the_smallest_spare_host_that_fits() -> None:
+    hosts = _hosts({"h0": ["w0", "w1"], "h1": ["w2", "w3"], "big": ["s0", "s1", "s2"], "spare": ["s3", "s4"]})
+    prev = initial_plan(4, 1, ["w0", "w1", "w2", "w3"], hosts)
+    assert prev.hosts == {0: "h0", 1: "h0", 2: "h1", 3: "h1"}
+    plan = make_plan(prev, committed={0: 5, 1: 5}, spares=["s0", "s1", "s2", "s3", "s4"], hosts=hosts)
+    assert plan.members == {0: "w0", 1: "w1", 2: "s3", 3: "s4"}  # one host, the one that fits best
+    assert plan.hosts == {0: "h0", 1: "h0", 2: "spare", 3: "spare"}
+    assert plan.replaced == {2: "w2", 3: "w3"} and set(plan.sources) == {2, 3}
+
+
+def test_a_process_lost_on_a_live_host_takes_a_spare_of_its_own_host_first() -> None:
+    hosts = _hosts({"h0": ["w0", "w1", "t0"], "h1": ["w2", "w3", "t1"], "spare": ["s0", "s1"]})
+    prev = initial_plan(4, 1, ["w0", "w1", "w2", "w3"], hosts)
+    pool = ["s0", "s1", "t0", "t1"]
+    plan = make_plan(prev, committed={0: 5, 1: 5, 2: 5}, spares=pool, hosts=hosts)
+    assert plan.members[3] == "t1" and plan.hosts[3] == "h1"
+    # none on its host: the pool's order (a spare host's process)
+    plan = make_plan(prev, committed={0: 5, 1: 5, 2: 5}, spares=["s0", "s1", "t0"], hosts=hosts)
+    assert plan.members[3] == "s0"
+
+
+def test_a_lost_host_that_no_spare_host_can_take_is_filled_in_the_pools_order() -> None:
+    hosts = _hosts({"h0": ["w0", "w1"], "h1": ["w2", "w3"], "a": ["s0"], "b": ["s1"]})
+    assignment = assign_spares({0: "w0", 1: "w1", 2: "w2", 3: "w3"}, [2, 3], ["s0", "s1"], hosts)
+    assert assignment == {2: "s0", 3: "s1"}
+    # a host lost and a process lost elsewhere: the host gets the whole spare host
+    hosts = _hosts(
+        {"h0": ["w0", "w1"], "h1": ["w2", "w3"], "h2": ["w4", "w5"], "spare": ["s0", "s1"], "c": ["s2"]}
+    )
+    members = {r: f"w{r}" for r in range(6)}
+    assignment = assign_spares(members, [0, 4, 5], ["s2", "s0", "s1"], hosts)
+    assert assignment == {4: "s0", 5: "s1", 0: "s2"}
+
+
+def test_the_receivers_of_a_lost_host_pull_from_different_hosts() -> None:
+    hosts = _hosts({"h0": ["w0", "w1"], "h1": ["w2", "w3"], "h2": ["w4", "w5"], "spare": ["s0", "s1"]})
+    prev = initial_plan(6, 1, [f"w{r}" for r in range(6)], hosts)
+    plan = make_plan(prev, committed={r: 3 for r in range(4)}, spares=["s0", "s1"], hosts=hosts)
+    assert plan.members[4] == "s0" and plan.members[5] == "s1"
+    assert {plan.hosts[plan.sources[4]], plan.hosts[plan.sources[5]]} == {"h0", "h1"}
+
+
+def test_hsdp_shards_within_a_host_replicas_across_hosts() -> None:
+    """2 replicas x 2 shards, one replica per host: a lost host loses one copy of every shard,
+    and each of its ranks receives its own shard from the other host."""
+    hosts = _hosts({"h0": ["w0", "w1"], "h1": ["w2", "w3"], "spare": ["s0", "s1"]})
+    prev = initial_plan(4, 2, ["w0", "w1", "w2", "w3"], hosts)
+    assert shared_hosts(prev.members, hosts, 2) == {}
+    plan = make_plan(prev, committed={2: 7, 3: 7}, spares=["s0", "s1"], hosts=hosts)
+    assert plan.members == {0: "s0", 1: "s1", 2: "w2", 3: "w3"} and plan.sources == {0: 2, 1: 3}
+    # the other placement (the replicas of a shard on one host) is what shared_hosts reports
+    crowded = _hosts({"h0": ["w0", "w2"], "h1": ["w1", "w3"]})
+    assert shared_hosts(prev.members, crowded, 2) == {0: ["h0"], 1: ["h1"]}
+
+
+def test_one_host_plans_as_without_a_topology_and_the_json_keeps_the_hosts() -> None:
+    hosts = {p: "localhost" for p in ["w0", "w1", "w2", "s0", "s1"]}
+    prev = initial_plan(3, 1, ["w0", "w1", "w2"], hosts)
+    for committed in ({0: 4}, {0: 4, 2: 3}, {1: 4, 2: 4}):
+        with_topology = make_plan(prev, committed, ["s0", "s1"], hosts=hosts)
+        without = make_plan(initial_plan(3, 1, ["w0", "w1", "w2"]), committed, ["s0", "s1"])
+        assert (with_topology.members, with_topology.sources) == (without.members, without.sources)
+        assert Plan.from_json(with_topology.to_json()) == with_topology
+    legacy = Plan.from_json(initial_plan(2, 1, ["w0", "w1"]).to_json().replace(', "hosts": {}', ""))
+    assert legacy.hosts == {}
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_spares_placed_by_host_are_distinct_and_a_lost_host_moves_whole(data: st.DataObject) -> None:
+    n_hosts, per = data.draw(st.integers(1, 4)), data.draw(st.integers(1, 3))
+    members = {r: f"w{r}" for r in range(n_hosts * per)}
+    hosts = {f"w{r}": f"h{r // per}" for r in members}
+    n_spare_hosts = data.draw(st.integers(0, 3))
+    spares: list[str] = []
+    for h in range(n_spare_hosts):
+        for i in range(data.draw(st.integers(1, 3))):
+            hosts[f"s{h}_{i}"] = f"spare{h}"
+            spares.append(f"s{h}_{i}")
+    spares = data.draw(st.permutations(spares))
+    dead = sorted(data.draw(st.sets(st.sampled_from(sorted(members)))))
+    out = assign_spares(members, dead, spares, hosts)
+    assert len(out) == min(len(dead), len(spares)) and len(set(out.values())) == len(out)
+    assert set(out.values()) <= set(spares) and set(out) <= set(dead)
+    live = {hosts[members[r]] for r in members if r not in dead}
+    for h in {hosts[members[r]] for r in dead} - live:  # a host lost whole
+        lost = [r for r in dead if hosts[members[r]] == h]
+        pool_hosts = {hosts[s] for s in spares}
+        if any(sum(hosts[s] == ph for s in spares) >= len(lost) for ph in pool_hosts) and len(dead) == len(
+            lost
+        ):
+            assert len({hosts[out[r]] for r in lost}) == 1  # one spare host took it
