@@ -18,6 +18,13 @@ anything: the sockets live as long as the group object or any of its pending
 frames of a failure's traceback before it aborts. A collective blocked on a
 *stopped* peer is not released by anything but that peer's death (DESIGN.md):
 the coordinator kills such a peer.
+
+``release`` fails every pending collective of a group from any thread, while the owner may be
+blocked in one: its connections are shut down at the socket level (``sockets.py``; NCCL's
+communicator is aborted). A member leaves its generation that way when the coordinator aborted
+it while its collectives still work (a host cut off from the coordinator but not from its peers,
+a member declared dead that is not): the session's heartbeat thread sees the abort and releases
+the group, and the blocked collective raises ``CollectiveError`` in the main thread.
 """
 
 from __future__ import annotations
@@ -30,6 +37,14 @@ import torch
 import torch.distributed as dist
 
 from checkpointless.errors import CollectiveError
+from checkpointless.sockets import (
+    exchange_listeners,
+    group_connections,
+    listeners,
+    shutdown_sockets,
+    sockets,
+    sockets_since,
+)
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +102,7 @@ class Group:
         self.control: Group = self
         prefix = prefix or f"pg/{gen}/"
         prefixed = dist.PrefixStore(prefix, store)
+        before = sockets()
         try:
             if backend == "gloo":
                 self.device = torch.device("cpu")
@@ -100,11 +116,17 @@ class Group:
                 self.pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
             else:
                 raise ValueError(f"unknown backend {backend!r} (expected gloo or nccl)")
+            # this group's connections (``release``): those its listeners accepted, and those to
+            # the peers' listeners, which every member publishes on the rendezvous prefix
+            new = sockets_since(before)
+            peers = exchange_listeners(prefixed, rank, world_size, listeners(new), timeout)
+            self._fds = group_connections(new, peers=peers)
         except ValueError:
             raise
         except RuntimeError as e:  # gloo and NCCL errors (torch.distributed.DistError is one)
             raise CollectiveError(f"gen {gen}: group formation failed: {e}") from None
         self._owned = True
+        self._released = False
         if backend != "gloo":
             try:
                 self.control = Group(store, gen, rank, world_size, prefix=prefix + "ctl/", timeout=timeout)
@@ -133,6 +155,8 @@ class Group:
             )
         self.device = device
         self._owned = False
+        self._fds: dict[int, str] = {}
+        self._released = False
         return self
 
     def _settle(self) -> None:
@@ -244,6 +268,25 @@ class Group:
             ctl.barrier()
             return
         self.allreduce_([torch.zeros(1)])
+
+    def release(self) -> None:
+        """Fail every pending collective of this group at once, here and on its peers; safe from
+        any thread while another is blocked in a collective (see the module doc). The group is
+        unusable afterwards; its owner still calls ``abort``. A wrapped group's owner releases it."""
+        ctl = self.control
+        if ctl is not self:
+            ctl.release()
+        if self._released or not self._owned:
+            return
+        self._released = True
+        pg = self.pg
+        if self.backend == "nccl" and pg is not None:
+            try:
+                pg.abort()
+            except Exception:  # already torn down
+                log.debug("gen %d: NCCL abort raised", self.gen, exc_info=True)
+        n = shutdown_sockets(self._fds)
+        log.debug("gen %d rank %d: released, %d connections shut down", self.gen, self.rank, n)
 
     def abort(self) -> None:
         """Destroy this member's group so that its connections close and peers' pending collectives fail.

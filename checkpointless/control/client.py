@@ -21,6 +21,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -142,6 +143,8 @@ class ControlClient:
         self._last_flush = 0.0
         self._failure_report: tuple[str, str] | None = None
         self._status: dict[str, Any] = {"seq": 0, "phase": Phase.STARTING}
+        # (abort key, what to call once it is set): the generation this process is a member of
+        self._watch: tuple[str, Callable[[], None]] | None = None
         self._stop = threading.Event()
         self._flush()  # the first heartbeat: this process has joined the job
         self._thread = threading.Thread(
@@ -211,15 +214,24 @@ class ControlClient:
                         self.proc, self.addr, str(error).splitlines()[0] if str(error) else type(error).__name__,
                         self._lease - (time.monotonic() - self._last_ack))  # fmt: skip
 
+    def watch_abort(self, gen: int | None, on_abort: Callable[[], None] | None = None) -> None:
+        """Call ``on_abort`` (once, from the heartbeat thread) as soon as the coordinator aborts
+        generation ``gen``; None: watch nothing. The lease's round trip is the check, so watching
+        costs no store traffic; the abort is seen within ``_ack_every``."""
+        self._watch = None if gen is None or on_abort is None else (keys.abort(gen), on_abort)
+
     def _ack(self) -> None:
-        """One acknowledged round trip on the heartbeat connection: renews the lease, and proves
-        that every write before it arrived (a ``set`` alone may vanish in a dead connection)."""
+        """One acknowledged round trip on the heartbeat connection: renews the lease, proves that
+        every write before it arrived (a ``set`` alone may vanish in a dead connection) and looks
+        for the abort of the watched generation (``watch_abort``)."""
+        watch = self._watch
         with self._hb_lock:
             if self._broken:
                 return
             sent = self._in_flight = time.monotonic()
+            key = watch[0] if watch is not None else keys.heartbeat(self.proc)
             try:
-                self._hb_store.raw.check([self._hb_store.name(keys.heartbeat(self.proc))])
+                aborted = self._hb_store.raw.check([self._hb_store.name(key)]) and watch is not None
             except (RuntimeError, OSError) as e:
                 self._lost(e)
                 return
@@ -227,6 +239,12 @@ class ControlClient:
                 self._in_flight = None
             self._unacked.clear()
             self._last_ack = sent
+        if aborted and watch is not None and self._watch is watch:
+            self._watch = None
+            try:
+                watch[1]()
+            except Exception:  # the main thread still sees the abort at its next store wait
+                log.exception("%s: releasing the aborted generation failed", self.proc)
 
     def _reconnect(self) -> None:
         """A new heartbeat connection; the events not yet acknowledged are written again on it."""

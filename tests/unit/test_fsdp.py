@@ -16,10 +16,8 @@ import torch.distributed as dist
 from torch import nn
 
 from checkpointless.errors import CollectiveError
-from checkpointless.fsdp import (
-    Generation,
-    ShardedState,
-    clear_dtensor_caches,
+from checkpointless.fsdp import Generation, ShardedState, clear_dtensor_caches
+from checkpointless.sockets import (
     group_connections,
     listeners,
     release_formation,

@@ -1,0 +1,99 @@
+"""``Group.release``: a member leaves its generation from another thread while its main thread is
+blocked in a collective on a live peer (the coordinator aborted the generation; the peer, cut off
+from the coordinator, has noticed nothing). Ranks are threads with their own store connection and
+gloo group (real sockets)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed import TCPStore
+
+from checkpointless import comm
+from checkpointless.comm import Group
+from checkpointless.errors import CollectiveError
+from tests.unit.test_reducer import run_ranks
+
+pytestmark = pytest.mark.timeout(60)
+
+TIMEOUT = timedelta(seconds=30)
+
+
+def test_release_from_another_thread_fails_a_collective_blocked_on_a_live_peer() -> None:
+    """Rank 0 blocks in an all-reduce rank 1 has not joined; a third thread releases rank 0's group
+    (as the heartbeat thread does on the abort): the all-reduce fails at once, not at the
+    collective timeout, and rank 1's next collective fails too (its connections were shut down
+    from the other end): both leave the generation."""
+    released = threading.Event()
+
+    def rank_fn(rank: int, store: TCPStore) -> Any:
+        g = Group(store, 0, rank, 2, prefix="release/", timeout=TIMEOUT)
+        g.allreduce_([torch.ones(2)])  # the group works
+        if rank == 0:
+            threading.Timer(0.3, g.release).start()
+            t0 = time.monotonic()
+            with pytest.raises(CollectiveError):
+                g.allreduce_([torch.ones(4)])
+            waited = time.monotonic() - t0
+            released.set()
+            g.abort()
+            return waited
+        assert released.wait(20)
+        with pytest.raises(CollectiveError):
+            g.allreduce_([torch.ones(4)])
+        g.abort()
+        return None
+
+    waited, _ = run_ranks(2, rank_fn)
+    assert waited < TIMEOUT.total_seconds() / 3, waited  # released, not timed out
+
+
+def test_release_leaves_the_other_threads_connections_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A connection another thread of the process opens while the group forms (a logger's, a data
+    loader's) survives the release; the group's own connections do not. The interleaving is
+    forced: the other thread connects right after rank 0's formation took its socket snapshot."""
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    accepted: list[socket.socket] = []
+    threading.Thread(target=lambda: accepted.append(server.accept()[0]), daemon=True).start()
+    theirs: list[socket.socket] = []
+    real_sockets = comm.sockets
+
+    def snapshot_then_another_thread_connects() -> dict[int, str]:
+        before = real_sockets()
+        if threading.current_thread().name == "rank0" and not theirs:
+            t = threading.Thread(target=lambda: theirs.append(socket.create_connection(("127.0.0.1", port))))
+            t.start()
+            t.join()
+        return before
+
+    monkeypatch.setattr(comm, "sockets", snapshot_then_another_thread_connects)
+
+    def rank_fn(rank: int, store: TCPStore) -> Any:
+        threading.current_thread().name = f"rank{rank}"
+        g = Group(store, 0, rank, 2, prefix="others/", timeout=TIMEOUT)
+        g.allreduce_([torch.ones(2)])
+        if rank == 0:
+            g.release()
+        with pytest.raises(CollectiveError):  # both ends: the group's connections are shut down
+            g.allreduce_([torch.ones(2)])
+        g.abort()
+        return None
+
+    try:
+        run_ranks(2, rank_fn)
+        deadline = time.monotonic() + 5
+        while not accepted and time.monotonic() < deadline:
+            time.sleep(0.01)
+        (conn,) = theirs
+        conn.sendall(b"still here")
+        assert accepted[0].recv(16) == b"still here"
+    finally:
+        for s in (*theirs, *accepted, server):
+            s.close()
