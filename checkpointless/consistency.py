@@ -47,7 +47,7 @@ class ReplicaConsistency(ModelLifecycle):
         if self._client is None or self._group is None or self.world_size < 2 or c < 0:
             return False
         every = self.job.recovery.consistency_every
-        return c == 0 or (every > 0 and (c + 1) % every == 0)
+        return c == self._first_commit or (every > 0 and (c + 1) % every == 0)
 
     def _exchange_digests(
         self, digest: bytes | None, *, holder: bool
@@ -55,11 +55,15 @@ class ReplicaConsistency(ModelLifecycle):
         """One all-gather of every member's state digest (zeros without one), lineage and whether
         it holds its state in this exchange: by rank, digests, lineages and the holders."""
         assert self._group is not None
-        payload = (digest or bytes(32)) + self._lineage.to_bytes(8, "little") + bytes([1 if holder else 0])
+        payload = (
+            (digest or bytes(32)) + self._lineage.to_bytes(8, "little") + bytes([1 if holder else 0])
+            + self._first_commit.to_bytes(8, "little")
+        )  # fmt: skip
         mine = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         rows = [bytes(t.tolist()) for t in self._group.control.allgather(mine)]
         digests = {r: row[:32] for r, row in enumerate(rows)}
         lineages = {r: int.from_bytes(row[32:40], "little") for r, row in enumerate(rows)}
+        self._starts = {r: int.from_bytes(row[41:49], "little") for r, row in enumerate(rows)}
         return digests, lineages, {r for r, row in enumerate(rows) if row[40]}
 
     def _wait_peer_json(self, key: str) -> Any:
@@ -103,6 +107,12 @@ class ReplicaConsistency(ModelLifecycle):
             self._faults.at_check(self.rank, step + 1, self._fault_fired)
         entries = self._registered_entries()
         digests, lineages, _ = self._exchange_digests(combined_digest(entries), holder=True)
+        if len(set(self._starts.values())) > 1:  # ``steps(start=)``: a mistake no recovery can fix
+            other = next(r for r in sorted(self._starts) if self._starts[r] != self._first_commit)
+            self._fatal(
+                f"begins its loop at step {self._first_commit} but rank {other} at step "
+                f"{self._starts[other]}: every rank must pass the same session.steps(total, start=...)"
+            )
         layout = ReplicaMap(self.world_size, self.job.shards)
         replica_groups = [layout.replica_group(shard) for shard in range(self.job.shards)]
         if all(len({digests[r] for r in ranks}) == 1 for ranks in replica_groups):
@@ -130,7 +140,7 @@ class ReplicaConsistency(ModelLifecycle):
             if self.rank == min(healthy or ranks):
                 client.emit(Event.STATE_DIVERGED, sync=True, rank=self.rank, gen=self.generation, step=step,
                             entry=str(entry), ranks=odd, healthy=healthy)  # fmt: skip
-            if step == 0:
+            if step == self._first_commit:
                 self._fatal(
                     f"replicas differ after the first step: {where}. Every replica must hold the same "
                     "state; state each rank updates from its own batch (BatchNorm running statistics) "

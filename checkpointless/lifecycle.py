@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from checkpointless.ddp import BufferSync, GradientReducer, Trainable
+from checkpointless.errors import CollectiveError
 from checkpointless.fsdp import (
     Generation,
     ShardedState,
@@ -24,7 +26,47 @@ from checkpointless.state import (
 log = logging.getLogger(__name__)
 
 
+def _broadcast(tensors: list[torch.Tensor], broadcast: Callable[[list[torch.Tensor]], None]) -> None:
+    """``broadcast`` the non-empty ``tensors`` in place, as bytes (any dtype, bit for bit; a
+    non-contiguous one through a copy)."""
+    items = [(t, t if t.is_contiguous() else t.contiguous()) for t in tensors if t.numel()]
+    broadcast([wire.reshape(-1).view(torch.uint8) for _, wire in items])
+    for t, wire in items:
+        if wire is not t:
+            t.copy_(wire)
+
+
 class ModelLifecycle(SessionBase):
+    def _start_from_replica_0(self) -> None:
+        """Generation 0: every replica starts from replica 0's parameters and buffers, as
+        ``DistributedDataParallel`` does at construction, so a model built without a seed trains
+        as one model (sharded: each shard from replica 0's copy of it, over the replicate
+        dimension). A seeded model is unchanged, bit for bit."""
+        assert self.model is not None and self._group is not None
+        group = self._group
+        with torch.no_grad():
+            if self._generation_state is None:
+                _broadcast(
+                    [p.detach() for p in self.model.parameters()], lambda ts: group.broadcast_(ts, root=0)
+                )
+            else:
+                pg = self._generation_state.mesh.get_group("replicate")
+
+                def over_replicas(ts: list[torch.Tensor]) -> None:
+                    try:
+                        for t in ts:
+                            dist.broadcast(t, group=pg, group_src=0)
+                    except RuntimeError as e:  # gloo, NCCL (DistError is one): a peer failed
+                        raise CollectiveError(
+                            f"gen {self.generation}: broadcast of the start failed: {e}"
+                        ) from None
+
+                _broadcast(
+                    list(ShardedState(self.model, None).state_dict()["params"].values()), over_replicas
+                )
+        self._buffers.sync(group)
+        self._buffers.commit()  # a failed first attempt restores these, not the rank's own
+
     def _install(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Stateful]
     ) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import threading
 import traceback
 from datetime import timedelta
@@ -24,12 +25,9 @@ from checkpointless.control.client import (
 from checkpointless.control.plan import Plan, ReplicaMap
 from checkpointless.control.vocab import Event, Phase, Reason
 from checkpointless.durable import load as load_durable
-from checkpointless.fsdp import (
-    Generation,
-    release_formation,
-    sockets,
-)
+from checkpointless.fsdp import Generation
 from checkpointless.replicas import choose_sources, own_lineage
+from checkpointless.sockets import release_formation, sockets
 from checkpointless.state import (
     IntegrityError,
     combined_digest,
@@ -75,6 +73,19 @@ def _layout_difference(rank_a: int, a: list[list[Any]], rank_b: int, b: list[lis
     return f"parameters are registered in a different order on rank {rank_a} and rank {rank_b}"
 
 
+def _holders_can_disagree(plan: Plan) -> bool:
+    """Whether some replica group that receives state in ``plan`` keeps two holders or more (the
+    members that keep their state, not receiving): only then can their comparison change a source.
+    With one holder (two replicas, or HSDP with two per shard) it is the source whatever its digest,
+    and the hashing it would cost is skipped."""
+    layout = ReplicaMap(plan.world_size, plan.shards)
+    for shard in range(plan.shards):
+        group = layout.replica_group(shard)
+        if any(r in plan.sources for r in group) and sum(r not in plan.sources for r in group) > 1:
+            return True
+    return False
+
+
 class Member(ReplicaConsistency):
     def _caused_by_peers(self, exc: Exception) -> bool:
         """Whether a failed step is a collective failure, by its cause, not its message: our own
@@ -110,6 +121,7 @@ class Member(ReplicaConsistency):
     def _recover(self, reason: str) -> None:
         """Leave the broken generation and enter the next one (loops if that one fails too)."""
         assert self._client is not None
+        self._client.watch_abort(None)
         while True:
             if self.sharded:
                 self._leave_generation()
@@ -320,6 +332,10 @@ class Member(ReplicaConsistency):
         rank = plan.rank_of(client.proc)
         assert rank is not None, f"{client.proc} is not a member of generation {plan.gen}"
         self.rank, self.world_size, self.generation = rank, plan.world_size, plan.gen
+        # what torchrun sets, once the rank is known (LOCAL_RANK comes from the launcher: the slot)
+        here = plan.hosts.get(rank)
+        on_host = sum(1 for h in plan.hosts.values() if h == here) if here else plan.world_size
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(plan.world_size), LOCAL_WORLD_SIZE=str(on_host))
         client.update(rank=rank, gen=plan.gen, phase=Phase.JOINING)
         self._lineages = {}
         if self._faults is not None and rank in plan.replaced:
@@ -335,7 +351,7 @@ class Member(ReplicaConsistency):
         # last check must not be copied): hashed here, overlapping the group's formation
         compare = (
             plan.gen > 0 and bool(plan.sources) and plan.restore is None and plan.world_size > 1
-            and self.job.recovery.consistency_every > 0
+            and self.job.recovery.consistency_every > 0 and _holders_can_disagree(plan)
         )  # fmt: skip
         holder = self._has_state and rank not in plan.sources
         hashing: dict[str, bytes] = {}
@@ -346,6 +362,12 @@ class Member(ReplicaConsistency):
             )
             hasher.start()
         self._group = self._form_group(plan)
+        # leave the generation as soon as the coordinator aborts it, even while its collectives
+        # still work (a peer cut off from the coordinator only): the heartbeat thread releases it
+        release = (
+            self._generation_state.release if self._generation_state is not None else self._group.release
+        )
+        client.watch_abort(plan.gen, release)
         if self.sharded:
             self._build_generation()
         if plan.world_size > 1:
@@ -376,7 +398,9 @@ class Member(ReplicaConsistency):
             self._registry.load_state_dict(state)
             self._buffers.commit()
             self._has_state = True
-            self._lineage = self._lineages.get(src, own_lineage(plan.gen, src))
+            # the source's lineage: as the holders exchanged it, else as its state says
+            sent = state.get("progress", {}).get("lineage")
+            self._lineage = self._lineages.get(src, own_lineage(plan.gen, src) if sent is None else int(sent))
             client.emit(
                 Event.TRANSFER_ENDED, rank=rank, gen=plan.gen, step=plan.resume_step, src=src,
                 bytes=stats.bytes, seconds=stats.seconds, waited_s=round(stats.waited_s, 4), sha256_ok=True,
@@ -391,6 +415,10 @@ class Member(ReplicaConsistency):
             )  # fmt: skip
         if self._reducer is not None and self._reducer.stale():  # the flags came with the state
             self._rebuild_reducer(plan.resume_step, agreed=True)
+        if plan.world_size > 1 and self._committed < 0 and plan.restore is None:
+            # nothing committed yet (generation 0, or a recovery before the first commit): every
+            # replica starts from rank 0's parameters and buffers, as DDP's do
+            self._start_from_replica_0()
         assert self._committed == plan.resume_step - 1, (self._committed, plan.resume_step)
         self._next_step = plan.resume_step
         self._reexecute = plan.resume_step if plan.gen > 0 else None

@@ -43,7 +43,10 @@ def vote(ranks: list[int], digests: dict[int, bytes], lineages: dict[int, int]) 
     if len(by_digest) <= 1:
         return Vote(healthy=list(ranks), odd=[])
     voters = {d: {lineages[r] for r in rs} for d, rs in by_digest.items()}
-    total = len({lineages[r] for r in ranks})
+    # every (lineage, digest) pair is a vote: copies of one source that now differ (a corruption
+    # after the copy, before a check made them independent again) vote on both sides, so they
+    # cannot hand one side a majority by themselves
+    total = sum(len(v) for v in voters.values())
     best = max(by_digest, key=lambda d: (len(voters[d]), -min(by_digest[d])))
     if len(voters[best]) * 2 > total:
         healthy = by_digest[best]

@@ -64,7 +64,7 @@ import random
 import time
 from collections.abc import Iterator
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -94,6 +94,9 @@ from checkpointless.state import (
     digest_state,
     entry_digests,
 )
+
+if TYPE_CHECKING:
+    from checkpointless.data.loader import StepLoader
 
 log = logging.getLogger(__name__)
 
@@ -288,14 +291,30 @@ class Session(Member):
         return self.world_size
 
     # -- the loop -----------------------------------------------------------------
-    def steps(self, total: int) -> Iterator[int]:
+    def steps(self, total: int, *, start: int = 0) -> Iterator[int]:
         """Yield the step to execute until ``total`` steps are committed.
 
         A failed step is yielded again after recovery; a replacement starts at
-        the step the job is at.
+        the step the job is at. ``start``: the step a fresh job begins at, for a script that
+        resumes from a snapshot of its own (every rank loads it before the loop, and every rank
+        passes the same ``start``: the coordinator ends the job naming two that differ). Only a
+        process's first ``steps`` call reads it (a script may call ``steps`` once per epoch), and
+        a process that already holds a later position (a replacement that received the state)
+        keeps that position.
         """
+        if not 0 <= start <= total:
+            raise ValueError(f"session.steps({total}, start={start}): start must be between 0 and {total}")
+        first = not self._steps_started
+        if first:
+            self._steps_started = True
+            self._first_commit = start
+            if start and self._committed < 0 and self._next_step == 0:
+                self._committed, self._next_step = start - 1, start
         if self._client is not None:
-            self._client.update(total=total)  # the coordinator checks --fault steps against it
+            # the coordinator checks --fault steps against the total, and the ranks' starts
+            self._client.update(
+                total=total, **({"start": start, "committed": self._committed} if first else {})
+            )
         while True:
             if self._consistency_due():  # due before the last step too: checked, then the loop ends
                 try:
@@ -314,6 +333,32 @@ class Session(Member):
                     raise RuntimeError(message)
                 self._fatal(message)  # the same in every replacement: no spare can fix it
         self._loop_done = True
+
+    def loader(
+        self,
+        dataset: Any,
+        global_batch_size: int,
+        *,
+        shuffle: bool = True,
+        seed: int | None = None,
+        collate_fn: Any = None,
+        num_workers: int = 0,
+        drop_last: bool = True,
+        pin_memory: bool = False,
+    ) -> StepLoader:
+        """This rank's part of every step's global batch of a map-style ``dataset``, as a function of
+        the step (``checkpointless.data.loader``): ``batch = loader.batch(step)`` inside the
+        attempt, in place of a ``DataLoader`` with a ``DistributedSampler``. Epochs follow from the
+        step; the global batch does not depend on the number of ranks; the iterator (and its
+        worker processes) is kept from step to step and restarted only after a recovery.
+        ``seed``: the shuffle's (default: the session's)."""
+        from checkpointless.data.loader import StepLoader
+
+        return StepLoader(
+            dataset, global_batch_size, rank=lambda: self.dp_rank, size=lambda: self.dp_size,
+            shuffle=shuffle, seed=self.seed if seed is None else seed, collate_fn=collate_fn,
+            num_workers=num_workers, drop_last=drop_last, pin_memory=pin_memory,
+        )  # fmt: skip
 
     def _leave_if_stopped(self) -> None:
         """At a step boundary: if the job was stopped (Ctrl-C, SIGTERM to the launcher), exit now

@@ -66,6 +66,9 @@ class _Progress:
         return {
             "committed_step": self._s._committed,
             "data_position": self._s._committed + 1,
+            # whose computation this state descends from (``replicas.py``): a receiver takes its
+            # source's from the transfer; never loaded back (a rollback keeps each rank's own)
+            "lineage": self._s._lineage,
             "rng": {
                 "torch": torch.get_rng_state(),
                 "numpy": np.random.get_state(),
@@ -125,6 +128,9 @@ class SessionBase:
         self._stop_checked = 0.0  # when ``steps`` last looked for the job's stop
         self._buffers = BufferSync(torch.nn.Module())
         self._committed = -1
+        self._first_commit = 0  # the first step the job commits (``steps(start=)``)
+        self._steps_started = False  # ``steps`` was called (its first call reads ``start``)
+        self._starts: dict[int, int] = {}  # every member's ``steps(start=)``, as last exchanged
         self._next_step = 0
         self._attempted = False
         self._current: Attempt | None = None  # the attempt whose block is running
@@ -209,7 +215,7 @@ class SessionBase:
         what every replica of a shard must hold alike."""
         state = self._registry.state_dict()
         if "progress" in state:
-            state["progress"] = {k: v for k, v in state["progress"].items() if k != "rng"}
+            state["progress"] = {k: v for k, v in state["progress"].items() if k not in ("rng", "lineage")}
         return entry_digests(state)
 
     def _fatal(self, message: str) -> None:

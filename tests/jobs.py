@@ -110,3 +110,27 @@ def kill_while_starting(
             killed.append(proc)
 
     return tick
+
+
+def abort_once_at(step: int, aborted: list[int]) -> Callable[[Coordinator], None]:
+    """An ``on_tick`` that makes the coordinator abort generation 0 once every member committed
+    ``step``, with no fault among them: what a lost host's detection publishes while the
+    members' collectives still work (``aborted`` records the generation)."""
+
+    def tick(coord: Coordinator) -> None:
+        if aborted or coord.plan is None or coord.plan.gen != 0:
+            return
+        if all(int(coord.procs[n].hb.get("committed", -1)) >= step for n in coord.members.values()):
+            coord._fail(coord._clock())
+            aborted.append(coord.plan.gen)
+
+    return tick
+
+
+def assert_left_in_place(result: JobResult) -> None:
+    """The job went on after an abort with the same processes: one more generation, no fault,
+    nobody exited or replaced."""
+    assert result.ok, f"{result.error}\n{logs_of(result)}"
+    assert result.report["generations"] == 1 and result.report["faults"] == [], result.report["faults"]
+    kinds = [e["kind"] for e in result.events]
+    assert "process_exited" not in kinds and "spare_assigned" not in kinds

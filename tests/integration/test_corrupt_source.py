@@ -61,3 +61,19 @@ def test_a_rank_dying_during_the_digest_exchange_is_an_ordinary_recovery() -> No
     result = run_job(workers=4, spares=1, steps=14, faults=faults, consistency_every=10, timeout_s=50)
     assert result.ok, result.error
     assert result.digest == reference_digest(4, 14)
+
+
+@pytest.mark.parametrize("corrupt", [0, 1])
+def test_copies_of_the_only_holder_are_its_lineage_and_cannot_outvote_it(corrupt: int) -> None:
+    """Three replicas; ranks 1 and 2 die at once, so the spares copy rank 0, the only holder (its
+    state is not hashed for a vote: there is nothing to vote on; the copies take its lineage from
+    the transfer). Then one of the three is corrupted: all three are one lineage, so no side may
+    win and the job stops. Before: the lowest rank's side won (corrupt rank 0 re-synced the
+    healthy pair and the job ended ok with a corrupt state); without the lineage in the transfer,
+    the copies would vote apart from their source."""
+    faults = ["kill:rank=1,2@step=5", f"corrupt:rank={corrupt}@step=7"]
+    result = run_job(workers=3, spares=2, steps=14, faults=faults, consistency_every=10, expect_fired=False)
+    assert not result.ok, result.digest
+    assert "no majority" in str(result.error), result.error
+    kinds = [e["kind"] for e in result.events]
+    assert "state_resynced" not in kinds

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.jobs import logs_of, reference_digest, run_job
+from tests.jobs import abort_once_at, assert_left_in_place, logs_of, reference_digest, run_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -100,3 +100,16 @@ def test_stuck_step_with_live_heartbeat_is_detected_as_no_progress(tmp_path: Pat
     assert reasons[0] == "no_progress", reasons  # found by the coordinator, not by a collective timeout
     clean = run_job(steps=8, spares=0, command=[sys.executable, script, "8", str(tmp_path)])
     assert clean.ok and clean.digest == faulted.digest
+
+
+def test_members_leave_a_generation_the_coordinator_aborts_while_their_collectives_work() -> None:
+    """The coordinator aborts generation 0 with no fault among the members (as it does when it
+    loses a host that the peers can still reach, or declares dead a member that is not): every
+    member leaves the generation at once although its collectives still work, reports, and the
+    job goes on in generation 1 with the same processes, nobody killed, bitwise equal to the
+    fault-free run. No spare: a member killed for not reporting would end the job."""
+    aborted: list[int] = []
+    result = run_job(workers=2, spares=0, on_tick=abort_once_at(4, aborted), progress_timeout_s=20.0)
+    assert aborted == [0]
+    assert_left_in_place(result)
+    assert result.digest == reference_digest(2, STEPS)

@@ -334,7 +334,7 @@ def test_rng_states_round_trip_and_continue_the_same_streams() -> None:
     np.random.seed(3)
     random.seed(3)
     torch.rand(7), np.random.rand(7), random.random()  # somewhere mid-stream
-    session = types.SimpleNamespace(_committed=41, _next_step=0)
+    session = types.SimpleNamespace(_committed=41, _next_step=0, _lineage=0)
     progress = _Progress(session)  # type: ignore[arg-type]
     state = {"progress": progress.state_dict()}
     expected = (torch.rand(5), np.random.rand(5), [random.random() for _ in range(5)])

@@ -1,0 +1,156 @@
+"""A map-style dataset read as a function of the step: ``StepLoader`` (``session.loader(...)``).
+
+What a ``DataLoader`` with a ``DistributedSampler`` gives a DDP script, made re-executable:
+
+- step ``s`` reads the global batch ``s``: epoch ``s // steps_per_epoch``, position
+  ``s % steps_per_epoch`` in that epoch's order (a permutation drawn from ``(seed, epoch)`` when
+  ``shuffle``; the dataset's order otherwise), ``global_batch_size`` samples;
+- the global batch does not depend on how many ranks share it: it is cut into ``dp_size`` equal
+  contiguous parts, in order, and data-parallel rank ``r`` reads part ``r``;
+- the position is a function of the step, never state of the rank: a replacement, or a step
+  re-executed after a failure, reads exactly what the failed attempt read;
+- the iterator is kept from step to step (the ``DataLoader``'s worker processes keep prefetching
+  the next steps); it is rebuilt, starting at the step asked for, only when a step other than the
+  next one is asked for (after a recovery, or at a resumed start);
+- worker processes (``num_workers > 0``) are started with ``forkserver``, not ``fork``: the
+  process already runs threads (the heartbeat, gloo's), which a fork would copy mid-operation.
+
+``drop_last`` (the default) leaves out the tail of each epoch that does not fill a global batch;
+without it the epoch's last batch is shorter (and must still split evenly over the ranks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+
+class _StepBatches:
+    """A batch sampler: this rank's sample indices for steps ``start, start + 1, ...``."""
+
+    def __init__(self, loader: StepLoader, start: int) -> None:
+        self.loader, self.start = loader, start
+
+    def __iter__(self) -> Iterator[list[int]]:
+        step = self.start
+        while True:
+            yield self.loader.indices(step)
+            step += 1
+
+
+class StepLoader:
+    """This data-parallel rank's part of each step's global batch (see the module docstring).
+
+    ``rank`` and ``size`` are callables (the session's ``dp_rank`` and ``dp_size``: they are read
+    when a step is loaded, so a loader made before a recovery stays right after it).
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset[Any],
+        global_batch_size: int,
+        *,
+        rank: Callable[[], int],
+        size: Callable[[], int],
+        shuffle: bool = True,
+        seed: int = 0,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        num_workers: int = 0,
+        drop_last: bool = True,
+        pin_memory: bool = False,
+    ) -> None:
+        try:
+            n = len(dataset)  # type: ignore[arg-type]
+        except TypeError:
+            raise TypeError(
+                "session.loader() needs a map-style dataset (with __len__ and __getitem__); "
+                "an iterable dataset is not supported yet"
+            ) from None
+        if global_batch_size < 1:
+            raise ValueError(f"global_batch_size must be at least 1, got {global_batch_size}")
+        if n < global_batch_size and drop_last:
+            raise ValueError(
+                f"the dataset has {n} samples, fewer than one global batch of {global_batch_size} "
+                "(drop_last=True leaves no step)"
+            )
+        self.dataset, self.global_batch_size, self.n = dataset, global_batch_size, n
+        self._rank, self._size = rank, size
+        self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
+        self.collate_fn, self.num_workers, self.pin_memory = collate_fn, num_workers, pin_memory
+        self.steps_per_epoch = n // global_batch_size if drop_last else -(-n // global_batch_size)
+        self._order: tuple[int, torch.Tensor] | None = None  # (epoch, its sample order)
+        self._iter: Iterator[Any] | None = None
+        self._next = -1  # the step the kept iterator yields next
+        self._shape = (-1, -1)  # (rank, size) the kept iterator was made for
+
+    def epoch(self, step: int) -> int:
+        return step // self.steps_per_epoch
+
+    def _epoch_order(self, epoch: int) -> torch.Tensor:
+        if self._order is None or self._order[0] != epoch:
+            if self.shuffle:
+                g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+                order = torch.randperm(self.n, generator=g)
+            else:
+                order = torch.arange(self.n)
+            self._order = (epoch, order)
+        return self._order[1]
+
+    def global_indices(self, step: int) -> list[int]:
+        """The sample indices of step ``step``'s global batch, in order."""
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        order = self._epoch_order(self.epoch(step))
+        at = (step % self.steps_per_epoch) * self.global_batch_size
+        return [int(i) for i in order[at : at + self.global_batch_size]]
+
+    def indices(self, step: int, rank: int | None = None, size: int | None = None) -> list[int]:
+        """Data-parallel rank ``rank``'s part (of ``size``) of step ``step``'s global batch."""
+        rank = self._rank() if rank is None else rank
+        size = self._size() if size is None else size
+        batch = self.global_indices(step)
+        if len(batch) % size:
+            raise ValueError(
+                f"step {step}'s global batch has {len(batch)} samples, which {size} data-parallel ranks "
+                "cannot share evenly (make global_batch_size a multiple of the ranks; with "
+                "drop_last=False the epoch's last batch must split evenly too)"
+            )
+        part = len(batch) // size
+        return batch[rank * part : (rank + 1) * part]
+
+    def batch(self, step: int) -> Any:
+        """This rank's part of step ``step``'s global batch, collated (``collate_fn``)."""
+        shape = (self._rank(), self._size())
+        if self._iter is None or step != self._next or shape != self._shape:
+            self._restart(step, shape)
+        assert self._iter is not None
+        out = next(self._iter)
+        self._next = step + 1
+        return out
+
+    def _restart(self, step: int, shape: tuple[int, int]) -> None:
+        self.close()
+        kwargs: dict[str, Any] = {}
+        if self.num_workers > 0:
+            kwargs["multiprocessing_context"] = "forkserver"
+            kwargs["persistent_workers"] = False
+        loader = DataLoader(
+            self.dataset,
+            batch_sampler=_StepBatches(self, step),
+            collate_fn=self.collate_fn,
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
+            **kwargs,
+        )
+        self._iter, self._next, self._shape = iter(loader), step, shape
+
+    def close(self) -> None:
+        """Drop the kept iterator: its worker processes end with it (the DataLoader's own cleanup)."""
+        self._iter = None
+
+    def __len__(self) -> int:
+        """Steps per epoch."""
+        return self.steps_per_epoch

@@ -1,0 +1,91 @@
+"""``StepLoader`` (``session.loader``): a map-style dataset read as a function of the step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import Dataset, IterableDataset, TensorDataset
+
+from checkpointless.data.loader import StepLoader
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class Counted(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Samples ``i -> (i, 2i)``; counts the reads (in this process)."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.reads = n, 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self.reads += 1
+        return torch.tensor(i), torch.tensor(2 * i)
+
+
+def _loader(dataset: Any, g: int, rank: int = 0, size: int = 1, **kw: Any) -> StepLoader:
+    return StepLoader(dataset, g, rank=lambda: rank, size=lambda: size, **kw)
+
+
+def test_the_global_batch_is_a_function_of_the_step_whatever_the_number_of_ranks() -> None:
+    ds = Counted(50)
+    whole = _loader(ds, 12, seed=3)
+    for step in (0, 3, 4, 9, 17):
+        batch = whole.global_indices(step)
+        assert len(batch) == 12 and len(set(batch)) == 12
+        for size in (1, 2, 3, 4, 6):
+            parts = [i for r in range(size) for i in _loader(ds, 12, r, size, seed=3).indices(step)]
+            assert parts == batch  # the ranks' parts, in rank order, are the global batch
+    # an epoch (4 steps of 12 of the 50 samples: the last 2 left out) sees each sample at most once
+    epoch0 = [i for s in range(4) for i in whole.global_indices(s)]
+    assert len(set(epoch0)) == 48 and len(whole) == 4
+    assert whole.global_indices(4) != whole.global_indices(0)  # epoch 1: another order
+    assert whole.global_indices(5) == _loader(ds, 12, seed=3).global_indices(5)  # same seed: same order
+    assert _loader(ds, 12, seed=4).global_indices(0) != whole.global_indices(0)
+    assert _loader(ds, 12, shuffle=False).global_indices(1) == list(range(12, 24))
+
+
+def test_consecutive_steps_keep_the_iterator_and_a_step_asked_again_restarts_it() -> None:
+    ds = Counted(40)
+    loader = _loader(ds, 8, 1, 2, seed=0)
+    first = [loader.batch(s) for s in range(3)]
+    assert ds.reads == 3 * 4  # each sample read once: no re-reading from the epoch's start
+    for s, (x, y) in enumerate(first):
+        assert x.tolist() == loader.indices(s) and torch.equal(y, 2 * x)
+    again = loader.batch(1)  # re-executed after a recovery: the same batch
+    assert torch.equal(again[0], first[1][0]) and ds.reads == 4 * 4
+    assert torch.equal(loader.batch(2)[0], first[2][0])  # and on from there
+
+
+def test_worker_processes_deliver_the_same_batches() -> None:
+    data = TensorDataset(torch.arange(64.0).unsqueeze(1))
+    inline = _loader(data, 16, 0, 2, seed=1)
+    workers = _loader(data, 16, 0, 2, seed=1, num_workers=2)
+    try:
+        for step in (0, 1, 2, 5, 6):
+            assert torch.equal(workers.batch(step)[0], inline.batch(step)[0])
+    finally:
+        workers.close()
+
+
+def test_a_short_last_batch_without_drop_last_and_bad_input() -> None:
+    ds = Counted(10)
+    loader = _loader(ds, 4, drop_last=False, shuffle=False)
+    assert len(loader) == 3 and loader.global_indices(2) == [8, 9]
+    with pytest.raises(ValueError, match="cannot share evenly"):
+        _loader(ds, 4, 0, 3).indices(0)
+
+    class Stream(IterableDataset[int]):
+        def __iter__(self) -> Any:
+            return iter(range(5))
+
+    with pytest.raises(TypeError, match="map-style dataset"):
+        _loader(Stream(), 2)
+    with pytest.raises(ValueError, match="fewer than one global batch"):
+        _loader(Counted(3), 4)
+    with pytest.raises(ValueError, match="at least 1"):
+        _loader(ds, 0)
