@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import common
+import split
 
 from checkpointless.control.vocab import Event, Reason
 
@@ -54,7 +55,7 @@ MODEL = {
 FIRST = 15  # first fault (the initial spare starts with the job)
 SPACING = 25  # steps between faults: the refilled spare starts in the meantime
 TAIL = 10
-PHASES = ("pre_fault", "detect", "plan", "join", "transfer", "resume")
+PHASES = split.PHASES
 
 
 def schedule(kind: str, per_job: int) -> tuple[list[str], int]:
@@ -90,28 +91,21 @@ def _first(events: list[dict[str, Any]], pred: Any) -> dict[str, Any] | None:
 
 
 def analyse(events: list[dict[str, Any]], report: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per injected fault: report fields plus the event-derived split."""
+    """One row per injected fault: report fields plus the event-derived split (``split.py``)."""
     events = sorted(events, key=lambda e: e["t"])
     step_time = float(report["step_time_s"])
     injections: dict[Any, dict[str, Any]] = {}
     for e in events:
         if e["kind"] == Event.FAULT_INJECTED:
             injections.setdefault(e.get("index"), e)
-    rows = []
     injected = [f for f in report["faults"] if f.get("injected")]  # real faults have no injection to time
-    for (_, inj), rep in zip(injections.items(), injected, strict=True):
-        t_inj = float(inj["t"])
-        ranks = set(inj.get("ranks") or [inj["rank"]])
-        new_gen = int(inj["gen"]) + 1
+    struck = [(float(inj["t"]), set(inj.get("ranks") or [inj["rank"]])) for inj in injections.values()]
+    rows = []
+    for (t_inj, ranks), rep, cut in zip(struck, injected, split.stall_splits(events, struck), strict=True):
+        g = cut["gen"]
         det = _first(events, lambda e, t=t_inj: e["kind"] == Event.FAULT_DETECTED and e["t"] >= t)
-        gen = _first(
-            events,
-            lambda e, g=new_gen: e["kind"] == Event.GENERATION_STARTED and e.get("proc") == "coordinator"
-            and int(e["gen"]) == g,
-        )  # fmt: skip
-        tb = _first(events, lambda e, g=new_gen: e["kind"] == Event.TRANSFER_BEGUN and int(e["gen"]) == g)
-        te = _first(events, lambda e, g=new_gen: e["kind"] == Event.TRANSFER_ENDED and int(e["gen"]) == g)
-        done = _first(events, lambda e, g=new_gen: e["kind"] == Event.RECOVERY_DONE and int(e["gen"]) == g)
+        te = _first(events, lambda e, g=g: e["kind"] == Event.TRANSFER_ENDED and e.get("gen") == g)
+        done = _first(events, lambda e, g=g: e["kind"] == Event.RECOVERY_DONE and e.get("gen") == g)
         assigned = _first(
             events,
             lambda e, t=t_inj, rs=ranks: (
@@ -124,39 +118,19 @@ def analyse(events: list[dict[str, Any]], report: dict[str, Any]) -> list[dict[s
                 events, lambda e, p=assigned["target"]: e["kind"] == Event.SPARE_READY and e["proc"] == p
             )
             spare_ready_t = float(sr["t"]) if sr else None
-        # the worst survivor (largest gap), as the report defines the stall
-        worst: tuple[float, float, float] | None = None
-        for r in {int(e["rank"]) for e in events if e["kind"] == Event.STEP_COMMITTED} - ranks:
-            cs = [float(e["t"]) for e in events if e["kind"] == Event.STEP_COMMITTED and int(e["rank"]) == r]
-            before = [t for t in cs if t <= t_inj]
-            after = [t for t in cs if t > t_inj]
-            if before and after and (worst is None or after[0] - before[-1] > worst[0]):
-                worst = (after[0] - before[-1], before[-1], after[0])
-        marks: list[float | None] = [
-            worst[1] if worst else None,
-            t_inj,
-            float(det["t"]) if det else None,
-            float(gen["t"]) if gen else None,
-            float(tb["t"]) if tb else None,
-            float(te["t"]) if te else None,
-            worst[2] if worst else None,
-        ]
-        split: dict[str, float | None] = {}
-        for name, a, b in zip(PHASES, marks[:-1], marks[1:], strict=True):
-            split[name] = None if a is None or b is None else b - a
         rows.append(
             {
                 **rep,
-                "gen": new_gen,
+                "gen": g,
                 "step_time_s": step_time,
                 "detected_by": det.get("reason") if det else None,
                 "recovery_done_s": float(done["seconds"]) if done else None,
-                "bytes": int(te["bytes"]) if te else None,
+                "bytes": cut["bytes"],
                 "transfer_seconds": float(te["seconds"]) if te else None,
                 "spare_ready_before_fault": spare_ready_t is not None and spare_ready_t < t_inj,
                 "spare_ready_margin_s": None if spare_ready_t is None else t_inj - spare_ready_t,
-                "survivor_gap_s": worst[0] if worst else None,
-                "split": split,
+                "survivor_gap_s": cut["gap_s"],  # the worst survivor's, as the report defines the stall
+                "split": cut["split"],
             }
         )
     return rows
@@ -319,7 +293,7 @@ def markdown(res: dict[str, Any]) -> str:
                 common.fmt(k["transfer_gbps"].get("median")),
             ]
         )
-    split = common.md_table(
+    phases = common.md_table(
         ["fault", *PHASES, "normal step"],
         [
             [kind, *[s[kind]["split_median"][p] for p in PHASES],
@@ -353,7 +327,7 @@ def markdown(res: dict[str, Any]) -> str:
         f"Model {json.dumps(res['model'])}.\n\n"
         f"{common.md_table(head, rows)}\n\n"
         f"Where the survivor's time goes (medians, seconds; the phases sum to the survivor's gap between "
-        f"two commits, and stall = gap − one normal step):\n\n{split}\n\n"
+        f"two commits, and stall = gap − one normal step):\n\n{phases}\n\n"
         f"{_floor_text(res.get('floor') or {})}"
         f"Spare had reported ready before every fault: kill {s['kill']['spare_ready_before_every_fault']}, "
         f"hang {s['hang']['spare_ready_before_every_fault']}.\n\n"
