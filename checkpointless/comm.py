@@ -79,6 +79,8 @@ class Group:
     still in flight (``Session``'s protocol needs it).
     """
 
+    _fds: dict[int, str]  # the connections this group opened (``release`` shuts them down)
+
     def __init__(
         self,
         store: dist.Store,
@@ -155,7 +157,7 @@ class Group:
             )
         self.device = device
         self._owned = False
-        self._fds: dict[int, str] = {}
+        self._fds = {}
         self._released = False
         return self
 
