@@ -339,26 +339,34 @@ def cmd_demo(argv: list[str]) -> int:
 
 
 def cmd_launch(argv: list[str]) -> int:
-    if "--" not in argv:
+    split = argv.index("--") if "--" in argv else len(argv)
+    if split == len(argv) and not {"-h", "--help"} & set(argv):
         raise UsageError("checkpointless launch: give the training command after --, e.g. -- python train.py")
-    split = argv.index("--")
     own, command = argv[:split], argv[split + 1 :]
-    if not command:
-        raise UsageError("checkpointless launch: the training command after -- is empty")
-    p = _Parser(prog="checkpointless launch", description="Run any script that uses checkpointless.Session.")
+    p = _Parser(
+        prog="checkpointless launch",
+        usage="checkpointless launch [options] -- COMMAND [ARGS...]",
+        description="Run any script that uses checkpointless.Session, fault tolerant: one process per "
+        "worker and per spare, each running COMMAND.",
+    )
     _add_job_args(p, workers=2, spares=1)
     p.add_argument("--steps", type=int, default=None, help="the script's step count (checks --fault steps)")
     p.add_argument("--shards", type=int, default=1,
                    help="ranks that split one copy of the state (FSDP2/HSDP, Session(build=...)); 1: replicated")  # fmt: skip
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     p.add_argument("--quiet", action="store_true")
-    args = p.parse_args(own)
+    args = p.parse_args(own)  # -h / --help prints the options and exits, with or without a command
+    if not command:
+        raise UsageError("checkpointless launch: the training command after -- is empty")
     job = _job(args, args.steps, [])
     if command[0] in ("python", "python3"):
         command = [sys.executable, *command[1:]]
     if shutil.which(command[0]) is None:
         raise UsageError(f"checkpointless launch: command not found or not executable: {command[0]}")
     console = stderr_console()
-    result = _launch(job, command, args, console, steps=args.steps, out=args.out)
+    result = _launch(
+        job, command, args, console, steps=args.steps, out=args.out, metrics_port=args.metrics_port
+    )
     _print_result(console, result, "run")
     return _exit_code(result)
 
@@ -432,13 +440,23 @@ def cmd_run(argv: list[str]) -> int:
     return _exit_code(result)
 
 
+_USAGE = """usage: checkpointless COMMAND [options]   (checkpointless COMMAND --help for its options)
+
+commands:
+  demo      train a small GPT through real faults, on this machine (optionally --verify bitwise)
+  launch    run your own script that uses checkpointless.Session: checkpointless launch [options] -- python train.py
+  run       train what a YAML recipe says (Llama, GPT-OSS), fault tolerant
+  report    a finished run's timeline plot and summary, from its --out directory
+  simulate  goodput of checkpoint-restart against checkpointless at cluster scale"""
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     commands = {"demo": cmd_demo, "launch": cmd_launch, "run": cmd_run}
     try:
         if not argv or argv[0] in ("-h", "--help"):
-            print("usage: checkpointless {demo,launch,run,report,simulate} ...", file=sys.stderr)
+            print(_USAGE, file=sys.stdout if argv else sys.stderr)
             return 0 if argv else 2
         cmd, rest = argv[0], argv[1:]
         if cmd == "report":

@@ -76,6 +76,11 @@ def _one_line_exit_2(r: subprocess.CompletedProcess[str], needle: str) -> None:
         (["demo", "--out", "/proc/checkpointless"], "--out /proc/checkpointless"),
         (["frobnicate"], "unknown command"),
         (["launch", "--workers", "2"], "give the training command after --"),
+        (["launch", "python", "train.py"], "give the training command after --"),
+        (
+            ["launch", "--metrics-port", "70000", "--", "python", "-c", "0"],
+            "--metrics-port must be in 0..65535",
+        ),
         (["launch", "--", "/nonexistent/binary"], "/nonexistent/binary"),
         (["report", "/nonexistent/run"], "/nonexistent/run"),
     ],
@@ -185,3 +190,17 @@ def test_a_fault_that_never_fired_fails_the_run_and_the_table_is_not_cut(tmp_pat
     assert line.startswith("error: 1 injected fault(s) never fired: exception:rank=0@step=15"), line
     assert "…" not in r.stderr, r.stderr
     assert "detection s" in r.stderr and "replaced by" in r.stderr and "in-place" in r.stderr, r.stderr
+
+
+def test_help_lists_the_commands_and_launch_help_needs_no_command(capsys: pytest.CaptureFixture[str]) -> None:
+    from checkpointless.launch.cli import main
+
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    for command in ("demo", "launch", "run", "report", "simulate"):
+        assert re.search(rf"^  {command} +\S", out, re.MULTILINE), out  # one line each, described
+    with pytest.raises(SystemExit) as exit_:
+        main(["launch", "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert "-- COMMAND" in out and "--metrics-port" in out
