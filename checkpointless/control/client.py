@@ -18,6 +18,7 @@ import logging
 import os
 import queue
 import signal
+import socket
 import sys
 import threading
 import time
@@ -46,6 +47,24 @@ _SPARE_POLL = timedelta(seconds=30)
 def connect(addr: str, timeout: timedelta) -> TCPStore:
     host, port = addr.rsplit(":", 1)
     return TCPStore(host, int(port), is_master=False, timeout=timeout, wait_for_workers=False)
+
+
+_DIAL_S = 0.5  # one attempt to reconnect; c10d's own back-off between tries can reach a second
+
+
+def redial(addr: str, left: float, timeout: timedelta) -> TCPStore:
+    """One attempt to reconnect within ``min(left, _DIAL_S)`` seconds (the caller retries until its
+    lease runs out: a single long attempt sleeps through c10d's back-off while the store comes
+    back), the connection then taking ``timeout`` for its operations."""
+    attempt = min(max(left, 0.05), _DIAL_S)
+    host, port = addr.rsplit(":", 1)
+    # c10d's client sleeps its back-off (up to seconds) after a refused try even past its timeout:
+    # connect only once the store accepts connections again, so that it succeeds at its first try
+    with socket.create_connection((host.strip("[]"), int(port)), timeout=attempt):
+        pass
+    store = connect(addr, timedelta(seconds=attempt))
+    store.set_timeout(timeout)
+    return store
 
 
 def _job_lease() -> float:
@@ -81,7 +100,7 @@ class _Redial:
                 while True:
                     left = deadline - time.monotonic()
                     try:
-                        self._store = connect(self._addr, timedelta(seconds=max(0.1, left)))
+                        self._store = redial(self._addr, left, self._timeout)
                         break
                     except (RuntimeError, OSError):
                         if time.monotonic() > deadline:
@@ -250,7 +269,7 @@ class ControlClient:
         """A new heartbeat connection; the events not yet acknowledged are written again on it."""
         left = self._lease - (time.monotonic() - self._last_ack)
         try:
-            raw = connect(self.addr, timedelta(seconds=min(max(left, 0.1), self.timeout.total_seconds())))
+            raw = redial(self.addr, left, self.timeout)
         except (RuntimeError, OSError):
             return  # still unreachable: the next beat tries again, the lease decides
         with self._hb_lock:
