@@ -10,6 +10,8 @@ Grammar of a spec (``--fault`` on the command line)::
 
     KIND:rank=R@step=S          KIND in kill | hang | exception | corrupt
     KIND:rank=R1,R2@step=S      several ranks at the same step
+    kill:node=N@step=S          SIGKILL host N's agent and every process of that host at once, inside
+                                step S (a power loss; ``checkpointless cluster`` and multi-host jobs)
     KIND:rank=R@check=S         KIND in kill | hang: at the replicas' consistency check before
                                 step S, just before the digests are exchanged (the peers wait in
                                 that collective); S is 1 or a multiple of recovery.consistency_every
@@ -54,6 +56,7 @@ _RECOVERY_SPECS = {
 _SPEC = re.compile(
     r"^(?P<kind>[a-z]+):rank=(?P<ranks>\d+(?:,\d+)*)@(?P<at>step|check|digests)=(?P<step>\d+)$"
 )
+_NODE_SPEC = re.compile(r"^kill:node=(?P<node>\d+)@step=(?P<step>\d+)$")
 _CHECK_KINDS = ("kill", "hang")  # what can strike at a consistency check
 _PER_RANK = ("step", "check", "digests")  # moments that name their ranks (the rest are moments of a recovery)
 
@@ -72,14 +75,23 @@ class FaultSpec:
     ranks: tuple[int, ...]
     step: int | None
     at: str = "step"  # "step", "check", or a moment of recovery: "recovery", "join", "source"
+    node: int | None = None  # a host fault: every process of host ``node`` (``ranks`` empty)
 
     def __str__(self) -> str:
         if self.at in _RECOVERY_SPECS:
             return _RECOVERY_SPECS[self.at]
+        if self.node is not None:
+            return f"{self.kind}:node={self.node}@{self.at}={self.step}"
         return f"{self.kind}:rank={','.join(map(str, self.ranks))}@{self.at}={self.step}"
 
     def to_json(self) -> dict[str, object]:
-        return {"kind": self.kind, "ranks": list(self.ranks), "step": self.step, "at": self.at}
+        return {
+            "kind": self.kind,
+            "ranks": list(self.ranks),
+            "step": self.step,
+            "at": self.at,
+            "node": self.node,
+        }
 
     @staticmethod
     def from_json(d: dict[str, object]) -> FaultSpec:
@@ -91,6 +103,7 @@ class FaultSpec:
             ranks=tuple(int(r) for r in ranks),
             step=None if step is None else int(str(step)),
             at=str(d.get("at", "step")),
+            node=None if d.get("node") is None else int(str(d["node"])),
         )
 
 
@@ -101,12 +114,18 @@ def parse_fault(spec: str) -> FaultSpec:
         if text == name:
             return FaultSpec(kind="kill", ranks=(), step=None, at=at)
     kind = text.split(":", 1)[0]
+    node = _NODE_SPEC.match(text)
+    if node is not None:
+        return FaultSpec(kind="kill", ranks=(), step=int(node["step"]), node=int(node["node"]))
+    if text.split(":", 1)[-1].startswith("node="):
+        raise ValueError(f"cannot parse fault {spec!r}: a host fault is kill:node=N@step=S")
     if kind not in KINDS:
         raise ValueError(f"unknown fault kind {kind!r} in {spec!r} (expected one of {', '.join(KINDS)})")
     m = _SPEC.match(text)
     if m is None:
         raise ValueError(
             f"cannot parse fault {spec!r}: expected KIND:rank=R[,R...]@step=S, KIND:rank=R@check=S, KIND:rank=R@digests=S, "
+            "kill:node=N@step=S, "
             f"{', '.join(_RECOVERY_SPECS.values())}"
         )
     ranks = tuple(int(r) for r in m["ranks"].split(","))
@@ -137,8 +156,13 @@ def validate_schedule(
     durable: bool = False,
     shards: int = 1,
     consistency_every: int = 0,
+    nodes: int = 0,
+    nproc_per_node: int = 0,
 ) -> None:
     """Check a schedule against the job's shape; raise ``ValueError`` naming the problem.
+
+    ``nodes`` and ``nproc_per_node``: the job's worker hosts (0: one host, no host faults); host
+    ``n`` starts with ranks ``n * nproc_per_node`` to ``(n + 1) * nproc_per_node - 1``.
 
     Without an elastic mode a job needs a spare for every rank that fails at once,
     and at least one survivor to hold the state, unless the durable tier (``durable``)
@@ -146,6 +170,17 @@ def validate_schedule(
     """
     per_step: dict[int, set[int]] = {}  # ranks that need a replacement, by step
     for f in faults:
+        if f.node is not None:
+            if nodes < 1:
+                raise ValueError(
+                    f"fault {f}: a host fault needs a job on several hosts (checkpointless cluster)"
+                )
+            if not 0 <= f.node < nodes:
+                raise ValueError(
+                    f"fault {f}: node {f.node} does not exist (--nodes {nodes}: nodes 0..{nodes - 1})"
+                )
+            f = FaultSpec(kind=f.kind, step=f.step, ranks=tuple(
+                range(f.node * nproc_per_node, (f.node + 1) * nproc_per_node)))  # fmt: skip
         if f.at not in _PER_RANK:
             if spares < 1:
                 raise ValueError(f"fault {f}: there is no spare to kill (--spares 0)")
@@ -223,9 +258,19 @@ class FaultInjector:
     schedule and a replacement re-executes the faulted step.
     """
 
-    def __init__(self, faults: list[FaultSpec], claimer: _Claimer | None) -> None:
+    def __init__(
+        self,
+        faults: list[FaultSpec],
+        claimer: _Claimer | None,
+        *,
+        node: int | None = None,
+        agent_pid: int = 0,
+    ) -> None:
+        """``node``: this process's host in the job (``control.env.ENV_NODE``), ``agent_pid`` its
+        agent's process: what a host fault kills."""
         self._faults = list(enumerate(faults))
         self._claimer = claimer
+        self._node, self._agent_pid = node, agent_pid
 
     def _fire(
         self,
@@ -238,11 +283,16 @@ class FaultInjector:
     ) -> None:
         # A step fault fires once per rank it names; a recovery fault once per job, whichever
         # recovery comes first (never again in a later one).
-        who = rank if fault.at in _PER_RANK else -1
+        who = rank if fault.at in _PER_RANK and fault.node is None else -1
         if self._claimer is None or not self._claimer.claim(keys.fault_fired(index, who)):
             return
         if on_fire is not None:
             on_fire(index, fault, rank, step)
+        if fault.node is not None and self._agent_pid > 0:
+            # the host's agent first: every other process of the host dies with it (the agent
+            # starts them with PR_SET_PDEATHSIG), then this one, as a power loss takes them all
+            os.kill(self._agent_pid, signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL)
         if fault.kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif fault.kind == "hang":
@@ -264,7 +314,11 @@ class FaultInjector:
         """Called by a worker inside step ``step``, before the gradient reduction; ``corrupt``
         flips a bit of its state (the ``corrupt`` kind)."""
         for i, f in self._faults:
-            if f.at == "step" and f.step == step and rank in f.ranks:
+            if (
+                f.at == "step"
+                and f.step == step
+                and (rank in f.ranks or (f.node is not None and f.node == self._node))
+            ):
                 self._fire(i, f, on_fire, rank, step, corrupt)
 
     def at_check(self, rank: int, step: int, on_fire: _OnFire | None = None, *, at: str = "check") -> None:

@@ -75,7 +75,7 @@ from checkpointless.config import JobConfig
 from checkpointless.control import keys
 from checkpointless.control.auth import secret_from_env
 from checkpointless.control.client import ControlClient, JobStopped, die_with_parent
-from checkpointless.control.env import ENV_CONFIG, ENV_PROC, ENV_ROLE, ENV_STORE
+from checkpointless.control.env import ENV_AGENT_PID, ENV_CONFIG, ENV_NODE, ENV_PROC, ENV_ROLE, ENV_STORE
 from checkpointless.control.vocab import Event, Phase, Reason, Role
 from checkpointless.ddp import reduce_unbucketed
 from checkpointless.durable import DurableWriter
@@ -116,6 +116,12 @@ def scalar(name: str, value: Any) -> int | float | str | bool:
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         return value.item()
     raise TypeError(f"{name}={value!r}: expected a number, a string or a one-element tensor")
+
+
+def _env_int(name: str) -> int | None:
+    """An integer the agent put in the environment, or None where it did not."""
+    text = os.environ.get(name, "")
+    return int(text) if text.lstrip("-").isdigit() else None
 
 
 def _restore_priority() -> None:
@@ -229,7 +235,9 @@ class Session(Member):
             timeout=timedelta(seconds=rc.collective_timeout_s),
             heartbeat_interval=rc.heartbeat_interval_s,
         )
-        self._faults = FaultInjector(self.job.faults, self._client)
+        self._faults = FaultInjector(
+            self.job.faults, self._client, node=_env_int(ENV_NODE), agent_pid=_env_int(ENV_AGENT_PID) or 0
+        )
         if model is not None:
             off = next(((n, t.device) for n, t in model.state_dict().items()
                         if isinstance(t, torch.Tensor) and t.device != self.device), None)  # fmt: skip

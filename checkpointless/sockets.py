@@ -172,3 +172,21 @@ def exchange_listeners(
         with contextlib.suppress(ValueError, TypeError):
             out.extend((str(ip), int(port)) for ip, port in json.loads(value))
     return out
+
+
+def interface_of(addr: str) -> str | None:
+    """The name of this host's network interface that holds the IPv4 address ``addr`` (what
+    ``GLOO_SOCKET_IFNAME`` names), or None if none does."""
+    import fcntl
+    import struct
+
+    siocgifaddr = 0x8915
+    for _, name in socket.if_nameindex():
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                got = fcntl.ioctl(s.fileno(), siocgifaddr, struct.pack("256s", name[:15].encode()))
+            except OSError:
+                continue  # no IPv4 address on it
+        if socket.inet_ntoa(got[20:24]) == addr:
+            return name
+    return None

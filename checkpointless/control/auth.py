@@ -32,6 +32,7 @@ import os
 import secrets
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 from torch.distributed import DistStoreError
@@ -45,6 +46,35 @@ _MAC_HEX = 64
 
 def new_secret() -> bytes:
     return secrets.token_bytes(SECRET_BYTES)
+
+
+def write_secret_file(path: Path, secret: bytes) -> None:
+    """Write ``secret`` (hex, one line) to a new file that only this user may read (0600)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secret.hex() + "\n")
+
+
+def read_secret_file(path: Path) -> bytes:
+    """The job's secret from a file written by ``write_secret_file`` (or by hand: 64 hex digits,
+    from ``openssl rand -hex 32``). Refused in one line (``ValueError``) if others may read the
+    file: a secret on a shared file system is only as private as its mode."""
+    try:
+        st = os.stat(path)
+        text = Path(path).read_text().strip()
+    except OSError as e:
+        raise ValueError(f"secret file {path}: {e.strerror or e}") from None
+    if st.st_mode & 0o077:
+        raise ValueError(
+            f"secret file {path}: readable by others (mode {st.st_mode & 0o777:o}); chmod 600 {path}"
+        )
+    try:
+        secret = bytes.fromhex(text)
+    except ValueError:
+        secret = b""
+    if len(secret) != SECRET_BYTES:
+        raise ValueError(f"secret file {path}: expected {2 * SECRET_BYTES} hex digits (openssl rand -hex 32)")
+    return secret
 
 
 def read_secret_fd(fd: int) -> bytes:

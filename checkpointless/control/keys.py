@@ -23,6 +23,15 @@ protocol can be read in one place. Values are sealed with the job's secret
     fatal/<proc>                JSON {rank, error}: a mistake no recovery can fix; ends the job
     fault/<i>/rank/<r>/fired    counter: 1 for the process that fires fault i on rank r
     job/stop                    set when the job ends; spares exit
+    job/config                  JSON {job, job_id}: what a host's agent reads first (multi-host jobs)
+    agents/count                counter: tickets of the agents that said hello (hint)
+    agents/<i>                  JSON hello of agent i {host, addr, nproc, spare, pid, node_rank}
+    node/<host>/<pid>/accept    JSON {node} (its index) or {error}: the coordinator's answer to an agent
+    node/<host>/order/<i>       JSON order i to the host's agent {op: spawn|kill|stop, ...}, i from 0
+    node/<host>/status          JSON {seq, procs: {name: {alive, exit, tail, cpu, pid, slot}}, stopped}
+
+``CLUSTER_HELLO`` is the one key outside the job's namespace an agent reads: sealed with the job's
+secret, it tells an agent with another secret that it has the wrong one (launch/remote.py).
 """
 
 from __future__ import annotations
@@ -31,6 +40,9 @@ LATEST_GEN = "gen/latest"
 JOB_STOP = "job/stop"
 STOP = "stop"  # the assignment that wakes a waiting spare at job end
 FATAL_COUNT = "fatal/count"
+JOB_CONFIG = "job/config"
+AGENTS_COUNT = "agents/count"
+CLUSTER_HELLO = "checkpointless/cluster-hello"
 REPORT_BELL = "report/bell"  # set after a failure report: wakes the coordinator (control/bell.py)
 
 
@@ -91,3 +103,19 @@ def fault_fired(index: int, rank: int) -> str:
 def abort(gen: int) -> str:
     """Set by the coordinator when generation ``gen`` failed: idle members must report."""
     return f"gen/{gen}/abort"
+
+
+def agent_hello(ticket: int) -> str:
+    return f"agents/{ticket}"
+
+
+def node_accept(host: str, pid: int) -> str:
+    return f"node/{host}/{pid}/accept"
+
+
+def node_order(host: str, index: int) -> str:
+    return f"node/{host}/order/{index}"
+
+
+def node_status(host: str) -> str:
+    return f"node/{host}/status"

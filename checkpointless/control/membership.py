@@ -87,7 +87,7 @@ class Membership:
         store: SignedStore,
         job: JobConfig,
         total_steps: int | None,
-        spawn_spare: Callable[[], ProcessHandle],
+        spawn_spare: Callable[[], ProcessHandle | None],
         emit: Callable[[dict[str, Any]], None],
         clock: Callable[[], float] = time.monotonic,
         report_bell: Callable[[], bool] | None = None,
@@ -250,7 +250,11 @@ class Membership:
             return
         self._spares_due = [t for t in self._spares_due if t > now]
         for _ in due:
-            self._add(self._spawn_spare(), Role.SPARE)
+            handle = self._spawn_spare()
+            if handle is None:  # no host has a free slot (a spare host took a lost host's ranks)
+                log.info("no free slot on any live host for a new spare; the pool stays smaller")
+                continue
+            self._add(handle, Role.SPARE)
 
     def _start_refills(self) -> None:
         now = self._clock()

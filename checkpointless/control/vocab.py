@@ -39,6 +39,8 @@ class Event(StrEnum):
     DURABLE_FAILED = "durable_failed"  # ...or its write failed (error): training goes on without it
     DURABLE_SKIPPED = "durable_skipped"  # a snapshot fell due while the previous one was still writing
     DURABLE_RESTORED = "durable_restored"  # a rank rolled back to a durable snapshot
+    HOST_JOINED = "host_joined"  # a host's agent joined a multi-host job (host, node, addr, spare)
+    HOST_LOST = "host_lost"  # a host's agent went silent: every process on it is dead to the job
     MESSAGE_REJECTED = "message_rejected"
     FATAL = "fatal"
     EVAL = "eval"  # the recipes' held-out loss (user code may emit kinds of its own)

@@ -53,8 +53,8 @@ def _die_with_launcher() -> None:
     _LIBC.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     if os.getppid() != _LAUNCHER_PID:  # the launcher died before prctl took effect (reparented)
         os._exit(1)
-    if _CHILD_NICE:
-        os.nice(_CHILD_NICE)
+    if _CHILD_NICE or os.getpriority(os.PRIO_PROCESS, 0) != 0:  # absolute: an agent may run at another
+        os.setpriority(os.PRIO_PROCESS, 0, _CHILD_NICE)
 
 
 def can_restore_priority() -> bool:
@@ -133,8 +133,9 @@ class _Child:
         return _tree_cpu_seconds(self.popen.pid)
 
     def log_tail(self) -> str:
-        with contextlib.suppress(OSError):
-            self.log_file.flush()
+        with contextlib.suppress(OSError, ValueError):  # ValueError: the log is closed (stopped)
+            if not self.log_file.closed:
+                self.log_file.flush()
             with open(self.log_path, "rb") as f:
                 f.seek(max(0, os.path.getsize(self.log_path) - 4096))
                 lines = [ln.strip() for ln in f.read().decode(errors="replace").splitlines() if ln.strip()]
@@ -159,7 +160,9 @@ class _Wakeups:
         self._lock = threading.Lock()  # ``ring`` comes from the bell's thread
         self.complete = True  # every child's exit ends a wait
 
-    def _open(self) -> selectors.BaseSelector:
+    def open(self) -> selectors.BaseSelector:
+        """Start listening for rings (before the first child: a launcher or agent with no local
+        process yet is woken by the bell too)."""
         if self._selector is None:
             self._selector = selectors.DefaultSelector()
             self._read, self._write = os.pipe()
@@ -169,7 +172,7 @@ class _Wakeups:
         return self._selector
 
     def watch(self, child: _Child) -> None:
-        selector = self._open()
+        selector = self.open()
         fd = child.exit_fd()
         if fd is None:
             self.complete = False

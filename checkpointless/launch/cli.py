@@ -23,6 +23,7 @@ from checkpointless.config import JobConfig, RecoveryConfig
 from checkpointless.control.coordinator import Coordinator
 from checkpointless.errors import UsageError, UserInputError
 from checkpointless.faults import parse_faults, validate_schedule
+from checkpointless.launch.cluster import LocalCluster
 from checkpointless.launch.launcher import JobResult, Launcher
 from checkpointless.observe.console import stderr_console
 
@@ -124,6 +125,7 @@ def _job(
     steps: int | None,
     default_faults: list[str],
     recovery: RecoveryConfig | None = None,
+    topology: LocalCluster | None = None,
 ) -> JobConfig:
     """The job the flags describe; ``recovery``: the recipe's settings, which the flags override."""
     _positive("workers", args.workers)
@@ -162,7 +164,9 @@ def _job(
         # without --steps, the steps are checked once the script's session.steps(total) says it
         validate_schedule(faults, workers=args.workers, spares=args.spares, steps=steps or 2**62,
                           durable=bool(recovery.durable_every), shards=shards,
-                          consistency_every=recovery.consistency_every)  # fmt: skip
+                          consistency_every=recovery.consistency_every,
+                          nodes=topology.nodes if topology else 0,
+                          nproc_per_node=topology.nproc_per_node if topology else 0)  # fmt: skip
         _check_out(args.out)  # created only once everything else is known to be right
         job = JobConfig(
             workers=args.workers,
@@ -248,11 +252,29 @@ def _launch(
     steps: int | None,
     out: Path | None,
     metrics_port: int | None = None,
+    topology: LocalCluster | None = None,
 ) -> JobResult:
-    """Run one job with the live progress line (unless --quiet) and, if asked, a metrics endpoint."""
+    """Run one job with the live progress line (unless --quiet) and, if asked, a metrics endpoint;
+    ``topology``: on the hosts ``checkpointless cluster`` makes."""
+    if topology is not None:
+        with topology.hosts(command, out) as (addr, spec, secret):
+            launcher = Launcher(job, command, total_steps=steps, host=addr, port=args.port, out_dir=out,
+                                cluster=spec, secret=secret)  # fmt: skip
+            return _run_launcher(launcher, args, console, steps=steps, metrics_port=metrics_port)
+    launcher = Launcher(job, command, total_steps=steps, port=args.port, out_dir=out)
+    return _run_launcher(launcher, args, console, steps=steps, metrics_port=metrics_port)
+
+
+def _run_launcher(
+    launcher: Launcher,
+    args: argparse.Namespace,
+    console: Console,
+    *,
+    steps: int | None,
+    metrics_port: int | None,
+) -> JobResult:
     from checkpointless.observe.console import LiveProgress
 
-    launcher = Launcher(job, command, total_steps=steps, port=args.port, out_dir=out)
     callbacks: list[Callable[[Coordinator], None]] = []
     if not args.quiet:
         callbacks.append(LiveProgress(steps, launcher.events, console))
@@ -278,7 +300,14 @@ def _launch(
             metrics.stop()
 
 
-def cmd_demo(argv: list[str]) -> int:
+def _topology_args(argv: list[str], topology: LocalCluster | None) -> list[str]:
+    """Under ``cluster``: the workers and spares its hosts hold."""
+    if topology is None:
+        return argv
+    return [*argv, "--workers", str(topology.workers), "--spares", str(topology.spares)]
+
+
+def cmd_demo(argv: list[str], topology: LocalCluster | None = None) -> int:
     from checkpointless.launch.demo import DemoModel, default_faults, worker_command
 
     p = _Parser(prog="checkpointless demo", description="Train a small GPT through real faults.")
@@ -291,11 +320,11 @@ def cmd_demo(argv: list[str]) -> int:
                    help="sequences per step, split evenly over the workers (default: 16, rounded up "
                    "to a multiple of --workers)")  # fmt: skip
     p.add_argument("--quiet", action="store_true", help="no live progress")
-    args = p.parse_args(argv)
+    args = p.parse_args(_topology_args(argv, topology))
     _positive("steps", args.steps)
     _positive("layers", args.layers)
     _positive("d-model", args.d_model)
-    job = _job(args, args.steps, default_faults(args.workers, args.steps))
+    job = _job(args, args.steps, default_faults(args.workers, args.steps), topology=topology)
     global_batch = (
         args.global_batch if args.global_batch is not None else -(-16 // args.workers) * args.workers
     )
@@ -316,7 +345,9 @@ def cmd_demo(argv: list[str]) -> int:
         f"faults: {', '.join(map(str, job.faults)) or 'none'}",
         highlight=False,
     )
-    result = _launch(job, worker_command(spec), args, console, steps=args.steps, out=args.out)
+    result = _launch(
+        job, worker_command(spec), args, console, steps=args.steps, out=args.out, topology=topology
+    )
     _print_result(console, result, "faulted run" if job.faults else "run")
     if _exit_code(result):
         return _exit_code(result)
@@ -324,7 +355,9 @@ def cmd_demo(argv: list[str]) -> int:
         clean = JobConfig(**{**asdict(job), "faults": [], "recovery": job.recovery})
         ref_out = args.out / "reference" if args.out else None
         args.quiet = True
-        ref = _launch(clean, worker_command(spec), args, console, steps=args.steps, out=ref_out)
+        ref = _launch(
+            clean, worker_command(spec), args, console, steps=args.steps, out=ref_out, topology=topology
+        )
         _print_result(console, ref, "fault-free reference")
         if ref.interrupted is not None:
             return _exit_code(ref)
@@ -338,7 +371,7 @@ def cmd_demo(argv: list[str]) -> int:
     return 0
 
 
-def cmd_launch(argv: list[str]) -> int:
+def cmd_launch(argv: list[str], topology: LocalCluster | None = None) -> int:
     split = argv.index("--") if "--" in argv else len(argv)
     if split == len(argv) and not {"-h", "--help"} & set(argv):
         raise UsageError("checkpointless launch: give the training command after --, e.g. -- python train.py")
@@ -355,23 +388,24 @@ def cmd_launch(argv: list[str]) -> int:
                    help="ranks that split one copy of the state (FSDP2/HSDP, Session(build=...)); 1: replicated")  # fmt: skip
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
     p.add_argument("--quiet", action="store_true")
-    args = p.parse_args(own)  # -h / --help prints the options and exits, with or without a command
+    args = p.parse_args(_topology_args(own, topology))  # -h / --help: the options, with or without a command
     if not command:
         raise UsageError("checkpointless launch: the training command after -- is empty")
-    job = _job(args, args.steps, [])
+    job = _job(args, args.steps, [], topology=topology)
     if command[0] in ("python", "python3"):
         command = [sys.executable, *command[1:]]
     if shutil.which(command[0]) is None:
         raise UsageError(f"checkpointless launch: command not found or not executable: {command[0]}")
     console = stderr_console()
     result = _launch(
-        job, command, args, console, steps=args.steps, out=args.out, metrics_port=args.metrics_port
-    )
+        job, command, args, console, steps=args.steps, out=args.out, metrics_port=args.metrics_port,
+        topology=topology,
+    )  # fmt: skip
     _print_result(console, result, "run")
     return _exit_code(result)
 
 
-def cmd_run(argv: list[str]) -> int:
+def cmd_run(argv: list[str], topology: LocalCluster | None = None) -> int:
     from checkpointless.recipes.config import load_recipe
     from checkpointless.recipes.dryrun import dry_run, format_dry_run
 
@@ -388,6 +422,8 @@ def cmd_run(argv: list[str]) -> int:
     p.add_argument("--dry-run", action="store_true", help="print sizes and memory, train nothing")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
+    if topology is not None:
+        args.workers, args.spares = topology.workers, topology.spares
     if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
         raise UsageError(f"--metrics-port must be in 0..65535, got {args.metrics_port}")
     overrides = list(args.overrides)
@@ -409,7 +445,7 @@ def cmd_run(argv: list[str]) -> int:
         args.progress_timeout = cfg.recovery.progress_timeout_s
     args.shards = cfg.parallel.shards
     args.backend, args.device = cfg.parallel.backend, cfg.parallel.device
-    job = _job(args, cfg.train.steps, [], cfg.recovery)
+    job = _job(args, cfg.train.steps, [], cfg.recovery, topology=topology)
     command = [sys.executable, "-m", "checkpointless.recipes.train", str(args.recipe)]
     for o in overrides:
         command += ["--set", o]
@@ -420,8 +456,9 @@ def cmd_run(argv: list[str]) -> int:
         highlight=False,
     )
     result = _launch(
-        job, command, args, console, steps=cfg.train.steps, out=args.out, metrics_port=args.metrics_port
-    )
+        job, command, args, console, steps=cfg.train.steps, out=args.out, metrics_port=args.metrics_port,
+        topology=topology,
+    )  # fmt: skip
     _print_result(console, result, cfg.name)
     if result.report["heldout_loss"]:
         first, last = result.report["heldout_loss"][0][1], result.report["heldout_loss"][-1][1]
@@ -446,6 +483,8 @@ commands:
   demo      train a small GPT through real faults, on this machine (optionally --verify bitwise)
   launch    run your own script that uses checkpointless.Session: checkpointless launch [options] -- python train.py
   run       train what a YAML recipe says (Llama, GPT-OSS), fault tolerant
+  cluster   try many hosts on this machine (network namespaces, root): cluster --nodes N [demo|launch|run] ...
+  agent     one host of a job on several machines: agent --coordinator HOST:PORT --secret-file F -- CMD
   report    a finished run's timeline plot and summary, from its --out directory
   simulate  goodput of checkpoint-restart against checkpointless at cluster scale"""
 
@@ -463,12 +502,18 @@ def main(argv: list[str] | None = None) -> int:
             from checkpointless.observe.plot import main as report_main
 
             return report_main(rest)
+        if cmd in ("cluster", "agent"):
+            from checkpointless.launch.cluster import cmd_agent, cmd_cluster
+
+            return (cmd_cluster if cmd == "cluster" else cmd_agent)(rest)
         if cmd == "simulate":
             from checkpointless.analysis.simulate import main as simulate_main
 
             return simulate_main(rest)
         if cmd not in commands:
-            raise UsageError(f"unknown command {cmd!r} (expected one of demo, launch, run, report, simulate)")
+            raise UsageError(
+                f"unknown command {cmd!r} (expected one of demo, launch, run, cluster, agent, report, simulate)"
+            )
         return commands[cmd](rest)
     except UserInputError as e:  # UsageError, LaunchError, RecipeError: one line, exit 2
         print(f"error: {e}", file=sys.stderr)

@@ -58,8 +58,9 @@ from checkpointless.control.coordinator import Coordinator, JobFailed
 from checkpointless.control.vocab import Event, Role, event
 from checkpointless.errors import JobInterrupted, LaunchError
 from checkpointless.faults import unfired
-from checkpointless.launch.agent import NodeAgent, _Child, _Wakeups
+from checkpointless.launch.agent import NodeAgent, _Wakeups
 from checkpointless.launch.outputs import _write_atomic, set_aside_previous_run
+from checkpointless.launch.remote import ClusterSpec, RemoteNodes
 from checkpointless.observe.report import build_report
 
 log = logging.getLogger(__name__)
@@ -150,7 +151,12 @@ class Launcher:
         env: dict[str, str] | None = None,
         on_tick: Callable[[Coordinator], None] | list[Callable[[Coordinator], None]] | None = None,
         timeout_s: float = 3600.0,
+        cluster: ClusterSpec | None = None,
+        secret: bytes | None = None,
     ) -> None:
+        """``cluster``: the job runs on several hosts, one ``checkpointless agent`` each
+        (``remote.py``); None: every process on this host. ``secret``: the job's (the agents read it
+        from a file); None: a new one."""
         self.job, self.command, self.total_steps = job, command, total_steps
         self.host, self.port = host, port
         self.out_dir = out_dir
@@ -159,6 +165,8 @@ class Launcher:
         self.job_id = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.timeout_s = timeout_s
         self.agent: NodeAgent | None = None  # this host's processes (made in run())
+        self.cluster = cluster
+        self.remote: RemoteNodes | None = None  # the hosts' agents, on several hosts (made in run())
         self._coord: Coordinator | None = None
         self._bell: ReportBell | None = None
         self._wakeups = _Wakeups()
@@ -169,15 +177,18 @@ class Launcher:
         self._drained: set[str] = set()  # exited processes whose every chunk was read
         self._stream: IO[str] | None = None
         self._stream_error: str | None = None
-        self._secret = new_secret()
+        self._secret = secret or new_secret()
         self._own_logdir = out_dir is None
         self._logdir = Path(out_dir / "logs") if out_dir else Path(tempfile.gettempdir())  # see run()
 
     # -- processes ------------------------------------------------------------------
     @property
-    def children(self) -> dict[str, _Child]:
-        """Every process started so far, by name."""
-        return self.agent.children if self.agent is not None else {}
+    def children(self) -> dict[str, Any]:
+        """Every process started so far, by name: a ``ProcessHandle`` each (``_Child`` here, a
+        ``RemoteProcess`` on another host)."""
+        if self.remote is not None:
+            return dict(self.remote.children)
+        return dict(self.agent.children) if self.agent is not None else {}
 
     # -- events ---------------------------------------------------------------------
     def _record(self, ev: dict[str, Any]) -> None:
@@ -283,11 +294,24 @@ class Launcher:
         )
         if self._own_logdir:  # made only once the job can start, so a refused launch leaves nothing
             self._logdir = Path(tempfile.mkdtemp(prefix="checkpointless-logs-"))
-        self.agent = NodeAgent(
-            self.job, self.command, job_id=self.job_id, secret=self._secret,
-            store_addr=f"{self.host}:{self.store.raw.port}", logdir=self._logdir, env=self.env,
-            wakeups=self._wakeups,
-        )  # fmt: skip
+        self._wakeups.open()  # a ring wakes the launcher before any local process exists
+        if self.cluster is None:
+            self.agent = NodeAgent(
+                self.job, self.command, job_id=self.job_id, secret=self._secret,
+                store_addr=f"{self.host}:{self.store.raw.port}", logdir=self._logdir, env=self.env,
+                wakeups=self._wakeups,
+            )  # fmt: skip
+        else:
+            c = self.cluster
+            self.remote = RemoteNodes(
+                self.store, self.job, nodes=c.nodes, nproc_per_node=c.nproc_per_node,
+                spare_nodes=c.spare_nodes, job_id=self.job_id,
+                emit=lambda **f: self._record(event(
+                    Event.HOST_LOST, proc="coordinator", gen=self._coord.plan.gen if self._coord and self._coord.plan else 0, **f)),
+            )  # fmt: skip
+        spawn_spare: Callable[[], Any] = (
+            self.remote.spawn_spare if self.remote is not None else self.agent.spawn_spare  # type: ignore[union-attr]
+        )
         if self.out_dir is not None:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             set_aside_previous_run(self.out_dir)
@@ -305,9 +329,14 @@ class Launcher:
             )  # fmt: skip
         except RuntimeError as e:  # the coordinator then reads failure reports every tick
             log.warning("no report bell (%s); failure reports are polled", e)
-        coord = Coordinator(self.store, self.job, self.total_steps, self.agent.spawn_spare, self._record,
+        coord = Coordinator(self.store, self.job, self.total_steps, spawn_spare, self._record,
                             report_bell=self._bell.rung if self._bell is not None else None)  # fmt: skip
         self._coord = coord
+        if self.remote is not None:
+            self.remote.heard_from = lambda n: (
+                coord.procs[n].last_change if n in coord.procs else float("-inf")
+            )
+            self.remote.is_worker = lambda n: n in coord.procs and coord.procs[n].role == Role.WORKER
         error: str | None = None
         interrupted: int | None = None
         try:
@@ -345,19 +374,48 @@ class Launcher:
             log.error("job failed: %s (process logs in %s)", error, self._logdir)
         return JobResult(
             ok=error is None, digest=coord.digest, report=report, events=events, error=error,
-            out_dir=self.out_dir, logs={n: c.log_path for n, c in self.children.items()},
-            pids={n: c.popen.pid for n, c in self.children.items()}, interrupted=interrupted,
+            out_dir=self.out_dir, logs=self._log_paths(), pids=self._pids(), interrupted=interrupted,
             write_error=write_error,
         )  # fmt: skip
 
+    def _log_paths(self) -> dict[str, Path]:
+        if self.agent is not None:
+            return {n: c.log_path for n, c in self.agent.children.items()}
+        if self.remote is not None and self.cluster is not None and self.cluster.log_dir_of is not None:
+            return {n: self.cluster.log_dir_of(p.host) / f"{n}.log" for n, p in self.remote.children.items()}
+        return {}
+
+    def _pids(self) -> dict[str, int]:
+        if self.agent is not None:
+            return {n: c.popen.pid for n, c in self.agent.children.items()}
+        return {n: p.pid for n, p in self.remote.children.items() if p.pid} if self.remote is not None else {}
+
+    def _start(self, coord: Coordinator) -> None:
+        """Start every worker and spare: here, or through the hosts' agents once they joined."""
+        if self.agent is not None:
+            workers = [self.agent.spawn(f"w{r}", Role.WORKER) for r in range(self.job.workers)]
+            spares = [self.agent.spawn_spare() for _ in range(self.job.spares)]
+            coord.start(list(workers), list(spares))
+            return
+        assert self.remote is not None and self.cluster is not None
+        SignedStore(self.store.raw, self._secret).set(keys.CLUSTER_HELLO, "checkpointless")
+        self.remote.publish_job()
+        if self.cluster.start_agents is not None:
+            self.cluster.start_agents(f"{self.host}:{self.store.raw.port}")
+        self.remote.accept(self.cluster.join_timeout_s)
+        for h in sorted(self.remote.hosts.values(), key=lambda h: h.node):
+            self._record(event(Event.HOST_JOINED, proc="coordinator", gen=0, host=h.name, node=h.node,
+                               addr=h.addr, spare=h.spare, pid=h.pid))  # fmt: skip
+        remote_workers, remote_spares = self.remote.start()
+        coord.start(list(remote_workers), list(remote_spares))
+
     def _run(self, coord: Coordinator) -> None:
-        assert self.agent is not None
-        workers = [self.agent.spawn(f"w{r}", Role.WORKER) for r in range(self.job.workers)]
-        spares = [self.agent.spawn_spare() for _ in range(self.job.spares)]
-        coord.start(list(workers), list(spares))
+        self._start(coord)
         deadline = time.monotonic() + self.timeout_s
         last_collect = 0.0
         while not coord.finished:
+            if self.remote is not None:
+                self.remote.poll()
             coord.tick()
             for name in self._wakeups.watched():  # exits the coordinator has handled
                 proc = coord.procs.get(name)
@@ -399,12 +457,16 @@ class Launcher:
             while child.alive() and time.monotonic() < deadline:
                 if self.store.get(keys.JOB_STOP) is None:
                     self.store.set(keys.JOB_STOP, "1")
+                if self.remote is not None:
+                    time.sleep(0.1)
+                    self.remote.poll()
+                    continue
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     child.popen.wait(timeout=0.2)
             if child.alive():
                 log.warning("%s did not exit after the job finished; killing it", name)
-            elif child.popen.returncode != 0:
-                log.warning("%s exited with code %s after finishing", name, child.popen.returncode)
+            elif child.exitcode() != 0:
+                log.warning("%s exited with code %s after finishing", name, child.exitcode())
 
     def _finished_anyway(self, coord: Coordinator, signum: int) -> bool:
         """Whether the job finished although a signal stopped it: the ranks completed the last
@@ -440,7 +502,8 @@ class Launcher:
         """Give every spare never assigned the ``stop`` assignment (a ready one waits on that key);
         one still starting (importing torch, building its model) holds no state and would see the
         key only seconds later: it is killed at once."""
-        for name in self.agent.spares if self.agent is not None else []:
+        pool = self.remote or self.agent
+        for name in pool.spares if pool is not None else []:
             try:
                 if self.store.get(keys.assign(name)) is None:
                     self.store.set(keys.assign(name), keys.STOP)
@@ -467,6 +530,8 @@ class Launcher:
             self._bell.close()
         if self.agent is not None:
             self.agent.stop()
+        if self.remote is not None:
+            self.remote.stop()
         try:
             self._collect_events()
         except (RuntimeError, OSError) as e:

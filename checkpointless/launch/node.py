@@ -1,0 +1,317 @@
+"""``checkpointless agent``: one host of a job on several hosts.
+
+The agent joins the coordinator's job (``launch/remote.py`` has the protocol), then starts,
+watches and stops its host's processes (a ``NodeAgent``, as on one host) on the coordinator's
+orders, and reports them in one status key that is also its lease: every
+``heartbeat_interval_s``, at once when a process exits (ringing the coordinator's report bell).
+
+Fencing: an agent that has not completed a round trip with the coordinator's store for its lease
+(half the coordinator's host timeout) kills every process of its host and exits (code 3), before
+the coordinator declares the host lost and gives its ranks away. Its workers hold a shorter lease
+of their own (``heartbeat_lease_s``) and stop first. Nothing of a fenced host is accepted later:
+its processes are gone, and a process the coordinator no longer counts cannot commit a step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from checkpointless.config import JobConfig
+from checkpointless.control import keys
+from checkpointless.control.auth import SignedStore, job_namespace
+from checkpointless.control.client import redial
+from checkpointless.control.env import ENV_AGENT_PID, ENV_HOST_ADDR, ENV_NODE
+from checkpointless.errors import LaunchError
+from checkpointless.launch.agent import NodeAgent, _Wakeups
+from checkpointless.launch.remote import host_timeout, status_interval
+from checkpointless.sockets import interface_of
+
+log = logging.getLogger(__name__)
+
+AGENT_NICE = -10  # where the agent may raise its priority (root, or RLIMIT_NICE)
+EXIT_LOST = 3  # the coordinator stopped answering: this host fenced itself
+_ORDER_WAIT = timedelta(hours=1)  # a timed-out wait logs two c10d warnings: wait long
+_STOP_GRACE_S = 5.0  # a stopped job's processes may exit by themselves this long, then are killed
+
+
+def _dial(addr: str, timeout_s: float) -> Any:
+    """A store connection to the coordinator, retried until ``timeout_s`` (it may start later)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return redial(addr, deadline - time.monotonic(), timedelta(seconds=10))
+        except (RuntimeError, OSError) as e:
+            if time.monotonic() > deadline:
+                raise LaunchError(
+                    f"cannot reach the coordinator at {addr} within {timeout_s:g}s: {e}"
+                ) from None
+            time.sleep(0.2)
+
+
+def _wait_value(store: SignedStore, key: str, timeout_s: float) -> str | None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = store.get(key)
+        if text is not None:
+            return text
+        time.sleep(0.05)
+    return None
+
+
+class Agent:
+    """One host's agent in a multi-host job (see the module docstring)."""
+
+    def __init__(
+        self,
+        coordinator: str,
+        secret: bytes,
+        command: list[str],
+        *,
+        nproc: int,
+        spare: bool = False,
+        host: str = "",
+        addr: str = "",
+        log_dir: Path | None = None,
+        node_rank: int | None = None,
+        join_timeout_s: float = 60.0,
+    ) -> None:
+        self.coordinator, self._secret, self.command = coordinator, secret, command
+        self.nproc, self.spare, self.node_rank = nproc, spare, node_rank
+        self.host = host or socket.gethostname()
+        self.addr = addr or _own_addr(coordinator)
+        self.log_dir = log_dir
+        self.join_timeout_s = join_timeout_s
+        self._seq = 0
+        self._stopping = 0.0  # when a stop order's grace period ends (0: no stop order)
+        self._failed_spawns: dict[str, str] = {}  # processes it could not start: name -> why
+        self._beat = threading.Event()  # publish the status now (an order was carried out)
+        self._closing = False
+        self._lease_s = 1.0
+
+    # -- joining ------------------------------------------------------------------------
+    def join(self) -> tuple[JobConfig, str, int]:
+        """(job, job id, this host's node index); ``LaunchError`` in one line if it cannot join."""
+        raw = _dial(self.coordinator, self.join_timeout_s)
+        plain = SignedStore(raw, self._secret)
+        deadline = time.monotonic() + self.join_timeout_s
+        while (sealed := plain.get_sealed(keys.CLUSTER_HELLO)) is None:
+            if time.monotonic() > deadline:
+                raise LaunchError(f"{self.coordinator} is not a checkpointless coordinator (no hello within "
+                                  f"{self.join_timeout_s:g}s)")  # fmt: skip
+            time.sleep(0.1)
+        if plain.open(keys.CLUSTER_HELLO, sealed) is None:
+            raise LaunchError(
+                f"the coordinator at {self.coordinator} has another secret (wrong --secret-file?)"
+            )
+        self.store = SignedStore(raw, self._secret, namespace=job_namespace(self._secret))
+        text = _wait_value(self.store, keys.JOB_CONFIG, self.join_timeout_s)
+        if text is None:
+            raise LaunchError(f"the coordinator at {self.coordinator} published no job")
+        d = json.loads(text)
+        job, job_id = JobConfig.from_json(d["job"]), str(d["job_id"])
+        hello = {"host": self.host, "addr": self.addr, "nproc": self.nproc, "spare": self.spare,
+                 "pid": os.getpid()}  # fmt: skip
+        if self.node_rank is not None:
+            hello["node_rank"] = self.node_rank
+        ticket = self.store.add(keys.AGENTS_COUNT, 1) - 1
+        self.store.set(keys.agent_hello(ticket), json.dumps(hello))
+        answer = _wait_value(self.store, keys.node_accept(self.host, os.getpid()), self.join_timeout_s)
+        if answer is None:
+            raise LaunchError(f"the coordinator at {self.coordinator} did not accept host {self.host} within "
+                              f"{self.join_timeout_s:g}s")  # fmt: skip
+        reply = json.loads(answer)
+        if "error" in reply:
+            raise LaunchError(str(reply["error"]))
+        return job, job_id, int(reply["node"])
+
+    # -- running --------------------------------------------------------------------------
+    def run(self) -> int:
+        job, job_id, node = self.join()
+        # the agent holds its host's lease: its few milliseconds a beat come before the training's
+        # (its processes start at the normal priority again, ``agent.py``)
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, 0, AGENT_NICE)
+        env = {ENV_NODE: str(node), ENV_AGENT_PID: str(os.getpid()), ENV_HOST_ADDR: self.addr}
+        ifname = interface_of(self.addr)
+        if ifname is not None:  # every data-plane group binds to the host's address
+            env.setdefault("GLOO_SOCKET_IFNAME", ifname)
+            env.setdefault("NCCL_SOCKET_IFNAME", ifname)
+        logdir = self.log_dir or Path(f"/tmp/checkpointless-{job_id}-{self.host}")
+        wakeups = _Wakeups()
+        wakeups.open()
+        # its own job id per host: the node's shared-memory batch cache is the host's
+        self.agent = NodeAgent(
+            job, self.command, job_id=f"{job_id}-{self.host}", secret=self._secret, store_addr=self.coordinator,
+            logdir=logdir, env=env, wakeups=wakeups, host=self.host,
+        )  # fmt: skip
+        self._lease_s = host_timeout(job) / 2
+        # the host's status is its heartbeat: a few per host timeout
+        interval = status_interval(job)
+        orders = threading.Thread(target=self._order_loop, name="agent-orders", daemon=True)
+        orders.start()
+        try:
+            return self._status_loop(wakeups, interval)
+        finally:
+            self._closing = True
+            for child in list(self.agent.children.values()):
+                child.kill()
+            self.agent.stop()
+            self.agent.free_node_cache()
+            wakeups.close()
+
+    def _order_loop(self) -> None:
+        """Carry out the coordinator's orders as they come (a blocking wait on the next one's key:
+        no polling), on the main connection."""
+        index = 0
+        while not self._closing:
+            key = keys.node_order(self.host, index)
+            try:
+                self.store.raw.wait([self.store.name(key)], _ORDER_WAIT)
+                text = self.store.get(key)
+                if text is None:
+                    continue  # forged (the real one overwrites it)
+                self.store.delete(key)
+            except (RuntimeError, OSError) as e:  # the status loop's lease decides when to give up
+                time.sleep(0.05)
+                self._reconnect(self._lease_s, e)
+                continue
+            index += 1
+            self._obey(json.loads(text))
+            self._beat.set()
+
+    def _status_loop(self, wakeups: _Wakeups, interval: float) -> int:
+        """The host's status, every ``interval`` and at once when a process exits or an order was
+        carried out, on a connection of its own: also the agent's lease (each beat ends with a
+        round trip). Nothing else the agent does (starting a process on a loaded host can take a
+        second) delays it. Without an answer for the lease the host fences itself: every process
+        killed, the agent gone (``EXIT_LOST``). Returns 0 once a stop order is done."""
+        last_ok = time.monotonic()
+        store = self._connect(self._lease_s)
+        reported: set[str] = set()
+        next_beat = 0.0
+        while True:
+            wakeups.wait(max(0.0, min(interval, next_beat - time.monotonic())))
+            self._stop_late()
+            exited = [n for n, c in list(self.agent.children.items()) if not c.alive() and n not in reported]
+            for name in exited:
+                reported.add(name)
+                wakeups.forget(name)
+            if not exited and not self._beat.is_set() and time.monotonic() < next_beat:
+                continue
+            self._beat.clear()
+            next_beat = time.monotonic() + interval
+            try:
+                stopped = self._report(store)
+                if exited:  # the coordinator waits for it: wake it now
+                    store.set(keys.REPORT_BELL, "1")
+                store.add(keys.AGENTS_COUNT, 0)  # the round trip that renews the lease
+                last_ok = time.monotonic()
+                if stopped:
+                    return 0
+            except (RuntimeError, OSError) as e:
+                silent = time.monotonic() - last_ok
+                if silent > self._lease_s:
+                    self._fence(silent)
+                with contextlib.suppress(RuntimeError, OSError):
+                    log.debug("agent %s: status not sent (%s); reconnecting", self.host, e)
+                    store = self._connect(self._lease_s - silent)
+
+    def _fence(self, silent: float) -> None:
+        """The coordinator is out of reach for the lease: stop this host's training, now."""
+        for child in list(self.agent.children.values()):
+            with contextlib.suppress(OSError):
+                child.kill()
+        print(f"checkpointless agent {self.host}: lost the coordinator at {self.coordinator} (no answer for "
+              f"{silent:.1f}s, lease {self._lease_s:g}s); stopped every process of this host", file=sys.stderr,
+              flush=True)  # fmt: skip
+        os._exit(EXIT_LOST)
+
+    def _connect(self, left: float) -> SignedStore:
+        return SignedStore(
+            redial(self.coordinator, left, timedelta(seconds=max(0.2, left))),
+            self._secret, namespace=job_namespace(self._secret),
+        )  # fmt: skip
+
+    def _reconnect(self, left: float, error: BaseException) -> None:
+        log.debug("agent %s: store error (%s); reconnecting", self.host, error)
+        with contextlib.suppress(RuntimeError, OSError):
+            self.store = self._connect(left)
+
+    def _obey(self, order: dict[str, Any]) -> None:
+        op = order.get("op")
+        if op == "spawn":
+            try:
+                self.agent.spawn(str(order["name"]), str(order["role"]))
+            except LaunchError as e:
+                log.error("agent %s: %s", self.host, e)
+                self._failed_spawns[str(order["name"])] = str(e)
+        elif op == "kill":
+            child = self.agent.children.get(str(order["name"]))
+            if child is not None:
+                child.kill()
+        elif op == "stop":  # a grace period (the ranks see job/stop), then by force (``_stop_late``)
+            self._stopping = self._stopping or time.monotonic() + _STOP_GRACE_S
+
+    def _stop_late(self) -> None:
+        """Kill what is still alive once the stop's grace period is over."""
+        if self._stopping and time.monotonic() > self._stopping:
+            for child in self.agent.children.values():
+                child.kill()
+
+    def _report(self, store: SignedStore) -> bool:
+        """Publish the host's status; whether it says that every process stopped after a stop order."""
+        procs: dict[str, dict[str, Any]] = {}
+        children = list(self.agent.children.items())
+        for name, child in children:
+            alive = child.alive()
+            procs[name] = {"alive": alive, "pid": child.popen.pid, "slot": child.slot,
+                           "exit": None if alive else child.exitcode(), "cpu": child.cpu_seconds()}  # fmt: skip
+            if not alive:
+                procs[name]["tail"] = child.log_tail()
+        for name, error in list(self._failed_spawns.items()):
+            procs[name] = {"alive": False, "exit": 127, "tail": error}
+        stopped = bool(self._stopping) and not any(p["alive"] for p in procs.values())
+        self._seq += 1
+        store.set(
+            keys.node_status(self.host), json.dumps({"seq": self._seq, "procs": procs, "stopped": stopped})
+        )
+        return stopped
+
+
+def _own_addr(coordinator: str) -> str:
+    """The address this host reaches the coordinator from (the route's source address)."""
+    host, port = coordinator.rsplit(":", 1)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((host.strip("[]"), int(port)))
+            return str(s.getsockname()[0])
+        except OSError:
+            return "127.0.0.1"
+
+
+def _stop_on_signals() -> None:
+    """SIGTERM ends the agent like Ctrl-C: its ``finally`` stops its processes."""
+
+    def handler(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def main_agent(agent: Agent) -> int:
+    _stop_on_signals()
+    try:
+        return agent.run()
+    except KeyboardInterrupt:
+        return 130

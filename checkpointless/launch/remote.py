@@ -1,0 +1,347 @@
+"""The coordinator's side of a job on several hosts: one node agent per host (``node.py``), reached
+through the control store only.
+
+The coordinator never touches a process on another host. It sees each one through a
+``RemoteProcess`` (the ``ProcessHandle`` of ``control/membership.py``), whose state is what the
+process's agent last reported; a kill is an order to that agent, confirmed when the agent reports
+the exit. Per tick the coordinator reads one status key per host (one round trip for all hosts),
+never one per process.
+
+The protocol (every value sealed with the job's secret, ``control/keys.py``):
+
+1. The launcher publishes ``job/config`` and a hello under a plain key name (``keys.CLUSTER_HELLO``),
+   sealed: an agent with another secret finds it and stops at once ("wrong secret").
+2. Each agent takes a ticket (``agents/count``) and writes its hello (``agents/<i>``: host name,
+   address, processes per node, spare or not). The coordinator accepts as many worker and spare
+   hosts as the job has (``node/<host>/accept``: its node index) and refuses the rest in one line
+   (a second agent on one host, one too many).
+3. Orders go to ``node/<host>/order/<i>`` in sequence (spawn a process, kill one, stop all); the
+   agent carries them out and reports in ``node/<host>/status``: a sequence number, its processes
+   (alive, exit code, log tail, CPU seconds). A process exit is reported at once and rings the
+   coordinator's report bell.
+4. A host whose status has not moved for ``host_timeout`` is lost: every process on it is dead to
+   the coordinator (its ranks are replaced by a spare host's). Its agent gave up before that (its
+   lease is half as long), and stopped its processes: a partitioned host stops training first.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from checkpointless.config import JobConfig
+from checkpointless.control import keys
+from checkpointless.control.auth import SignedStore
+from checkpointless.control.vocab import Role
+from checkpointless.errors import JobFailed
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ClusterSpec:
+    """A job's hosts: ``nodes`` worker hosts and ``spare_nodes`` spare hosts, ``nproc_per_node``
+    processes each, one ``checkpointless agent`` per host."""
+
+    nodes: int
+    nproc_per_node: int
+    spare_nodes: int = 0
+    start_agents: Callable[[str], None] | None = None  # given the store's HOST:PORT (``cluster``)
+    join_timeout_s: float = 120.0  # every agent must have joined by then
+    log_dir_of: Callable[[str], Path] | None = None  # where a host's agent writes its processes' logs
+
+
+def host_timeout(job: JobConfig) -> float:
+    """How long a host's agent (and every process on it) may stay silent before the host is lost:
+    four times a process's hang timeout (2 s by default). An agent does little, but losing a host
+    costs all of its ranks, and a host whose cores its ranks keep busy starves it: on 2 cores with 9
+    processes its beats came up to 1 s apart while 6 of them imported torch."""
+    return 4 * job.recovery.hang_timeout_s
+
+
+def status_interval(job: JobConfig) -> float:
+    """How often an agent publishes its host's status (its heartbeat): five times per host timeout."""
+    return max(job.recovery.heartbeat_interval_s, host_timeout(job) / 5)
+
+
+@dataclass
+class _Host:
+    name: str
+    node: int  # its index: worker hosts 0..N-1 (rank order), spare hosts after them
+    addr: str
+    nproc: int
+    spare: bool
+    pid: int
+    seq: int = -1
+    heard: float = 0.0  # the coordinator's clock when the status last moved
+    lost: str = ""  # why the host is lost ("" while it lives)
+    orders: int = 0
+    status: dict[str, Any] = field(default_factory=dict)
+    raw: bytes = b""
+
+
+class RemoteProcess:
+    """A process on another host, as its agent last reported it (a ``ProcessHandle``)."""
+
+    def __init__(self, name: str, host: _Host, nodes: RemoteNodes) -> None:
+        self.name, self._host, self._nodes = name, host, nodes
+        self.host = host.name
+
+    @property
+    def pid(self) -> int:
+        """Its pid on its host (0 until its agent reported it)."""
+        report = self._report()
+        return int(report.get("pid") or 0) if report else 0
+
+    def _report(self) -> dict[str, Any] | None:
+        procs = self._host.status.get("procs", {})
+        report = procs.get(self.name)
+        return report if isinstance(report, dict) else None
+
+    def alive(self) -> bool:
+        if self._host.lost:
+            return False
+        report = self._report()
+        return report is None or bool(report.get("alive"))  # not reported yet: being started
+
+    def kill(self) -> None:
+        """A request: the agent kills it and reports the exit."""
+        if not self._host.lost:
+            self._nodes.order(self._host, {"op": "kill", "name": self.name})
+
+    def exitcode(self) -> int | None:
+        report = self._report()
+        if report is None or report.get("exit") is None:
+            return None
+        return int(report["exit"])
+
+    def log_tail(self) -> str:
+        if self._host.lost:
+            return f"host {self.host} lost: {self._host.lost}"
+        report = self._report()
+        return str(report.get("tail", "")) if report else ""
+
+    def cpu_seconds(self) -> float | None:
+        """The CPU time its agent last reported; None once that report is older than two of the
+        agent's beats (a busy process must not look idle because its agent's news is late)."""
+        report = self._report()
+        if self._host.lost or report is None or report.get("cpu") is None:
+            return None
+        if self._nodes.age(self._host) > 2 * self._nodes.beat_s:
+            return None
+        return float(report["cpu"])
+
+
+class RemoteNodes:
+    """The job's hosts, each with its agent: registration, orders, statuses, lost hosts."""
+
+    def __init__(
+        self,
+        store: SignedStore,
+        job: JobConfig,
+        *,
+        nodes: int,
+        nproc_per_node: int,
+        spare_nodes: int,
+        job_id: str,
+        emit: Callable[..., None],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if nodes * nproc_per_node != job.workers or spare_nodes * nproc_per_node != job.spares:
+            raise ValueError(
+                f"{nodes} node(s) x {nproc_per_node} process(es) and {spare_nodes} spare node(s) do not make "
+                f"{job.workers} worker(s) and {job.spares} spare(s)"
+            )
+        self.store, self.job, self.job_id = store, job, job_id
+        self.nodes, self.nproc, self.spare_nodes = nodes, nproc_per_node, spare_nodes
+        self._emit, self._clock = emit, clock
+        self.hosts: dict[str, _Host] = {}
+        self.children: dict[str, RemoteProcess] = {}
+        self._tickets = 0  # agents' hellos read so far
+        self._next_spare = 0
+        self.spares: list[str] = []
+        self._timeout = host_timeout(job)
+        self.beat_s = status_interval(job)
+        # when the coordinator last heard a process's own heartbeat (its clock): a host whose agent
+        # is slow but whose processes still beat is not lost
+        self.heard_from: Callable[[str], float] = lambda name: float("-inf")
+        self.is_worker: Callable[[str], bool] = lambda name: False  # a process holds a rank
+
+    # -- registration ----------------------------------------------------------------
+    def publish_job(self) -> None:
+        """What an agent reads first: the job's configuration and id."""
+        self.store.set(keys.JOB_CONFIG, json.dumps({"job": self.job.to_json(), "job_id": self.job_id}))
+
+    def accept(self, timeout_s: float, alive: Callable[[], None] | None = None) -> None:
+        """Wait until every worker and spare host has an agent; raise ``JobFailed`` after
+        ``timeout_s`` naming what is missing. ``alive`` is called between polls (the launcher's
+        own checks)."""
+        want = self.nodes + self.spare_nodes
+        deadline = time.monotonic() + timeout_s
+        while len(self.hosts) < want:
+            self._read_hellos()
+            if len(self.hosts) >= want:
+                break
+            if time.monotonic() > deadline:
+                have = ", ".join(sorted(self.hosts)) or "none"
+                raise JobFailed(
+                    f"only {len(self.hosts)} of {want} host agent(s) joined within {timeout_s:.0f}s "
+                    f"(joined: {have}): is `checkpointless agent` running on every host, with this job's "
+                    "coordinator address and secret?"
+                )
+            if alive is not None:
+                alive()
+            time.sleep(0.05)
+        # node indices: the worker hosts in the order they asked for (--node-rank, else arrival),
+        # then the spare hosts
+        now = self._clock()
+        workers = sorted((h for h in self.hosts.values() if not h.spare), key=lambda h: h.node)
+        spares = sorted((h for h in self.hosts.values() if h.spare), key=lambda h: h.node)
+        for i, h in enumerate(workers + spares):
+            h.node, h.heard = i, now
+            self.store.set(keys.node_accept(h.name, h.pid), json.dumps({"node": i}))
+
+    def _read_hellos(self) -> None:
+        count = self.store.add(keys.AGENTS_COUNT, 0)
+        while self._tickets < count:
+            i = self._tickets
+            text = self.store.get(keys.agent_hello(i))
+            if text is None:
+                return  # not written yet (or forged: the real one overwrites it)
+            self._tickets += 1
+            try:
+                d = json.loads(text)
+                host = _Host(
+                    name=str(d["host"]), node=int(d.get("node_rank", 10**6 + i)), addr=str(d["addr"]),
+                    nproc=int(d["nproc"]), spare=bool(d["spare"]), pid=int(d["pid"]),
+                )  # fmt: skip
+            except (ValueError, KeyError, TypeError) as e:
+                log.warning("ignored a malformed agent hello (%s)", e)
+                continue
+            error = self._refusal(host)
+            if error:
+                log.warning("refused the agent of %s: %s", host.name, error)
+                self.store.set(keys.node_accept(host.name, host.pid), json.dumps({"error": error}))
+                continue
+            self.hosts[host.name] = host
+
+    def _refusal(self, host: _Host) -> str:
+        """Why an agent cannot join ("" if it can)."""
+        if host.name in self.hosts:
+            other = self.hosts[host.name]
+            return f"host {host.name} already has an agent in this job (pid {other.pid} at {other.addr})"
+        if host.nproc != self.nproc:
+            return f"the job runs {self.nproc} process(es) per node, the agent of {host.name} offers {host.nproc}"
+        workers = sum(not h.spare for h in self.hosts.values())
+        spares = len(self.hosts) - workers
+        if host.spare and spares >= self.spare_nodes:
+            return f"the job has its {self.spare_nodes} spare node(s) already"
+        if not host.spare and workers >= self.nodes:
+            if spares < self.spare_nodes:
+                host.spare = True  # one worker host too many: it serves as a spare host
+                return ""
+            return f"the job has its {self.nodes} node(s) and {self.spare_nodes} spare node(s) already"
+        return ""
+
+    # -- processes --------------------------------------------------------------------
+    def start(self) -> tuple[list[RemoteProcess], list[RemoteProcess]]:
+        """Start every worker (host n: ranks n*P .. n*P+P-1) and every spare of the spare hosts."""
+        by_node = sorted(self.hosts.values(), key=lambda h: h.node)
+        workers = [self.spawn(f"w{h.node * self.nproc + k}", Role.WORKER, h)
+                   for h in by_node if not h.spare for k in range(self.nproc)]  # fmt: skip
+        spares = [self.spawn_spare_on(h) for h in by_node if h.spare for _ in range(self.nproc)]
+        return workers, spares
+
+    def spawn(self, name: str, role: str, host: _Host) -> RemoteProcess:
+        self.order(host, {"op": "spawn", "name": name, "role": str(role), "node": host.node})
+        proc = RemoteProcess(name, host, self)
+        self.children[name] = proc
+        return proc
+
+    def spawn_spare_on(self, host: _Host) -> RemoteProcess:
+        name = f"s{self._next_spare}"
+        self._next_spare += 1
+        self.spares.append(name)
+        return self.spawn(name, Role.SPARE, host)
+
+    def spawn_spare(self) -> RemoteProcess | None:
+        """A new spare on a spare host (a live host that runs no rank) with a free slot, the
+        fullest first (a spare host is taken whole when a host is lost); else nowhere (None: as
+        after a spare host took a lost host's ranks). A worker host keeps no spares: its lost
+        process is replaced by a spare host's."""
+
+        def procs(h: _Host) -> list[RemoteProcess]:
+            return [p for p in self.children.values() if p._host is h and p.alive()]
+
+        spare_hosts = [
+            h for h in self.hosts.values()
+            if not h.lost and not any(self.is_worker(p.name) for p in procs(h)) and len(procs(h)) < h.nproc
+        ]  # fmt: skip
+        spare_hosts.sort(key=lambda h: (h.nproc - len(procs(h)), h.node))
+        return self.spawn_spare_on(spare_hosts[0]) if spare_hosts else None
+
+    def order(self, host: _Host, order: dict[str, Any]) -> None:
+        self.store.set(keys.node_order(host.name, host.orders), json.dumps(order))
+        host.orders += 1
+
+    # -- statuses -----------------------------------------------------------------------
+    def age(self, host: _Host) -> float:
+        """Seconds since ``host``'s status last moved (the coordinator's clock)."""
+        return self._clock() - host.heard
+
+    def poll(self) -> None:
+        """Read every host's status in one round trip; declare silent hosts lost."""
+        now = self._clock()
+        live = [h for h in self.hosts.values() if not h.lost]
+        if not live:
+            return
+        names = [keys.node_status(h.name) for h in live]
+        present = [
+            h for h, k in zip(live, names, strict=True) if h.raw or self.store.raw.check([self.store.name(k)])
+        ]
+        raws = self.store.get_sealed_present([keys.node_status(h.name) for h in present])
+        for h, raw in zip(present, raws, strict=True):
+            if raw == h.raw:
+                continue
+            text = self.store.open(keys.node_status(h.name), raw)
+            if text is None:
+                continue
+            status = json.loads(text)
+            if int(status.get("seq", -1)) <= h.seq:
+                continue  # a replay of an older status must not hide a lost host
+            h.raw, h.status, h.seq, h.heard = raw, status, int(status["seq"]), now
+        for h in live:
+            beats = [self.heard_from(n) for n, p in self.children.items() if p._host is h]
+            silent = now - max([h.heard, *beats])
+            if silent > self._timeout:
+                h.lost = f"its agent was silent for {silent:.1f}s (host timeout {self._timeout:g}s)"
+                log.warning("host %s lost: %s", h.name, h.lost)
+                self._emit(host=h.name, node=h.node, silent_s=round(silent, 3))
+
+    def stop(self, timeout_s: float = 8.0) -> None:
+        """Order every live agent to stop its processes (politely, then by force) and wait until
+        each reports none alive, or ``timeout_s``."""
+        live = [h for h in self.hosts.values() if not h.lost]
+        for h in live:
+            try:
+                self.order(h, {"op": "stop"})
+            except (RuntimeError, OSError) as e:
+                log.warning("could not tell the agent of %s to stop (%s)", h.name, e)
+                return
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                self.poll()
+            except (RuntimeError, OSError):
+                return
+            if all(h.lost or h.status.get("stopped") for h in live):
+                return
+            time.sleep(0.05)
+        left = [h.name for h in live if not (h.lost or h.status.get("stopped"))]
+        if left:
+            log.warning("the agents of %s did not confirm their processes stopped", ", ".join(left))

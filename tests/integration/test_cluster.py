@@ -1,0 +1,136 @@
+"""Many hosts on one machine (``checkpointless cluster``): network namespaces, one agent each.
+
+A host is killed whole (its agent and every process, as a power loss) and a spare host takes its
+ranks; the result equals the fault-free run on one host bit for bit. Nothing is left behind: no
+namespace, no bridge, no process. Needs root (network namespaces); skipped otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
+
+CLI = [sys.executable, "-m", "checkpointless"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def _netns() -> set[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
+    return {line.split()[0] for line in out.splitlines() if line.strip() and line.startswith("cl")}
+
+
+def _bridges() -> set[str]:
+    out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True, timeout=30).stdout
+    return {line.split(":")[1].strip().split("@")[0] for line in out.splitlines() if ": clbr" in line}
+
+
+def _digest(stderr: str) -> str:
+    line = next(ln for ln in stderr.splitlines() if ln.startswith("final state sha256:"))
+    return line.split(":", 1)[1].strip()
+
+
+@pytest.mark.timeout(420)
+def test_a_lost_host_is_replaced_by_a_spare_host_bitwise(tmp_path: Path) -> None:
+    before = (_netns(), _bridges())
+    out = tmp_path / "cluster"
+    steps = ["--steps", "16", "--quiet", "--hang-timeout", "2"]
+    run = subprocess.run(
+        [*CLI, "cluster", "--nodes", "2", "--nproc-per-node", "2", "--spare-nodes", "1", "demo", *steps,
+         "--fault", "kill:node=1@step=6", "--out", str(out)],
+        capture_output=True, text=True, timeout=400, env=ENV,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    # the same training on one host, fault-free: a host's loss changes nothing, bit for bit
+    ref = subprocess.run(
+        [*CLI, "demo", "--workers", "4", "--spares", "0", "--fault", "none", *steps],
+        capture_output=True, text=True, timeout=300, env=ENV,
+    )  # fmt: skip
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    assert _digest(run.stderr) == _digest(ref.stderr) != "None"
+
+    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    joined = {e["host"]: e for e in events if e["kind"] == "host_joined"}
+    assert sorted(joined) == ["host0", "host1", "host2"] and joined["host2"]["spare"]
+    assert len({e["addr"] for e in joined.values()}) == 3  # each host its own address
+    lost = [e for e in events if e["kind"] == "host_lost"]
+    assert [e["host"] for e in lost] == ["host1"]
+    fired = [e for e in events if e["kind"] == "fault_injected"]
+    assert len(fired) == 1 and fired[0]["rank"] in (2, 3)
+    # both of the lost host's ranks went to the spare host's processes, in one generation
+    gens = [e for e in events if e["kind"] == "generation_started" and e["gen"] > 0]
+    assert len(gens) == 1 and set(gens[0]["replaced"]) == {"2", "3"}
+    assigned = {e["rank"]: e["target"] for e in events if e["kind"] == "spare_assigned"}
+    assert sorted(assigned) == [2, 3] and set(assigned.values()) == {"s0", "s1"}
+    assert (out / "logs" / "host2" / "s0.log").exists()  # the spare host's processes log on it
+    # each of them took its state from a replica on a host that lives
+    sources = {e["rank"]: e["src"] for e in events if e["kind"] == "transfer_begun"}
+    assert sorted(sources) == [2, 3] and set(sources.values()) <= {0, 1}
+    assert (_netns(), _bridges()) == before  # nothing left behind
+
+
+@pytest.mark.timeout(60)
+def test_cluster_refuses_bad_input_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    from checkpointless.launch.cli import main
+
+    cases = {
+        ("--nodes", "0"): "--nodes must be >= 1",
+        ("--nodes", "40", "--spare-nodes", "30"): "at most 64 hosts",
+        ("demo", "--fault", "kill:node=2@step=1"): "node 2 does not exist",
+        ("demo", "--workers", "3"): "--workers follows from --nodes",
+    }
+    before = (_netns(), _bridges())
+    for args, words in cases.items():
+        assert main(["cluster", *args]) == 2, args
+        err = capsys.readouterr().err
+        assert words in err and len(err.strip().splitlines()) == 1, (args, err)
+    assert (_netns(), _bridges()) == before
+
+
+@pytest.mark.timeout(60)
+def test_agent_refuses_bad_input_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from checkpointless.control.auth import new_secret, write_secret_file
+    from checkpointless.launch.cli import main
+
+    secret = tmp_path / "secret"
+    write_secret_file(secret, new_secret())
+    open_file = tmp_path / "open"
+    open_file.write_text(new_secret().hex())
+    open_file.chmod(0o644)
+    cases = {
+        ("--coordinator", "127.0.0.1:1", "--secret-file", str(secret), "--join-timeout", "1"):
+            "cannot reach the coordinator at 127.0.0.1:1",
+        ("--coordinator", "127.0.0.1:1", "--secret-file", str(open_file)): "readable by others",
+        ("--coordinator", "nowhere", "--secret-file", str(secret)): "expected HOST:PORT",
+        ("--coordinator", "127.0.0.1:1", "--secret-file", str(secret)): "give the training command after --",
+    }  # fmt: skip
+    for args, words in cases.items():
+        cmd = [] if "give the" in words else ["--", "true"]
+        assert main(["agent", "--nproc-per-node", "1", *args, *cmd]) == 2, args
+        err = capsys.readouterr().err
+        assert words in err and len(err.strip().splitlines()) == 1, (args, err)
+
+
+@pytest.mark.timeout(120)
+def test_an_agent_with_another_secret_is_told_so(tmp_path: Path) -> None:
+    """A coordinator's hello is sealed with the job's secret: an agent with another one stops at once."""
+    from checkpointless.control import keys
+    from checkpointless.control.auth import SignedStore, new_secret, write_secret_file
+    from checkpointless.launch.launcher import open_store
+
+    store = open_store("127.0.0.1", 0)
+    SignedStore(store, new_secret()).set(keys.CLUSTER_HELLO, "checkpointless")
+    secret = tmp_path / "secret"
+    write_secret_file(secret, new_secret())
+    r = subprocess.run(
+        [*CLI, "agent", "--coordinator", f"127.0.0.1:{store.port}", "--secret-file", str(secret),
+         "--nproc-per-node", "1", "--join-timeout", "20", "--", "true"],
+        capture_output=True, text=True, timeout=60, env=ENV,
+    )  # fmt: skip
+    assert r.returncode == 2 and "has another secret" in r.stderr, r.stderr

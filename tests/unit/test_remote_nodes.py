@@ -1,0 +1,119 @@
+"""The coordinator's side of the hosts' agents (launch/remote.py), on an in-memory store: who may
+join, where spares go, when a silent host is lost."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch.distributed as dist
+
+from checkpointless.config import JobConfig
+from checkpointless.control import keys
+from checkpointless.control.auth import SignedStore, new_secret
+from checkpointless.launch.remote import RemoteNodes, host_timeout
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def _nodes(
+    nodes: int = 2, nproc: int = 2, spare_nodes: int = 1
+) -> tuple[RemoteNodes, SignedStore, Clock, list]:
+    store = SignedStore(dist.HashStore(), new_secret())
+    job = JobConfig(workers=nodes * nproc, spares=spare_nodes * nproc)
+    clock, lost = Clock(), []
+    r = RemoteNodes(store, job, nodes=nodes, nproc_per_node=nproc, spare_nodes=spare_nodes, job_id="j",
+                    emit=lambda **f: lost.append(f), clock=clock)  # fmt: skip
+    return r, store, clock, lost
+
+
+def _hello(store: SignedStore, host: str, pid: int, *, spare: bool = False, nproc: int = 2) -> None:
+    i = store.add(keys.AGENTS_COUNT, 1) - 1
+    store.set(keys.agent_hello(i), json.dumps({"host": host, "addr": f"10.0.0.{pid}", "nproc": nproc,
+                                               "spare": spare, "pid": pid}))  # fmt: skip
+
+
+def test_agents_join_and_the_wrong_ones_are_refused_in_one_line() -> None:
+    r, store, _, _ = _nodes()
+    _hello(store, "a", 1)
+    _hello(store, "a", 2)  # a second agent claiming host a
+    _hello(store, "b", 3, nproc=3)  # offers the wrong number of processes
+    _hello(store, "b", 4)
+    _hello(store, "c", 5, spare=True)
+    r.accept(timeout_s=1)
+    assert sorted(r.hosts) == ["a", "b", "c"]
+    assert "already has an agent" in json.loads(store.get(keys.node_accept("a", 2)) or "{}")["error"]
+    assert "offers 3" in json.loads(store.get(keys.node_accept("b", 3)) or "{}")["error"]
+    assert [json.loads(store.get(keys.node_accept(h, p)) or "{}")["node"] for h, p in
+            (("a", 1), ("b", 4), ("c", 5))] == [0, 1, 2]  # fmt: skip
+    workers, spares = r.start()
+    assert [w.name for w in workers] == ["w0", "w1", "w2", "w3"] and [w.host for w in workers] == [
+        "a",
+        "a",
+        "b",
+        "b",
+    ]
+    assert [s.host for s in spares] == ["c", "c"]
+    orders = [json.loads(store.get(keys.node_order("c", i)) or "{}") for i in range(2)]
+    assert [o["op"] for o in orders] == ["spawn", "spawn"] and {o["role"] for o in orders} == {"spare"}
+
+
+def test_too_few_agents_is_a_clear_job_error() -> None:
+    from checkpointless.errors import JobFailed
+
+    r, store, _, _ = _nodes()
+    _hello(store, "a", 1)
+    with pytest.raises(JobFailed, match="only 1 of 3 host agent"):
+        r.accept(timeout_s=0.2)
+
+
+def test_a_silent_host_is_lost_and_its_processes_are_dead() -> None:
+    r, store, clock, lost = _nodes()
+    for h, p, spare in (("a", 1, False), ("b", 2, False), ("c", 3, True)):
+        _hello(store, h, p, spare=spare)
+    r.accept(timeout_s=1)
+    workers, _ = r.start()
+
+    def status(host: str, seq: int, procs: dict) -> None:
+        store.set(keys.node_status(host), json.dumps({"seq": seq, "procs": procs}))
+
+    alive = {"alive": True, "cpu": 1.0, "pid": 7}
+    for seq in range(4):
+        clock.t += host_timeout(r.job) / 2
+        for h, names in (("a", ["w0", "w1"]), ("b", ["w2", "w3"]), ("c", ["s0", "s1"])):
+            if h != "b" or seq == 0:  # host b falls silent after its first status
+                status(h, seq, {n: alive for n in names})
+        r.poll()
+    assert [f["host"] for f in lost] == ["b"]
+    assert [w.alive() for w in workers] == [True, True, False, False]
+    assert "host b lost" in workers[2].log_tail()
+    # a replayed old status does not bring it back, nor hide a live host's news
+    assert workers[0].cpu_seconds() == 1.0 and workers[2].cpu_seconds() is None
+
+
+def test_spares_are_refilled_on_spare_hosts_only() -> None:
+    r, store, _, _ = _nodes()
+    for h, p, spare in (("a", 1, False), ("b", 2, False), ("c", 3, True)):
+        _hello(store, h, p, spare=spare)
+    r.accept(timeout_s=1)
+    workers, _ = r.start()
+    roles = {w.name: True for w in workers}
+    r.is_worker = lambda n: roles.get(n, False)
+    # a worker of host a died: host a keeps no spare; host c is full
+    store.set(keys.node_status("a"), json.dumps({"seq": 1, "procs": {"w0": {"alive": False, "exit": -9}}}))
+    r.poll()
+    assert r.spawn_spare() is None
+    # a spare of host c took the rank: host c now runs a rank, so it is no spare host either
+    roles["s0"] = True
+    store.set(keys.node_status("c"), json.dumps({"seq": 1, "procs": {"s1": {"alive": False, "exit": 1}}}))
+    r.poll()
+    assert r.spawn_spare() is None
+    roles["s0"] = False  # (had it stayed a spare) the freed slot on the spare host is refilled
+    new = r.spawn_spare()
+    assert new is not None and new.host == "c"
