@@ -52,7 +52,9 @@ class RecoveryConfig:
     run out before the coordinator declares the silent process dead, with a margin:
     ``2 * heartbeat_interval_s <= heartbeat_lease_s`` and
     ``heartbeat_lease_s + heartbeat_interval_s <= 0.75 * hang_timeout_s``.
-    None (the default): ``LEASE_FRACTION`` (0.5) of ``hang_timeout_s``, see ``lease_s``."""
+    None (the default): ``LEASE_FRACTION`` (0.5) of ``hang_timeout_s``, see ``lease_s``. A store
+    that is only late (its launcher not scheduled: it still accepts a new connection) is waited
+    for, up to 40 leases (``control/client.py``)."""
     collective_timeout_s: float = 60.0
     """Backstop for any single collective or group formation (normally never reached)."""
     plan_timeout_s: float = 120.0

@@ -1,5 +1,6 @@
 """A TCP proxy whose link a test can cut (connections reset, new ones refused) or freeze (bytes
-held, no error: a partition), then restore. Threads in the test process; ``close`` ends them."""
+held, no error, and no new connection: a partition), then restore. Threads in the test process;
+``close`` ends them."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ class CutProxy:
 
     def __init__(self, target: tuple[str, int]) -> None:
         self.target = target
-        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener: socket.socket | None = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
         self._lock = threading.Lock()
         self._pairs: list[tuple[socket.socket, socket.socket]] = []
@@ -38,31 +39,45 @@ class CutProxy:
                 _reset(s)
 
     def freeze(self) -> None:
-        """Stop forwarding: connections stay open, requests get no answer (until ``restore``)."""
+        """Stop forwarding: connections stay open, requests get no answer, and nothing new
+        connects (the listener closes: a partition lets no handshake through) until ``restore``."""
         self._up.clear()
+        with self._lock:
+            listener, self._listener = self._listener, None
+        if listener is not None:
+            listener.close()
 
     def restore(self) -> None:
         with self._lock:
             self._refusing = False
+            if self._listener is None:
+                self._listener = socket.create_server(("127.0.0.1", self.port))
         self._up.set()
 
     def close(self) -> None:
         self._closed = True
         self.cut()
         self._up.set()
-        self._listener.close()
+        with self._lock:
+            listener, self._listener = self._listener, None
+        if listener is not None:
+            listener.close()
         for t in self._threads:
             t.join(timeout=5)
 
     def _accept(self) -> None:
         while not self._closed:
+            listener = self._listener
+            if listener is None:  # frozen: no listener until ``restore``
+                select.select([], [], [], 0.05)
+                continue
             try:
-                ready, _, _ = select.select([self._listener], [], [], 0.05)
+                ready, _, _ = select.select([listener], [], [], 0.05)
                 if not ready:
                     continue
-                conn, _ = self._listener.accept()
-            except OSError:
-                return
+                conn, _ = listener.accept()
+            except (OSError, ValueError):
+                continue  # closed by ``freeze`` or ``close`` meanwhile
             with self._lock:
                 refusing = self._refusing
             if refusing:

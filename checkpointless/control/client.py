@@ -49,6 +49,7 @@ def connect(addr: str, timeout: timedelta) -> TCPStore:
     return TCPStore(host, int(port), is_master=False, timeout=timeout, wait_for_workers=False)
 
 
+_SLOW_STORE_CAP = 40  # leases of silence a slow but live store is waited for
 _DIAL_S = 0.5  # one attempt to reconnect; c10d's own back-off between tries can reach a second
 
 
@@ -329,13 +330,29 @@ class ControlClient:
             silent = now - self._last_ack
             sent = self._in_flight
             stuck = self._broken or (sent is not None and now - sent > self._lease / 4)
-            if silent > self._lease and stuck:
+            if silent > self._lease and stuck and not self._store_alive(silent):
                 sys.stderr.write(
                     f"{self.proc}: no answer from the control store at {self.addr} for {silent:.1f}s "
                     f"(lease {self._lease:g}s): exiting\n"
                 )
                 sys.stderr.flush()
                 os._exit(3)
+
+    def _store_alive(self, silent: float) -> bool:
+        """Whether a store that has not answered for a lease is only slow: its listening socket still
+        accepts a connection (the kernel accepts for a live process even while it is not scheduled:
+        a launcher starved of CPU, or stopped), so the network to it works and the coordinator,
+        which lives in that same process, is as late as its store. A dead launcher refuses, a
+        partition times out: exit as before. Bounded: after ``_SLOW_STORE_CAP`` leases of silence
+        the process gives up anyway."""
+        if silent > _SLOW_STORE_CAP * self._lease:
+            return False
+        host, port = self.addr.rsplit(":", 1)
+        try:
+            with socket.create_connection((host.strip("[]"), int(port)), timeout=self._lease / 2):
+                return True
+        except OSError:
+            return False
 
     def close(self) -> None:
         self._stop.set()

@@ -152,6 +152,24 @@ def test_silent_heartbeat_is_killed_exactly_once(silent: str, rank: int | None, 
     assert job.store.get(keys.abort(0)) is None and job.plan(1) is None
 
 
+def test_the_coordinators_own_stall_is_not_the_processes_silence() -> None:
+    """The launcher was not scheduled for longer than the hang timeout (a loaded host): at its first
+    read after the stall no heartbeat of that time has arrived yet, for any process. No process is
+    killed for the coordinator's own stall; one that stays silent after it still is, that much later."""
+    job = Job(workers=4)
+    job.steady()
+    hang = job.config.recovery.hang_timeout_s
+    job.beating.discard("w3")  # w3 really stops beating, just before the stall
+    last_w3 = job.clock.now
+    job.clock.advance(1.5 * hang)  # the coordinator (and its store) did not run
+    job.coord.tick()  # its first read: nothing new from anyone yet
+    assert job.faults() == [] and job.kills() == {}
+    while not job.faults():
+        job.tick()
+    assert job.faults() == [("heartbeat_timeout", "w3")]
+    assert job.clock.now >= last_w3 + hang + 1.5 * hang  # its silence minus the stall reached the timeout
+
+
 @pytest.mark.parametrize("cpu_per_tick", [0.0, 0.02])
 def test_silent_and_idle_is_hung_at_the_timeout(cpu_per_tick: float) -> None:
     """A process the coordinator can see: silent and not using CPU (stopped; blocked, with a

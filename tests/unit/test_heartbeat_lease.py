@@ -198,3 +198,42 @@ def test_lease_timing_rule_is_validated() -> None:
             RecoveryConfig(**bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="heartbeat_lease_s must be a positive"):
         RecoveryConfig(heartbeat_lease_s=float("nan"))
+
+
+_STORE_PROCESS = """
+import time
+from datetime import timedelta
+from torch.distributed import TCPStore
+s = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+print(s.port, flush=True)
+time.sleep(80)
+"""
+
+
+def test_a_store_whose_process_is_stalled_past_the_lease_does_not_end_the_worker() -> None:
+    """The launcher not scheduled (a loaded host), here stopped outright for twice the lease: its
+    store answers nothing, but its kernel still accepts a connection, so the worker waits for it
+    rather than give up its rank (every worker would at once: the job lost). Once the store is
+    killed, the worker exits as before."""
+    import signal
+
+    server = subprocess.Popen([sys.executable, "-c", _STORE_PROCESS], stdout=subprocess.PIPE, text=True)
+    child = None
+    try:
+        assert server.stdout is not None
+        port = int(server.stdout.readline())
+        child = Child(f"127.0.0.1:{port}")
+        time.sleep(0.5)
+        os.kill(server.pid, signal.SIGSTOP)
+        time.sleep(2 * LEASE)
+        os.kill(server.pid, signal.SIGCONT)
+        time.sleep(LEASE)
+        assert child.popen.poll() is None, f"exit code {child.popen.poll()}: {child.stderr()}"
+        assert child.ask("pub probe") == "ok probe"
+        server.kill()
+        assert child.popen.wait(timeout=LEASE + 10) == 3, child.stderr()
+    finally:
+        if child is not None:
+            child.close()
+        server.kill()
+        server.wait(timeout=10)
