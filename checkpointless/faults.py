@@ -12,6 +12,10 @@ Grammar of a spec (``--fault`` on the command line)::
     KIND:rank=R1,R2@step=S      several ranks at the same step
     kill:node=N@step=S          SIGKILL host N's agent and every process of that host at once, inside
                                 step S (a power loss; ``checkpointless cluster`` and multi-host jobs)
+    partition:node=N@step=S[,for=T]
+                                cut host N off the network inside step S, its processes alive (its
+                                interface down, as root in its network namespace), for T seconds or
+                                for good; the host must fence itself (multi-host jobs)
     KIND:rank=R@check=S         KIND in kill | hang: at the replicas' consistency check before
                                 step S, just before the digests are exchanged (the peers wait in
                                 that collective); S is 1 or a multiple of recovery.consistency_every
@@ -56,7 +60,9 @@ _RECOVERY_SPECS = {
 _SPEC = re.compile(
     r"^(?P<kind>[a-z]+):rank=(?P<ranks>\d+(?:,\d+)*)@(?P<at>step|check|digests)=(?P<step>\d+)$"
 )
-_NODE_SPEC = re.compile(r"^kill:node=(?P<node>\d+)@step=(?P<step>\d+)$")
+_NODE_SPEC = re.compile(
+    r"^(?P<kind>kill|partition):node=(?P<node>\d+)@step=(?P<step>\d+)(?:,for=(?P<for>\d+(?:\.\d+)?))?$"
+)
 _CHECK_KINDS = ("kill", "hang")  # what can strike at a consistency check
 _PER_RANK = ("step", "check", "digests")  # moments that name their ranks (the rest are moments of a recovery)
 
@@ -76,12 +82,14 @@ class FaultSpec:
     step: int | None
     at: str = "step"  # "step", "check", or a moment of recovery: "recovery", "join", "source"
     node: int | None = None  # a host fault: every process of host ``node`` (``ranks`` empty)
+    duration: float | None = None  # a partition's length in seconds (None: for good)
 
     def __str__(self) -> str:
         if self.at in _RECOVERY_SPECS:
             return _RECOVERY_SPECS[self.at]
         if self.node is not None:
-            return f"{self.kind}:node={self.node}@{self.at}={self.step}"
+            cut = f",for={self.duration:g}" if self.duration is not None else ""
+            return f"{self.kind}:node={self.node}@{self.at}={self.step}{cut}"
         return f"{self.kind}:rank={','.join(map(str, self.ranks))}@{self.at}={self.step}"
 
     def to_json(self) -> dict[str, object]:
@@ -91,6 +99,7 @@ class FaultSpec:
             "step": self.step,
             "at": self.at,
             "node": self.node,
+            "duration": self.duration,
         }
 
     @staticmethod
@@ -104,6 +113,7 @@ class FaultSpec:
             step=None if step is None else int(str(step)),
             at=str(d.get("at", "step")),
             node=None if d.get("node") is None else int(str(d["node"])),
+            duration=None if d.get("duration") is None else float(str(d["duration"])),
         )
 
 
@@ -116,9 +126,14 @@ def parse_fault(spec: str) -> FaultSpec:
     kind = text.split(":", 1)[0]
     node = _NODE_SPEC.match(text)
     if node is not None:
-        return FaultSpec(kind="kill", ranks=(), step=int(node["step"]), node=int(node["node"]))
-    if text.split(":", 1)[-1].startswith("node="):
-        raise ValueError(f"cannot parse fault {spec!r}: a host fault is kill:node=N@step=S")
+        if node["for"] is not None and node["kind"] != "partition":
+            raise ValueError(f"fault {spec!r}: only a partition lasts for a time (,for=T)")
+        return FaultSpec(kind=node["kind"], ranks=(), step=int(node["step"]), node=int(node["node"]),
+                         duration=None if node["for"] is None else float(node["for"]))  # fmt: skip
+    if text.split(":", 1)[-1].startswith("node=") or kind == "partition":
+        raise ValueError(
+            f"cannot parse fault {spec!r}: a host fault is kill:node=N@step=S or partition:node=N@step=S[,for=T]"
+        )
     if kind not in KINDS:
         raise ValueError(f"unknown fault kind {kind!r} in {spec!r} (expected one of {', '.join(KINDS)})")
     m = _SPEC.match(text)
@@ -288,6 +303,9 @@ class FaultInjector:
             return
         if on_fire is not None:
             on_fire(index, fault, rank, step)
+        if fault.kind == "partition":
+            _cut_host_off(fault.duration)
+            return  # this process lives on, cut off: its lease and its host's fence end it
         if fault.node is not None and self._agent_pid > 0:
             # the host's agent first: every other process of the host dies with it (the agent
             # starts them with PR_SET_PDEATHSIG), then this one, as a power loss takes them all
@@ -337,6 +355,24 @@ class FaultInjector:
         for i, f in self._faults:
             if f.at == at:
                 self._fire(i, f, on_fire, rank, step)
+
+
+def _cut_host_off(duration: float | None) -> None:
+    """Take this host's interface (``GLOO_SOCKET_IFNAME``, which its agent set) down, and up again
+    after ``duration`` seconds, from a process of its own (this one will not outlive the cut)."""
+    import shutil
+    import subprocess
+
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME", "")
+    if not ifname or ifname == "lo" or shutil.which("ip") is None:
+        raise InjectedFault(
+            "a partition fault needs a host of its own (checkpointless cluster, or an agent's --addr)"
+        )
+    script = f"ip link set {ifname} down"
+    if duration is not None:
+        script += f"; sleep {duration:g}; ip link set {ifname} up"
+    subprocess.Popen(["sh", "-c", script], start_new_session=True, stdin=subprocess.DEVNULL,
+                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
 
 
 class _OnFire(Protocol):

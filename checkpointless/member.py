@@ -335,6 +335,7 @@ class Member(ReplicaConsistency):
         # what torchrun sets, once the rank is known (LOCAL_RANK comes from the launcher: the slot)
         here = plan.hosts.get(rank)
         on_host = sum(1 for h in plan.hosts.values() if h == here) if here else plan.world_size
+        self._host_ranks = sorted(r for r, h in plan.hosts.items() if h == here) if here else [rank]
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(plan.world_size), LOCAL_WORLD_SIZE=str(on_host))
         client.update(rank=rank, gen=plan.gen, phase=Phase.JOINING)
         self._lineages = {}

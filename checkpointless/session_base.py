@@ -125,6 +125,7 @@ class SessionBase:
         self._agreed: list[str] | None = None  # the trainable set the ranks last agreed on
         self._lineage = own_lineage(0, 0)  # whose computation this rank's state descends from
         self._lineages: dict[int, int] = {}  # every member's, as last exchanged in a recovery
+        self._host_ranks: list[int] = []  # the ranks on this process's host (a host fault hits them all)
         self._stop_checked = 0.0  # when ``steps`` last looked for the job's stop
         self._buffers = BufferSync(torch.nn.Module())
         self._committed = -1
@@ -230,5 +231,6 @@ class SessionBase:
         assert self._client is not None
         self._client.emit(
             Event.FAULT_INJECTED, sync=True, rank=rank, gen=self.generation, step=step, index=index,
-            fault=fault.kind, ranks=list(fault.ranks) or [rank], target=fault.at,
+            fault=fault.kind, ranks=list(fault.ranks) or (self._host_ranks if fault.node is not None else [rank]),
+            target=fault.at, node=fault.node,
         )  # fmt: skip

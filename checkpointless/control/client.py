@@ -49,7 +49,21 @@ def connect(addr: str, timeout: timedelta) -> TCPStore:
     return TCPStore(host, int(port), is_master=False, timeout=timeout, wait_for_workers=False)
 
 
-_SLOW_STORE_CAP = 40  # leases of silence a slow but live store is waited for
+SLOW_STORE_CAP = 40  # leases of silence a slow but live store is waited for
+
+
+def store_accepts(addr: str, timeout: float) -> bool:
+    """Whether the store at ``addr`` (``host:port``) accepts a TCP connection within ``timeout``:
+    its host is reachable and its process alive, even if not scheduled (the kernel accepts for it).
+    A dead process refuses; a partition lets no handshake through (or has no route)."""
+    host, port = addr.rsplit(":", 1)
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
 _DIAL_S = 0.5  # one attempt to reconnect; c10d's own back-off between tries can reach a second
 
 
@@ -345,14 +359,7 @@ class ControlClient:
         which lives in that same process, is as late as its store. A dead launcher refuses, a
         partition times out: exit as before. Bounded: after ``_SLOW_STORE_CAP`` leases of silence
         the process gives up anyway."""
-        if silent > _SLOW_STORE_CAP * self._lease:
-            return False
-        host, port = self.addr.rsplit(":", 1)
-        try:
-            with socket.create_connection((host.strip("[]"), int(port)), timeout=self._lease / 2):
-                return True
-        except OSError:
-            return False
+        return silent <= SLOW_STORE_CAP * self._lease and store_accepts(self.addr, self._lease / 2)
 
     def close(self) -> None:
         self._stop.set()

@@ -30,7 +30,7 @@ from typing import Any
 from checkpointless.config import JobConfig
 from checkpointless.control import keys
 from checkpointless.control.auth import SignedStore, job_namespace
-from checkpointless.control.client import redial
+from checkpointless.control.client import SLOW_STORE_CAP, redial, store_accepts
 from checkpointless.control.env import ENV_AGENT_PID, ENV_HOST_ADDR, ENV_NODE
 from checkpointless.errors import LaunchError
 from checkpointless.launch.agent import NodeAgent, _Wakeups
@@ -221,7 +221,10 @@ class Agent:
                     return 0
             except (RuntimeError, OSError) as e:
                 silent = time.monotonic() - last_ok
-                if silent > self._lease_s:
+                if silent > self._lease_s and not (
+                    silent <= SLOW_STORE_CAP * self._lease_s
+                    and store_accepts(self.coordinator, self._lease_s / 2)
+                ):  # a store that still accepts connections is late, not gone (client.py)
                     self._fence(silent)
                 with contextlib.suppress(RuntimeError, OSError):
                     log.debug("agent %s: status not sent (%s); reconnecting", self.host, e)

@@ -394,11 +394,14 @@ def derive_faults(events: list[dict[str, Any]]) -> list[Fault]:
     for gkey, firings in groups.items():
         claimed: list[_Incident] = []
         for t_inj, firing in firings:
-            for inc in incidents:  # time order: the first detection of that process after the firing
-                if _matches(firing, inc, t_inj):
-                    inc.claimed = True
-                    claimed.append(inc)
-                    break
+            # a host fault hits every rank of its host: the first detection of each after the firing
+            each = [dict(firing, rank=r, proc=None) for r in firing.get("ranks") or []]
+            for one in each if firing.get("node") is not None else [firing]:
+                for inc in incidents:  # time order: the first detection of that process after the firing
+                    if _matches(one, inc, t_inj):
+                        inc.claimed = True
+                        claimed.append(inc)
+                        break
         ident = f"injected {gkey[1]}" if gkey[0] == "index" else f"injected at {firings[0][0]!r}"
         raw.append((firings[0][0], firings, claimed, [ident] + [i.key for i in claimed]))
 

@@ -36,33 +36,46 @@ def _digest(stderr: str) -> str:
     return line.split(":", 1)[1].strip()
 
 
-@pytest.mark.timeout(420)
-def test_a_lost_host_is_replaced_by_a_spare_host_bitwise(tmp_path: Path) -> None:
-    before = (_netns(), _bridges())
-    out = tmp_path / "cluster"
-    steps = ["--steps", "16", "--quiet", "--hang-timeout", "2"]
-    run = subprocess.run(
-        [*CLI, "cluster", "--nodes", "2", "--nproc-per-node", "2", "--spare-nodes", "1", "demo", *steps,
-         "--fault", "kill:node=1@step=6", "--out", str(out)],
-        capture_output=True, text=True, timeout=400, env=ENV,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr[-3000:]
-    # the same training on one host, fault-free: a host's loss changes nothing, bit for bit
+STEPS = ["--steps", "16", "--quiet", "--hang-timeout", "2"]
+
+
+@pytest.fixture(scope="module")
+def reference() -> str:
+    """The same training on one host, fault-free: the digest every cluster run must end with."""
     ref = subprocess.run(
-        [*CLI, "demo", "--workers", "4", "--spares", "0", "--fault", "none", *steps],
+        [*CLI, "demo", "--workers", "4", "--spares", "0", "--fault", "none", *STEPS],
         capture_output=True, text=True, timeout=300, env=ENV,
     )  # fmt: skip
     assert ref.returncode == 0, ref.stderr[-3000:]
-    assert _digest(run.stderr) == _digest(ref.stderr) != "None"
+    return _digest(ref.stderr)
 
-    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+
+def _cluster(out: Path, fault: str) -> list[dict]:
+    before = (_netns(), _bridges())
+    run = subprocess.run(
+        [*CLI, "cluster", "--nodes", "2", "--nproc-per-node", "2", "--spare-nodes", "1", "demo", *STEPS,
+         "--fault", fault, "--out", str(out)],
+        capture_output=True, text=True, timeout=400, env=ENV,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert (_netns(), _bridges()) == before  # nothing left behind
+    report = json.loads((out / "report.json").read_text())
+    assert report["final_state_sha256"] == _digest(run.stderr)
+    return [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.timeout(600)
+def test_a_lost_host_is_replaced_by_a_spare_host_bitwise(tmp_path: Path, reference: str) -> None:
+    out = tmp_path / "cluster"
+    events = _cluster(out, "kill:node=1@step=6")
+    assert json.loads((out / "report.json").read_text())["final_state_sha256"] == reference != "None"
     joined = {e["host"]: e for e in events if e["kind"] == "host_joined"}
     assert sorted(joined) == ["host0", "host1", "host2"] and joined["host2"]["spare"]
     assert len({e["addr"] for e in joined.values()}) == 3  # each host its own address
     lost = [e for e in events if e["kind"] == "host_lost"]
     assert [e["host"] for e in lost] == ["host1"]
     fired = [e for e in events if e["kind"] == "fault_injected"]
-    assert len(fired) == 1 and fired[0]["rank"] in (2, 3)
+    assert len(fired) == 1 and fired[0]["rank"] in (2, 3) and fired[0]["ranks"] == [2, 3]
     # both of the lost host's ranks went to the spare host's processes, in one generation
     gens = [e for e in events if e["kind"] == "generation_started" and e["gen"] > 0]
     assert len(gens) == 1 and set(gens[0]["replaced"]) == {"2", "3"}
@@ -72,7 +85,40 @@ def test_a_lost_host_is_replaced_by_a_spare_host_bitwise(tmp_path: Path) -> None
     # each of them took its state from a replica on a host that lives
     sources = {e["rank"]: e["src"] for e in events if e["kind"] == "transfer_begun"}
     assert sorted(sources) == [2, 3] and set(sources.values()) <= {0, 1}
-    assert (_netns(), _bridges()) == before  # nothing left behind
+    # one fault in the report, covering both ranks of the host
+    faults = json.loads((out / "report.json").read_text())["faults"]
+    assert [(f["kind"], f["injected"], f["ranks"]) for f in faults] == [("kill", True, [2, 3])]
+
+
+@pytest.mark.timeout(600)
+def test_a_partitioned_host_fences_itself_and_nothing_of_it_is_accepted(
+    tmp_path: Path, reference: str
+) -> None:
+    """Host 1 cut off the network inside step 6 for 3 s, its processes alive: they stop by their
+    lease (exit 3) before the coordinator gives their ranks to the spare host; none of them
+    commits a step or writes anything accepted after the cut, also once the link is back; the
+    final state equals the fault-free run."""
+    out = tmp_path / "cluster"
+    events = _cluster(out, "partition:node=1@step=6,for=3")
+    assert json.loads((out / "report.json").read_text())["final_state_sha256"] == reference != "None"
+    fired = [e for e in events if e["kind"] == "fault_injected"]
+    assert len(fired) == 1 and fired[0]["fault"] == "partition" and fired[0]["ranks"] == [2, 3]
+    t_cut = fired[0]["t"]
+    exits = {
+        e["target"]: e["exitcode"]
+        for e in events
+        if e["kind"] == "process_exited" and e["target"] in ("w2", "w3")
+    }
+    assert exits == {"w2": 3, "w3": 3}  # each gave up its rank on its own lease
+    stale = [e for e in events if e.get("proc") in ("w2", "w3") and e["t"] > t_cut + 0.5]
+    assert stale == [], stale  # 0 stale commits, 0 accepted writes of the cut-off processes
+    assert not [
+        e for e in events if e["kind"] == "step_committed" and e["proc"] in ("w2", "w3") and e["step"] >= 6
+    ]
+    replaced = [e for e in events if e["kind"] == "generation_started" and e["gen"] > 0]
+    assert len(replaced) == 1 and set(replaced[0]["replaced"]) == {"2", "3"}
+    logs = out / "logs" / "host1"
+    assert "no answer from the control store" in (logs / "w2.log").read_text()
 
 
 @pytest.mark.timeout(60)

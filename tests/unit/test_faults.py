@@ -103,3 +103,32 @@ def test_a_recovery_fault_fires_in_one_recovery_only() -> None:
         except Exception:
             pass
     assert fired == [(1, 1)]
+
+
+def test_host_faults_parse_round_trip_and_name_their_problems() -> None:
+    kill = parse_fault("kill:node=1@step=6")
+    cut = parse_fault("partition:node=0@step=3,for=2.5")
+    forever = parse_fault("partition:node=2@step=1")
+    assert (kill.kind, kill.node, kill.step, kill.ranks, kill.duration) == ("kill", 1, 6, (), None)
+    assert (cut.kind, cut.node, cut.duration) == ("partition", 0, 2.5) and forever.duration is None
+    for f in (kill, cut, forever):
+        assert FaultSpec.from_json(f.to_json()) == f and parse_fault(str(f)) == f
+    for bad, words in (
+        ("kill:node=1@step=6,for=3", "only a partition lasts"),
+        ("partition:rank=1@step=2", "a host fault is"),
+        ("hang:node=1@step=2", "a host fault is"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            parse_fault(bad)
+
+
+def test_host_faults_are_checked_against_the_hosts() -> None:
+    two_hosts = {"workers": 4, "spares": 2, "steps": 10, "nodes": 2, "nproc_per_node": 2}
+    validate_schedule(parse_faults(["kill:node=1@step=3"]), **two_hosts)
+    validate_schedule(parse_faults(["partition:node=0@step=3,for=1"]), **two_hosts)
+    with pytest.raises(ValueError, match="node 2 does not exist"):
+        validate_schedule(parse_faults(["kill:node=2@step=3"]), **two_hosts)
+    with pytest.raises(ValueError, match="needs a job on several hosts"):
+        validate_schedule(parse_faults(["kill:node=0@step=3"]), workers=4, spares=2, steps=10)
+    with pytest.raises(ValueError, match="only 1 spare"):  # a host's 2 ranks need 2 spares
+        validate_schedule(parse_faults(["kill:node=0@step=3"]), **{**two_hosts, "spares": 1})
