@@ -484,6 +484,7 @@ commands:
   launch    run your own script that uses checkpointless.Session: checkpointless launch [options] -- python train.py
   run       train what a YAML recipe says (Llama, GPT-OSS), fault tolerant
   cluster   try many hosts on this machine (network namespaces, root): cluster --nodes N [demo|launch|run] ...
+  coordinator  the control plane of a job on several machines: coordinator --nodes N --nproc-per-node P --secret-file F
   agent     one host of a job on several machines: agent --coordinator HOST:PORT --secret-file F -- CMD
   report    a finished run's timeline plot and summary, from its --out directory
   simulate  goodput of checkpoint-restart against checkpointless at cluster scale"""
@@ -502,17 +503,17 @@ def main(argv: list[str] | None = None) -> int:
             from checkpointless.observe.plot import main as report_main
 
             return report_main(rest)
-        if cmd in ("cluster", "agent"):
-            from checkpointless.launch.cluster import cmd_agent, cmd_cluster
+        if cmd in ("cluster", "agent", "coordinator"):
+            from checkpointless.launch.cluster import cmd_agent, cmd_cluster, cmd_coordinator
 
-            return (cmd_cluster if cmd == "cluster" else cmd_agent)(rest)
+            return {"cluster": cmd_cluster, "agent": cmd_agent, "coordinator": cmd_coordinator}[cmd](rest)
         if cmd == "simulate":
             from checkpointless.analysis.simulate import main as simulate_main
 
             return simulate_main(rest)
         if cmd not in commands:
             raise UsageError(
-                f"unknown command {cmd!r} (expected one of demo, launch, run, cluster, agent, report, simulate)"
+                f"unknown command {cmd!r} (expected one of demo, launch, run, cluster, coordinator, agent, report, simulate)"
             )
         return commands[cmd](rest)
     except UserInputError as e:  # UsageError, LaunchError, RecipeError: one line, exit 2
