@@ -40,6 +40,7 @@ class Event(StrEnum):
     DURABLE_SKIPPED = "durable_skipped"  # a snapshot fell due while the previous one was still writing
     DURABLE_RESTORED = "durable_restored"  # a rank rolled back to a durable snapshot
     HOST_JOINED = "host_joined"  # a host's agent joined a multi-host job (host, node, addr, spare)
+    HOST_USAGE = "host_usage"  # a host's CPU, memory and accelerators, every few seconds (observe/usage.py)
     HOST_LOST = "host_lost"  # a host's agent went silent: every process on it is dead to the job
     MESSAGE_REJECTED = "message_rejected"
     FATAL = "fatal"

@@ -135,8 +135,15 @@ class StepLoader:
         self.close()
         kwargs: dict[str, Any] = {}
         if self.num_workers > 0:
-            kwargs["multiprocessing_context"] = "forkserver"
+            import multiprocessing
+
+            from checkpointless.data.orphans import die_with_parent
+
+            context = multiprocessing.get_context("forkserver")
+            context.set_forkserver_preload(["checkpointless.data._forkserver_preload"])  # orphans.py
+            kwargs["multiprocessing_context"] = context
             kwargs["persistent_workers"] = False
+            kwargs["worker_init_fn"] = die_with_parent
         loader = DataLoader(
             self.dataset,
             batch_sampler=_StepBatches(self, step),

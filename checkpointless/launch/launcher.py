@@ -62,6 +62,7 @@ from checkpointless.launch.agent import NodeAgent, _Wakeups
 from checkpointless.launch.outputs import _write_atomic, set_aside_previous_run
 from checkpointless.launch.remote import ClusterSpec, RemoteNodes
 from checkpointless.observe.report import build_report
+from checkpointless.observe.usage import UsageRecorder, summarize
 
 log = logging.getLogger(__name__)
 
@@ -170,6 +171,7 @@ class Launcher:
         self._coord: Coordinator | None = None
         self._bell: ReportBell | None = None
         self._wakeups = _Wakeups()
+        self._usage = UsageRecorder()
         self._events: list[dict[str, Any]] = []
         self._rejections = 0  # messages rejected (every one); the first of each key is in the events
         self._rejected_keys: set[str] = set()
@@ -367,6 +369,7 @@ class Launcher:
         report["job_id"] = self.job_id
         report["unfired_faults"] = unfired(self.job.faults, events)  # the CLI fails a run that has any
         report["rejected_messages"] = {"count": self._rejections, "keys": sorted(self._rejected_keys)}
+        report["hosts"] = summarize(events)
         write_error = self._write_outputs(events, report)
         if error is None and self._own_logdir:
             shutil.rmtree(self._logdir, ignore_errors=True)
@@ -377,6 +380,28 @@ class Launcher:
             out_dir=self.out_dir, logs=self._log_paths(), pids=self._pids(), interrupted=interrupted,
             write_error=write_error,
         )  # fmt: skip
+
+    def _record_usage(self, coord: Coordinator, now: float) -> None:
+        """One ``host_usage`` event per host: its CPU, memory and accelerators (its agent's last
+        sample, or this host's own), and each of its ranks' CPU share."""
+        hosts: dict[str, dict[str, Any]] = {}
+        if self.remote is not None:
+            for h in self.remote.hosts.values():
+                if not h.lost and isinstance(h.status.get("usage"), dict):
+                    hosts[h.name] = dict(h.status["usage"])
+        else:
+            hosts[socket.gethostname()] = self._usage.local()
+        for rank, name in coord.members.items():
+            handle = self.children.get(name)
+            host = getattr(handle, "host", "")
+            if handle is None or host not in hosts:
+                continue
+            share = self._usage.rank_cpu(now, rank, name, handle.cpu_seconds())
+            if share is not None:
+                hosts[host].setdefault("ranks", {})[str(rank)] = share
+        for host, usage in hosts.items():
+            self._record(event(Event.HOST_USAGE, proc="launcher", gen=coord.plan.gen if coord.plan else 0,
+                               host=host, **usage))  # fmt: skip
 
     def _log_paths(self) -> dict[str, Path]:
         if self.agent is not None:
@@ -423,6 +448,8 @@ class Launcher:
                 if handled:
                     self._wakeups.forget(name)
             now = time.monotonic()
+            if self._usage.due(now):
+                self._record_usage(coord, now)
             if now - last_collect > 0.2:
                 self._collect_events(coord.announced_chunks())
                 last_collect = now

@@ -35,6 +35,7 @@ from checkpointless.control.env import ENV_AGENT_PID, ENV_HOST_ADDR, ENV_NODE
 from checkpointless.errors import LaunchError
 from checkpointless.launch.agent import NodeAgent, _Wakeups
 from checkpointless.launch.remote import host_timeout, status_interval
+from checkpointless.observe.usage import UsageSampler
 from checkpointless.sockets import interface_of
 
 log = logging.getLogger(__name__)
@@ -96,6 +97,8 @@ class Agent:
         self._stopping = 0.0  # when a stop order's grace period ends (0: no stop order)
         self._failed_spawns: dict[str, str] = {}  # processes it could not start: name -> why
         self._beat = threading.Event()  # publish the status now (an order was carried out)
+        self._sampler = UsageSampler()  # the host's CPU, memory, accelerators
+        self._last_usage: dict[str, Any] = {}
         self._closing = False
         self._lease_s = 1.0
 
@@ -286,8 +289,11 @@ class Agent:
             procs[name] = {"alive": False, "exit": 127, "tail": error}
         stopped = bool(self._stopping) and not any(p["alive"] for p in procs.values())
         self._seq += 1
+        if self._seq % 5 == 1:  # every few beats: a second or so apart, what the launcher records
+            self._last_usage = self._sampler.sample()
         store.set(
-            keys.node_status(self.host), json.dumps({"seq": self._seq, "procs": procs, "stopped": stopped})
+            keys.node_status(self.host),
+            json.dumps({"seq": self._seq, "procs": procs, "stopped": stopped, "usage": self._last_usage}),
         )
         return stopped
 

@@ -49,6 +49,8 @@ class MetricsFeed:
                 )
             elif ev.get("kind") == Event.RECOVERY_DONE:
                 self.metrics.recovery(float(ev["seconds"]))
+            elif ev.get("kind") == Event.HOST_USAGE:
+                self.metrics.host_usage(ev)
         if committed:
             self.metrics.goodput(self.stats.goodput)
         if not any(ev.get("kind") in FAULT_EVENT_KINDS for ev in new):

@@ -115,6 +115,31 @@ class JobMetrics:
         self._step_time = Gauge(
             _PREFIX + "step_time_seconds", "Last step time reported by each rank.", ["rank"], registry=reg
         )
+        self._host_cpu = Gauge(
+            _PREFIX + "host_cpu_percent",
+            "CPU in use on a host, percent of all its cores.",
+            ["host"],
+            registry=reg,
+        )
+        self._host_mem = Gauge(
+            _PREFIX + "host_memory_used_bytes", "Memory in use on a host.", ["host"], registry=reg
+        )
+        self._rank_cpu = Gauge(
+            _PREFIX + "rank_cpu_percent", "CPU used by a rank's process, percent of one core.", ["host", "rank"],
+            registry=reg,
+        )  # fmt: skip
+        self._gpu_util = Gauge(
+            _PREFIX + "gpu_utilization_percent",
+            "An accelerator's utilisation (NVML).",
+            ["host", "gpu"],
+            registry=reg,
+        )
+        self._gpu_mem = Gauge(
+            _PREFIX + "gpu_memory_used_bytes",
+            "An accelerator's memory in use (NVML).",
+            ["host", "gpu"],
+            registry=reg,
+        )
         self._generation = Gauge(
             _PREFIX + "generation", "Current generation (incremented on each recovery).", registry=reg
         )
@@ -229,6 +254,19 @@ class JobMetrics:
     def goodput(self, x: float) -> None:
         """Set the goodput fraction (useful training time / wall time)."""
         self._goodput.set(float(x))
+
+    def host_usage(self, usage: dict[str, Any]) -> None:
+        """Set a host's gauges from one ``host_usage`` event (``observe/usage.py``)."""
+        host = str(usage.get("host"))
+        if isinstance(usage.get("cpu_percent"), int | float):
+            self._host_cpu.labels(host=host).set(float(usage["cpu_percent"]))
+        if isinstance(usage.get("mem_used_bytes"), int):
+            self._host_mem.labels(host=host).set(usage["mem_used_bytes"])
+        for rank, cpu in (usage.get("ranks") or {}).items():
+            self._rank_cpu.labels(host=host, rank=str(rank)).set(float(cpu))
+        for g in usage.get("gpus") or []:
+            self._gpu_util.labels(host=host, gpu=str(g["index"])).set(float(g["util_percent"]))
+            self._gpu_mem.labels(host=host, gpu=str(g["index"])).set(int(g["mem_used_bytes"]))
 
     def forget_rank(self, rank: int) -> None:
         """Drop the per-rank step-time series of ``rank`` (e.g. after a shrink)."""

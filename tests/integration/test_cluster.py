@@ -86,8 +86,12 @@ def test_a_lost_host_is_replaced_by_a_spare_host_bitwise(tmp_path: Path, referen
     sources = {e["rank"]: e["src"] for e in events if e["kind"] == "transfer_begun"}
     assert sorted(sources) == [2, 3] and set(sources.values()) <= {0, 1}
     # one fault in the report, covering both ranks of the host
-    faults = json.loads((out / "report.json").read_text())["faults"]
-    assert [(f["kind"], f["injected"], f["ranks"]) for f in faults] == [("kill", True, [2, 3])]
+    report = json.loads((out / "report.json").read_text())
+    assert [(f["kind"], f["injected"], f["ranks"]) for f in report["faults"]] == [("kill", True, [2, 3])]
+    # each host's CPU and memory as its agent sampled them, and each rank's CPU share
+    usage = [e for e in events if e["kind"] == "host_usage"]
+    assert {"host0", "host2"} <= {e["host"] for e in usage} and any(e.get("ranks") for e in usage)
+    assert report["hosts"]["host0"]["samples"] >= 1 and report["hosts"]["host0"]["mem_used_bytes_max"] > 0
 
 
 @pytest.mark.timeout(600)

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -89,3 +95,55 @@ def test_a_short_last_batch_without_drop_last_and_bad_input() -> None:
         _loader(Counted(3), 4)
     with pytest.raises(ValueError, match="at least 1"):
         _loader(ds, 0)
+
+
+_ORPHAN_SCRIPT = """
+import sys, time, torch
+from checkpointless.data.loader import StepLoader
+data = torch.utils.data.TensorDataset(torch.arange(64.0))
+loader = StepLoader(data, global_batch_size=8, num_workers=2, rank=lambda: 0, size=lambda: 1)
+loader.batch(0)
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def _holding(token: str) -> list[int]:
+    """Pids of the live processes whose environment carries ``token``."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit() and int(d.name) != os.getpid():
+            try:
+                if token.encode() in (d / "environ").read_bytes():
+                    out.append(int(d.name))
+            except OSError:
+                continue
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_worker_processes_die_with_a_killed_training_process() -> None:
+    """SIGKILL of the training process (a kill fault) takes its fork server and loader workers along
+    (their parent is the fork server: torch's own check watched that, and both stayed behind)."""
+    import uuid
+
+    token = f"CHECKPOINTLESS_ORPHAN_TEST={uuid.uuid4().hex}"
+    name, value = token.split("=")
+    env = {**os.environ, name: value, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _ORPHAN_SCRIPT], stdout=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        assert len(_holding(token)) >= 3  # itself, the fork server, its workers
+        proc.kill()
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while _holding(token) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = _holding(token)
+    finally:
+        proc.kill()
+        for pid in _holding(token):
+            os.kill(pid, signal.SIGKILL)
+    assert left == [], left
