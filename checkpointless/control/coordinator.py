@@ -146,10 +146,18 @@ class Coordinator(Detection):
         missing = [r for r in self.members if r not in f.dead and r not in f.reported]
         if missing:
             # A live member that neither dies nor reports is stuck: the same allowance as a step
-            # with no progress. One still starting (no heartbeat yet) reports when it gets there;
-            # a silent one is the heartbeat detector's case.
+            # with no progress, and at least a collective's timeout: gloo does not fail a send
+            # still queued on a connection that breaks (its pair's error reaches the receives and
+            # old-style buffers, not an unbound buffer's pending write), so a member released by
+            # the abort in the middle of a large send reports only once that send times out; a kill
+            # before that costs a rank (the job, without spares). One still starting (no heartbeat
+            # yet) reports when it gets there; a silent one is the heartbeat detector's case.
             rc = self.job.recovery
-            deadline = max(rc.progress_timeout_s, 3 * self.median_step_time())
+            deadline = max(
+                rc.progress_timeout_s,
+                3 * self.median_step_time(),
+                rc.collective_timeout_s + rc.hang_timeout_s,
+            )
             if now - f.started > deadline:
                 for r in missing:
                     p = self.procs[self.members[r]]

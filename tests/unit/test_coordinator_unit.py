@@ -36,6 +36,7 @@ RECOVERY: dict[str, Any] = {
     "heartbeat_interval_s": DT,
     "progress_timeout_s": 8.0,
     "start_timeout_s": 30.0,
+    "collective_timeout_s": 5.0,  # below progress_timeout_s: the recovery deadline is the latter
 }
 
 
@@ -1013,3 +1014,28 @@ def test_the_strangers_check_reads_what_is_live_not_every_process_and_generation
     job.coord._check_intruders()
     rejected = {e["key"] for e in job.kinds("message_rejected")}
     assert keys.plan(7) in rejected and not job.raw.check([keys.plan(7)])
+
+
+def test_a_member_that_may_be_in_a_collective_until_its_timeout_is_waited_for() -> None:
+    """gloo does not fail a send still queued on a connection that breaks: a member released by an
+    abort mid-send reports only when that send times out. Its heartbeat is alive: it is killed only
+    after a collective's timeout (and a hang timeout more), not at the step allowance."""
+    job = Job(workers=3, spares=2, collective_timeout_s=12.0)
+    rc = job.config.recovery
+    for r in range(3):
+        job[f"w{r}"].enter(r, 0, 4)
+    for s in ("s0", "s1"):
+        job[s].ready_spare()
+    job.tick()
+    job.exit("w1", -9)
+    job["w0"].recover()
+    job.tick()
+    failed = job.clock.now
+    while not job.kills() and job.clock.now < job.t0 + 60:
+        job.tick()
+    assert job.kills() == {"w2": 1}
+    assert (
+        job.clock.now
+        == failed + rc.collective_timeout_s + rc.hang_timeout_s + DT
+        > failed + rc.progress_timeout_s
+    )
