@@ -12,6 +12,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from checkpointless.control.vocab import Event
+
 
 def _cpu_times() -> tuple[int, int] | None:
     """(busy, total) jiffies of every core since boot, from ``/proc/stat``."""
@@ -78,7 +80,7 @@ def summarize(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     each accelerator's mean utilisation and peak memory, over its ``host_usage`` events."""
     by_host: dict[str, list[dict[str, Any]]] = {}
     for e in events:
-        if e.get("kind") == "host_usage" and isinstance(e.get("host"), str):
+        if e.get("kind") == Event.HOST_USAGE and isinstance(e.get("host"), str):
             by_host.setdefault(e["host"], []).append(e)
     out: dict[str, dict[str, Any]] = {}
     for host, samples in sorted(by_host.items()):
