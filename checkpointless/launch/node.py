@@ -319,8 +319,15 @@ def _stop_on_signals() -> None:
 
 
 def main_agent(agent: Agent) -> int:
+    """Run ``agent``; the process ends here once it has stopped its processes. It exits at once
+    (``os._exit``): its order thread may be blocked in the store's ``wait``, and tearing the
+    interpreter down under it aborted the process now and then ("terminate called without an
+    active exception", exit -6 instead of 0)."""
     _stop_on_signals()
     try:
-        return agent.run()
+        code = agent.run()
     except KeyboardInterrupt:
-        return 130
+        code = 130
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
