@@ -113,11 +113,6 @@ class LocalCluster:
                     tmp.rmdir()
 
 
-def _positive(flag: str, value: int, minimum: int) -> None:
-    if value < minimum:
-        raise UsageError(f"{flag} must be >= {minimum}, got {value}")
-
-
 def cmd_cluster(argv: list[str]) -> int:
     """``checkpointless cluster [own options] [demo | launch | run] [their options]``."""
     from checkpointless.launch import cli
@@ -137,9 +132,9 @@ def cmd_cluster(argv: list[str]) -> int:
     p.add_argument("--spare-nodes", type=int, default=1, help="spare hosts, kept warm (default 1)")
     p.add_argument("--join-timeout", type=float, default=120.0, help="seconds for every agent to join")
     args = p.parse_args(own)
-    _positive("--nodes", args.nodes, 1)
-    _positive("--nproc-per-node", args.nproc_per_node, 1)
-    _positive("--spare-nodes", args.spare_nodes, 0)
+    cli._positive("nodes", args.nodes, 1)
+    cli._positive("nproc-per-node", args.nproc_per_node, 1)
+    cli._positive("spare-nodes", args.spare_nodes, 0)
     if args.nodes + args.spare_nodes > MAX_HOSTS:
         raise UsageError(f"--nodes {args.nodes} + --spare-nodes {args.spare_nodes}: this machine makes at most "
                          f"{MAX_HOSTS} hosts")  # fmt: skip
@@ -191,7 +186,7 @@ def cmd_agent(argv: list[str]) -> int:
     args = p.parse_args(own)
     if not command:
         raise UsageError("checkpointless agent: give the training command after --, e.g. -- python train.py")
-    _positive("--nproc-per-node", args.nproc_per_node, 1)
+    cli._positive("nproc-per-node", args.nproc_per_node, 1)
     host, _, port = args.coordinator.rpartition(":")
     if not host or not port.isdigit():
         raise UsageError(f"--coordinator {args.coordinator!r}: expected HOST:PORT")
@@ -241,9 +236,9 @@ def cmd_coordinator(argv: list[str]) -> int:
             raise UsageError(f"checkpointless coordinator: {flag} follows from --nodes, --nproc-per-node and "
                              "--spare-nodes")  # fmt: skip
     args = p.parse_args(argv)
-    _positive("--nodes", args.nodes, 1)
-    _positive("--nproc-per-node", args.nproc_per_node, 1)
-    _positive("--spare-nodes", args.spare_nodes, 0)
+    cli._positive("nodes", args.nodes, 1)
+    cli._positive("nproc-per-node", args.nproc_per_node, 1)
+    cli._positive("spare-nodes", args.spare_nodes, 0)
     topology = LocalCluster(args.nodes, args.nproc_per_node, args.spare_nodes, args.join_timeout)
     args.workers, args.spares = topology.workers, topology.spares
     job = cli._job(args, args.steps, [], topology=topology)
