@@ -33,7 +33,7 @@ from checkpointless.control import keys
 from checkpointless.control.auth import SignedStore, job_namespace
 from checkpointless.control.env import ENV_CONFIG
 from checkpointless.control.plan import Plan
-from checkpointless.control.vocab import Event, Phase, event
+from checkpointless.control.vocab import Event, Phase, event, wall_clock
 from checkpointless.errors import JobStopped
 
 log = logging.getLogger(__name__)
@@ -228,7 +228,7 @@ class ControlClient:
                 self._chunks += 1
             status = dict(self._status)
             status["seq"] = self._status["seq"] = int(self._status["seq"]) + 1
-            status["t"] = time.time()
+            status["t"] = wall_clock()  # its own clock: the coordinator learns the offset (clock.py)
             status["chunks"] = self._chunks
             self._last_flush = time.monotonic()
             if self._broken:

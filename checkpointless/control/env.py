@@ -25,3 +25,6 @@ ENV_AGENT_PID = "CHECKPOINTLESS_AGENT_PID"
 """The pid of the host's node agent (multi-host jobs): a host fault kills it with its processes."""
 ENV_HOST_ADDR = "CHECKPOINTLESS_HOST_ADDR"
 """The address of the process's host that its data-plane groups bind to (multi-host jobs)."""
+ENV_CLOCK_SKEW = "CHECKPOINTLESS_CLOCK_SKEW_S"
+"""Seconds added to the process's wall clock in its events and heartbeats: a host whose clock is
+off, played on one machine (``checkpointless agent --clock-skew``; control/clock.py undoes it)."""

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 from checkpointless.config import JobConfig
 from checkpointless.control import keys
 from checkpointless.control.auth import SignedStore
+from checkpointless.control.clock import ClockOffsets
 from checkpointless.control.plan import Plan, initial_plan
 from checkpointless.control.vocab import Event, Phase, Role, event
 
@@ -63,6 +64,7 @@ class _Proc:
     busy: bool | None = (
         None  # silent, and it used CPU in the last sampled window (None: not sampled; see _hung)
     )
+    read_since: float = 0.0  # the coordinator's wall clock when the last read of its heartbeat began
 
     @property
     def joined(self) -> bool:
@@ -121,6 +123,7 @@ class Membership:
         self._totals: dict[str, int] = {}  # session.steps(total) of each worker
         self._steps_given = total_steps is not None  # --steps; else the scripts' own total
         self._crash_lines: dict[int, str] = {}  # rank -> last log line of its process that raised
+        self.clocks = ClockOffsets()  # each process's clock against this one (control/clock.py)
         self.finished = False
 
     # -- setup --------------------------------------------------------------------
@@ -138,7 +141,7 @@ class Membership:
 
     def _add(self, h: ProcessHandle, role: Role) -> None:
         now = self._clock()
-        self.procs[h.name] = _Proc(h, role, last_change=now, started=now)
+        self.procs[h.name] = _Proc(h, role, last_change=now, started=now, read_since=time.time())
 
     def _emit(self, kind: Event, **fields: Any) -> None:
         fields.setdefault("gen", self.plan.gen if self.plan else 0)
@@ -196,6 +199,7 @@ class Membership:
 
     def _read_heartbeats_from_store(self, now: float) -> None:
         live = [(name, p) for name, p in self.procs.items() if p.role != Role.GONE]
+        began = time.time()  # wall clock: heartbeats carry their senders' (ClockOffsets)
         # a heartbeat key, once written, stays: those read before come in one round trip
         known = [name for name, p in live if p.raw_hb]
         raws = dict(
@@ -204,6 +208,7 @@ class Membership:
         for name, p in live:
             key = keys.heartbeat(name)
             raw = raws[name] if name in raws else self.store.get_sealed(key)
+            after, p.read_since = p.read_since, began  # a new heartbeat was written after ``after``
             if raw is not None and raw != p.raw_hb:
                 text = self.store.open(key, raw)
                 if text is None:
@@ -212,6 +217,8 @@ class Membership:
                 if p.hb and int(hb.get("seq", 0)) <= int(p.hb.get("seq", 0)):
                     continue  # a replay of an older real heartbeat must not hide a hang
                 p.raw_hb, p.last_change = raw, now
+                if isinstance(hb.get("t"), (int, float)):
+                    self.clocks.observe(name, float(hb["t"]), after, time.time())
                 p.cpu_mark, p.busy = None, None
                 if hb.get("phase") == Phase.SPARE and not p.was_ready:
                     p.was_ready = True

@@ -8,9 +8,12 @@ the way every store key is built in ``keys.py``. Members are strings
 
 from __future__ import annotations
 
+import os
 import time
 from enum import StrEnum
 from typing import Any
+
+from checkpointless.control.env import ENV_CLOCK_SKEW
 
 
 class Event(StrEnum):
@@ -83,9 +86,24 @@ class Role(StrEnum):
     GONE = "gone"
 
 
+def _clock_skew() -> float:
+    try:
+        return float(os.environ.get(ENV_CLOCK_SKEW, "0"))
+    except ValueError:
+        return 0.0
+
+
+_SKEW = _clock_skew()
+
+
+def wall_clock() -> float:
+    """This process's wall clock, as its events and heartbeats carry it (``ENV_CLOCK_SKEW``)."""
+    return time.time() + _SKEW
+
+
 def event(
     kind: Event | str, *, proc: str, rank: int | None = None, gen: int | None = None, step: int | None = None,
     **fields: Any,
 ) -> dict[str, Any]:  # fmt: skip
     """One event as every writer builds it: ``t`` (wall clock), ``kind``, ``proc``, ``rank``, ``gen``, ``step``."""
-    return {"t": time.time(), "kind": kind, "proc": proc, "rank": rank, "gen": gen, "step": step, **fields}
+    return {"t": wall_clock(), "kind": kind, "proc": proc, "rank": rank, "gen": gen, "step": step, **fields}

@@ -181,8 +181,11 @@ def cmd_agent(argv: list[str]) -> int:
                    "address it reaches the coordinator from)")  # fmt: skip
     p.add_argument("--log-dir", type=Path, default=None, help="where the processes' logs go")
     p.add_argument(
-        "--join-timeout", type=float, default=60.0, help="seconds to reach and join the coordinator"
+        "--join-timeout", type=float, default=300.0, help="seconds to reach and join the coordinator (every host must have joined; default 300)"
     )
+    p.add_argument("--clock-skew", type=float, default=0.0, metavar="S",
+                   help="add S seconds to this host's processes' wall clock in their events and heartbeats "
+                   "(plays a host whose clock is off; the coordinator's clock offsets undo it)")  # fmt: skip
     args = p.parse_args(own)
     if not command:
         raise UsageError("checkpointless agent: give the training command after --, e.g. -- python train.py")
@@ -199,6 +202,7 @@ def cmd_agent(argv: list[str]) -> int:
     agent = Agent(
         args.coordinator, secret, command, nproc=args.nproc_per_node, spare=args.spare, host=args.host_name,
         addr=args.addr, log_dir=args.log_dir, node_rank=args.node_rank, join_timeout_s=args.join_timeout,
+        clock_skew_s=args.clock_skew,
     )  # fmt: skip
     try:
         return main_agent(agent)

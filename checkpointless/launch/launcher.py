@@ -176,6 +176,7 @@ class Launcher:
         self._rejections = 0  # messages rejected (every one); the first of each key is in the events
         self._rejected_keys: set[str] = set()
         self._chunks_read: dict[str, int] = {}
+        self._sent_at: list[tuple[dict[str, Any], str, float]] = []  # (event, process, its own time)
         self._drained: set[str] = set()  # exited processes whose every chunk was read
         self._stream: IO[str] | None = None
         self._stream_error: str | None = None
@@ -277,6 +278,11 @@ class Launcher:
             if line.strip():
                 ev = json.loads(line)
                 ev["proc"] = name  # a chunk speaks for the process whose key it is under
+                if self._coord is not None and isinstance(ev.get("t"), (int, float)):
+                    # on the coordinator's clock (control/clock.py); again at the end, when the
+                    # estimate is at its best
+                    self._sent_at.append((ev, name, float(ev["t"])))
+                    ev["t"] = self._coord.clocks.to_coordinator(name, float(ev["t"]))
                 self._record(ev)
         self.store.delete(key)
         return True
@@ -362,6 +368,8 @@ class Launcher:
             error = error or f"interrupted by {signal.Signals(e.signum).name}"
         if error is not None:
             self._record(event(Event.JOB_FINISHED, proc="launcher", gen=0, ok=False, error=error))
+        for ev, name, sent in self._sent_at:
+            ev["t"] = coord.clocks.to_coordinator(name, sent)
         events = sorted(self._events, key=lambda e: e["t"])
         self.total_steps = coord.total_steps  # the scripts' own, where --steps was not given
         report = build_report(events, total_steps=self.total_steps, digest=coord.digest)
@@ -370,6 +378,7 @@ class Launcher:
         report["unfired_faults"] = unfired(self.job.faults, events)  # the CLI fails a run that has any
         report["rejected_messages"] = {"count": self._rejections, "keys": sorted(self._rejected_keys)}
         report["hosts"] = summarize(events)
+        report["clock_offsets"] = coord.clocks.shown()
         write_error = self._write_outputs(events, report)
         if error is None and self._own_logdir:
             shutil.rmtree(self._logdir, ignore_errors=True)

@@ -31,7 +31,7 @@ from checkpointless.config import JobConfig
 from checkpointless.control import keys
 from checkpointless.control.auth import SignedStore, job_namespace
 from checkpointless.control.client import SLOW_STORE_CAP, redial, store_accepts
-from checkpointless.control.env import ENV_AGENT_PID, ENV_HOST_ADDR, ENV_NODE
+from checkpointless.control.env import ENV_AGENT_PID, ENV_CLOCK_SKEW, ENV_HOST_ADDR, ENV_NODE
 from checkpointless.errors import LaunchError
 from checkpointless.launch.agent import NodeAgent, _Wakeups
 from checkpointless.launch.remote import host_timeout, status_interval
@@ -86,11 +86,13 @@ class Agent:
         log_dir: Path | None = None,
         node_rank: int | None = None,
         join_timeout_s: float = 60.0,
+        clock_skew_s: float = 0.0,
     ) -> None:
         self.coordinator, self._secret, self.command = coordinator, secret, command
+        self.clock_skew_s = clock_skew_s
         self.nproc, self.spare, self.node_rank = nproc, spare, node_rank
         self.host = host or socket.gethostname()
-        self.addr = addr or _own_addr(coordinator)
+        self.addr = addr  # "": found once the coordinator answers (its name may not resolve yet)
         self.log_dir = log_dir
         self.join_timeout_s = join_timeout_s
         self._seq = 0
@@ -106,6 +108,7 @@ class Agent:
     def join(self) -> tuple[JobConfig, str, int]:
         """(job, job id, this host's node index); ``LaunchError`` in one line if it cannot join."""
         raw = _dial(self.coordinator, self.join_timeout_s)
+        self.addr = self.addr or _own_addr(self.coordinator)  # the route to it exists now
         plain = SignedStore(raw, self._secret)
         deadline = time.monotonic() + self.join_timeout_s
         while (sealed := plain.get_sealed(keys.CLUSTER_HELLO)) is None:
@@ -146,6 +149,8 @@ class Agent:
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, 0, AGENT_NICE)
         env = {ENV_NODE: str(node), ENV_AGENT_PID: str(os.getpid()), ENV_HOST_ADDR: self.addr}
+        if self.clock_skew_s:
+            env[ENV_CLOCK_SKEW] = repr(self.clock_skew_s)
         ifname = interface_of(self.addr)
         if ifname is not None:  # every data-plane group binds to the host's address
             env.setdefault("GLOO_SOCKET_IFNAME", ifname)
@@ -305,8 +310,9 @@ def _own_addr(coordinator: str) -> str:
         try:
             s.connect((host.strip("[]"), int(port)))
             return str(s.getsockname()[0])
-        except OSError:
-            return "127.0.0.1"
+        except OSError as e:  # reached a moment ago: only a vanished route lands here
+            raise LaunchError(f"no route to the coordinator at {coordinator} ({e}); give this host's "
+                              "address with --addr") from None  # fmt: skip
 
 
 def _stop_on_signals() -> None:

@@ -32,7 +32,9 @@ def _digest(text: str) -> str:
 class Job:
     """A coordinator and one agent per host, started by hand."""
 
-    def __init__(self, tmp: Path, steps: int, fault: str, seed: int) -> None:
+    def __init__(
+        self, tmp: Path, steps: int, fault: str, seed: int, extra_of: dict[str, list[str]] | None = None
+    ) -> None:
         self.secret = tmp / "secret"
         write_secret_file(self.secret, new_secret())
         self.out = tmp / "out"
@@ -69,6 +71,7 @@ class Job:
                     "--log-dir",
                     str(tmp / "logs" / host),
                     *extra,
+                    *(extra_of or {}).get(host, []),
                     "--",
                     *self.command,
                 ],
@@ -152,3 +155,35 @@ def test_losing_the_coordinator_stops_every_agent_and_process_within_the_lease(t
     time.sleep(1)
     assert _workers_of(8) == []
     assert '"step_committed"' in events.read_text()
+
+
+@pytest.mark.timeout(400)
+def test_a_host_whose_clock_is_30_s_ahead_reports_on_the_coordinators_time(tmp_path: Path) -> None:
+    """Host a's processes stamp their events and heartbeats 30 s ahead (``agent --clock-skew``:
+    libfaketime breaks Python's timed waits, Debian's 0.9.10 fails ``time.sleep`` with EINVAL when
+    it leaves the monotonic clock alone and hangs ``Event.wait`` when it does not); host b is lost
+    at step 5. Every event lands on the coordinator's clock: the ranks' commits of one step on the
+    two hosts are close together, the recovery's stall is seconds (not 30 more or less), the
+    report names the skewed processes' offsets."""
+    job = Job(tmp_path, steps=12, fault="kill:node=1@step=5", seed=9, extra_of={"a": ["--clock-skew", "30"]})
+    try:
+        job.coordinator.wait(timeout=300)
+        assert job.coordinator.returncode == 0, job.coordinator_err.read_text()[-3000:]
+    finally:
+        job.close()
+    report = json.loads((job.out / "report.json").read_text())
+    offsets = report["clock_offsets"]
+    assert set(offsets) == {"w0"}, offsets  # a's one process; b, c and the coordinator share a clock
+    assert abs(offsets["w0"]["offset_s"] - 30) < 0.5, offsets
+    events = [json.loads(line) for line in (job.out / "events.jsonl").read_text().splitlines()]
+    commits: dict[int, dict[str, float]] = {}
+    for e in events:
+        if e["kind"] == "step_committed":
+            commits.setdefault(e["step"], {})[e["proc"]] = e["t"]
+    together = [s for s, by in commits.items() if len(by) == 2]
+    assert together, commits
+    for s in together:
+        a, b = commits[s].values()
+        assert abs(a - b) < 2.0, (s, commits[s])
+    stalls = [f["stall_s"] for f in report["faults"]]
+    assert len(stalls) == 1 and 0 < stalls[0] < 25, report["faults"]
