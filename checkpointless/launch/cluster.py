@@ -181,7 +181,10 @@ def cmd_agent(argv: list[str]) -> int:
                    "address it reaches the coordinator from)")  # fmt: skip
     p.add_argument("--log-dir", type=Path, default=None, help="where the processes' logs go")
     p.add_argument(
-        "--join-timeout", type=float, default=300.0, help="seconds to reach and join the coordinator (every host must have joined; default 300)"
+        "--join-timeout",
+        type=float,
+        default=300.0,
+        help="seconds to reach and join the coordinator (every host must have joined; default 300)",
     )
     p.add_argument("--clock-skew", type=float, default=0.0, metavar="S",
                    help="add S seconds to this host's processes' wall clock in their events and heartbeats "
