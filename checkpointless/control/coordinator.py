@@ -145,6 +145,7 @@ class Coordinator(Detection):
         f = self._failure
         missing = [r for r in self.members if r not in f.dead and r not in f.reported]
         if missing:
+            self.probe([self.members[r] for r in missing])  # their hosts' agents: alive?
             # A live member that neither dies nor reports is stuck: the same allowance as a step
             # with no progress, and at least a collective's timeout: gloo does not fail a send
             # still queued on a connection that breaks (its pair's error reaches the receives and

@@ -124,6 +124,9 @@ class Membership:
         self._steps_given = total_steps is not None  # --steps; else the scripts' own total
         self._crash_lines: dict[int, str] = {}  # rank -> last log line of its process that raised
         self.clocks = ClockOffsets()  # each process's clock against this one (control/clock.py)
+        # asks the hosts of processes the coordinator waits for for a sign of life (several hosts:
+        # RemoteNodes.probe; one host: its exits are seen at once)
+        self.probe: Callable[[list[str]], None] = lambda names: None
         self.finished = False
 
     # -- setup --------------------------------------------------------------------

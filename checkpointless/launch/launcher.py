@@ -345,6 +345,7 @@ class Launcher:
                 coord.procs[n].last_change if n in coord.procs else float("-inf")
             )
             self.remote.is_worker = lambda n: n in coord.procs and coord.procs[n].role == Role.WORKER
+            coord.probe = self.remote.probe
         error: str | None = None
         interrupted: int | None = None
         try:

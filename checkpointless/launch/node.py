@@ -99,6 +99,7 @@ class Agent:
         self._stopping = 0.0  # when a stop order's grace period ends (0: no stop order)
         self._failed_spawns: dict[str, str] = {}  # processes it could not start: name -> why
         self._beat = threading.Event()  # publish the status now (an order was carried out)
+        self._wakeups = _Wakeups()  # ends the status loop's wait: a process exited, an order came
         self._sampler = UsageSampler()  # the host's CPU, memory, accelerators
         self._last_usage: dict[str, Any] = {}
         self._closing = False
@@ -156,7 +157,7 @@ class Agent:
             env.setdefault("GLOO_SOCKET_IFNAME", ifname)
             env.setdefault("NCCL_SOCKET_IFNAME", ifname)
         logdir = self.log_dir or Path(f"/tmp/checkpointless-{job_id}-{self.host}")
-        wakeups = _Wakeups()
+        wakeups = self._wakeups
         wakeups.open()
         # its own job id per host: the node's shared-memory batch cache is the host's
         self.agent = NodeAgent(
@@ -196,7 +197,8 @@ class Agent:
                 continue
             index += 1
             self._obey(json.loads(text))
-            self._beat.set()
+            self._beat.set()  # the answer: a status now (the coordinator waits for it, remote.py)
+            self._wakeups.ring()
 
     def _status_loop(self, wakeups: _Wakeups, interval: float) -> int:
         """The host's status, every ``interval`` and at once when a process exits or an order was
@@ -271,6 +273,8 @@ class Agent:
             child = self.agent.children.get(str(order["name"]))
             if child is not None:
                 child.kill()
+        elif op == "ping":  # the coordinator asks for a sign of life: the status that follows
+            pass
         elif op == "stop":  # a grace period (the ranks see job/stop), then by force (``_stop_late``)
             self._stopping = self._stopping or time.monotonic() + _STOP_GRACE_S
 

@@ -26,6 +26,7 @@ The protocol (every value sealed with the job's secret, ``control/keys.py``):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -64,6 +65,15 @@ def host_timeout(job: JobConfig) -> float:
     return 4 * job.recovery.hang_timeout_s
 
 
+def answer_window(job: JobConfig) -> float:
+    """How long an agent may take to answer an order (a kill, a ping) before its host is lost: a
+    process's hang timeout (0.5 s by default). A live agent answers within milliseconds (its order
+    thread waits on the order's key, then it beats); one that does not cannot carry out the kill
+    of a hung process either. The coordinator asks when it needs to know: a rank of the host went
+    silent and is killed, or it waits for the host's ranks to report a failure."""
+    return job.recovery.hang_timeout_s
+
+
 def status_interval(job: JobConfig) -> float:
     """How often an agent publishes its host's status (its heartbeat): five times per host timeout."""
     return max(job.recovery.heartbeat_interval_s, host_timeout(job) / 5)
@@ -83,6 +93,9 @@ class _Host:
     orders: int = 0
     status: dict[str, Any] = field(default_factory=dict)
     raw: bytes = b""
+    asked: float | None = None  # when an order the agent has not answered yet was sent (kill, ping)
+    asked_seq: int = -1  # its status's sequence number then: any later status is the answer
+    last_ping: float = float("-inf")
 
 
 class RemoteProcess:
@@ -166,6 +179,7 @@ class RemoteNodes:
         self._next_spare = 0
         self.spares: list[str] = []
         self._timeout = host_timeout(job)
+        self._answer_s = answer_window(job)
         self.beat_s = status_interval(job)
         # when the coordinator last heard a process's own heartbeat (its clock): a host whose agent
         # is slow but whose processes still beat is not lost
@@ -288,6 +302,21 @@ class RemoteNodes:
     def order(self, host: _Host, order: dict[str, Any]) -> None:
         self.store.set(keys.node_order(host.name, host.orders), json.dumps(order))
         host.orders += 1
+        if order["op"] in ("kill", "ping") and host.asked is None:
+            # a live agent answers at once (its order thread wakes on the key, then it beats)
+            host.asked, host.asked_seq = self._clock(), host.seq
+
+    def probe(self, names: list[str]) -> None:
+        """Ask the agents of these processes' hosts for a sign of life (the coordinator waits for
+        these processes to report a failure): a host that does not answer within the answer
+        window is lost, long before its silence reaches the host timeout. Once per window."""
+        now = self._clock()
+        for host in {
+            self.children[n]._host.name: self.children[n]._host for n in names if n in self.children
+        }.values():
+            if not host.lost and host.asked is None and now - host.last_ping > self._answer_s:
+                host.last_ping = now
+                self.order(host, {"op": "ping"})
 
     # -- statuses -----------------------------------------------------------------------
     def age(self, host: _Host) -> float:
@@ -315,13 +344,27 @@ class RemoteNodes:
             if int(status.get("seq", -1)) <= h.seq:
                 continue  # a replay of an older status must not hide a lost host
             h.raw, h.status, h.seq, h.heard = raw, status, int(status["seq"]), now
+            if h.asked is not None and h.seq > h.asked_seq:
+                h.asked = None  # answered
         for h in live:
             beats = [self.heard_from(n) for n, p in self.children.items() if p._host is h]
             silent = now - max([h.heard, *beats])
-            if silent > self._timeout:
-                h.lost = f"its agent was silent for {silent:.1f}s (host timeout {self._timeout:g}s)"
-                log.warning("host %s lost: %s", h.name, h.lost)
-                self._emit(host=h.name, node=h.node, silent_s=round(silent, 3))
+            if h.asked is not None and now - h.asked > self._answer_s:
+                self._lose(h, f"its agent did not answer an order for {now - h.asked:.1f}s (answer window "
+                              f"{self._answer_s:g}s)", now - h.heard)  # fmt: skip
+            elif silent > self._timeout:
+                self._lose(
+                    h, f"its agent was silent for {silent:.1f}s (host timeout {self._timeout:g}s)", silent
+                )
+
+    def _lose(self, h: _Host, why: str, silent: float) -> None:
+        h.lost = why
+        log.warning("host %s lost: %s", h.name, why)
+        self._emit(host=h.name, node=h.node, silent_s=round(silent, 3), reason=why)
+        # an agent cut off for less than its lease reads this once it is back: it stops what is
+        # left of its processes (they gave up their ranks by their own lease) and exits
+        with contextlib.suppress(RuntimeError, OSError):
+            self.order(h, {"op": "stop"})
 
     def stop(self, timeout_s: float = 8.0) -> None:
         """Order every live agent to stop its processes (politely, then by force) and wait until

@@ -117,3 +117,55 @@ def test_spares_are_refilled_on_spare_hosts_only() -> None:
     roles["s0"] = False  # (had it stayed a spare) the freed slot on the spare host is refilled
     new = r.spawn_spare()
     assert new is not None and new.host == "c"
+
+
+def test_a_host_that_does_not_answer_an_order_is_lost_within_the_answer_window() -> None:
+    """A kill or a ping the agent does not answer (no newer status) within the answer window loses
+    the host, long before its silence reaches the host timeout; a live agent's answer clears it,
+    and a probe is sent once per window per host."""
+    from checkpointless.launch.remote import answer_window
+
+    r, store, clock, lost = _nodes()
+    for h, p, spare in (("a", 1, False), ("b", 2, False), ("c", 3, True)):
+        _hello(store, h, p, spare=spare)
+    r.accept(timeout_s=1)
+    workers, _ = r.start()
+    window = answer_window(r.job)
+    assert window < host_timeout(r.job) / 2
+    seq = {"a": 0, "b": 0, "c": 0}
+
+    def beat(*hosts: str) -> None:
+        for h in hosts:
+            seq[h] += 1
+            store.set(keys.node_status(h), json.dumps({"seq": seq[h], "procs": {}}))
+
+    beat("a", "b", "c")
+    r.poll()
+
+    def orders(host: str) -> list[str]:
+        return [
+            json.loads(store.get(keys.node_order(host, i)) or "{}").get("op")
+            for i in range(r.hosts[host].orders)
+        ]
+
+    r.probe(["w0", "w1", "w2"])  # the coordinator waits for these ranks' reports
+    r.probe(["w2"])  # again within the window: no second ping
+    assert orders("a")[-1] == "ping" and orders("b").count("ping") == 1
+    clock.t += window / 2
+    beat("a")  # a answers; b does not
+    r.poll()
+    assert lost == [] and r.hosts["a"].asked is None and r.hosts["b"].asked is not None
+    clock.t += window / 2 + 0.01
+    r.poll()
+    assert [f["host"] for f in lost] == ["b"] and "did not answer" in lost[0]["reason"]
+    assert [w.alive() for w in workers] == [True, True, False, False]
+    assert orders("b")[-1] == "stop"  # read by its agent should it come back
+    # a kill order to a live host is answered: nothing lost
+    workers[0].kill()
+    clock.t += window / 2
+    beat("a", "c")
+    r.poll()
+    clock.t += window
+    beat("a", "c")
+    r.poll()
+    assert [f["host"] for f in lost] == ["b"]
