@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-e2e test-unit lint typecheck bench bench-install bench-quick bench-render gpu-check clean
+.PHONY: install demo test test-e2e test-slurm test-unit lint typecheck bench bench-install bench-quick bench-render gpu-check clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -34,10 +34,15 @@ typecheck: install
 # keeps a real-process test of every capability (under 10 min here); the rest of the end-to-end
 # matrix (tests/e2e.txt) is `make test-e2e`, which .ci/run runs too.
 test: install lint typecheck
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not e2e" tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not e2e and not slurm" tests
 
 test-e2e: install
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m e2e tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "e2e and not slurm" tests
+
+# examples/slurm/train.sbatch on a Slurm cluster made on this machine (root: network namespaces;
+# installs Debian's slurmctld, slurmd and munge if missing), through a real node death (2-4 min)
+test-slurm: install
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m slurm tests/slurm
 
 test-unit: install
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests/unit
