@@ -140,13 +140,14 @@ def cmd_cluster(argv: list[str]) -> int:
                          f"{MAX_HOSTS} hosts")  # fmt: skip
     if os.geteuid() != 0:
         raise UsageError("checkpointless cluster makes network namespaces: run it as root")
+    own_args = rest[: rest.index("--")] if "--" in rest else rest  # launch's; the script's follow `--`
     for flag in ("--workers", "--spares"):
-        if any(a == flag or a.startswith(flag + "=") for a in rest):
+        if any(a == flag or a.startswith(flag + "=") for a in own_args):
             raise UsageError(f"checkpointless cluster {sub}: {flag} follows from --nodes, --nproc-per-node and "
                              "--spare-nodes")  # fmt: skip
-    if sub != "run" and not any(a == "--hang-timeout" or a.startswith("--hang-timeout=") for a in rest):
+    if sub != "run" and not any(a == "--hang-timeout" or a.startswith("--hang-timeout=") for a in own_args):
         # every host shares this machine's cores: a lost beat is likelier than on a real cluster
-        rest = [*rest, "--hang-timeout", str(CLUSTER_HANG_TIMEOUT_S)]
+        rest = ["--hang-timeout", str(CLUSTER_HANG_TIMEOUT_S), *rest]  # before launch's `-- COMMAND`
     topology = LocalCluster(args.nodes, args.nproc_per_node, args.spare_nodes, args.join_timeout)
     run = {"demo": cli.cmd_demo, "launch": cli.cmd_launch, "run": cli.cmd_run}[sub]
     return run(rest, topology=topology)

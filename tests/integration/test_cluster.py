@@ -125,6 +125,41 @@ def test_a_partitioned_host_fences_itself_and_nothing_of_it_is_accepted(
     assert "no answer from the control store" in (logs / "w2.log").read_text()
 
 
+@pytest.mark.timeout(900)
+def test_a_lost_host_of_a_sharded_job_is_replaced_bitwise(tmp_path: Path) -> None:
+    """HSDP across hosts, the natural layout: shards within a host, replicas across hosts. Host 1
+    (one copy of every shard) is killed whole; the spare host's ranks receive each its shard from
+    host 0's copy; the final state equals the fault-free run on one host. Also: ``cluster launch``
+    puts its own options before the script's ``--`` (the script gets only its own)."""
+    example = str(Path(__file__).resolve().parents[2] / "examples" / "sharded_loop.py")
+    job = ["--shards", "2", "--steps", "14", "--quiet"]
+    ref = subprocess.run(
+        [*CLI, "launch", "--workers", "4", "--spares", "0", *job, "--fault", "none", "--hang-timeout", "10",
+         "--", "python", example,
+         "--steps", "14"],
+        capture_output=True, text=True, timeout=400, env=ENV,
+    )  # fmt: skip
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    out = tmp_path / "cluster"
+    before = (_netns(), _bridges())
+    run = subprocess.run(
+        [*CLI, "cluster", "--nodes", "2", "--nproc-per-node", "2", "--spare-nodes", "1", "launch", *job,
+         "--fault", "kill:node=1@step=7", "--out", str(out), "--", "python", example, "--steps", "14"],
+        capture_output=True, text=True, timeout=600, env=ENV,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert (_netns(), _bridges()) == before
+    assert _digest(run.stderr) == _digest(ref.stderr) != "None"
+    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    replaced = [e for e in events if e["kind"] == "generation_started" and e["gen"] > 0]
+    assert len(replaced) == 1 and set(replaced[0]["replaced"]) == {"2", "3"}, replaced
+    hosts = {e["host"]: e["node"] for e in events if e["kind"] == "host_joined"}
+    # one stream per lost rank, each from host 0's rank holding the same shard (the other copy)
+    received = {e["rank"]: e["src"] for e in events if e["kind"] == "transfer_begun"}
+    assert received == {2: 0, 3: 1}, received
+    assert len(hosts) == 3
+
+
 @pytest.mark.timeout(60)
 def test_cluster_refuses_bad_input_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     from checkpointless.launch.cli import main
