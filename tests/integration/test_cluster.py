@@ -16,6 +16,20 @@ from pathlib import Path
 import pytest
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
+ATTACKS = (
+    "plan",
+    "latest",
+    "abort",
+    "stop",
+    "assign",
+    "done",
+    "hb",
+    "fail",
+    "failcount",
+    "fatal",
+    "events",
+    "pg",
+)
 
 CLI = [sys.executable, "-m", "checkpointless"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -158,6 +172,75 @@ def test_a_lost_host_of_a_sharded_job_is_replaced_bitwise(tmp_path: Path) -> Non
     received = {e["rank"]: e["src"] for e in events if e["kind"] == "transfer_begun"}
     assert received == {2: 0, 3: 1}, received
     assert len(hosts) == 3
+
+
+@pytest.mark.timeout(900)
+def test_a_stranger_on_a_hosts_network_cannot_steer_the_job(tmp_path: Path) -> None:
+    """A process in the spare host's namespace without the job's secret (a process of another job,
+    or an intruder on the cluster's network) reaches the coordinator's store on the hosts' network
+    and forges every key of the protocol, the agents' as well (hellos, statuses, orders), sealed
+    with its own secret or not at all, all along a job that loses host 1: the job ends as it would
+    have, bitwise, only host 1 is lost, the stranger cannot join a process group, and what it wrote
+    is counted as rejected. The store listens on the hosts' bridge only."""
+    import socket
+    import time
+
+    scripts = Path(__file__).resolve().parents[1] / "scripts"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "cluster"
+    before = _netns()
+    err = (tmp_path / "cluster.err").open("w")
+    job = subprocess.Popen(
+        [*CLI, "cluster", "--nodes", "2", "--nproc-per-node", "2", "--spare-nodes", "1", "demo", "--steps", "40",
+         "--quiet", "--hang-timeout", "2", "--port", str(port), "--fault", "kill:node=1@step=30", "--out", str(out)],
+        stdout=subprocess.DEVNULL, stderr=err, env=ENV,
+    )  # fmt: skip
+    stranger = None
+    try:
+        events = out / "events.jsonl"
+        deadline = time.monotonic() + 300
+        while '"step_committed"' not in (events.read_text() if events.exists() else ""):
+            assert job.poll() is None and time.monotonic() < deadline, (tmp_path / "cluster.err").read_text()
+            time.sleep(0.2)
+        joined = [json.loads(line) for line in events.read_text().splitlines() if '"host_joined"' in line]
+        bridge = joined[0]["addr"].rsplit(".", 1)[0] + ".1"
+        spare_ns = next(n for n in _netns() - before if n.endswith("h2"))
+        # not on loopback: the store binds to the bridge only
+        with socket.socket() as s:
+            s.settimeout(2)
+            assert s.connect_ex(("127.0.0.1", port)) != 0
+        status = tmp_path / "stranger.json"
+        stranger = subprocess.Popen(
+            ["ip", "netns", "exec", spare_ns, sys.executable, str(scripts / "adv_stranger.py"), bridge, str(port),
+             str(status), "120", ",".join([*ATTACKS, "agent"])],
+            stdout=subprocess.DEVNULL, stderr=(tmp_path / "stranger.err").open("w"), env=ENV,
+        )  # fmt: skip
+        job.wait(timeout=600)
+    finally:
+        for p in (job, stranger):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
+        err.close()
+    text = (tmp_path / "cluster.err").read_text()
+    assert job.returncode == 0, text[-3000:]
+    ref = subprocess.run(
+        [*CLI, "demo", "--workers", "4", "--spares", "0", "--fault", "none", "--steps", "40", "--quiet",
+         "--hang-timeout", "10"],
+        capture_output=True, text=True, timeout=300, env=ENV,
+    )  # fmt: skip
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    assert _digest(text) == _digest(ref.stderr) != "None"
+    attack = json.loads(status.read_text())
+    assert attack["rounds"] >= 10, attack  # it ran until the job ended (its store went away)
+    assert not any(r["joined"] for r in attack["pg"]), attack["pg"]
+    report = json.loads((out / "report.json").read_text())
+    assert report["rejected_messages"]["count"] > 0, report["rejected_messages"]
+    events_ = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    assert [e["host"] for e in events_ if e["kind"] == "host_lost"] == ["host1"]
+    assert _netns() == before
 
 
 @pytest.mark.timeout(60)

@@ -44,6 +44,10 @@ PROCS = ("w0", "w1", "s0", "s1")
 GARBAGE = (b"garbage", b"\xff\xfe" * 8, b"0" * 64 + b".1", b"")
 ATTACKS = ("plan", "latest", "abort", "stop", "assign", "done", "hb", "fail", "failcount", "fatal",
            "events", "pg")  # fmt: skip
+HOSTS = ("host0", "host1", "host2")  # the hosts' names under ``checkpointless cluster``
+"""``agent`` (not a default: the multi-host protocol) forges what the coordinator and the hosts'
+agents exchange: a job config, agents' hellos (bumping the ticket counter), every host's status
+(its processes dead) and orders (kill, stop) to every host's agent."""
 PERIOD_S = 0.2
 """Between two rounds: longer than the job's heartbeat interval (0.1 s), so that a forged heartbeat
 hides at most one real one from the coordinator (faster overwriting is the ``hbflood`` attack)."""
@@ -84,6 +88,18 @@ def forged_values(rnd: int, attacks: set[str]) -> list[tuple[str, str]]:
         ]
     if "fatal" in attacks:
         out.append((keys.fatal("w0"), json.dumps({"rank": 0, "error": "the stranger says stop"})))
+    if "agent" in attacks:
+        out.append((keys.JOB_CONFIG, json.dumps({"job": {"workers": 1}, "job_id": "stranger"})))
+        out.append((keys.agent_hello(rnd), json.dumps({"host": "stranger", "addr": "10.0.0.1", "nproc": 1,
+                                                       "spare": True, "pid": 1})))  # fmt: skip
+        for h in HOSTS:
+            dead = {f"w{i}": {"alive": False, "exit": 0, "pid": 1} for i in range(4)}
+            out.append(
+                (keys.node_status(h), json.dumps({"seq": 10**6 + rnd, "procs": dead, "stopped": True}))
+            )
+            for i in range(8):
+                order = {"op": "kill", "name": f"w{i % 4}"} if i % 2 else {"op": "stop"}
+                out.append((keys.node_order(h, i), json.dumps(order)))
     return out
 
 
@@ -102,6 +118,9 @@ def attack(store: TCPStore, forged: SignedStore, rnd: int, attacks: set[str], wr
     if "fatal" in attacks:
         store.add(keys.FATAL_COUNT, 1)
         written.add(keys.FATAL_COUNT)
+    if "agent" in attacks:
+        store.add(keys.AGENTS_COUNT, 1)
+        written.add(keys.AGENTS_COUNT)
     if "events" in attacks:
         for proc in PROCS:
             # a chunk in a slot a reader looks at (chunks are numbered from 0, read in order)
