@@ -76,6 +76,7 @@ class Reason(StrEnum):
     EXCEPTION = "exception"
     STATE_DIVERGED = "state_diverged"  # a replica's state digest differs from the majority's
     PEER_FAILURE = "peer_failure"  # a finished rank joins a recovery
+    HOST_LOST = "host_lost"  # the process's host was lost (its agent silent, or not answering an order)
 
 
 class Role(StrEnum):

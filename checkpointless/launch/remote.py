@@ -360,7 +360,8 @@ class RemoteNodes:
     def _lose(self, h: _Host, why: str, silent: float) -> None:
         h.lost = why
         log.warning("host %s lost: %s", h.name, why)
-        self._emit(host=h.name, node=h.node, silent_s=round(silent, 3), reason=why)
+        procs = sorted(n for n, p in self.children.items() if p._host is h)
+        self._emit(host=h.name, node=h.node, silent_s=round(silent, 3), why=why, procs=procs)
         # an agent cut off for less than its lease reads this once it is back: it stops what is
         # left of its processes (they gave up their ranks by their own lease) and exits
         with contextlib.suppress(RuntimeError, OSError):

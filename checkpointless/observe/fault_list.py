@@ -82,6 +82,7 @@ KIND_OF_CAUSE: dict[str, str] = {
     Reason.START_FAILURE: "start_failure",
     Reason.START_TIMEOUT: "start_failure",  # never joined: killed by the coordinator
     Reason.STATE_DIVERGED: "corrupt",  # a replica's state differs from the majority's
+    Reason.HOST_LOST: "node",  # a whole host: its agent and every process on it
 }
 #: Detection reasons that are root causes (a ``collective_error`` is a consequence).
 FAULT_CAUSES: tuple[str, ...] = tuple(KIND_OF_CAUSE)
@@ -93,6 +94,7 @@ FAULT_EVENT_KINDS: frozenset[str] = frozenset(
         Event.FAILURE_REPORTED,
         Event.PROCESS_EXITED,
         Event.STATE_DIVERGED,
+        Event.HOST_LOST,
     }
 )
 
@@ -238,6 +240,18 @@ def _incidents(timed: list[tuple[float, dict[str, Any]]]) -> list[_Incident]:
         reason = _str(e.get("reason"))
         rank, gen = _int(e.get("rank")), _int(e.get("gen"))
         proc = _str(e.get("proc"))
+        if kind == Event.HOST_LOST:  # each process of the host: its silence or exit was the host's
+            procs = e.get("procs")
+            for lost in (p for p in (procs if isinstance(procs, list) else []) if isinstance(p, str)):
+                r = next((k for k, v in members.items() if v == lost), None)
+                inc = by_key.get(lost)
+                if inc is None:
+                    by_key[lost] = _Incident(lost, Reason.HOST_LOST, t, gen, r, lost,
+                                             Role.WORKER if r is not None else Role.SPARE)  # fmt: skip
+                    out.append(by_key[lost])
+                elif inc.cause in (Reason.HEARTBEAT_TIMEOUT, Reason.PROCESS_EXIT, Reason.NO_PROGRESS):
+                    inc.cause = Reason.HOST_LOST  # the more specific reason (detected at its first sign)
+            continue
         if kind == Event.STATE_DIVERGED:  # one incident per replica that differed from the majority
             odd = e.get("ranks")
             for r in (_int(x) for x in (odd if isinstance(odd, list) else [])):
@@ -253,6 +267,9 @@ def _incidents(timed: list[tuple[float, dict[str, Any]]]) -> list[_Incident]:
         )
         if is_process_event:
             cause = Reason.PROCESS_EXIT if kind == Event.PROCESS_EXITED else str(reason)
+            seen = by_key.get(_str(e.get("target")) or "")
+            if seen is not None and seen.cause == Reason.HOST_LOST:
+                continue  # its host's loss, seen again as the process's exit
             target = _str(e.get("target"))
             if target is None and rank is not None and kind == Event.FAULT_DETECTED:
                 target = members.get(rank)

@@ -157,7 +157,7 @@ def test_a_host_that_does_not_answer_an_order_is_lost_within_the_answer_window()
     assert lost == [] and r.hosts["a"].asked is None and r.hosts["b"].asked is not None
     clock.t += window / 2 + 0.01
     r.poll()
-    assert [f["host"] for f in lost] == ["b"] and "did not answer" in lost[0]["reason"]
+    assert [f["host"] for f in lost] == ["b"] and "did not answer" in lost[0]["why"]
     assert [w.alive() for w in workers] == [True, True, False, False]
     assert orders("b")[-1] == "stop"  # read by its agent should it come back
     # a kill order to a live host is answered: nothing lost

@@ -240,7 +240,36 @@ def spare_died(with_detection: bool) -> Callable[[], list[Event]]:
     return build
 
 
+def host_lost(injected: bool) -> Callable[[], list[Event]]:
+    """Host 1 (ranks 2, 3) dies whole: its ranks fall silent, then the host is lost; the coordinator
+    then sees both processes gone. One fault, the host's, whether injected or not."""
+
+    def build() -> list[Event]:
+        run = Run(workers=4, spares=2, faults=("kill:node=1@step=3",) if injected else ()).train(3)
+        if injected:
+            run.inject(0, "kill", [2, 3], target="node")
+        run.wait(0.05).peers_fail([2, 3], "process_exit")
+        run.ev("fault_detected", rank=2, reason="heartbeat_timeout", target="w2", silent_s=2.0)
+        run.ev("host_lost", host="host1", node=1, silent_s=2.0, procs=["w2", "w3"], why="no answer")
+        for proc in ("w2", "w3"):
+            run.ev("fault_detected", rank=int(proc[1]), reason="process_exit", target=proc, role="worker")
+        return run.recover([2, 3]).train(3).finish()
+
+    return build
+
+
 CASES: list[tuple[str, Callable[[], list[Event]], list[dict[str, Any]]]] = [
+    (
+        "a host lost whole (not injected): one fault of kind node",
+        host_lost(False),
+        [{"kind": "node", "cause": "host_lost", "injected": False, "ranks": [2, 3], "proc": "w2,w3",
+          "replaced_by": "s0,s1"}],
+    ),
+    (
+        "an injected kill:node: one fault, the host's cause",
+        host_lost(True),
+        [{"kind": "kill", "cause": "host_lost", "injected": True, "ranks": [2, 3], "replaced_by": "s0,s1"}],
+    ),
     (
         "manual SIGKILL",
         manual_kill(-9),
