@@ -31,8 +31,13 @@ Benchmarks (each also runs alone: ``python bench/NAME.py [--quick]``):
 - ``steady_compare``: fault-free step time of every system against plain DDP at two model sizes;
 - ``control_load``: the launcher's, heartbeats' and idle spare's CPU and wake-ups on HSDP 2x2, the
   workers' per-step wake-ups against plain FSDP2, and plain FSDP2 with a session per rank vs one;
+- ``control_scale``: the real coordinator (store and loop) driven by simulated host agents at 10 to
+  2,000 hosts x 8 ranks: a host's power loss to detection and plan, CPU, memory, store traffic, where
+  its loop's time goes; group re-formation at 2,000 hosts on paper (``--quick``: 10 and 100 hosts);
 - ``scale``: goodput of checkpoint-restart vs checkpointless from 1,000 to 100,000 accelerators,
-  simulated with parameters taken from the measurements above.
+  simulated with parameters taken from the measurements above;
+- ``node_stall``: several hosts (network namespaces, root): kill-node and partition stall against
+  the single-host kill stall, 2 hosts x 2 ranks + 2 spare hosts, bitwise against the fault-free run.
 """
 
 from __future__ import annotations
@@ -52,10 +57,12 @@ import common
 import compare
 import consistency
 import control_load
+import control_scale
 import hang_compare
 import hsdp
 import kill_cost
 import large_state
+import node_stall
 import recovery_stall
 import scale
 import steady_compare
@@ -82,7 +89,9 @@ BENCHES: list[tuple[str, str, Any]] = [
         "What the control plane takes from the training cores (counted from /proc)",
         control_load,
     ),
+    ("control_scale", "Control plane at scale", control_scale),
     ("scale", "Goodput at cluster scale (simulation from these measurements)", scale),
+    ("node_stall", "Several hosts: kill-node and partition stall, next to the single-host kill", node_stall),
 ]
 
 
@@ -188,6 +197,13 @@ def targets(results: dict[str, Any]) -> str:
                 ["HSDP steady-state step time vs plain FSDP2 HSDP, paired ratio (geometric mean, 95% interval)",
                  "≤ 1.03", f"{g:.3f} [{lo:.3f}, {hi:.3f}], n={len(pairs)}", common.interval_verdict(lo, hi, 1.03)]
             )  # fmt: skip
+    cs = results.get("control_scale")
+    if cs and cs.get("rows"):
+        big = next((r for r in cs["rows"] if r.get("hosts") == 2000
+                    and r.get("hang_timeout_s") == control_scale.SERIES_HANG_S), None)  # fmt: skip
+        if big is not None:
+            for what, target, measured, verdict in control_scale.verdicts(cs, big):
+                rows.append([f"control plane at 2,000 hosts x 8 ranks: {what}", target, measured, verdict])
     return common.md_table(["what", "target", "measured", "verdict"], rows)
 
 
