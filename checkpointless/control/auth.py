@@ -114,6 +114,12 @@ def mac(secret: bytes, *parts: bytes) -> bytes:
     return hmac.new(secret, b"\0".join(parts), hashlib.sha256).digest()
 
 
+MULTI_GET_KEYS = 8192
+"""Keys per ``multi_get`` round trip: c10d's libuv store server resets a request naming more than
+131,072 (``MAX_KEY_COUNT``); a coordinator reading a long backlog of event chunks sent one at 2,000
+hosts and lost the job (bench/control_scale.py)."""
+
+
 def job_namespace(secret: bytes) -> str:
     """The unguessable prefix of every key of the job whose secret this is."""
     return "j" + mac(secret, b"namespace").hex()[:24] + "/"
@@ -184,9 +190,12 @@ class SignedStore:
     def get_sealed_present(self, keys: list[str]) -> list[bytes]:
         """The raw bytes of ``keys`` in one round trip. Every key must exist (a store's
         ``multi_get`` waits for an absent one until its timeout): keys nothing deletes, read before."""
-        if not keys:
-            return []
-        return [bytes(v) for v in self.raw.multi_get([self.name(k) for k in keys])]
+        out: list[bytes] = []
+        for i in range(0, len(keys), MULTI_GET_KEYS):  # the libuv server refuses over 131,072 keys
+            out += [
+                bytes(v) for v in self.raw.multi_get([self.name(k) for k in keys[i : i + MULTI_GET_KEYS]])
+            ]
+        return out
 
     def get(self, key: str) -> str | None:
         """The verified value of ``key``; None if it is absent or forged."""

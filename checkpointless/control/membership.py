@@ -123,6 +123,7 @@ class Membership:
         self._totals: dict[str, int] = {}  # session.steps(total) of each worker
         self._steps_given = total_steps is not None  # --steps; else the scripts' own total
         self._crash_lines: dict[int, str] = {}  # rank -> last log line of its process that raised
+        self._ranks_of: tuple[Plan | None, dict[str, int]] = (None, {})  # (plan, process -> rank)
         self.clocks = ClockOffsets()  # each process's clock against this one (control/clock.py)
         # asks the hosts of processes the coordinator waits for for a sign of life (several hosts:
         # RemoteNodes.probe; one host: its exits are seen at once)
@@ -254,8 +255,13 @@ class Membership:
         self._totals[name] = total
 
     def _rank_of(self, name: str) -> int | None:
-        assert self.plan is not None
-        return self.plan.rank_of(name)
+        """A process's rank in the current plan (a map built once per plan: every tick asks it of
+        every worker, a scan of the members each time was quadratic in the ranks)."""
+        if self.plan is None:
+            return None
+        if self._ranks_of[0] is not self.plan:
+            self._ranks_of = (self.plan, {p: r for r, p in self.plan.members.items()})
+        return self._ranks_of[1].get(name)
 
     def _spare_died(self, name: str, why: str, now: float) -> None:
         """A spare died before it was ready: restart it with exponential backoff, up to the cap."""

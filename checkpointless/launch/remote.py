@@ -346,9 +346,11 @@ class RemoteNodes:
             h.raw, h.status, h.seq, h.heard = raw, status, int(status["seq"]), now
             if h.asked is not None and h.seq > h.asked_seq:
                 h.asked = None  # answered
+        heard: dict[str, float] = {}  # the latest heartbeat of any process of each host
+        for n, p in self.children.items():
+            heard[p.host] = max(heard.get(p.host, float("-inf")), self.heard_from(n))
         for h in live:
-            beats = [self.heard_from(n) for n, p in self.children.items() if p._host is h]
-            silent = now - max([h.heard, *beats])
+            silent = now - max(h.heard, heard.get(h.name, float("-inf")))
             if h.asked is not None and now - h.asked > self._answer_s:
                 self._lose(h, f"its agent did not answer an order for {now - h.asked:.1f}s (answer window "
                               f"{self._answer_s:g}s)", now - h.heard)  # fmt: skip

@@ -82,3 +82,20 @@ def test_a_namespace_hides_the_job_keys_from_a_stranger_who_knows_the_protocol(s
     assert ours.get("hb/w0") == '{"seq": 7}'
     assert job_namespace(secret) != job_namespace(new_secret())
     assert job_namespace(secret).startswith("j") and job_namespace(secret).endswith("/")
+
+
+def test_many_keys_are_read_in_batches_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``get_sealed_present`` splits a long read (c10d's libuv server refuses over 131,072 keys in
+    one request) and keeps the keys' order."""
+    import torch.distributed as dist
+
+    from checkpointless.control import auth
+
+    monkeypatch.setattr(auth, "MULTI_GET_KEYS", 3)
+    store = SignedStore(dist.HashStore(), new_secret())
+    names = [f"k{i}" for i in range(10)]
+    for i, k in enumerate(names):
+        store.set(k, str(i))
+    raws = store.get_sealed_present(names)
+    assert [store.open(k, r) for k, r in zip(names, raws, strict=True)] == [str(i) for i in range(10)]
+    assert store.get_sealed_present([]) == []
