@@ -199,6 +199,32 @@ def _fault_spans(run: RunData) -> list[_FaultSpan]:
     return spans
 
 
+def _usage_series(run: RunData) -> dict[str, list[tuple[float, float]]]:
+    """From the ``host_usage`` events: per line (a host's CPU, each accelerator's utilisation),
+    (seconds since job start, percent)."""
+    series: dict[str, list[tuple[float, float]]] = {}
+    for e in run.events:
+        if e.get("kind") != Event.HOST_USAGE or not isinstance(e.get("host"), str):
+            continue
+        t = _num(e.get("t"))
+        if t is None:
+            continue
+        cpu = _num(e.get("cpu_percent"))
+        if cpu is not None:
+            series.setdefault(f"{e['host']} CPU", []).append((t - run.t0, cpu))
+        ranks = e.get("ranks")
+        for rank, share in ranks.items() if isinstance(ranks, dict) else []:
+            v = _num(share)
+            if v is not None:  # percent of one core: scaled to the host's cores as the host's line
+                cpus = _num(e.get("cpus")) or 1.0
+                series.setdefault(f"rank {rank} CPU", []).append((t - run.t0, v / cpus))
+        for g in e.get("gpus") or []:
+            util = _num(g.get("util_percent")) if isinstance(g, dict) else None
+            if util is not None:
+                series.setdefault(f"{e['host']} GPU{g.get('index')}", []).append((t - run.t0, util))
+    return series
+
+
 def _end_time(run: RunData) -> float:
     times = [t for t in (_num(e.get("t")) for e in run.events) if t is not None]
     return (max(times) - run.t0) if times else 0.0
@@ -317,9 +343,14 @@ def _plot(run: RunData, out: Path) -> None:
     spans = _fault_spans(run)
     t_end = _end_time(run)
 
-    fig = Figure(figsize=(11, 7.5), layout="constrained")
+    usage = _usage_series(run)
+    fig = Figure(figsize=(11, 10 if usage else 7.5), layout="constrained")
     FigureCanvasAgg(fig)
-    ax_t, ax_l = fig.subplots(2, 1, gridspec_kw={"height_ratios": [3, 2]})
+    if usage:  # what the hosts' resources did beside the steps: idle accelerators in a recovery
+        ax_t, ax_u, ax_l = fig.subplots(3, 1, gridspec_kw={"height_ratios": [3, 2, 2]})
+        _plot_usage(ax_u, usage, spans, t_end)
+    else:
+        ax_t, ax_l = fig.subplots(2, 1, gridspec_kw={"height_ratios": [3, 2]})
     try:
         # ---- top: committed step vs wall time, per rank
         cmap = colormaps["tab10" if len(commits) <= 10 else "tab20"]
@@ -446,6 +477,26 @@ def _plot(run: RunData, out: Path) -> None:
         fig.savefig(out, dpi=110)
     finally:
         fig.clear()
+
+
+def _plot_usage(
+    ax: Any, usage: dict[str, list[tuple[float, float]]], spans: list[_FaultSpan], t_end: float
+) -> None:
+    for name, pts in sorted(usage.items()):
+        ax.plot([t for t, _ in pts], [v for _, v in pts], linewidth=1.1, label=name,
+                linestyle="--" if " GPU" in name else (":" if name.startswith("rank") else "-"))  # fmt: skip
+    for i, sp in enumerate(spans):
+        if sp.end is not None and not sp.spare:
+            ax.axvspan(
+                sp.start, sp.end, color="tab:red", alpha=0.1, label="fault to recovery" if i == 0 else None
+            )
+    ax.set_xlim(left=0, right=max(t_end, 1e-3) * 1.02)
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("seconds since job start")
+    ax.set_ylabel("percent")
+    ax.set_title("hosts' CPU (all its cores = 100), each rank's share of it, accelerator utilisation")
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="upper right", fontsize=7, ncol=2 if len(usage) > 6 else 1)
 
 
 # ---------------------------------------------------------------------------- API / CLI

@@ -315,3 +315,33 @@ def test_plotting_leaves_the_global_matplotlib_backend_alone(tmp_path: Path) -> 
         assert (tmp_path / "t.png").stat().st_size > 0
     finally:
         matplotlib.use(before)
+
+
+@pytest.mark.timeout(60)
+def test_the_hosts_usage_is_a_panel_beside_the_steps(tmp_path: Path) -> None:
+    """``host_usage`` events (a host's CPU, its ranks' shares, its accelerators) become a third
+    panel on the same time axis as the steps; a run without them keeps two panels."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    run_dir = make_run_dir(tmp_path / "a")
+    events = run_dir / "events.jsonl"
+    t0 = 1_700_000_000.0
+    usage = [
+        {"t": t0 + i, "kind": "host_usage", "proc": "launcher", "host": "host0", "cpus": 2,
+         "cpu_percent": 50.0 + i, "ranks": {"0": 90.0, "1": 10.0 * i},
+         "gpus": [{"index": 0, "util_percent": 0.0 if 15 <= i <= 17 else 95.0}]}
+        for i in range(1, 20)
+    ]  # fmt: skip
+    with events.open("a") as f:
+        f.writelines(json.dumps(e) + "\n" for e in usage)
+    run = report_plot.load_run(run_dir)
+    series = report_plot._usage_series(run)
+    assert set(series) == {"host0 CPU", "rank 0 CPU", "rank 1 CPU", "host0 GPU0"}
+    assert series["rank 0 CPU"][0] == (pytest.approx(1.0), pytest.approx(45.0))  # of the host's 2 cores
+    assert [v for _, v in series["host0 GPU0"]].count(0.0) == 3
+    report_plot.write_report(run_dir)
+    _, with_usage = _png_size(run_dir / "timeline.png")
+    plain = make_run_dir(tmp_path / "b")
+    report_plot.write_report(plain)
+    _, without = _png_size(plain / "timeline.png")
+    assert with_usage > without
