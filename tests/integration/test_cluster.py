@@ -243,6 +243,61 @@ def test_a_stranger_on_a_hosts_network_cannot_steer_the_job(tmp_path: Path) -> N
     assert _netns() == before
 
 
+def _demo_pids(seed: int) -> list[int]:
+    """Pids of this test's processes (their command lines carry its seed), agents included."""
+    token = f'"seed": {seed},'
+    pids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if token in cmd:
+                pids.append(int(d.name))
+    return pids
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("signum", ["SIGKILL", "SIGINT"])
+def test_killing_the_cluster_command_leaves_nothing_behind(tmp_path: Path, signum: str) -> None:
+    """SIGKILL (or Ctrl-C) of ``checkpointless cluster`` mid-training: every agent and process on
+    every host ends (the agents fence on their lease once the coordinator is gone), every network
+    namespace and the bridge are removed (the reaper), and no shared-memory file is left; the
+    events up to then are on disk."""
+    import signal
+    import time
+
+    seed = 4242 + (signum == "SIGINT")
+    before, shm_before = (_netns(), _bridges()), set(os.listdir("/dev/shm"))
+    out = tmp_path / "cluster"
+    job = subprocess.Popen(
+        [*CLI, "cluster", "--nodes", "2", "--nproc-per-node", "1", "--spare-nodes", "1", "demo", "--steps",
+         "100000", "--seed", str(seed), "--quiet", "--out", str(out)],
+        stdout=subprocess.DEVNULL, stderr=(tmp_path / "err").open("w"), env=ENV,
+    )  # fmt: skip
+    try:
+        events = out / "events.jsonl"
+        deadline = time.monotonic() + 300
+        while '"step_committed"' not in (events.read_text() if events.exists() else ""):
+            assert job.poll() is None and time.monotonic() < deadline, (tmp_path / "err").read_text()[-3000:]
+            time.sleep(0.2)
+        assert len(_demo_pids(seed)) >= 3  # an agent per host, the workers, the spare
+        job.send_signal(getattr(signal, signum))
+        job.wait(timeout=120)
+        deadline = time.monotonic() + 60  # the agents' lease (4 s here) and a margin
+        while (_demo_pids(seed) or (_netns(), _bridges()) != before) and time.monotonic() < deadline:
+            time.sleep(0.5)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait(timeout=30)
+    assert _demo_pids(seed) == []
+    assert (_netns(), _bridges()) == before
+    assert {f for f in set(os.listdir("/dev/shm")) - shm_before if "checkpointless" in f} == set()
+    assert '"step_committed"' in (out / "events.jsonl").read_text()
+
+
 @pytest.mark.timeout(60)
 def test_cluster_refuses_bad_input_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     from checkpointless.launch.cli import main
