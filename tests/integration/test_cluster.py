@@ -243,6 +243,13 @@ def test_a_stranger_on_a_hosts_network_cannot_steer_the_job(tmp_path: Path) -> N
     assert _netns() == before
 
 
+def _hosts_of(pid: int) -> tuple[set[str], set[str]]:
+    """The namespaces and bridge of the ``cluster`` command ``pid`` (named after it, ``netns.py``):
+    another job's may come and go meanwhile."""
+    tag = f"{pid % 100000:05d}"
+    return {n for n in _netns() if n.startswith(f"cl{tag}h")}, {b for b in _bridges() if b == f"clbr{tag}"}
+
+
 def _demo_pids(seed: int) -> list[int]:
     """Pids of this test's processes (their command lines carry its seed), agents included."""
     token = f'"seed": {seed},'
@@ -269,7 +276,7 @@ def test_killing_the_cluster_command_leaves_nothing_behind(tmp_path: Path, signu
     import time
 
     seed = 4242 + (signum == "SIGINT")
-    before, shm_before = (_netns(), _bridges()), set(os.listdir("/dev/shm"))
+    shm_before = set(os.listdir("/dev/shm"))
     out = tmp_path / "cluster"
     job = subprocess.Popen(
         [*CLI, "cluster", "--nodes", "2", "--nproc-per-node", "1", "--spare-nodes", "1", "demo", "--steps",
@@ -283,17 +290,18 @@ def test_killing_the_cluster_command_leaves_nothing_behind(tmp_path: Path, signu
             assert job.poll() is None and time.monotonic() < deadline, (tmp_path / "err").read_text()[-3000:]
             time.sleep(0.2)
         assert len(_demo_pids(seed)) >= 3  # an agent per host, the workers, the spare
+        assert _hosts_of(job.pid)[0], "the hosts are not named after the command's pid"
         job.send_signal(getattr(signal, signum))
         job.wait(timeout=120)
         deadline = time.monotonic() + 60  # the agents' lease (4 s here) and a margin
-        while (_demo_pids(seed) or (_netns(), _bridges()) != before) and time.monotonic() < deadline:
+        while (_demo_pids(seed) or any(_hosts_of(job.pid))) and time.monotonic() < deadline:
             time.sleep(0.5)
     finally:
         if job.poll() is None:
             job.kill()
             job.wait(timeout=30)
     assert _demo_pids(seed) == []
-    assert (_netns(), _bridges()) == before
+    assert _hosts_of(job.pid) == (set(), set())
     assert {f for f in set(os.listdir("/dev/shm")) - shm_before if "checkpointless" in f} == set()
     assert '"step_committed"' in (out / "events.jsonl").read_text()
 
