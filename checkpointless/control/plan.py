@@ -131,7 +131,8 @@ def assign_spares(
     """Which ready spare takes each dead rank (``spares`` in the pool's order; as many as ``dead``).
 
     Without a topology the pool's order. With one (``hosts``: every process's host): a host whose
-    every rank is dead is replaced by one spare host, the smallest that has enough ready spares
+    every rank is dead is replaced by its own ready spares if it has enough (then it lives: its
+    processes failed, not the host), else by one spare host, the smallest that has enough ready spares
     (a host running no rank), largest lost host first; a rank lost on a host that lives on takes
     a spare of its own host first, then the pool's order; a lost host that no single spare host
     can take is filled in the pool's order too.
@@ -157,6 +158,11 @@ def assign_spares(
         by_host: dict[str, list[str]] = {}
         for s in pool:
             by_host.setdefault(hosts.get(s, ""), []).append(s)
+        if len(by_host.get(host, [])) >= len(ranks):
+            # its own ready spares live: the host does (a process fault on a host whose ranks all
+            # died, e.g. one rank per host): they take the ranks, where the state's devices are
+            take(ranks, by_host[host])
+            continue
         fits = [h for h, ss in by_host.items() if h not in live_hosts and len(ss) >= len(ranks)]
         if fits:
             best = min(fits, key=lambda h: (len(by_host[h]), pool.index(by_host[h][0])))

@@ -37,6 +37,7 @@ class LocalCluster:
     nproc_per_node: int
     spare_nodes: int
     join_timeout_s: float = 120.0
+    spares_per_node: int = 0  # warm spare processes on each worker host
 
     @property
     def workers(self) -> int:
@@ -44,7 +45,7 @@ class LocalCluster:
 
     @property
     def spares(self) -> int:
-        return self.spare_nodes * self.nproc_per_node
+        return self.spare_nodes * self.nproc_per_node + self.nodes * self.spares_per_node
 
     @contextlib.contextmanager
     def hosts(self, command: list[str], out: Path | None) -> Iterator[tuple[str, ClusterSpec, bytes]]:
@@ -88,6 +89,7 @@ class LocalCluster:
 
                 spec = ClusterSpec(
                     nodes=self.nodes, nproc_per_node=self.nproc_per_node, spare_nodes=self.spare_nodes,
+                    spares_per_node=self.spares_per_node,
                     start_agents=start_agents, join_timeout_s=self.join_timeout_s, log_dir_of=log_dir,
                 )  # fmt: skip
                 self.net = net
@@ -131,10 +133,13 @@ def cmd_cluster(argv: list[str]) -> int:
     p.add_argument("--nproc-per-node", type=int, default=2, help="processes per host (default 2)")
     p.add_argument("--spare-nodes", type=int, default=1, help="spare hosts, kept warm (default 1)")
     p.add_argument("--join-timeout", type=float, default=120.0, help="seconds for every agent to join")
+    p.add_argument("--spares-per-node", type=int, default=0, help="warm spare processes on each worker host: "
+                   "a process fault is replaced on its own host (default 0: by a spare host's)")  # fmt: skip
     args = p.parse_args(own)
     cli._positive("nodes", args.nodes, 1)
     cli._positive("nproc-per-node", args.nproc_per_node, 1)
     cli._positive("spare-nodes", args.spare_nodes, 0)
+    cli._positive("spares-per-node", args.spares_per_node, 0)
     if args.nodes + args.spare_nodes > MAX_HOSTS:
         raise UsageError(f"--nodes {args.nodes} + --spare-nodes {args.spare_nodes}: this machine makes at most "
                          f"{MAX_HOSTS} hosts")  # fmt: skip
@@ -148,7 +153,8 @@ def cmd_cluster(argv: list[str]) -> int:
     if sub != "run" and not any(a == "--hang-timeout" or a.startswith("--hang-timeout=") for a in own_args):
         # every host shares this machine's cores: a lost beat is likelier than on a real cluster
         rest = ["--hang-timeout", str(CLUSTER_HANG_TIMEOUT_S), *rest]  # before launch's `-- COMMAND`
-    topology = LocalCluster(args.nodes, args.nproc_per_node, args.spare_nodes, args.join_timeout)
+    topology = LocalCluster(args.nodes, args.nproc_per_node, args.spare_nodes, args.join_timeout,
+                            args.spares_per_node)  # fmt: skip
     run = {"demo": cli.cmd_demo, "launch": cli.cmd_launch, "run": cli.cmd_run}[sub]
     return run(rest, topology=topology)
 
@@ -229,6 +235,8 @@ def cmd_coordinator(argv: list[str]) -> int:
     p.add_argument("--nodes", type=int, required=True, help="worker hosts")
     p.add_argument("--nproc-per-node", type=int, required=True, help="processes per host")
     p.add_argument("--spare-nodes", type=int, default=0, help="spare hosts (default 0)")
+    p.add_argument("--spares-per-node", type=int, default=0,
+                   help="warm spare processes on each worker host (default 0)")  # fmt: skip
     p.add_argument("--bind", default="127.0.0.1",
                    help="the address the control store listens on, which the agents dial (default 127.0.0.1)")  # fmt: skip
     p.add_argument(
@@ -247,7 +255,9 @@ def cmd_coordinator(argv: list[str]) -> int:
     cli._positive("nodes", args.nodes, 1)
     cli._positive("nproc-per-node", args.nproc_per_node, 1)
     cli._positive("spare-nodes", args.spare_nodes, 0)
-    topology = LocalCluster(args.nodes, args.nproc_per_node, args.spare_nodes, args.join_timeout)
+    cli._positive("spares-per-node", args.spares_per_node, 0)
+    topology = LocalCluster(args.nodes, args.nproc_per_node, args.spare_nodes, args.join_timeout,
+                            args.spares_per_node)  # fmt: skip
     args.workers, args.spares = topology.workers, topology.spares
     job = cli._job(args, args.steps, [], topology=topology)
     try:
@@ -262,7 +272,7 @@ def cmd_coordinator(argv: list[str]) -> int:
 
     spec = ClusterSpec(
         nodes=args.nodes, nproc_per_node=args.nproc_per_node, spare_nodes=args.spare_nodes,
-        start_agents=listening, join_timeout_s=args.join_timeout,
+        spares_per_node=args.spares_per_node, start_agents=listening, join_timeout_s=args.join_timeout,
     )  # fmt: skip
     launcher = Launcher(job, [], total_steps=args.steps, host=args.bind, port=args.port, out_dir=args.out,
                         cluster=spec, secret=secret)  # fmt: skip

@@ -313,7 +313,7 @@ class Launcher:
             c = self.cluster
             self.remote = RemoteNodes(
                 self.store, self.job, nodes=c.nodes, nproc_per_node=c.nproc_per_node,
-                spare_nodes=c.spare_nodes, job_id=self.job_id,
+                spare_nodes=c.spare_nodes, spares_per_node=c.spares_per_node, job_id=self.job_id,
                 emit=lambda **f: self._record(event(
                     Event.HOST_LOST, proc="coordinator", gen=self._coord.plan.gen if self._coord and self._coord.plan else 0, **f)),
             )  # fmt: skip

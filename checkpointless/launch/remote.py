@@ -52,6 +52,7 @@ class ClusterSpec:
     nodes: int
     nproc_per_node: int
     spare_nodes: int = 0
+    spares_per_node: int = 0  # warm spare processes on each worker host (a process fault stays on its host)
     start_agents: Callable[[str], None] | None = None  # given the store's HOST:PORT (``cluster``)
     join_timeout_s: float = 120.0  # every agent must have joined by then
     log_dir_of: Callable[[str], Path] | None = None  # where a host's agent writes its processes' logs
@@ -164,12 +165,16 @@ class RemoteNodes:
         job_id: str,
         emit: Callable[..., None],
         clock: Callable[[], float] = time.monotonic,
+        spares_per_node: int = 0,
     ) -> None:
-        if nodes * nproc_per_node != job.workers or spare_nodes * nproc_per_node != job.spares:
+        if nodes * nproc_per_node != job.workers or (
+            spare_nodes * nproc_per_node + nodes * spares_per_node != job.spares
+        ):
             raise ValueError(
-                f"{nodes} node(s) x {nproc_per_node} process(es) and {spare_nodes} spare node(s) do not make "
-                f"{job.workers} worker(s) and {job.spares} spare(s)"
+                f"{nodes} node(s) x {nproc_per_node} process(es), {spare_nodes} spare node(s) and "
+                f"{spares_per_node} spare(s) per node do not make {job.workers} worker(s) and {job.spares} spare(s)"
             )
+        self.local_spares = spares_per_node
         self.store, self.job, self.job_id = store, job, job_id
         self.nodes, self.nproc, self.spare_nodes = nodes, nproc_per_node, spare_nodes
         self._emit, self._clock = emit, clock
@@ -269,6 +274,7 @@ class RemoteNodes:
         workers = [self.spawn(f"w{h.node * self.nproc + k}", Role.WORKER, h)
                    for h in by_node if not h.spare for k in range(self.nproc)]  # fmt: skip
         spares = [self.spawn_spare_on(h) for h in by_node if h.spare for _ in range(self.nproc)]
+        spares += [self.spawn_spare_on(h) for h in by_node if not h.spare for _ in range(self.local_spares)]
         return workers, spares
 
     def spawn(self, name: str, role: str, host: _Host) -> RemoteProcess:
@@ -291,6 +297,15 @@ class RemoteNodes:
 
         def procs(h: _Host) -> list[RemoteProcess]:
             return [p for p in self.children.values() if p._host is h and p.alive()]
+
+        if self.local_spares:  # a worker host short of its own spares first (it used one, or is new)
+            short = [
+                h for h in self.hosts.values()
+                if not h.lost and any(self.is_worker(p.name) for p in procs(h))
+                and sum(not self.is_worker(p.name) for p in procs(h)) < self.local_spares
+            ]  # fmt: skip
+            if short:
+                return self.spawn_spare_on(min(short, key=lambda h: h.node))
 
         spare_hosts = [
             h for h in self.hosts.values()

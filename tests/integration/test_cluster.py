@@ -140,6 +140,38 @@ def test_a_partitioned_host_fences_itself_and_nothing_of_it_is_accepted(
 
 
 @pytest.mark.timeout(900)
+def test_a_spare_per_node_keeps_a_process_fault_on_its_host(tmp_path: Path) -> None:
+    """``--spares-per-node 1``, one rank per host: a killed process is replaced by its own host's
+    spare (the host lives), a host killed whole by the spare host; each host that used its spare
+    gets a new one; the final state equals the fault-free run."""
+    out = tmp_path / "cluster"
+    run = subprocess.run(
+        [*CLI, "cluster", "--nodes", "2", "--nproc-per-node", "1", "--spare-nodes", "1", "--spares-per-node",
+         "1", "demo", "--steps", "20", "--quiet", "--fault", "kill:rank=1@step=6", "--fault", "kill:node=0@step=14",
+         "--out", str(out)],
+        capture_output=True, text=True, timeout=600, env=ENV,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    ref = subprocess.run(
+        [*CLI, "demo", "--workers", "2", "--spares", "0", "--steps", "20", "--fault", "none", "--quiet",
+         "--hang-timeout", "10"],
+        capture_output=True, text=True, timeout=300, env=ENV,
+    )  # fmt: skip
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    assert _digest(run.stderr) == _digest(ref.stderr) != "None"
+    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    logs = {
+        p.parent.name: {q.stem for q in p.parent.glob("*.log")} for p in (out / "logs").glob("*/agent.log")
+    }
+    host_of = {proc: host for host, procs in logs.items() for proc in procs}
+    assigned = [(e["rank"], e["target"]) for e in events if e["kind"] == "spare_assigned"]
+    assert len(assigned) == 2, assigned
+    assert host_of[assigned[0][1]] == "host1"  # rank 1's own host
+    assert host_of[assigned[1][1]] == "host2"  # host 0 lost whole: the spare host
+    assert [e["host"] for e in events if e["kind"] == "host_lost"] == ["host0"]
+
+
+@pytest.mark.timeout(900)
 def test_a_lost_host_of_a_sharded_job_is_replaced_bitwise(tmp_path: Path) -> None:
     """HSDP across hosts, the natural layout: shards within a host, replicas across hosts. Host 1
     (one copy of every shard) is killed whole; the spare host's ranks receive each its shard from

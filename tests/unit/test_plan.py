@@ -154,6 +154,17 @@ def test_a_process_lost_on_a_live_host_takes_a_spare_of_its_own_host_first() -> 
     assert plan.members[3] == "s0"
 
 
+def test_every_rank_of_a_host_lost_but_its_own_spares_live_stays_on_the_host() -> None:
+    """One rank per host, a process killed (its host lives: its own spare is ready) stays on its
+    host; a host whose spares are gone too (it died whole) goes to a spare host."""
+    hosts = _hosts({"h0": ["w0", "t0"], "h1": ["w1", "t1"], "spare": ["s0"]})
+    prev = initial_plan(2, 1, ["w0", "w1"], hosts)
+    plan = make_plan(prev, committed={0: 5}, spares=["s0", "t0", "t1"], hosts=hosts)
+    assert plan.members[1] == "t1" and plan.hosts[1] == "h1"
+    plan = make_plan(prev, committed={0: 5}, spares=["s0", "t0"], hosts=hosts)
+    assert plan.members[1] == "s0" and plan.hosts[1] == "spare"
+
+
 def test_a_lost_host_that_no_spare_host_can_take_is_filled_in_the_pools_order() -> None:
     hosts = _hosts({"h0": ["w0", "w1"], "h1": ["w2", "w3"], "a": ["s0"], "b": ["s1"]})
     assignment = assign_spares({0: "w0", 1: "w1", 2: "w2", 3: "w3"}, [2, 3], ["s0", "s1"], hosts)

@@ -169,3 +169,24 @@ def test_a_host_that_does_not_answer_an_order_is_lost_within_the_answer_window()
     beat("a", "c")
     r.poll()
     assert [f["host"] for f in lost] == ["b"]
+
+
+def test_spares_per_node_keep_a_process_fault_on_its_host() -> None:
+    """``--spares-per-node 1``: each worker host starts one spare of its own; a host that used its
+    spare (it took a rank) gets the next one; spare hosts keep theirs."""
+    store = SignedStore(dist.HashStore(), new_secret())
+    job = JobConfig(workers=4, spares=2 + 2)
+    r = RemoteNodes(store, job, nodes=2, nproc_per_node=2, spare_nodes=1, job_id="j", emit=lambda **f: None,
+                    spares_per_node=1)  # fmt: skip
+    for h, p, spare in (("a", 1, False), ("b", 2, False), ("c", 3, True)):
+        _hello(store, h, p, spare=spare)
+    r.accept(timeout_s=1)
+    _, spares = r.start()
+    assert sorted((s.host, s.name) for s in spares) == [("a", "s2"), ("b", "s3"), ("c", "s0"), ("c", "s1")]
+    promoted = {"s2"}  # a's own spare took a's lost rank
+    r.is_worker = lambda n: n.startswith("w") or n in promoted
+    refill = r.spawn_spare()
+    assert refill is not None and refill.host == "a"
+    with pytest.raises(ValueError, match="spare\\(s\\) per node"):
+        RemoteNodes(store, JobConfig(workers=4, spares=2), nodes=2, nproc_per_node=2, spare_nodes=1, job_id="j",
+                    emit=lambda **f: None, spares_per_node=1)  # fmt: skip
