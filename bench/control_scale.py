@@ -582,6 +582,13 @@ class Conn:
         self.raw.wait([name], timeout)
 
 
+def _reply_line(lock: threading.Lock, obj: dict[str, Any]) -> None:
+    """One JSON line to the driver on stdout (a simulator's or the ack load's answer)."""
+    with lock:
+        sys.stdout.write(json.dumps(obj) + "\n")
+        sys.stdout.flush()
+
+
 @dataclass
 class SimProc:
     """One process of a simulated host, as its ``ControlClient`` would publish it."""
@@ -857,9 +864,7 @@ class Simulator:
         self.stopped.set()
 
     def _reply(self, obj: dict[str, Any]) -> None:
-        with self._out_lock:
-            sys.stdout.write(json.dumps(obj) + "\n")
-            sys.stdout.flush()
+        _reply_line(self._out_lock, obj)
 
     def _command(self, cmd: dict[str, Any]) -> dict[str, Any]:
         if cmd["cmd"] == "kill":
@@ -1323,9 +1328,7 @@ class AckLoad:
         self.stopped.set()
 
     def _reply(self, obj: dict[str, Any]) -> None:
-        with self._out_lock:
-            sys.stdout.write(json.dumps(obj) + "\n")
-            sys.stdout.flush()
+        _reply_line(self._out_lock, obj)
 
 
 def acker_main(a: argparse.Namespace) -> int:

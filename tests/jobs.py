@@ -134,3 +134,17 @@ def assert_left_in_place(result: JobResult) -> None:
     assert result.report["generations"] == 1 and result.report["faults"] == [], result.report["faults"]
     kinds = [e["kind"] for e in result.events]
     assert "process_exited" not in kinds and "spare_assigned" not in kinds
+
+
+def pids_whose_command(matches: Callable[[str], bool]) -> list[int]:
+    """Pids of the live processes whose command line (arguments joined by spaces) ``matches``."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if matches(cmd):
+                pids.append(int(d.name))
+    return pids

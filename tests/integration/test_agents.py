@@ -17,6 +17,7 @@ import pytest
 
 from checkpointless.control.auth import new_secret, write_secret_file
 from checkpointless.launch.demo import DemoModel, worker_command
+from tests.jobs import pids_whose_command
 
 CLI = [sys.executable, "-m", "checkpointless"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -92,16 +93,9 @@ class Job:
 def _workers_of(seed: int) -> list[int]:
     """Pids of the demo processes of this test (their command line carries its seed)."""
     token = f'"seed": {seed},'
-    pids = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            if "checkpointless.launch.demo" in cmd and token in cmd and " agent " not in cmd:
-                pids.append(int(d.name))
-    return pids
+    return pids_whose_command(
+        lambda cmd: "checkpointless.launch.demo" in cmd and token in cmd and " agent " not in cmd
+    )
 
 
 @pytest.mark.timeout(400)

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.jobs import pids_whose_command
+
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
 ATTACKS = (
     "plan",
@@ -285,16 +287,7 @@ def _hosts_of(pid: int) -> tuple[set[str], set[str]]:
 def _demo_pids(seed: int) -> list[int]:
     """Pids of this test's processes (their command lines carry its seed), agents included."""
     token = f'"seed": {seed},'
-    pids = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            if token in cmd:
-                pids.append(int(d.name))
-    return pids
+    return pids_whose_command(lambda cmd: token in cmd)
 
 
 @pytest.mark.timeout(600)
