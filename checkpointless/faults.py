@@ -303,6 +303,10 @@ class FaultInjector:
             return
         if on_fire is not None:
             on_fire(index, fault, rank, step)
+        if fault.node is not None:  # the host's relay goes down with it: its events first
+            drain = getattr(self._claimer, "drain", None)
+            if drain is not None:
+                drain(2.0)
         if fault.kind == "partition":
             _cut_host_off(fault.duration)
             return  # this process lives on, cut off: its lease and its host's fence end it

@@ -75,7 +75,15 @@ from checkpointless.config import JobConfig
 from checkpointless.control import keys
 from checkpointless.control.auth import secret_from_env
 from checkpointless.control.client import ControlClient, JobStopped, die_with_parent
-from checkpointless.control.env import ENV_AGENT_PID, ENV_CONFIG, ENV_NODE, ENV_PROC, ENV_ROLE, ENV_STORE
+from checkpointless.control.env import (
+    ENV_AGENT_PID,
+    ENV_CONFIG,
+    ENV_NODE,
+    ENV_PROC,
+    ENV_RELAY,
+    ENV_ROLE,
+    ENV_STORE,
+)
 from checkpointless.control.vocab import Event, Phase, Reason, Role
 from checkpointless.ddp import reduce_unbucketed
 from checkpointless.durable import DurableWriter
@@ -234,6 +242,7 @@ class Session(Member):
             self._secret,
             timeout=timedelta(seconds=rc.collective_timeout_s),
             heartbeat_interval=rc.heartbeat_interval_s,
+            relay=os.environ.get(ENV_RELAY) or None,
         )
         self._faults = FaultInjector(
             self.job.faults, self._client, node=_env_int(ENV_NODE), agent_pid=_env_int(ENV_AGENT_PID) or 0

@@ -12,6 +12,7 @@ do not verify are ignored and recorded as ``message_rejected`` events.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import logging
@@ -154,21 +155,34 @@ class ControlClient:
         timeout: timedelta = timedelta(seconds=60),
         heartbeat_interval: float = 0.1,
         lease_s: float | None = None,
+        relay: str | None = None,
     ) -> None:
         """``lease_s``: how long the control store may leave this process without an answer before
-        it exits (``RecoveryConfig.heartbeat_lease_s``); None: the job's, from the environment."""
+        it exits (``RecoveryConfig.heartbeat_lease_s``); None: the job's, from the environment.
+        ``relay``: ``HOST:PORT`` of the host agent's relay store (``launch/relay.py``): heartbeats,
+        events and the lease's round trips go there instead of to the control store, whose
+        traffic then grows with hosts, not ranks; the agent holds the host's lease and mirrors the
+        aborts of its ranks' generations."""
         self.proc, self.addr = proc, addr
+        self._hb_addr = relay or addr  # where heartbeats, events and the lease's round trips go
+        self._relayed = relay is not None
+        self._probe: SignedStore | None = None  # relayed: ``is_set`` on a connection of its own
+        self._probe_lock = threading.Lock()
         self.timeout = timedelta(seconds=min(timeout.total_seconds(), 30.0))
         self._lease = lease_s if lease_s is not None else _job_lease()
         ns = job_namespace(secret)
         main = _Redial(addr, self.timeout, self._lease)
         self.store = SignedStore(main, secret, self._rejected, namespace=ns)
-        self._hb_store = SignedStore(connect(addr, self.timeout), secret, self._rejected, namespace=ns)
+        self._secret, self._ns = secret, ns
+        self._hb_store = SignedStore(
+            connect(self._hb_addr, self.timeout), secret, self._rejected, namespace=ns
+        )
         self._hb_lock = threading.Lock()
         self._interval = heartbeat_interval
         # the lease: renewed by a round trip on the heartbeat connection at this pace
         self._ack_every = min(heartbeat_interval, self._lease / 4)
         self._last_ack = time.monotonic()  # when the last acknowledged round trip was sent
+        self._local_ack = self._last_ack  # relayed: when the last round trip with the relay was sent
         self._in_flight: float | None = None  # when the round trip under way was sent
         self._broken = False  # the heartbeat connection failed: the heartbeat thread reconnects
         self._unacked: list[tuple[str, str]] = []  # event chunks written since the last round trip
@@ -245,7 +259,7 @@ class ControlClient:
         if not self._broken:
             self._broken = True
             log.warning("%s: the control store at %s failed (%s); reconnecting for up to %.1fs",
-                        self.proc, self.addr, str(error).splitlines()[0] if str(error) else type(error).__name__,
+                        self.proc, self._hb_addr, str(error).splitlines()[0] if str(error) else type(error).__name__,
                         self._lease - (time.monotonic() - self._last_ack))  # fmt: skip
 
     def watch_abort(self, gen: int | None, on_abort: Callable[[], None] | None = None) -> None:
@@ -265,14 +279,19 @@ class ControlClient:
             sent = self._in_flight = time.monotonic()
             key = watch[0] if watch is not None else keys.heartbeat(self.proc)
             try:
-                aborted = self._hb_store.raw.check([self._hb_store.name(key)]) and watch is not None
+                if self._relayed:
+                    aborted, acked = self._relay_lease(watch)
+                else:
+                    aborted = self._hb_store.raw.check([self._hb_store.name(key)]) and watch is not None
+                    acked = sent
             except (RuntimeError, OSError) as e:
                 self._lost(e)
                 return
             finally:
                 self._in_flight = None
             self._unacked.clear()
-            self._last_ack = sent
+            self._local_ack = sent
+            self._last_ack = min(sent, acked)
         if aborted and watch is not None and self._watch is watch:
             self._watch = None
             try:
@@ -280,11 +299,21 @@ class ControlClient:
             except Exception:  # the main thread still sees the abort at its next store wait
                 log.exception("%s: releasing the aborted generation failed", self.proc)
 
+    def _relay_lease(self, watch: tuple[str, Callable[[], None]] | None) -> tuple[bool, float]:
+        """Relayed: (whether the watched generation was aborted, when the relay's last answered
+        round trip with the control store was sent): the host's lease is this process's."""
+        text = self._hb_store.get(keys.HOST_LEASE)
+        if text is None:
+            return False, self._last_ack  # the relay has not reached the control store yet
+        lease = json.loads(text)
+        aborted = watch is not None and any(keys.abort(int(g)) == watch[0] for g in lease.get("aborted", []))
+        return aborted, float(lease["acked"])
+
     def _reconnect(self) -> None:
         """A new heartbeat connection; the events not yet acknowledged are written again on it."""
         left = self._lease - (time.monotonic() - self._last_ack)
         try:
-            raw = redial(self.addr, left, self.timeout)
+            raw = redial(self._hb_addr, left, self.timeout)
         except (RuntimeError, OSError):
             return  # still unreachable: the next beat tries again, the lease decides
         with self._hb_lock:
@@ -295,7 +324,7 @@ class ControlClient:
             except (RuntimeError, OSError) as e:
                 self._lost(e)
                 return
-        log.warning("%s: reconnected to the control store at %s", self.proc, self.addr)
+        log.warning("%s: reconnected to the control store at %s", self.proc, self._hb_addr)
         self._flush()
 
     def _heartbeat_loop(self) -> None:
@@ -309,7 +338,7 @@ class ControlClient:
                     continue
                 if time.monotonic() - self._last_flush >= self._interval * 0.999:
                     self._flush()
-                if time.monotonic() - self._last_ack >= self._ack_every * 0.999:
+                if time.monotonic() - self._local_ack >= self._ack_every * 0.999:
                     self._ack()
             except Exception:  # a bug here must not look like a lost launcher
                 log.exception("the heartbeat thread failed")
@@ -318,7 +347,7 @@ class ControlClient:
     def _until_next_beat(self) -> float:
         if self._broken:
             return self._ack_every / 2
-        due = min(self._last_flush + self._interval, self._last_ack + self._ack_every)
+        due = min(self._last_flush + self._interval, self._local_ack + self._ack_every)
         return max(0.0, due - time.monotonic())
 
     def _lease_loop(self) -> None:
@@ -344,7 +373,9 @@ class ControlClient:
             silent = now - self._last_ack
             sent = self._in_flight
             stuck = self._broken or (sent is not None and now - sent > self._lease / 4)
-            if silent > self._lease and stuck and not self._store_alive(silent):
+            # relayed: the agent's store answers, but the relay no longer reaches the control store
+            upstream = self._relayed and not stuck and now - self._local_ack < self._lease / 2
+            if silent > self._lease and (stuck or upstream) and not self._store_alive(silent, upstream):
                 sys.stderr.write(
                     f"{self.proc}: no answer from the control store at {self.addr} for {silent:.1f}s "
                     f"(lease {self._lease:g}s): exiting\n"
@@ -352,14 +383,16 @@ class ControlClient:
                 sys.stderr.flush()
                 os._exit(3)
 
-    def _store_alive(self, silent: float) -> bool:
+    def _store_alive(self, silent: float, upstream: bool = False) -> bool:
         """Whether a store that has not answered for a lease is only slow: its listening socket still
         accepts a connection (the kernel accepts for a live process even while it is not scheduled:
         a launcher starved of CPU, or stopped), so the network to it works and the coordinator,
         which lives in that same process, is as late as its store. A dead launcher refuses, a
         partition times out: exit as before. Bounded: after ``_SLOW_STORE_CAP`` leases of silence
-        the process gives up anyway."""
-        return silent <= SLOW_STORE_CAP * self._lease and store_accepts(self.addr, self._lease / 2)
+        the process gives up anyway. ``upstream``: the relay answers but its control store does
+        not: the control store's socket is the one asked."""
+        addr = self.addr if upstream else self._hb_addr
+        return silent <= SLOW_STORE_CAP * self._lease and store_accepts(addr, self._lease / 2)
 
     def close(self) -> None:
         self._stop.set()
@@ -438,7 +471,10 @@ class ControlClient:
             time.sleep(0.02)
 
     def is_set(self, key: str) -> bool:
-        """Non-blocking check, on the heartbeat connection (safe while the main one blocks)."""
+        """Non-blocking check, on the heartbeat connection (safe while the main one blocks); relayed,
+        on a connection of its own to the control store (the relay holds heartbeats only)."""
+        if self._relayed:
+            return self._probe_is_set(key)
         with self._hb_lock:
             if self._broken:
                 return False  # asked again soon; the heartbeat thread reconnects meanwhile
@@ -446,6 +482,33 @@ class ControlClient:
                 return self._hb_store.is_set(key)
             except (RuntimeError, OSError) as e:
                 self._lost(e)
+                return False
+
+    def drain(self, timeout: float) -> bool:
+        """Relayed: wait (up to ``timeout`` s) until the events emitted so far reached the control
+        store through the host's relay (a host fault is about to take the relay with it); whether
+        they did. Direct: a sync ``emit`` already wrote them."""
+        if not self._relayed:
+            return True
+        self._flush()
+        want, deadline = self._chunks, time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._hb_lock, contextlib.suppress(RuntimeError, OSError):
+                done = self._hb_store.get(keys.relayed(self.proc))
+                if done is not None and int(done) >= want:
+                    return True
+            time.sleep(0.01)
+        return False
+
+    def _probe_is_set(self, key: str) -> bool:
+        with self._probe_lock:
+            try:
+                if self._probe is None:
+                    self._probe = SignedStore(connect(self.addr, self.timeout), self._secret, self._rejected,
+                                              namespace=self._ns)  # fmt: skip
+                return self._probe.is_set(key)
+            except (RuntimeError, OSError):
+                self._probe = None  # asked again soon: a new connection then (the lease decides)
                 return False
 
     def report_done(

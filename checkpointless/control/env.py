@@ -28,3 +28,7 @@ ENV_HOST_ADDR = "CHECKPOINTLESS_HOST_ADDR"
 ENV_CLOCK_SKEW = "CHECKPOINTLESS_CLOCK_SKEW_S"
 """Seconds added to the process's wall clock in its events and heartbeats: a host whose clock is
 off, played on one machine (``checkpointless agent --clock-skew``; control/clock.py undoes it)."""
+ENV_RELAY = "CHECKPOINTLESS_RELAY"
+"""``HOST:PORT`` of the host agent's relay store (multi-host jobs): the process's heartbeats, events and
+lease go there, and the agent forwards them for its whole host (``launch/relay.py``); plans, reports
+and waits still go to ``ENV_STORE``."""

@@ -29,6 +29,12 @@ protocol can be read in one place. Values are sealed with the job's secret
     node/<host>/<pid>/accept    JSON {node} (its index) or {error}: the coordinator's answer to an agent
     node/<host>/order/<i>       JSON order i to the host's agent {op: spawn|kill|stop, ...}, i from 0
     node/<host>/status          JSON {seq, procs: {name: {alive, exit, tail, cpu, pid, slot}}, stopped}
+    node/<host>/relay           JSON {seq, t, chunks, procs: {name: heartbeat}}: the host's processes'
+                                heartbeats, forwarded by its agent every heartbeat interval (multi-host
+                                jobs: launch/relay.py; the processes write ``hb/`` and ``events/`` keys
+                                into the agent's own store, never into this one)
+    node/<host>/events/<i>      chunk i of the host's processes' events (JSON lines, each naming its
+                                process), written in order before the relay value that counts it
 
 ``CLUSTER_HELLO`` is the one key outside the job's namespace an agent reads: sealed with the job's
 secret, it tells an agent with another secret that it has the wrong one (launch/remote.py).
@@ -119,3 +125,22 @@ def node_order(host: str, index: int) -> str:
 
 def node_status(host: str) -> str:
     return f"node/{host}/status"
+
+
+def node_relay(host: str) -> str:
+    return f"node/{host}/relay"
+
+
+def node_events(host: str, chunk: int) -> str:
+    return f"node/{host}/events/{chunk}"
+
+
+def relayed(proc: str) -> str:
+    """In a host agent's relay store: how many of ``proc``'s event chunks reached the coordinator."""
+    return f"relayed/{proc}"
+
+
+HOST_LEASE = "host/lease"
+"""In a host agent's relay store: JSON {acked, aborted}: when (``time.monotonic()``, one clock on a
+host) the relay's last round trip with the control store that got an answer was sent, and the
+generations it saw aborted. A relayed process's lease is the relay's (``ControlClient._ack``)."""

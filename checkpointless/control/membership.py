@@ -23,6 +23,9 @@ from checkpointless.control.vocab import Event, Phase, Role, event
 
 log = logging.getLogger(__name__)
 
+INTRUDER_KEYS = 256
+"""Plain key names an intruder check probes at most (a store round trip each); the next check goes on."""
+
 
 class ProcessHandle(Protocol):
     """What the coordinator needs of a process the launcher started."""
@@ -115,6 +118,7 @@ class Membership:
         self._last_read: float | None = None  # when the last heartbeat read returned (_forgive_own_stall)
         self._last_sweep = float("-inf")
         self._last_intruder_check = float("-inf")
+        self._intruder_cursor = 0  # where the next intruder check starts in its list of names
         self._intruded: set[str] = set()  # plain key names a stranger wrote (a bounded list of names)
         self._published: dict[str, str] = {}  # sealed values to re-publish if a stranger overwrites them
         self.digest: str | None = None
@@ -125,6 +129,8 @@ class Membership:
         self._crash_lines: dict[int, str] = {}  # rank -> last log line of its process that raised
         self._ranks_of: tuple[Plan | None, dict[str, int]] = (None, {})  # (plan, process -> rank)
         self.clocks = ClockOffsets()  # each process's clock against this one (control/clock.py)
+        # host -> (raw relay value, its parsed value, when the coordinator last read it)
+        self._relays: dict[str, tuple[bytes, dict[str, Any], float]] = {}
         # asks the hosts of processes the coordinator waits for for a sign of life (several hosts:
         # RemoteNodes.probe; one host: its exits are seen at once)
         self.probe: Callable[[list[str]], None] = lambda names: None
@@ -164,8 +170,9 @@ class Membership:
     def announced_chunks(self) -> dict[str, int]:
         """How many event chunks each live process's last heartbeat says it has written."""
         return {
-            n: int(p.hb["chunks"]) for n, p in self.procs.items() if p.role != Role.GONE and "chunks" in p.hb
-        }
+            n: int(p.hb["chunks"]) for n, p in self.procs.items()
+            if p.role != Role.GONE and "chunks" in p.hb and not getattr(p.handle, "relayed", False)
+        }  # fmt: skip
 
     def ready_spares(self) -> list[str]:
         return [
@@ -203,13 +210,22 @@ class Membership:
 
     def _read_heartbeats_from_store(self, now: float) -> None:
         live = [(name, p) for name, p in self.procs.items() if p.role != Role.GONE]
+        direct = [(name, p) for name, p in live if not getattr(p.handle, "relayed", False)]
+        by_host: dict[str, list[tuple[str, _Proc]]] = {}
+        for name, p in live:
+            if getattr(p.handle, "relayed", False):
+                by_host.setdefault(p.handle.host, []).append((name, p))
+        if by_host:
+            self._read_relays(by_host, now)
+        if not direct:
+            return
         began = time.time()  # wall clock: heartbeats carry their senders' (ClockOffsets)
         # a heartbeat key, once written, stays: those read before come in one round trip
-        known = [name for name, p in live if p.raw_hb]
+        known = [name for name, p in direct if p.raw_hb]
         raws = dict(
             zip(known, self.store.get_sealed_present([keys.heartbeat(n) for n in known]), strict=True)
         )
-        for name, p in live:
+        for name, p in direct:
             key = keys.heartbeat(name)
             raw = raws[name] if name in raws else self.store.get_sealed(key)
             after, p.read_since = p.read_since, began  # a new heartbeat was written after ``after``
@@ -218,30 +234,68 @@ class Membership:
                 if text is None:
                     continue  # forged: keep the last real heartbeat
                 hb = json.loads(text)
-                if p.hb and int(hb.get("seq", 0)) <= int(p.hb.get("seq", 0)):
-                    continue  # a replay of an older real heartbeat must not hide a hang
-                p.raw_hb, p.last_change = raw, now
-                if isinstance(hb.get("t"), (int, float)):
+                if isinstance(hb.get("t"), (int, float)) and int(hb.get("seq", 0)) > int(p.hb.get("seq", 0)):
                     self.clocks.observe(name, float(hb["t"]), after, time.time())
-                p.cpu_mark, p.busy = None, None
-                if hb.get("phase") == Phase.SPARE and not p.was_ready:
-                    p.was_ready = True
-                    self._spare_failures = 0
-                if (
-                    p.role == Role.WORKER
-                    and hb.get("step_time_s")
-                    and hb.get("committed") != p.hb.get("committed")
-                ):
-                    self._step_times.append(float(hb["step_time_s"]))
-                if (hb.get("phase"), hb.get("attempt")) != (p.hb.get("phase"), p.hb.get("attempt")):
-                    p.phase_since = now
-                if (
-                    p.role == Role.WORKER
-                    and hb.get("total") is not None
-                    and hb.get("total") != p.hb.get("total")
-                ):
-                    self._script_total(name, int(hb["total"]))
-                p.hb = hb
+                self._take_heartbeat(name, p, hb, raw, now)
+
+    def _read_relays(self, by_host: dict[str, list[tuple[str, _Proc]]], now: float) -> None:
+        """Several hosts: each host's processes' heartbeats, in the one value its agent's relay
+        forwards every heartbeat interval (``launch/relay.py``): a key per host, not per rank. A
+        host's clock offset is learnt from the relay's own time and holds for its processes."""
+        began = time.time()
+        known = [h for h in by_host if h in self._relays]
+        raws = dict(
+            zip(known, self.store.get_sealed_present([keys.node_relay(h) for h in known]), strict=True)
+        )
+        for host, procs in by_host.items():
+            key = keys.node_relay(host)
+            raw = raws[host] if host in raws else self.store.get_sealed(key)
+            old = self._relays.get(host)
+            after = old[2] if old is not None else began - 3600.0  # a new value was written after ``after``
+            if raw is None or (old is not None and raw == old[0]):
+                if old is not None:
+                    self._relays[host] = (old[0], old[1], began)
+                continue
+            text = self.store.open(key, raw)
+            if text is None:
+                continue  # forged: keep the last real one
+            value = json.loads(text)
+            if old is not None and int(value.get("seq", 0)) <= int(old[1].get("seq", 0)):
+                continue  # a replay must not hide a hang
+            self._relays[host] = (raw, value, began)
+            if isinstance(value.get("t"), (int, float)):
+                self.clocks.observe(host, float(value["t"]), after, time.time())
+            beats = value.get("procs") or {}
+            for name, p in procs:
+                hb = beats.get(name)
+                if isinstance(hb, dict) and int(hb.get("seq", 0)) > int(p.hb.get("seq", 0)):
+                    self._take_heartbeat(name, p, hb, b"relayed", now)
+
+    def relay_chunks(self) -> dict[str, int]:
+        """How many event chunks each host's relay says it has written (several hosts)."""
+        return {h: int(v[1].get("chunks", 0)) for h, v in self._relays.items()}
+
+    def clock_of(self, name: str) -> str:
+        """The name a process's clock offset is kept under: its host's, when its agent relays."""
+        p = self.procs.get(name)
+        return p.handle.host if p is not None and getattr(p.handle, "relayed", False) else name
+
+    def _take_heartbeat(self, name: str, p: _Proc, hb: dict[str, Any], raw: bytes, now: float) -> None:
+        """A process's new (verified) heartbeat."""
+        if p.hb and int(hb.get("seq", 0)) <= int(p.hb.get("seq", 0)):
+            return  # a replay of an older real heartbeat must not hide a hang
+        p.raw_hb, p.last_change = raw, now
+        p.cpu_mark, p.busy = None, None
+        if hb.get("phase") == Phase.SPARE and not p.was_ready:
+            p.was_ready = True
+            self._spare_failures = 0
+        if p.role == Role.WORKER and hb.get("step_time_s") and hb.get("committed") != p.hb.get("committed"):
+            self._step_times.append(float(hb["step_time_s"]))
+        if (hb.get("phase"), hb.get("attempt")) != (p.hb.get("phase"), p.hb.get("attempt")):
+            p.phase_since = now
+        if p.role == Role.WORKER and hb.get("total") is not None and hb.get("total") != p.hb.get("total"):
+            self._script_total(name, int(hb["total"]))
+        p.hb = hb
 
     def _script_total(self, name: str, total: int) -> None:
         """A worker's ``session.steps(total)``: the job's step count where ``--steps`` was not
@@ -317,9 +371,21 @@ class Membership:
         names = [keys.LATEST_GEN, keys.JOB_STOP, keys.FATAL_COUNT, keys.abort(gen), keys.fail_count(gen)]
         names += [keys.plan(g) for g in range(max(0, gen - 1), gen + 2)]  # checks are seconds apart
         names += [keys.done(r) for r in self.members] + [keys.fail(gen, r) for r in self.members]
-        for proc in (name for name, p in self.procs.items() if p.role != Role.GONE):
-            names += [keys.heartbeat(proc), keys.assign(proc), keys.fatal(proc), keys.events(proc, 0)]
-        for key in names:
+        hosts: set[str] = set()
+        for proc, p in self.procs.items():
+            if p.role == Role.GONE:
+                continue
+            names += [keys.assign(proc), keys.fatal(proc)]
+            if getattr(p.handle, "relayed", False):
+                hosts.add(p.handle.host)
+            else:
+                names += [keys.heartbeat(proc), keys.events(proc, 0)]
+        names += [keys.node_relay(h) for h in sorted(hosts)]
+        # a round trip per key: at most INTRUDER_KEYS a check, the rest in the next ones, in turn
+        start = self._intruder_cursor % len(names)
+        window = (names + names)[start : start + min(len(names), INTRUDER_KEYS)]
+        self._intruder_cursor = start + len(window)
+        for key in window:
             if self.store.raw.check([key]):
                 # every write is an event (the launcher counts them and keeps the first of each key);
                 # the log says it once per key, not every few seconds for as long as a stranger writes

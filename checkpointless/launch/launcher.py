@@ -230,14 +230,19 @@ class Launcher:
                         "counted, not logged)", key)  # fmt: skip
         self._record(event(Event.MESSAGE_REJECTED, proc="coordinator", key=key))
 
-    def _collect_events(self, announced: dict[str, int] | None = None) -> None:
+    def _collect_events(
+        self, announced: dict[str, int] | None = None, relayed: dict[str, int] | None = None
+    ) -> None:
         """Move the processes' new event chunks from the store into the log (and the file).
 
-        ``announced``: how many chunks each process's last heartbeat says it wrote. Those are
-        read in one round trip for every process (they exist: a process writes its chunks before
-        the heartbeat that counts them); a process not in it (at the end, or not heartbeating)
-        is probed chunk by chunk until a gap.
+        ``announced``: how many chunks each process's last heartbeat says it wrote; ``relayed``:
+        how many each host's relay says it wrote (several hosts: ``launch/relay.py``). Those are
+        read in one round trip (they exist: chunks are written before the value that counts them);
+        a process or host not in them (at the end, or not heartbeating) is probed chunk by chunk
+        until a gap.
         """
+        if self.remote is not None:
+            self._collect_relayed(relayed or {}, final=announced is None)
         announced = announced or {}
         known: list[tuple[str, int]] = [
             (name, i)
@@ -250,7 +255,7 @@ class Launcher:
             self._record_chunk(name, keys.events(name, i), raw)
             self._chunks_read[name] = i + 1
         for name, child in self.children.items():
-            if name in announced or name in self._drained:
+            if name in announced or name in self._drained or getattr(child, "relayed", False):
                 continue
             gone = not child.alive()  # seen before reading: a process that is gone writes no more
             seen = self._chunks_read.get(name, 0)
@@ -269,20 +274,44 @@ class Launcher:
             except OSError as e:
                 self._stream_failed(e)
 
-    def _record_chunk(self, name: str, key: str, raw: bytes) -> bool:
-        """Record the events of one sealed chunk of process ``name`` and delete it; False if forged."""
+    def _collect_relayed(self, relayed: dict[str, int], *, final: bool) -> None:
+        """The hosts' relayed event chunks: those announced in one round trip; at the end (no
+        announcement) each live host's probed until a gap."""
+        assert self.remote is not None
+        known = [(h, i) for h, n in relayed.items() for i in range(self._chunks_read.get(f"@{h}", 0), n)]
+        raws = self.store.get_sealed_present([keys.node_events(h, i) for h, i in known])
+        for (host, i), raw in zip(known, raws, strict=True):
+            self._record_chunk(host, keys.node_events(host, i), raw, relay=True)
+            self._chunks_read[f"@{host}"] = i + 1
+        if not final:
+            return
+        for host in self.remote.hosts:
+            seen = self._chunks_read.get(f"@{host}", 0)
+            while True:
+                key = keys.node_events(host, seen)
+                sealed = self.store.get_sealed(key)
+                if sealed is None or not self._record_chunk(host, key, sealed, relay=True):
+                    break
+                seen += 1
+            self._chunks_read[f"@{host}"] = seen
+
+    def _record_chunk(self, name: str, key: str, raw: bytes, *, relay: bool = False) -> bool:
+        """Record the events of one sealed chunk of process ``name`` (``relay``: of host ``name``'s
+        relay, whose lines name their processes) and delete it; False if forged."""
         text = self.store.open(key, raw)
         if text is None:
             return False
         for line in text.splitlines():
             if line.strip():
                 ev = json.loads(line)
-                ev["proc"] = name  # a chunk speaks for the process whose key it is under
+                if not relay:
+                    ev["proc"] = name  # a chunk speaks for the process whose key it is under
                 if self._coord is not None and isinstance(ev.get("t"), (int, float)):
                     # on the coordinator's clock (control/clock.py); again at the end, when the
-                    # estimate is at its best
-                    self._sent_at.append((ev, name, float(ev["t"])))
-                    ev["t"] = self._coord.clocks.to_coordinator(name, float(ev["t"]))
+                    # estimate is at its best. A relayed process keeps its host's clock
+                    clock = name if relay else self._coord.clock_of(name)
+                    self._sent_at.append((ev, clock, float(ev["t"])))
+                    ev["t"] = self._coord.clocks.to_coordinator(clock, float(ev["t"]))
                 self._record(ev)
         self.store.delete(key)
         return True
@@ -461,7 +490,7 @@ class Launcher:
             if self._usage.due(now):
                 self._record_usage(coord, now)
             if now - last_collect > 0.2:
-                self._collect_events(coord.announced_chunks())
+                self._collect_events(coord.announced_chunks(), coord.relay_chunks())
                 last_collect = now
             for callback in self.on_tick:
                 callback(coord)

@@ -31,9 +31,10 @@ from checkpointless.config import JobConfig
 from checkpointless.control import keys
 from checkpointless.control.auth import SignedStore, job_namespace
 from checkpointless.control.client import SLOW_STORE_CAP, redial, store_accepts
-from checkpointless.control.env import ENV_AGENT_PID, ENV_CLOCK_SKEW, ENV_HOST_ADDR, ENV_NODE
+from checkpointless.control.env import ENV_AGENT_PID, ENV_CLOCK_SKEW, ENV_HOST_ADDR, ENV_NODE, ENV_RELAY
 from checkpointless.errors import LaunchError
 from checkpointless.launch.agent import NodeAgent, _Wakeups
+from checkpointless.launch.relay import Relay
 from checkpointless.launch.remote import host_timeout, status_interval
 from checkpointless.observe.usage import UsageSampler
 from checkpointless.sockets import interface_of
@@ -43,6 +44,7 @@ log = logging.getLogger(__name__)
 AGENT_NICE = -10  # where the agent may raise its priority (root, or RLIMIT_NICE)
 EXIT_LOST = 3  # the coordinator stopped answering: this host fenced itself
 _ORDER_WAIT = timedelta(hours=1)  # a timed-out wait logs two c10d warnings: wait long
+_RETRY_S = 0.1  # a status that could not be sent is tried again this soon
 _STOP_GRACE_S = 5.0  # a stopped job's processes may exit by themselves this long, then are killed
 
 
@@ -159,6 +161,13 @@ class Agent:
         logdir = self.log_dir or Path(f"/tmp/checkpointless-{job_id}-{self.host}")
         wakeups = self._wakeups
         wakeups.open()
+        # the host's processes beat into the agent's store; the relay forwards them as one
+        self.relay = Relay(
+            self.host, self.coordinator, self._secret, names=lambda: list(self.agent.children),
+            interval=job.recovery.heartbeat_interval_s, lease_s=job.recovery.lease_s,
+            clock_skew_s=self.clock_skew_s,
+        )  # fmt: skip
+        env[ENV_RELAY] = self.relay.addr
         # its own job id per host: the node's shared-memory batch cache is the host's
         self.agent = NodeAgent(
             job, self.command, job_id=f"{job_id}-{self.host}", secret=self._secret, store_addr=self.coordinator,
@@ -169,6 +178,7 @@ class Agent:
         interval = status_interval(job)
         orders = threading.Thread(target=self._order_loop, name="agent-orders", daemon=True)
         orders.start()
+        self.relay.start()
         try:
             return self._status_loop(wakeups, interval)
         finally:
@@ -176,6 +186,7 @@ class Agent:
             for child in list(self.agent.children.values()):
                 child.kill()
             self.agent.stop()
+            self.relay.close()
             self.agent.free_node_cache()
             wakeups.close()
 
@@ -236,6 +247,9 @@ class Agent:
                     and store_accepts(self.coordinator, self._lease_s / 2)
                 ):  # a store that still accepts connections is late, not gone (client.py)
                     self._fence(silent)
+                # the status again soon, not a beat later: a host back from a partition tells the
+                # coordinator what happened meanwhile (its processes' exits) before it is lost
+                next_beat = time.monotonic() + min(interval, _RETRY_S)
                 with contextlib.suppress(RuntimeError, OSError):
                     log.debug("agent %s: status not sent (%s); reconnecting", self.host, e)
                     store = self._connect(self._lease_s - silent)
@@ -297,6 +311,8 @@ class Agent:
         for name, error in list(self._failed_spawns.items()):
             procs[name] = {"alive": False, "exit": 127, "tail": error}
         stopped = bool(self._stopping) and not any(p["alive"] for p in procs.values())
+        if stopped:  # their last events before the word that they are gone
+            self.relay.flush()
         self._seq += 1
         if self._seq % 5 == 1:  # every few beats: a second or so apart, what the launcher records
             self._last_usage = self._sampler.sample()

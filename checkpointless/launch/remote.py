@@ -102,6 +102,8 @@ class _Host:
 class RemoteProcess:
     """A process on another host, as its agent last reported it (a ``ProcessHandle``)."""
 
+    relayed = True  # its heartbeats and events come through its agent's relay (launch/relay.py)
+
     def __init__(self, name: str, host: _Host, nodes: RemoteNodes) -> None:
         self.name, self._host, self._nodes = name, host, nodes
         self.host = host.name

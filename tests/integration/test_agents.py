@@ -158,7 +158,7 @@ def test_a_host_whose_clock_is_30_s_ahead_reports_on_the_coordinators_time(tmp_p
     it leaves the monotonic clock alone and hangs ``Event.wait`` when it does not); host b is lost
     at step 5. Every event lands on the coordinator's clock: the ranks' commits of one step on the
     two hosts are close together, the recovery's stall is seconds (not 30 more or less), the
-    report names the skewed processes' offsets."""
+    report names the skewed host's offset."""
     job = Job(tmp_path, steps=12, fault="kill:node=1@step=5", seed=9, extra_of={"a": ["--clock-skew", "30"]})
     try:
         job.coordinator.wait(timeout=300)
@@ -167,8 +167,8 @@ def test_a_host_whose_clock_is_30_s_ahead_reports_on_the_coordinators_time(tmp_p
         job.close()
     report = json.loads((job.out / "report.json").read_text())
     offsets = report["clock_offsets"]
-    assert set(offsets) == {"w0"}, offsets  # a's one process; b, c and the coordinator share a clock
-    assert abs(offsets["w0"]["offset_s"] - 30) < 0.5, offsets
+    assert set(offsets) == {"a"}, offsets  # a's relay; b, c and the coordinator share a clock
+    assert abs(offsets["a"]["offset_s"] - 30) < 0.5, offsets
     events = [json.loads(line) for line in (job.out / "events.jsonl").read_text().splitlines()]
     commits: dict[int, dict[str, float]] = {}
     for e in events:

@@ -1,6 +1,7 @@
 """A process that holds a ``ControlClient`` and does nothing else (the heartbeat lease tests).
 
-Usage: heartbeat_child.py ADDR LEASE_S INTERVAL_S SECRET_HEX (a test's secret). It prints ``ready``, then answers each ``pub KEY`` line on stdin by publishing
+Usage: heartbeat_child.py ADDR LEASE_S INTERVAL_S SECRET_HEX [RELAY] (a test's secret; RELAY: the
+address of a host agent's relay store, ``launch/relay.py``). It prints ``ready``, then answers each ``pub KEY`` line on stdin by publishing
 KEY on the main connection and printing ``ok KEY`` (or ``error ...``), and each ``gil S`` line by
 holding the GIL for about S seconds in native code (one ``sum`` over a range: what a full garbage
 collection does to the heartbeat thread) and printing ``ok gil``.
@@ -16,7 +17,10 @@ from checkpointless.control.client import ControlClient
 
 def main() -> None:
     addr, lease, interval, secret = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
-    client = ControlClient(addr, "w0", bytes.fromhex(secret), heartbeat_interval=interval, lease_s=lease)
+    relay = sys.argv[5] if len(sys.argv) > 5 else None
+    client = ControlClient(
+        addr, "w0", bytes.fromhex(secret), heartbeat_interval=interval, lease_s=lease, relay=relay
+    )
     print("ready", flush=True)
     t = time.perf_counter()
     sum(range(1_000_000))

@@ -19,6 +19,7 @@ from torch.distributed import TCPStore
 from checkpointless.config import RecoveryConfig
 from checkpointless.control import keys
 from checkpointless.control.auth import SignedStore, job_namespace
+from checkpointless.launch.relay import Relay
 from tests.netcut import CutProxy
 
 pytestmark = pytest.mark.timeout(90)
@@ -37,10 +38,10 @@ def _server(port: int = 0) -> TCPStore:
 class Child:
     """``heartbeat_child.py`` connected to ``addr``; killed on ``close``."""
 
-    def __init__(self, addr: str) -> None:
+    def __init__(self, addr: str, relay: str | None = None) -> None:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
         self.popen = subprocess.Popen(
-            [sys.executable, str(CHILD), addr, str(LEASE), str(INTERVAL), SECRET.hex()],
+            [sys.executable, str(CHILD), addr, str(LEASE), str(INTERVAL), SECRET.hex(), *([relay] if relay else [])],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
         )  # fmt: skip
         assert self.popen.stdout is not None
@@ -237,3 +238,67 @@ def test_a_store_whose_process_is_stalled_past_the_lease_does_not_end_the_worker
             child.close()
         server.kill()
         server.wait(timeout=10)
+
+
+def _relayed_seq(server: TCPStore) -> int:
+    """The child's last heartbeat as its host's relay forwarded it (0: none)."""
+    view = SignedStore(server, SECRET, namespace=job_namespace(SECRET))
+    text = view.get(keys.node_relay("h"))
+    return int(json.loads(text)["procs"].get("w0", {}).get("seq", 0)) if text else 0
+
+
+@pytest.fixture
+def relayed() -> Iterator[tuple[TCPStore, CutProxy, Child]]:
+    """The child beats into a host agent's relay (this process), whose link to the store is cut."""
+    server = _server()
+    proxy = CutProxy(("127.0.0.1", server.port))
+    relay = Relay("h", proxy.addr, SECRET, names=lambda: ["w0"], interval=INTERVAL, lease_s=LEASE)
+    relay.start()
+    child = None
+    try:
+        child = Child(proxy.addr, relay=relay.addr)
+        deadline = time.monotonic() + 10
+        while _relayed_seq(server) == 0:
+            assert time.monotonic() < deadline, child.stderr()
+            time.sleep(0.05)
+        yield server, proxy, child
+    finally:
+        if child is not None:
+            child.close()
+        relay.close()
+        proxy.close()
+
+
+@pytest.mark.parametrize("how", ["cut", "freeze"])
+def test_a_relayed_worker_whose_host_is_cut_off_for_longer_than_the_lease_exits(
+    how: str, relayed: tuple[TCPStore, CutProxy, Child]
+) -> None:
+    """Its relay still answers, the store behind it does not: the lease is the relay's last answer."""
+    _server, proxy, child = relayed
+    t0 = time.monotonic()
+    getattr(proxy, how)()
+    code = child.popen.wait(timeout=LEASE + 10)
+    waited = time.monotonic() - t0
+    assert code == 3, child.stderr()
+    assert LEASE - 4 * INTERVAL <= waited <= LEASE + 1.5, waited
+    assert f"no answer from the control store at {proxy.addr}" in child.stderr()
+
+
+def test_a_relayed_worker_survives_a_cut_shorter_than_the_lease(
+    relayed: tuple[TCPStore, CutProxy, Child],
+) -> None:
+    server, proxy, child = relayed
+    for _ in range(2):
+        proxy.cut()
+        time.sleep(0.4 * LEASE)
+        before = _relayed_seq(server)
+        proxy.restore()
+        deadline = time.monotonic() + 5
+        while _relayed_seq(server) <= before:
+            assert time.monotonic() < deadline, (
+                f"no relayed heartbeat after the link came back: {child.stderr()}"
+            )
+            time.sleep(0.05)
+        time.sleep(0.5)
+    time.sleep(LEASE)
+    assert child.popen.poll() is None, f"exit code {child.popen.poll()}: {child.stderr()}"

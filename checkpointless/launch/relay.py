@@ -1,0 +1,202 @@
+"""The agent's relay: one host's heartbeats, events and leases, forwarded as one.
+
+On one host every process beats into the control store itself. Across hosts that is traffic per
+rank (a heartbeat ``set`` every 0.1 s, a lease round trip as often, an event chunk per commit, each
+read and deleted by the coordinator), which a coordinator of 2,000 hosts x 8 ranks cannot keep up
+with (``bench/control_scale.py``). So the agent hosts a small store of its own on the host's
+loopback, its processes write their heartbeats and event chunks there and renew their leases
+against it (``ControlClient(relay=...)``), and every heartbeat interval the relay:
+
+1. reads its processes' new heartbeats and event chunks from that store (deleting the chunks);
+2. writes the host's new events as one chunk (``node/<host>/events/<i>``, each line naming its
+   process: the relay vouches for it, as the key of a process's own chunk did), then one value with
+   every process's latest heartbeat (``node/<host>/relay``): both ``set``s, no reply awaited;
+3. makes one round trip to the coordinator's store: it renews the host's lease, proves that the
+   writes before it arrived, and asks whether the generation its ranks are in was aborted, which it
+   passes on in its own store where the ranks look for it (``ControlClient.watch_abort``).
+
+The coordinator thus reads one key per host per tick and one chunk per host per tick with events.
+Plans, failure reports, final digests and waits still go from each process to the coordinator's
+store: they come once per generation, not per tick.
+
+The lease: after each answered round trip the relay writes into its own store when that round trip
+was sent and which generations it saw aborted (``keys.HOST_LEASE``); a relayed process reads it in
+its own lease round trip, so its lease runs from the relay's last answer. A host cut off from the
+coordinator (a partition) keeps the old value: its processes exit by their lease (code 3), exactly
+as a process on one host does when its launcher stops answering, then the agent fences the host
+(``launch/node.py``). A process whose agent stops answering exits by its lease as well.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from checkpointless.control import keys
+from checkpointless.control.auth import SignedStore, job_namespace
+from checkpointless.control.client import redial
+from checkpointless.control.vocab import Phase
+
+log = logging.getLogger(__name__)
+
+
+class Relay:
+    """Forwards its host's processes' heartbeats and events (see the module docstring)."""
+
+    def __init__(
+        self,
+        host: str,
+        coordinator: str,
+        secret: bytes,
+        *,
+        names: Callable[[], list[str]],
+        interval: float,
+        lease_s: float,
+        clock_skew_s: float = 0.0,
+    ) -> None:
+        """``names``: the processes of this host (the agent's children, alive or not); ``lease_s``:
+        how long one attempt to reconnect to the control store may take."""
+        from checkpointless.launch.launcher import open_store
+
+        self.host, self.coordinator, self._secret = host, coordinator, secret
+        self._names, self._interval, self._lease = names, interval, lease_s
+        self._skew = clock_skew_s
+        self._ns = job_namespace(secret)
+        self._server = open_store("127.0.0.1", 0)  # this host's processes only
+        self.addr = f"127.0.0.1:{self._server.port}"
+        self._local = SignedStore(self._server, secret, self._rejected, namespace=self._ns)
+        self._up: SignedStore | None = None  # to the coordinator, connected by the thread
+        self._seen: dict[str, int] = {}  # process -> the heartbeat ``seq`` last forwarded
+        self._hb: dict[str, dict[str, Any]] = {}  # process -> its latest heartbeat
+        self._chunks_read: dict[str, int] = {}  # process -> event chunks taken from the local store
+        self._chunks = 0  # the host's event chunks written to the coordinator
+        self._unacked: list[tuple[str, str]] = []  # chunks written since the last round trip
+        self._lines: list[str] = []  # events read from the local store, not yet in a chunk
+        self._acked: dict[str, int] = {}  # process -> its chunks known to have reached the coordinator
+        self._aborted: list[int] = []  # generations seen aborted (the newest few)
+        self._seq = 0
+        self._last_ok = time.monotonic()
+        self.forwarded = 0  # relay values written (tests, benchmarks)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="agent-relay", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _rejected(self, key: str) -> None:
+        log.warning("relay %s: ignored a value on %r not sealed with this job's secret", self.host, key)
+
+    # -- one beat ---------------------------------------------------------------------------
+    def _read_local(self, names: list[str]) -> list[str]:
+        """The new heartbeats and event lines of this host's processes (from the local store)."""
+        lines: list[str] = []
+        for name in names:
+            key = keys.heartbeat(name)
+            text = self._local.get(key)
+            if text is None:
+                continue  # not beating yet (or forged: the real one overwrites it)
+            hb = json.loads(text)
+            if not isinstance(hb, dict):
+                continue
+            seq = int(hb.get("seq", 0))
+            if seq <= self._seen.get(name, 0):
+                continue  # nothing new (or a replay)
+            self._seen[name], self._hb[name] = seq, hb
+            first, upto = self._chunks_read.get(name, 0), int(hb.get("chunks", 0))
+            for i in range(first, upto):  # written before the heartbeat that counts them
+                chunk_key = keys.events(name, i)
+                chunk = self._local.get(chunk_key)
+                if chunk is None:
+                    break  # forged or missing: read again at the next beat
+                for line in chunk.splitlines():
+                    if line.strip():
+                        ev = json.loads(line)
+                        ev["proc"] = name  # a chunk speaks for the process whose key it is under
+                        lines.append(json.dumps(ev))
+                self._local.delete(chunk_key)
+                self._chunks_read[name] = i + 1
+        return lines
+
+    def beat(self) -> None:
+        """Forward once (see the module docstring); raises for the coordinator's store."""
+        with self._lock:  # the relay's thread, or the agent's last flush
+            self._beat()
+
+    def _beat(self) -> None:
+        names = self._names()
+        self._lines += self._read_local(names)  # taken from the local store: kept until written up
+        up = self._up
+        if up is None:
+            up = self._up = self._connect()
+            for key, text in self._unacked:  # lost with the old connection, maybe
+                up.set(key, text)
+        if self._lines:
+            chunk = (keys.node_events(self.host, self._chunks), "".join(line + "\n" for line in self._lines))
+            self._chunks += 1
+            self._unacked.append(chunk)
+            self._lines = []
+            up.set(*chunk)
+        self._seq += 1
+        value = {
+            "seq": self._seq,
+            "t": time.time() + self._skew,
+            "chunks": self._chunks,
+            "procs": {n: self._hb[n] for n in names if n in self._hb},
+        }
+        up.set(keys.node_relay(self.host), json.dumps(value, separators=(",", ":")))
+        self.forwarded += 1
+        # the round trip: the host's lease, and the aborts of its ranks' generations
+        gens = sorted({int(hb["gen"]) for hb in self._hb.values()
+                       if hb.get("gen") is not None and hb.get("phase") != Phase.SPARE})  # fmt: skip
+        sent = time.monotonic()
+        asked = [g for g in gens if g not in self._aborted] or [-1]
+        for gen in asked:
+            key = keys.abort(gen) if gen >= 0 else keys.LATEST_GEN
+            if up.raw.check([up.name(key)]) and gen >= 0:
+                self._aborted.append(gen)
+        del self._aborted[:-8]  # a process watches its current generation only
+        self._unacked.clear()
+        self._last_ok = sent
+        self._local.set(keys.HOST_LEASE, json.dumps({"acked": sent, "aborted": self._aborted}))
+        for name, n in self._chunks_read.items():  # what reached the coordinator (``ControlClient.drain``)
+            if self._acked.get(name) != n:
+                self._local.set(keys.relayed(name), str(n))
+                self._acked[name] = n
+
+    def _connect(self) -> SignedStore:
+        left = self._lease - (time.monotonic() - self._last_ok)
+        raw = redial(self.coordinator, left, timedelta(seconds=max(0.2, self._lease)))
+        return SignedStore(raw, self._secret, self._rejected, namespace=self._ns)
+
+    def _loop(self) -> None:
+        next_beat = time.monotonic()
+        while not self._stop.wait(max(0.0, next_beat - time.monotonic())):
+            next_beat = time.monotonic() + self._interval
+            try:
+                self.beat()
+            except (RuntimeError, OSError) as e:
+                # the host's lease (``keys.HOST_LEASE``) stays as it was: its processes judge it
+                self._up = None
+                log.debug("relay %s: %s; reconnecting", self.host, e)
+                next_beat = time.monotonic() + min(self._interval, 0.05)
+            except Exception:  # a bug: the agent ends (its processes with it), loudly
+                log.exception("relay %s failed", self.host)
+                os._exit(4)
+
+    def flush(self) -> None:
+        """Forward what is left (the processes have exited): their last events reach the log."""
+        with contextlib.suppress(RuntimeError, OSError):
+            self.beat()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2)

@@ -1,0 +1,187 @@
+"""The agent's relay (launch/relay.py) between real stores on loopback: a host's processes beat into
+the agent's store, the coordinator's store sees one value and one event chunk per host."""
+
+from __future__ import annotations
+
+import gc
+import json
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from checkpointless.config import JobConfig
+from checkpointless.control import keys
+from checkpointless.control.auth import SignedStore, job_namespace
+from checkpointless.control.client import ControlClient
+from checkpointless.control.membership import Membership
+from checkpointless.control.vocab import Event
+from checkpointless.launch.launcher import open_store
+from checkpointless.launch.relay import Relay
+
+pytestmark = pytest.mark.timeout(60)
+
+SECRET = b"r" * 32
+
+
+def _until(cond: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def coordinator() -> Iterator[tuple[Any, SignedStore]]:
+    server = open_store("127.0.0.1", 0)
+    yield server, SignedStore(server, SECRET, namespace=job_namespace(SECRET))
+    del server
+    gc.collect()
+
+
+@pytest.fixture
+def relay(coordinator: tuple[Any, SignedStore]) -> Iterator[Relay]:
+    server, _ = coordinator
+    names = ["w0", "w1"]
+    r = Relay("h1", f"127.0.0.1:{server.port}", SECRET, names=lambda: names, interval=0.05, lease_s=1.0)
+    r.start()
+    yield r
+    r.close()
+
+
+def _client(relay: Relay, server: Any, name: str) -> ControlClient:
+    return ControlClient(f"127.0.0.1:{server.port}", name, SECRET, heartbeat_interval=0.05, lease_s=5.0,
+                         relay=relay.addr)  # fmt: skip
+
+
+def _relay_value(view: SignedStore) -> dict[str, Any]:
+    text = view.get(keys.node_relay("h1"))
+    return json.loads(text) if text else {}
+
+
+def test_a_hosts_heartbeats_and_events_reach_the_coordinator_as_one_value_and_one_chunk(
+    coordinator: tuple[Any, SignedStore], relay: Relay
+) -> None:
+    server, view = coordinator
+    clients = [_client(relay, server, n) for n in ("w0", "w1")]
+    try:
+        for rank, c in enumerate(clients):
+            c.update(rank=rank, gen=0, committed=3)
+            c.emit(Event.STEP_COMMITTED, sync=True, step=3)
+        clients[1].emit(Event.STEP_COMMITTED, sync=True, step=4)
+        _until(lambda: set(_relay_value(view).get("procs", {})) == {"w0", "w1"})
+        _until(lambda: _relay_value(view).get("procs", {})["w1"].get("committed") == 3)
+        assert all(c.drain(5.0) for c in clients)  # every event forwarded and acknowledged
+        value = _relay_value(view)
+        lines = []
+        for i in range(int(value["chunks"])):
+            text = view.get(keys.node_events("h1", i))
+            assert text is not None
+            lines += [json.loads(line) for line in text.splitlines() if line.strip()]
+        commits = sorted((e["proc"], e["step"]) for e in lines if e["kind"] == Event.STEP_COMMITTED)
+        assert commits == [("w0", 3), ("w1", 3), ("w1", 4)]
+        # the processes wrote nothing per rank into the coordinator's store
+        for name in ("w0", "w1"):
+            assert not view.raw.check([view.name(keys.heartbeat(name))])
+            assert not view.raw.check([view.name(keys.events(name, 0))])
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_an_abort_reaches_the_ranks_that_watch_their_generation(
+    coordinator: tuple[Any, SignedStore], relay: Relay
+) -> None:
+    server, view = coordinator
+    client = _client(relay, server, "w0")
+    aborted = threading.Event()
+    try:
+        client.update(rank=0, gen=2, phase="training")
+        client.watch_abort(2, aborted.set)
+        _until(lambda: "w0" in _relay_value(view).get("procs", {}))
+        time.sleep(0.3)
+        assert not aborted.is_set()
+        view.set(keys.abort(2), "1")
+        assert aborted.wait(5.0)
+        # ``is_set`` asks the coordinator's store, not the relay's
+        view.set(keys.JOB_STOP, "1")
+        assert client.is_set(keys.JOB_STOP)
+    finally:
+        client.close()
+
+
+def test_the_hosts_lease_advances_only_while_the_coordinator_answers() -> None:
+    server = open_store("127.0.0.1", 0)
+    r = Relay("h1", f"127.0.0.1:{server.port}", SECRET, names=lambda: [], interval=0.05, lease_s=0.5)
+    r.start()
+    local = SignedStore(r._server, SECRET, namespace=job_namespace(SECRET))
+
+    def acked() -> float:
+        text = local.get(keys.HOST_LEASE)
+        return float(json.loads(text)["acked"]) if text else 0.0
+
+    try:
+        _until(lambda: acked() > 0)
+        first = acked()
+        _until(lambda: acked() > first)  # renewed at every answered round trip
+        del server
+        gc.collect()  # the store's server stops: connections refused from now on
+        time.sleep(0.3)
+        stale = acked()
+        time.sleep(1.0)
+        assert acked() == stale and time.monotonic() - stale > 1.0
+    finally:
+        r.close()
+
+
+class _Handle:
+    relayed = True
+
+    def __init__(self, name: str, host: str) -> None:
+        self.name, self.host = name, host
+
+    def alive(self) -> bool:
+        return True
+
+    def kill(self) -> None:
+        pass
+
+    def exitcode(self) -> int | None:
+        return None
+
+    def log_tail(self) -> str:
+        return ""
+
+    def cpu_seconds(self) -> float | None:
+        return None
+
+
+def test_the_coordinator_reads_a_key_per_host_and_ignores_replays_and_forgeries(
+    coordinator: tuple[Any, SignedStore],
+) -> None:
+    server, view = coordinator
+    job = JobConfig(workers=2)
+    members = Membership(view, job, 10, spawn_spare=lambda: None, emit=lambda ev: None)
+    members.start([_Handle("w0", "h1"), _Handle("w1", "h1")], [])
+
+    def relay_value(seq: int, committed: int) -> str:
+        procs = {
+            n: {"seq": seq, "rank": r, "committed": committed, "chunks": 0}
+            for r, n in enumerate(("w0", "w1"))
+        }
+        return json.dumps({"seq": seq, "t": time.time(), "chunks": 2, "procs": procs})
+
+    view.set(keys.node_relay("h1"), relay_value(5, 7))
+    members._read_heartbeats_from_store(time.monotonic())
+    assert {r: s.get("committed") for r, s in members.member_status().items()} == {0: 7, 1: 7}
+    assert members.relay_chunks() == {"h1": 2}
+    assert members.announced_chunks() == {}  # relayed processes' own chunk counts are the relay's business
+    view.set(keys.node_relay("h1"), relay_value(4, 9))  # a replay of an older value
+    members._read_heartbeats_from_store(time.monotonic())
+    assert members.member_status()[0]["committed"] == 7
+    server.set(view.name(keys.node_relay("h1")), b"forged")  # not sealed with the secret
+    members._read_heartbeats_from_store(time.monotonic())
+    assert members.member_status()[0]["committed"] == 7
+    assert members.clock_of("w1") == "h1"
