@@ -1,0 +1,1 @@
+"""Integrations with the training frameworks people already use: ``transformers`` (``Trainer``), ``lightning``."""

@@ -1,0 +1,255 @@
+"""A Hugging Face ``Trainer`` made checkpointless with one changed line.
+
+::
+
+    from checkpointless.integrations.transformers import Trainer   # was: from transformers import Trainer
+
+    trainer = Trainer(model=model, args=TrainingArguments(...), train_dataset=ds, ...)
+    trainer.train()
+
+launched with ``checkpointless launch --workers N --spares K -- python script.py``. Run with plain
+``python script.py`` (no launcher) the class is ``transformers.Trainer`` unchanged.
+
+Under the launcher the training loop is the ``Trainer``'s own pieces (``training_step`` and
+``compute_loss`` with its autocast, gradient clipping, the optimizer and LR scheduler it creates,
+the callbacks, ``_maybe_log_save_evaluate`` for ``logging_steps``, ``eval_strategy`` and
+``save_steps``) put together in a ``Session``'s step loop:
+
+- an optimizer step is the re-executable block (``session.attempt()``): its ``gradient_accumulation_steps``
+  micro-batches' forward and backward passes (all but the last under ``session.no_sync()``), the
+  gradient reduction, clipping (after the reduction, as DDP clips), the optimizer and scheduler
+  steps. A failed step is executed again after the recovery; its state (model, optimizer, LR
+  scheduler, gradient scaler) moves to a replacement peer-to-peer.
+- the data: micro-batch ``m`` of the job (``m = step * gradient_accumulation_steps + i``) is this
+  rank's part of a global batch of ``per_device_train_batch_size x ranks`` samples drawn by
+  ``session.loader`` (an epoch's order is a permutation from the seed and the epoch, ``data_seed``
+  or ``seed``): a function of the step, so a replacement and a re-executed step read what the failed
+  attempt read, and a resumed run (``resume_from_checkpoint``) starts at its step with no skipping.
+- ``accelerate`` runs in its single-process mode on every rank: it never starts an ``env://`` process
+  group of its own (the gradients are reduced by the session, over the job's generation). So
+  ``Trainer.evaluate`` runs on each rank over the whole evaluation set (the replicas are equal, so are
+  their metrics; no collective outside a step), the logged loss is the rank's own, and only rank 0
+  writes checkpoints and the model (``save_steps``, ``save_model``).
+
+Refused in one line (``ValueError``) under the launcher: DeepSpeed, FSDP, ``n_gpu > 1``
+(``DataParallel``), ``auto_find_batch_size``, an ``IterableDataset`` train set, tensor, sequence or
+context parallelism (``parallelism_config``). Tested with the ``transformers`` and ``accelerate``
+versions pinned in ``pyproject.toml``'s ``transformers`` extra.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+from typing import Any
+
+import torch
+
+from checkpointless.config import JobConfig
+from checkpointless.control.env import ENV_CONFIG, ENV_STORE
+
+_TORCHRUN_VARS = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+
+
+def under_launcher() -> bool:
+    """Whether this process was started by ``checkpointless launch`` (or ``run``, ``cluster``)."""
+    return ENV_STORE in os.environ
+
+
+_hidden: dict[str, str] = {}
+if under_launcher():
+    # accelerate (through TrainingArguments and the Trainer's Accelerator) starts an env:// process
+    # group when it sees torchrun's variables: hide them until its state exists in single-process
+    # mode; the session reduces over the job's own groups. The device comes from the slot.
+    for _name in _TORCHRUN_VARS:
+        if _name in os.environ:
+            _hidden[_name] = os.environ.pop(_name)
+    from checkpointless.devices import local_device as _local_device
+
+    if _local_device().type == "cuda":
+        torch.cuda.set_device(_local_device())
+
+from transformers import Trainer as _HFTrainer  # noqa: E402  (after the variables are hidden)
+
+if not hasattr(_HFTrainer, "_prepare_for_training"):  # the 5.x loop's pieces this class is built of
+    import transformers as _transformers
+
+    raise ImportError(
+        f"checkpointless.integrations.transformers needs transformers 5.x (found {_transformers.__version__}): "
+        "pip install 'checkpointless[transformers]'"
+    )
+
+
+def _refusals(trainer: _HFTrainer) -> list[str]:
+    args = trainer.args
+    out = []
+    if getattr(args, "deepspeed", None):
+        out.append("DeepSpeed (TrainingArguments.deepspeed)")
+    if getattr(args, "fsdp", None):
+        out.append("FSDP (TrainingArguments.fsdp; use checkpointless's sharded Session)")
+    if getattr(args, "n_gpu", 1) > 1:
+        out.append(f"DataParallel over {args.n_gpu} GPUs in one process (n_gpu > 1)")
+    if getattr(args, "auto_find_batch_size", False):
+        out.append("auto_find_batch_size")
+    if getattr(args, "parallelism_config", None) is not None:
+        out.append("parallelism_config (tensor, sequence or context parallelism)")
+    if isinstance(trainer.train_dataset, torch.utils.data.IterableDataset):
+        out.append("an IterableDataset as train_dataset (give a map-style dataset)")
+    return out
+
+
+class Trainer(_HFTrainer):
+    """``transformers.Trainer``, checkpointless under ``checkpointless launch`` (module docstring)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._session: Any = None
+        super().__init__(*args, **kwargs)
+        if not under_launcher():
+            return
+        os.environ.update(_hidden)  # accelerate's state exists now, in single-process mode
+        refused = _refusals(self)
+        if refused:
+            raise ValueError(
+                "checkpointless.integrations.transformers.Trainer does not support " + "; ".join(refused)
+            )
+
+    def _rank(self) -> int:
+        return self._session.rank if self._session is not None else int(os.environ.get("RANK", "0"))
+
+    def is_world_process_zero(self) -> bool:
+        return super().is_world_process_zero() if not under_launcher() else self._rank() == 0
+
+    def is_local_process_zero(self) -> bool:
+        return super().is_local_process_zero() if not under_launcher() else self._rank() == 0
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        """Rank 0 alone writes a checkpoint (the replicas are equal; accelerate's single-process
+        mode would have every rank write the same files at once)."""
+        if not under_launcher() or self._rank() == 0:
+            super()._save_checkpoint(model, trial)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        if not under_launcher() or self._rank() == 0:
+            super().save_model(output_dir, _internal_call)
+
+    @property
+    def session(self) -> Any:
+        """The ``checkpointless.Session`` of the training under way (None before ``train``, or without a launcher)."""
+        return self._session
+
+    def _train_data(self) -> tuple[Any, Any]:
+        """The train set and its collator, as ``Trainer`` prepares them for its DataLoader."""
+        dataset, collator = self.train_dataset, self.data_collator
+        try:
+            import datasets
+
+            if isinstance(dataset, datasets.Dataset):
+                return self._remove_unused_columns(dataset, description="training"), collator
+        except ImportError:
+            pass
+        return dataset, self._get_collator_with_removed_columns(collator, description="training")
+
+    def _inner_training_loop(
+        self,
+        batch_size: int | None = None,
+        args: Any = None,
+        resume_from_checkpoint: str | None = None,
+        trial: Any = None,
+        ignore_keys_for_eval: list[str] | None = None,
+    ) -> Any:
+        if not under_launcher():
+            return super()._inner_training_loop(
+                batch_size=batch_size, args=args, resume_from_checkpoint=resume_from_checkpoint,
+                trial=trial, ignore_keys_for_eval=ignore_keys_for_eval,
+            )  # fmt: skip
+        from checkpointless.session import Session
+
+        args = args or self.args
+        self.accelerator.free_memory()
+        ranks = JobConfig.from_json(os.environ[ENV_CONFIG]).workers
+        accumulation = args.gradient_accumulation_steps
+        dataset, collator = self._train_data()
+        micro_global = self._train_batch_size * ranks  # samples per micro-batch, over every rank
+        micro_per_epoch = len(dataset) // micro_global
+        if micro_per_epoch < accumulation:
+            raise ValueError(
+                f"the train set has {len(dataset)} samples: fewer than one optimizer step of "
+                f"{accumulation} x {micro_global} (gradient_accumulation_steps x per_device_train_batch_size "
+                f"x {ranks} ranks)"
+            )
+        per_epoch = micro_per_epoch // accumulation
+        max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * per_epoch)
+        epochs = math.ceil(max_steps / per_epoch)
+        self._init_training_state(max_steps, per_epoch, epochs, resume_from_checkpoint, trial)
+        model, _ = self._prepare_for_training(max_steps, None, resume_from_checkpoint)
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper
+        state: dict[str, Any] = {"lr_scheduler": self.lr_scheduler}
+        if getattr(self.accelerator, "scaler", None) is not None:
+            state["grad_scaler"] = self.accelerator.scaler
+        session = self._session = Session(self.model, optimizer, state=state, seed=args.seed)
+        seed = args.data_seed if args.data_seed is not None else args.seed
+        loader = session.loader(
+            dataset, micro_global, shuffle=True, seed=seed, collate_fn=collator,
+            num_workers=args.dataloader_num_workers, drop_last=True, pin_memory=args.dataloader_pin_memory,
+        )  # fmt: skip
+        self.callback_handler.train_dataloader = loader
+
+        start_time = time.time()
+        self._initial_num_input_tokens_seen = self.state.num_input_tokens_seen
+        self._initial_global_step = self.state.global_step
+        self._tr_loss = torch.tensor(0.0, device=args.device)
+        self._total_loss_scalar = 0.0
+        self._globalstep_last_logged = self.state.global_step
+        model.zero_grad()
+        self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
+        if args.eval_on_start:
+            self._evaluate(trial, ignore_keys_for_eval, skip_scheduler=True)
+        plateau = isinstance(self.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+        assert self.optimizer is not None and self.lr_scheduler is not None  # made by _prepare_for_training
+        for step in session.steps(max_steps, start=self.state.global_step):
+            self.state.global_step = step  # a step executed again after a recovery starts here too
+            grad_norm: Any = None
+            learning_rate = None
+            with session.attempt() as attempt:
+                self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
+                micro = [loader.batch(step * accumulation + i) for i in range(accumulation)]
+                items = self._get_num_items_in_batch(micro, args.device)
+                self.current_gradient_accumulation_steps = accumulation
+                losses = []
+                for i, inputs in enumerate(micro):
+                    last = i == accumulation - 1
+                    self.accelerator.gradient_state._set_sync_gradients(last)
+                    with contextlib.nullcontext() if last else session.no_sync():
+                        losses.append(self.training_step(model, inputs, items))
+                session.reduce_gradients()
+                if args.max_grad_norm > 0:
+                    grad_norm = self._clip_grad_norm(model)
+                grad_norm = self._get_grad_norm(model, grad_norm=grad_norm)
+                self.control = self.callback_handler.on_pre_optimizer_step(args, self.state, self.control)
+                self.optimizer.step()
+                self.control = self.callback_handler.on_optimizer_step(args, self.state, self.control)
+                learning_rate = self._get_learning_rate()
+                if not self.accelerator.optimizer_step_was_skipped and not plateau:
+                    self.lr_scheduler.step()
+                model.zero_grad()
+            if not attempt.committed:
+                continue  # recovered: the same step again
+            for loss, inputs in zip(losses, micro, strict=True):
+                self._tr_loss += loss
+                self.current_flos += float(self.floating_point_ops(inputs))  # type: ignore[assignment]
+                self._track_num_input_tokens(inputs)
+            self.state.global_step = step + 1
+            self.state.epoch = (step + 1) / per_epoch  # type: ignore[assignment]
+            self.control = self.callback_handler.on_step_end(args, self.state, self.control)
+            self._maybe_log_save_evaluate(
+                self._tr_loss, grad_norm, model, trial, int(step // per_epoch), ignore_keys_for_eval, start_time,
+                learning_rate=learning_rate,
+            )  # fmt: skip
+            if self.control.should_training_stop:
+                break
+        loader.close()
+        self.control = self.callback_handler.on_epoch_end(args, self.state, self.control)
+        session.finish()
+        return self._finalize_training(trial, max_steps * micro_global * accumulation, start_time)

@@ -1,0 +1,96 @@
+"""A Hugging Face ``Trainer`` script made checkpointless by its import line
+(``checkpointless.integrations.transformers.Trainer``): under the launcher a kill, an exception and
+a hang end bitwise equal to the fault-free run, with the Trainer's own accumulation, clipping,
+schedule, logging, evaluation and checkpoints; a resumed run ends where the uninterrupted one does;
+alone (no launcher) it is the plain ``transformers.Trainer``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.jobs import logs_of, run_job
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = str(ROOT / "tests" / "scripts" / "hf_trainer.py")
+STEPS = 12
+
+
+def _command(out: Path, *extra: str) -> list[str]:
+    return [sys.executable, SCRIPT, str(out), str(STEPS), *extra]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    out = tmp_path_factory.mktemp("hf-reference")
+    job = run_job(workers=2, spares=0, steps=STEPS, command=_command(out), timeout_s=400)
+    assert job.ok, f"{job.error}\n{logs_of(job)}"
+    assert job.digest is not None
+    return job.digest, out
+
+
+@pytest.mark.parametrize(
+    "faults", [["kill:rank=1@step=7"], ["exception:rank=0@step=5"], ["kill:rank=0@step=3", "exception:rank=1@step=9"]],
+    ids=["kill", "exception", "kill-then-exception"],
+)  # fmt: skip
+def test_a_trainer_script_recovers_bitwise(
+    tmp_path: Path, reference: tuple[str, Path], faults: list[str]
+) -> None:
+    job = run_job(workers=2, spares=1, steps=STEPS, command=_command(tmp_path), faults=faults, timeout_s=400)
+    assert job.ok, f"{job.error}\n{logs_of(job)}"
+    assert job.digest == reference[0]
+    # the Trainer's own checkpoints, written once (rank 0), at save_steps
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("checkpoint-")) == [
+        "checkpoint-12",
+        "checkpoint-6",
+    ]
+
+
+def test_a_hung_rank_of_a_bf16_trainer_is_replaced_bitwise(tmp_path: Path) -> None:
+    ref = run_job(
+        workers=2, spares=0, steps=STEPS, command=_command(tmp_path / "ref", "--bf16"), timeout_s=400
+    )
+    assert ref.ok, f"{ref.error}\n{logs_of(ref)}"
+    hung = run_job(workers=2, spares=1, steps=STEPS, command=_command(tmp_path / "hung", "--bf16"),
+                   faults=["hang:rank=1@step=4"], hang_timeout_s=3.0, timeout_s=400)  # fmt: skip
+    assert hung.ok, f"{hung.error}\n{logs_of(hung)}"
+    assert hung.digest == ref.digest
+
+
+def test_resuming_from_the_trainers_checkpoint_ends_where_the_whole_run_does(
+    tmp_path: Path, reference: tuple[str, Path]
+) -> None:
+    digest, out = reference
+    job = run_job(workers=2, spares=0, steps=STEPS, timeout_s=400,
+                  command=_command(tmp_path, "--resume", str(out / "checkpoint-6")))  # fmt: skip
+    assert job.ok, f"{job.error}\n{logs_of(job)}"
+    assert job.digest == digest
+    committed = sorted({e["step"] for e in job.events if e["kind"] == "step_committed"})
+    assert committed == list(range(6, STEPS))  # started at step 6, no step done twice
+
+
+def test_an_unsupported_setting_is_refused_in_one_line(tmp_path: Path) -> None:
+    job = run_job(workers=2, spares=0, steps=STEPS, command=_command(tmp_path, "--iterable"), timeout_s=200)
+    assert not job.ok
+    assert "does not support an IterableDataset" in (job.error or ""), job.error
+
+
+@pytest.mark.timeout(300)
+def test_the_trainer_script_runs_alone_as_a_plain_trainer(tmp_path: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    for name in list(env):
+        if name.startswith("CHECKPOINTLESS_"):
+            del env[name]
+    run = subprocess.run([sys.executable, SCRIPT, str(tmp_path), "4"], capture_output=True, text=True,
+                         timeout=240, env=env)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "trained 4 steps" in run.stdout

@@ -1,0 +1,91 @@
+"""A Hugging Face ``Trainer`` script of the usual shape (the integration tests run it unchanged but
+for its import line): a small causal LM built from a config, a map-style dataset, gradient
+accumulation, clipping, a cosine schedule with warm-up, logging, evaluation and checkpoints.
+
+Usage: hf_trainer.py OUTPUT_DIR STEPS [--bf16] [--resume CHECKPOINT] [--iterable]
+(``--iterable``: the train set as an ``IterableDataset``, which the integration refuses)
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+
+from checkpointless.integrations.transformers import Trainer
+
+
+class Tokens(torch.utils.data.Dataset):
+    """Fixed pseudo-random token sequences (a real script reads a tokenized corpus)."""
+
+    def __init__(self, n: int, length: int, vocab: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.data = torch.randint(0, vocab, (n, length), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.data[i], "labels": self.data[i].clone()}
+
+
+class Stream(torch.utils.data.IterableDataset):
+    def __init__(self, inner: Tokens) -> None:
+        self.inner = inner
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(self.inner[i] for i in range(len(self.inner)))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("output_dir")
+    p.add_argument("steps", type=int)
+    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--resume", default=None)
+    p.add_argument("--iterable", action="store_true")
+    a = p.parse_args()
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    model = LlamaForCausalLM(config)
+    args = TrainingArguments(
+        output_dir=a.output_dir,
+        max_steps=a.steps,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        learning_rate=3e-3,
+        lr_scheduler_type="cosine",
+        warmup_steps=2,
+        max_grad_norm=0.5,
+        logging_steps=2,
+        eval_strategy="steps",
+        eval_steps=5,
+        per_device_eval_batch_size=4,
+        save_steps=6,
+        save_total_limit=2,
+        bf16=a.bf16,
+        use_cpu=True,
+        report_to=[],
+        seed=7,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    train: torch.utils.data.Dataset = Tokens(96, 16, 128, 1)
+    if a.iterable:
+        train = Stream(train)
+    trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=Tokens(8, 16, 128, 2))
+    out = trainer.train(resume_from_checkpoint=a.resume)
+    print(f"trained {out.global_step} steps, loss {out.training_loss:.4f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
