@@ -372,11 +372,13 @@ def _cut_host_off(duration: float | None) -> None:
         raise InjectedFault(
             "a partition fault needs a host of its own (checkpointless cluster, or an agent's --addr)"
         )
-    script = f"ip link set {ifname} down"
+    # down before this step goes on (a detached ``ip`` raced the step's own reduction, which could
+    # still complete and commit the step), up again later from a process of its own
+    subprocess.run(["ip", "link", "set", ifname, "down"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL, timeout=10, check=False)  # fmt: skip
     if duration is not None:
-        script += f"; sleep {duration:g}; ip link set {ifname} up"
-    subprocess.Popen(["sh", "-c", script], start_new_session=True, stdin=subprocess.DEVNULL,
-                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        subprocess.Popen(["sh", "-c", f"sleep {duration:g}; ip link set {ifname} up"], start_new_session=True,
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
 
 
 class _OnFire(Protocol):

@@ -474,6 +474,8 @@ class ControlClient:
         """Non-blocking check, on the heartbeat connection (safe while the main one blocks); relayed,
         on a connection of its own to the control store (the relay holds heartbeats only)."""
         if self._relayed:
+            if key == keys.JOB_STOP:  # asked at every step boundary: the relay's answer, on this host
+                return self._relay_stopped()
             return self._probe_is_set(key)
         with self._hb_lock:
             if self._broken:
@@ -499,6 +501,17 @@ class ControlClient:
                     return True
             time.sleep(0.01)
         return False
+
+    def _relay_stopped(self) -> bool:
+        with self._hb_lock:
+            if self._broken:
+                return False
+            try:
+                text = self._hb_store.get(keys.HOST_LEASE)
+            except (RuntimeError, OSError) as e:
+                self._lost(e)
+                return False
+        return text is not None and bool(json.loads(text).get("stopped"))
 
     def _probe_is_set(self, key: str) -> bool:
         with self._probe_lock:

@@ -141,6 +141,6 @@ def relayed(proc: str) -> str:
 
 
 HOST_LEASE = "host/lease"
-"""In a host agent's relay store: JSON {acked, aborted}: when (``time.monotonic()``, one clock on a
-host) the relay's last round trip with the control store that got an answer was sent, and the
-generations it saw aborted. A relayed process's lease is the relay's (``ControlClient._ack``)."""
+"""In a host agent's relay store: JSON {acked, aborted, stopped}: when (``time.monotonic()``, one clock on a
+host) the relay's last round trip with the control store that got an answer was sent, the
+generations it saw aborted, whether the job was stopped. A relayed process's lease is the relay's (``ControlClient._ack``)."""

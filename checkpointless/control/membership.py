@@ -149,6 +149,10 @@ class Membership:
         self._publish_value(keys.LATEST_GEN, "0")
         self._emit(Event.GENERATION_STARTED, gen=0, members=self.plan.members, resume_step=0)
 
+    def add_spare(self, h: ProcessHandle) -> None:
+        """A spare started outside the pool's own refills (a host that rejoined the job)."""
+        self._add(h, Role.SPARE)
+
     def _add(self, h: ProcessHandle, role: Role) -> None:
         now = self._clock()
         self.procs[h.name] = _Proc(h, role, last_change=now, started=now, read_since=time.time())

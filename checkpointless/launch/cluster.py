@@ -78,6 +78,9 @@ class LocalCluster:
                             "--secret-file", str(secret_file), "--nproc-per-node", str(self.nproc_per_node),
                             "--addr", net.addr(i), "--log-dir", str(log_dir(name)),
                             "--join-timeout", str(self.join_timeout_s),
+                            # a host back from a partition rejoins as a spare host (the command's own
+                            # end removes every host, so no agent outlives it)
+                            "--rejoin-window", "60",
                         ]  # fmt: skip
                         argv += ["--spare"] if i >= self.nodes else ["--node-rank", str(i)]
                         f = open(log_dir(name) / "agent.log", "wb")  # noqa: SIM115 (closed below)
@@ -196,6 +199,10 @@ def cmd_agent(argv: list[str]) -> int:
     p.add_argument("--clock-skew", type=float, default=0.0, metavar="S",
                    help="add S seconds to this host's processes' wall clock in their events and heartbeats "
                    "(plays a host whose clock is off; the coordinator's clock offsets undo it)")  # fmt: skip
+    p.add_argument("--rejoin-window", type=float, default=0.0, metavar="S",
+                   help="once cut off from the coordinator for its lease, this host stops its processes and "
+                   "waits up to S seconds for the coordinator to answer again, then rejoins the job as a "
+                   "spare host (default 0: it exits at once, code 3)")  # fmt: skip
     args = p.parse_args(own)
     if not command:
         raise UsageError("checkpointless agent: give the training command after --, e.g. -- python train.py")
@@ -212,7 +219,7 @@ def cmd_agent(argv: list[str]) -> int:
     agent = Agent(
         args.coordinator, secret, command, nproc=args.nproc_per_node, spare=args.spare, host=args.host_name,
         addr=args.addr, log_dir=args.log_dir, node_rank=args.node_rank, join_timeout_s=args.join_timeout,
-        clock_skew_s=args.clock_skew,
+        clock_skew_s=args.clock_skew, rejoin_window_s=args.rejoin_window,
     )  # fmt: skip
     try:
         return main_agent(agent)

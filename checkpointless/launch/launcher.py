@@ -343,8 +343,8 @@ class Launcher:
             self.remote = RemoteNodes(
                 self.store, self.job, nodes=c.nodes, nproc_per_node=c.nproc_per_node,
                 spare_nodes=c.spare_nodes, spares_per_node=c.spares_per_node, job_id=self.job_id,
-                emit=lambda **f: self._record(event(
-                    Event.HOST_LOST, proc="coordinator", gen=self._coord.plan.gen if self._coord and self._coord.plan else 0, **f)),
+                emit=lambda kind, **f: self._record(event(
+                    kind, proc="coordinator", gen=self._coord.plan.gen if self._coord and self._coord.plan else 0, **f)),
             )  # fmt: skip
         spawn_spare: Callable[[], Any] = (
             self.remote.spawn_spare if self.remote is not None else self.agent.spawn_spare  # type: ignore[union-attr]
@@ -375,6 +375,13 @@ class Launcher:
             )
             self.remote.is_worker = lambda n: n in coord.procs and coord.procs[n].role == Role.WORKER
             coord.probe = self.remote.probe
+            remote = self.remote
+
+            def rejoined(host: Any) -> None:  # a lost host came back: a spare host now
+                for _ in range(host.nproc):
+                    coord.add_spare(remote.spawn_spare_on(host))
+
+            remote.on_rejoin = rejoined
         error: str | None = None
         interrupted: int | None = None
         try:

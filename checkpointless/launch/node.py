@@ -20,6 +20,7 @@ import logging
 import os
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -89,8 +90,11 @@ class Agent:
         node_rank: int | None = None,
         join_timeout_s: float = 60.0,
         clock_skew_s: float = 0.0,
+        rejoin_window_s: float = 0.0,
     ) -> None:
         self.coordinator, self._secret, self.command = coordinator, secret, command
+        self.rejoin_window_s = rejoin_window_s
+        self._fenced_at: float | None = None  # when it fenced its host, waiting to rejoin
         self.clock_skew_s = clock_skew_s
         self.nproc, self.spare, self.node_rank = nproc, spare, node_rank
         self.host = host or socket.gethostname()
@@ -106,6 +110,7 @@ class Agent:
         self._last_usage: dict[str, Any] = {}
         self._closing = False
         self._lease_s = 1.0
+        self._reset_done: int | None = None  # the index of the last reset order carried out
 
     # -- joining ------------------------------------------------------------------------
     def join(self) -> tuple[JobConfig, str, int]:
@@ -238,11 +243,15 @@ class Agent:
                     store.set(keys.REPORT_BELL, "1")
                 store.add(keys.AGENTS_COUNT, 0)  # the round trip that renews the lease
                 last_ok = time.monotonic()
+                self._fenced_at = None  # the coordinator answers again (it resets this host if lost)
                 if stopped:
                     return 0
             except (RuntimeError, OSError) as e:
                 silent = time.monotonic() - last_ok
-                if silent > self._lease_s and not (
+                if self._fenced_at is not None:
+                    if time.monotonic() - self._fenced_at > self.rejoin_window_s:
+                        self._exit_lost(silent)
+                elif silent > self._lease_s and not (
                     silent <= SLOW_STORE_CAP * self._lease_s
                     and store_accepts(self.coordinator, self._lease_s / 2)
                 ):  # a store that still accepts connections is late, not gone (client.py)
@@ -255,18 +264,31 @@ class Agent:
                     store = self._connect(self._lease_s - silent)
 
     def _fence(self, silent: float) -> None:
-        """The coordinator is out of reach for the lease: stop this host's training, now."""
+        """The coordinator is out of reach for the lease: stop this host's training, now; then exit,
+        or wait ``rejoin_window_s`` for the coordinator to answer again (a partition that heals)."""
         for child in list(self.agent.children.values()):
             with contextlib.suppress(OSError):
                 child.kill()
         print(f"checkpointless agent {self.host}: lost the coordinator at {self.coordinator} (no answer for "
               f"{silent:.1f}s, lease {self._lease_s:g}s); stopped every process of this host", file=sys.stderr,
               flush=True)  # fmt: skip
+        if self.rejoin_window_s <= 0:
+            os._exit(EXIT_LOST)
+        self._fenced_at = time.monotonic()
+        print(f"checkpointless agent {self.host}: waiting up to {self.rejoin_window_s:g}s for the coordinator to "
+              "come back (then this host rejoins as a spare host)", file=sys.stderr, flush=True)  # fmt: skip
+
+    def _exit_lost(self, silent: float) -> None:
+        print(f"checkpointless agent {self.host}: the coordinator at {self.coordinator} did not come back "
+              f"({silent:.1f}s without an answer); exiting", file=sys.stderr, flush=True)  # fmt: skip
         os._exit(EXIT_LOST)
 
     def _connect(self, left: float) -> SignedStore:
+        # a round trip waits at most a quarter lease: a connection stuck behind a partition is
+        # dropped and dialled again (a new one works at once when the link is back; the old one
+        # waits for TCP's retransmission back-off, seconds after the link healed)
         return SignedStore(
-            redial(self.coordinator, left, timedelta(seconds=max(0.2, left))),
+            redial(self.coordinator, left, timedelta(seconds=min(max(0.2, left), self._lease_s / 4))),
             self._secret, namespace=job_namespace(self._secret),
         )  # fmt: skip
 
@@ -289,8 +311,23 @@ class Agent:
                 child.kill()
         elif op == "ping":  # the coordinator asks for a sign of life: the status that follows
             pass
+        elif op == "reset":  # this host was lost (a partition it came back from): its processes go
+            self._reset(int(order.get("index", -1)))
         elif op == "stop":  # a grace period (the ranks see job/stop), then by force (``_stop_late``)
             self._stopping = self._stopping or time.monotonic() + _STOP_GRACE_S
+
+    def _reset(self, index: int) -> None:
+        """Kill every process of this host and wait until they are gone; the status then says
+        ``reset``: the coordinator takes the host back as a spare host (``RemoteNodes._rejoin``)."""
+        for child in list(self.agent.children.values()):
+            child.kill()
+        for child in list(self.agent.children.values()):
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                child.popen.wait(timeout=5)
+        self._failed_spawns.clear()
+        self._reset_done = index
+        log.warning("agent %s: this host was lost to the job; its processes are stopped, it waits as a spare host",
+                    self.host)  # fmt: skip
 
     def _stop_late(self) -> None:
         """Kill what is still alive once the stop's grace period is over."""
@@ -316,10 +353,10 @@ class Agent:
         self._seq += 1
         if self._seq % 5 == 1:  # every few beats: a second or so apart, what the launcher records
             self._last_usage = self._sampler.sample()
-        store.set(
-            keys.node_status(self.host),
-            json.dumps({"seq": self._seq, "procs": procs, "stopped": stopped, "usage": self._last_usage}),
-        )
+        status = {"seq": self._seq, "procs": procs, "stopped": stopped, "usage": self._last_usage}
+        if self._reset_done is not None:
+            status["reset"] = self._reset_done
+        store.set(keys.node_status(self.host), json.dumps(status))
         return stopped
 
 

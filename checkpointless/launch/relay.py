@@ -13,7 +13,8 @@ against it (``ControlClient(relay=...)``), and every heartbeat interval the rela
    every process's latest heartbeat (``node/<host>/relay``): both ``set``s, no reply awaited;
 3. makes one round trip to the coordinator's store: it renews the host's lease, proves that the
    writes before it arrived, and asks whether the generation its ranks are in was aborted, which it
-   passes on in its own store where the ranks look for it (``ControlClient.watch_abort``).
+   passes on in its own store where the ranks look for it (``ControlClient.watch_abort``); once a
+   second, one more asks whether the job was stopped, which the ranks ask at every step boundary.
 
 The coordinator thus reads one key per host per tick and one chunk per host per tick with events.
 Plans, failure reports, final digests and waits still go from each process to the coordinator's
@@ -45,6 +46,11 @@ from checkpointless.control.client import redial
 from checkpointless.control.vocab import Phase
 
 log = logging.getLogger(__name__)
+
+
+_STOP_EVERY = 10
+"""Beats between two looks at the job's stop key (a second at the default interval): each rank asks
+at every step boundary, and the stop's grace period is seconds."""
 
 
 class Relay:
@@ -81,6 +87,7 @@ class Relay:
         self._lines: list[str] = []  # events read from the local store, not yet in a chunk
         self._acked: dict[str, int] = {}  # process -> its chunks known to have reached the coordinator
         self._aborted: list[int] = []  # generations seen aborted (the newest few)
+        self._stopped = False  # the job was stopped (``keys.JOB_STOP``)
         self._seq = 0
         self._last_ok = time.monotonic()
         self.forwarded = 0  # relay values written (tests, benchmarks)
@@ -163,9 +170,12 @@ class Relay:
             if up.raw.check([up.name(key)]) and gen >= 0:
                 self._aborted.append(gen)
         del self._aborted[:-8]  # a process watches its current generation only
+        if not self._stopped and self._seq % _STOP_EVERY == 1:  # the ranks look at every step boundary
+            self._stopped = bool(up.raw.check([up.name(keys.JOB_STOP)]))
         self._unacked.clear()
         self._last_ok = sent
-        self._local.set(keys.HOST_LEASE, json.dumps({"acked": sent, "aborted": self._aborted}))
+        lease = {"acked": sent, "aborted": self._aborted, "stopped": self._stopped}
+        self._local.set(keys.HOST_LEASE, json.dumps(lease))
         for name, n in self._chunks_read.items():  # what reached the coordinator (``ControlClient.drain``)
             if self._acked.get(name) != n:
                 self._local.set(keys.relayed(name), str(n))

@@ -38,7 +38,7 @@ from typing import Any
 from checkpointless.config import JobConfig
 from checkpointless.control import keys
 from checkpointless.control.auth import SignedStore
-from checkpointless.control.vocab import Role
+from checkpointless.control.vocab import Event, Role
 from checkpointless.errors import JobFailed
 
 log = logging.getLogger(__name__)
@@ -97,6 +97,8 @@ class _Host:
     asked: float | None = None  # when an order the agent has not answered yet was sent (kill, ping)
     asked_seq: int = -1  # its status's sequence number then: any later status is the answer
     last_ping: float = float("-inf")
+    reset: int | None = None  # lost: the index of the order that resets its agent (``rejoin``)
+    lost_at: float = 0.0  # the coordinator's clock when it was lost
 
 
 class RemoteProcess:
@@ -107,6 +109,7 @@ class RemoteProcess:
     def __init__(self, name: str, host: _Host, nodes: RemoteNodes) -> None:
         self.name, self._host, self._nodes = name, host, nodes
         self.host = host.name
+        self.lost = ""  # why its host was lost: dead to the job for good, even if the host comes back
 
     @property
     def pid(self) -> int:
@@ -120,14 +123,14 @@ class RemoteProcess:
         return report if isinstance(report, dict) else None
 
     def alive(self) -> bool:
-        if self._host.lost:
+        if self._host.lost or self.lost:
             return False
         report = self._report()
         return report is None or bool(report.get("alive"))  # not reported yet: being started
 
     def kill(self) -> None:
         """A request: the agent kills it and reports the exit."""
-        if not self._host.lost:
+        if not self._host.lost and not self.lost:
             self._nodes.order(self._host, {"op": "kill", "name": self.name})
 
     def exitcode(self) -> int | None:
@@ -137,8 +140,8 @@ class RemoteProcess:
         return int(report["exit"])
 
     def log_tail(self) -> str:
-        if self._host.lost:
-            return f"host {self.host} lost: {self._host.lost}"
+        if self._host.lost or self.lost:
+            return f"host {self.host} lost: {self._host.lost or self.lost}"
         report = self._report()
         return str(report.get("tail", "")) if report else ""
 
@@ -146,7 +149,7 @@ class RemoteProcess:
         """The CPU time its agent last reported; None once that report is older than two of the
         agent's beats (a busy process must not look idle because its agent's news is late)."""
         report = self._report()
-        if self._host.lost or report is None or report.get("cpu") is None:
+        if self._host.lost or self.lost or report is None or report.get("cpu") is None:
             return None
         if self._nodes.age(self._host) > 2 * self._nodes.beat_s:
             return None
@@ -180,6 +183,8 @@ class RemoteNodes:
         self.store, self.job, self.job_id = store, job, job_id
         self.nodes, self.nproc, self.spare_nodes = nodes, nproc_per_node, spare_nodes
         self._emit, self._clock = emit, clock
+        # a lost host's agent came back with none of its processes left: it serves as a spare host
+        self.on_rejoin: Callable[[_Host], None] = lambda host: None
         self.hosts: dict[str, _Host] = {}
         self.children: dict[str, RemoteProcess] = {}
         self._tickets = 0  # agents' hellos read so far
@@ -344,12 +349,14 @@ class RemoteNodes:
         """Read every host's status in one round trip; declare silent hosts lost."""
         now = self._clock()
         live = [h for h in self.hosts.values() if not h.lost]
-        if not live:
+        back = [h for h in self.hosts.values() if h.lost and h.reset is not None]  # may come back
+        if not live and not back:
             return
-        names = [keys.node_status(h.name) for h in live]
+        names = [keys.node_status(h.name) for h in live + back]
         present = [
-            h for h, k in zip(live, names, strict=True) if h.raw or self.store.raw.check([self.store.name(k)])
-        ]
+            h for h, k in zip(live + back, names, strict=True)
+            if h.raw or self.store.raw.check([self.store.name(k)])
+        ]  # fmt: skip
         raws = self.store.get_sealed_present([keys.node_status(h.name) for h in present])
         for h, raw in zip(present, raws, strict=True):
             if raw == h.raw:
@@ -363,6 +370,8 @@ class RemoteNodes:
             h.raw, h.status, h.seq, h.heard = raw, status, int(status["seq"]), now
             if h.asked is not None and h.seq > h.asked_seq:
                 h.asked = None  # answered
+            if h.lost and status.get("reset") == h.reset:
+                self._rejoin(h, now)
         heard: dict[str, float] = {}  # the latest heartbeat of any process of each host
         for n, p in self.children.items():
             heard[p.host] = max(heard.get(p.host, float("-inf")), self.heard_from(n))
@@ -377,14 +386,30 @@ class RemoteNodes:
                 )
 
     def _lose(self, h: _Host, why: str, silent: float) -> None:
-        h.lost = why
+        h.lost, h.lost_at = why, self._clock()
         log.warning("host %s lost: %s", h.name, why)
-        procs = sorted(n for n, p in self.children.items() if p._host is h)
-        self._emit(host=h.name, node=h.node, silent_s=round(silent, 3), why=why, procs=procs)
-        # an agent cut off for less than its lease reads this once it is back: it stops what is
-        # left of its processes (they gave up their ranks by their own lease) and exits
+        procs = sorted(n for n, p in self.children.items() if p._host is h and not p.lost)
+        for n in procs:
+            self.children[n].lost = why
+        self._emit(Event.HOST_LOST, host=h.name, node=h.node, silent_s=round(silent, 3), why=why, procs=procs)
+        # an agent cut off for less than its lease reads this once it is back: it kills what is
+        # left of its processes (they gave up their ranks by their own lease) and says so; the
+        # host then rejoins as a spare host (``_rejoin``). One that fenced itself is gone for good.
         with contextlib.suppress(RuntimeError, OSError):
-            self.order(h, {"op": "stop"})
+            h.reset = h.orders  # the index this order gets
+            self.order(h, {"op": "reset", "index": h.reset})
+
+    def _rejoin(self, h: _Host, now: float) -> None:
+        """A lost host's agent answered its reset: none of its old processes lives (their ranks
+        went to others, nothing of theirs is accepted: they are no longer members), so the host
+        takes spares as a spare host does."""
+        away = now - h.lost_at
+        log.warning(
+            "host %s is back after %.1fs, its processes gone: it serves as a spare host", h.name, away
+        )
+        h.lost, h.reset, h.spare, h.asked, h.heard = "", None, True, None, now
+        self._emit(Event.HOST_REJOINED, host=h.name, node=h.node, away_s=round(away, 3))
+        self.on_rejoin(h)
 
     def stop(self, timeout_s: float = 8.0) -> None:
         """Order every live agent to stop its processes (politely, then by force) and wait until

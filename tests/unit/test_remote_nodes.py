@@ -29,7 +29,7 @@ def _nodes(
     job = JobConfig(workers=nodes * nproc, spares=spare_nodes * nproc)
     clock, lost = Clock(), []
     r = RemoteNodes(store, job, nodes=nodes, nproc_per_node=nproc, spare_nodes=spare_nodes, job_id="j",
-                    emit=lambda **f: lost.append(f), clock=clock)  # fmt: skip
+                    emit=lambda kind, **f: lost.append({**f, "kind": kind}), clock=clock)  # fmt: skip
     return r, store, clock, lost
 
 
@@ -159,7 +159,7 @@ def test_a_host_that_does_not_answer_an_order_is_lost_within_the_answer_window()
     r.poll()
     assert [f["host"] for f in lost] == ["b"] and "did not answer" in lost[0]["why"]
     assert [w.alive() for w in workers] == [True, True, False, False]
-    assert orders("b")[-1] == "stop"  # read by its agent should it come back
+    assert orders("b")[-1] == "reset"  # read by its agent should it come back
     # a kill order to a live host is answered: nothing lost
     workers[0].kill()
     clock.t += window / 2
@@ -171,12 +171,55 @@ def test_a_host_that_does_not_answer_an_order_is_lost_within_the_answer_window()
     assert [f["host"] for f in lost] == ["b"]
 
 
+def test_a_lost_host_whose_agent_comes_back_and_resets_rejoins_as_a_spare_host() -> None:
+    """Lost (silent), its agent is ordered to reset; a status answering that order (its processes
+    dead) makes it a spare host again, reported once; a status without it (an agent still cut off,
+    or a replay) does not."""
+    from checkpointless.launch.remote import host_timeout
+
+    r, store, clock, events = _nodes()
+    for h, p, spare in (("a", 1, False), ("b", 2, False), ("c", 3, True)):
+        _hello(store, h, p, spare=spare)
+    r.accept(timeout_s=1)
+    workers, _ = r.start()
+    rejoined: list[str] = []
+    r.on_rejoin = lambda host: rejoined.append(host.name)
+    seq = {"a": 0, "b": 0, "c": 0}
+
+    def beat(host: str, **extra: object) -> None:
+        seq[host] += 1
+        store.set(keys.node_status(host), json.dumps({"seq": seq[host], "procs": {}, **extra}))
+
+    for h in seq:
+        beat(h)
+    r.poll()
+    clock.t += host_timeout(r.job) + 0.1
+    beat("a")
+    beat("c")
+    r.poll()
+    assert [e["kind"] for e in events] == ["host_lost"] and r.hosts["b"].lost
+    reset = r.hosts["b"].reset
+    assert reset is not None and json.loads(store.get(keys.node_order("b", reset)) or "{}") == {
+        "op": "reset", "index": reset}  # fmt: skip
+    beat("b")  # back, but has not carried out the reset yet
+    r.poll()
+    assert r.hosts["b"].lost and rejoined == []
+    beat("b", reset=reset)
+    r.poll()
+    assert not r.hosts["b"].lost and r.hosts["b"].spare and rejoined == ["b"]
+    assert [e["kind"] for e in events] == ["host_lost", "host_rejoined"] and events[1]["host"] == "b"
+    beat("b", reset=reset)
+    r.poll()
+    assert rejoined == ["b"]  # once
+    assert not workers[2].alive()  # its old processes stay dead to the job
+
+
 def test_spares_per_node_keep_a_process_fault_on_its_host() -> None:
     """``--spares-per-node 1``: each worker host starts one spare of its own; a host that used its
     spare (it took a rank) gets the next one; spare hosts keep theirs."""
     store = SignedStore(dist.HashStore(), new_secret())
     job = JobConfig(workers=4, spares=2 + 2)
-    r = RemoteNodes(store, job, nodes=2, nproc_per_node=2, spare_nodes=1, job_id="j", emit=lambda **f: None,
+    r = RemoteNodes(store, job, nodes=2, nproc_per_node=2, spare_nodes=1, job_id="j", emit=lambda kind, **f: None,
                     spares_per_node=1)  # fmt: skip
     for h, p, spare in (("a", 1, False), ("b", 2, False), ("c", 3, True)):
         _hello(store, h, p, spare=spare)
@@ -189,4 +232,4 @@ def test_spares_per_node_keep_a_process_fault_on_its_host() -> None:
     assert refill is not None and refill.host == "a"
     with pytest.raises(ValueError, match="spare\\(s\\) per node"):
         RemoteNodes(store, JobConfig(workers=4, spares=2), nodes=2, nproc_per_node=2, spare_nodes=1, job_id="j",
-                    emit=lambda **f: None, spares_per_node=1)  # fmt: skip
+                    emit=lambda kind, **f: None, spares_per_node=1)  # fmt: skip
