@@ -37,6 +37,14 @@ log = logging.getLogger(__name__)
 _BUSY_SHARE = 0.1
 
 
+def _hint(tail: str) -> str:
+    """What a script's last error line usually means under the launcher ("" when nothing is known)."""
+    if "process group has not been initialized" in tail or "init_process_group" in tail:
+        return (" (a torch.distributed call, such as DistributedSampler(dataset), before checkpointless.Session(): "
+                "the rank is known once the session exists; read the data with session.loader(...))")  # fmt: skip
+    return ""
+
+
 class Detection(Membership):
     """The detection rules, over the process table, the clock and the job's recovery settings."""
 
@@ -113,7 +121,7 @@ class Detection(Membership):
             if role == Role.SPARE:
                 self._spare_died(name, f"{what}; last log line: {tail or '(empty)'}", now)
                 return
-            raise JobFailed(f"{what}; last log line: {tail or '(empty)'}")
+            raise JobFailed(f"{what}; last log line: {tail or '(empty)'}{_hint(tail)}")
         if role == Role.WORKER and code == 0 and not p.killed:
             raise JobFailed(
                 f"{name} (rank {rank}) exited with code 0 before the job finished "
@@ -125,7 +133,9 @@ class Detection(Membership):
             # An exception outside the step ended the process. Replaced once (a machine fault may
             # strike once); the same line from the replacement is the script's: no spare fixes it.
             if tail and self._crash_lines.get(rank) == tail:
-                raise JobFailed(f"rank {rank} failed twice with the same error, outside the step: {tail}")
+                raise JobFailed(
+                    f"rank {rank} failed twice with the same error, outside the step: {tail}{_hint(tail)}"
+                )
             self._crash_lines[rank] = tail
         if role == Role.WORKER and rank is not None:
             self._fail(now).dead.add(rank)

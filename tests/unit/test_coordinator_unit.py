@@ -1039,3 +1039,12 @@ def test_a_member_that_may_be_in_a_collective_until_its_timeout_is_waited_for() 
         == failed + rc.collective_timeout_s + rc.hang_timeout_s + DT
         > failed + rc.progress_timeout_s
     )
+
+
+def test_a_sampler_built_before_the_session_is_named_in_the_error() -> None:
+    """``DistributedSampler(dataset)`` before ``Session()``: torch's line, then what it means here."""
+    from checkpointless.control.detection import _hint
+
+    line = "ValueError: Default process group has not been initialized, please make sure to call init_process_group."
+    assert "DistributedSampler(dataset), before checkpointless.Session()" in _hint(line)
+    assert _hint("ZeroDivisionError: division by zero") == ""
