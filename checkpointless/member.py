@@ -31,6 +31,7 @@ from checkpointless.sockets import release_formation, sockets
 from checkpointless.state import (
     IntegrityError,
     combined_digest,
+    frozen,
     recv_state,
     send_state,
 )
@@ -394,8 +395,14 @@ class Member(ReplicaConsistency):
             # received in place, into this process's own tensors: it holds no valid state until loaded
             self._has_state = False
             mine = self._registry.state_dict()
-            state, stats = recv_state(self._group, src, between=hook, key=self._secret, into=mine)
-            del mine
+            # the frozen parameters it holds alike stay (a LoRA base): state/frozen.py
+            offered = frozen.offer(mine, self.model)
+            frozen.send_offer(self._group, src, offered)
+            received, stats = recv_state(
+                self._group, src, between=hook, key=self._secret, into={"state": mine}
+            )
+            state, kept = frozen.fill_in(received, mine, offered)
+            del mine, received
             self._registry.load_state_dict(state)
             self._buffers.commit()
             self._has_state = True
@@ -405,14 +412,18 @@ class Member(ReplicaConsistency):
             client.emit(
                 Event.TRANSFER_ENDED, rank=rank, gen=plan.gen, step=plan.resume_step, src=src,
                 bytes=stats.bytes, seconds=stats.seconds, waited_s=round(stats.waited_s, 4), sha256_ok=True,
+                kept_bytes=kept,
             )  # fmt: skip
         for dst in sorted(r for r, s in sources.items() if s == rank):
             if self._faults is not None:
                 self._faults.at_recovery(rank, plan.resume_step, self._fault_fired, at="source")
-            stats = send_state(self._group, dst, self._registry.state_dict(), key=self._secret)
+            offered = frozen.recv_offer(self._group, dst)
+            sent, kept = frozen.leave_out(self._registry.state_dict(), self.model, offered)
+            stats = send_state(self._group, dst, sent, key=self._secret)
+            del sent
             log.info(
-                "[gen %d rank %d] sent %d bytes to rank %d in %.3fs", plan.gen, rank, stats.bytes, dst,
-                stats.seconds,
+                "[gen %d rank %d] sent %d bytes to rank %d in %.3fs (%d bytes of frozen parameters it held alike "
+                "not sent)", plan.gen, rank, stats.bytes, dst, stats.seconds, kept,
             )  # fmt: skip
         if self._reducer is not None and self._reducer.stale():  # the flags came with the state
             self._rebuild_reducer(plan.resume_step, agreed=True)

@@ -20,12 +20,15 @@ With ``check_data`` (the default, and what ``checkpointless run`` uses before la
 anything), :func:`load_recipe` also opens the corpus exactly as every worker will, so a
 missing or empty ``data.source``, an invalid JSONL line, a corpus too short for one
 ``seq_len + 1`` window per split or a damaged token cache is reported up front, as one
-:class:`RecipeError` naming ``data.source``.
+:class:`RecipeError` naming ``data.source``; likewise a ``model.pretrained`` directory that is
+missing, holds no Hugging Face checkpoint, or holds one of another architecture than the recipe
+says (:func:`check_pretrained`), naming the ``model.`` key.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import typing
 from collections.abc import Iterable, Mapping
@@ -46,6 +49,7 @@ __all__ = [
     "MAX_YAML_DEPTH",
     "MAX_YAML_NODES",
     "DataConfig",
+    "LoraConfig",
     "ModelConfig",
     "OptimConfig",
     "ParallelConfig",
@@ -53,6 +57,8 @@ __all__ = [
     "RecipeError",
     "TrainConfig",
     "apply_overrides",
+    "check_lora",
+    "check_pretrained",
     "check_recipe_data",
     "load_recipe",
     "open_dataset",
@@ -98,6 +104,70 @@ def _finite_tree(key: str, value: object) -> None:
             _finite_tree(f"{key}[{i}]", v)
     else:
         _finite(key, value)
+
+
+#: ``LoraConfig.target_modules``' default: the attention projections, which both families name alike.
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+@dataclass(kw_only=True)
+class LoraConfig:
+    """A LoRA adapter (``peft``'s ``LoraConfig``): the base model is frozen, only the adapter trains.
+
+    A recovery then moves the adapter and its optimizer state only: a replacement builds the same
+    base (from ``model.pretrained``, or from the seed) and proves it identical by digest
+    (``checkpointless.state.frozen``).
+    """
+
+    rank: int = 8
+    """Rank ``r`` of the low-rank update ``B @ A`` of each targeted weight."""
+
+    alpha: float = 16.0
+    """Scale of the update: the adapter's output is multiplied by ``alpha / rank``."""
+
+    dropout: float = 0.0
+    """Dropout on the adapter's input, in [0, 1)."""
+
+    target_modules: list[str] = field(default_factory=lambda: list(ATTENTION_PROJECTIONS))
+    """Names (or name suffixes) of the ``nn.Linear`` modules that get an adapter, or the single
+    entry ``all-linear`` (every linear layer but the LM head)."""
+
+    target_parameters: list[str] = field(default_factory=list)
+    """Parameters (not modules) that get an adapter, by name suffix: GPT-OSS's experts are one
+    tensor per layer (``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``)."""
+
+    def __post_init__(self) -> None:
+        _positive("rank", self.rank)
+        _positive("alpha", self.alpha)
+        _finite("dropout", self.dropout)
+        if not 0.0 <= self.dropout < 1.0:
+            raise RecipeError("dropout", f"must be in [0, 1), got {self.dropout!r}")
+        if not self.target_modules and not self.target_parameters:
+            raise RecipeError("target_modules", "is empty and so is target_parameters: nothing to adapt")
+        for key, names in (
+            ("target_modules", self.target_modules),
+            ("target_parameters", self.target_parameters),
+        ):
+            for i, name in enumerate(names):
+                if not name:
+                    raise RecipeError(f"{key}[{i}]", "must be a non-empty name")
+        if "all-linear" in self.target_modules and len(self.target_modules) > 1:
+            raise RecipeError("target_modules", "'all-linear' must be the only entry")
+        if self.target_parameters and self.dropout:
+            raise RecipeError("dropout", "must be 0 with target_parameters (peft applies no dropout there)")
+
+    def peft_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of ``peft.LoraConfig``."""
+        targets: list[str] | str = (
+            "all-linear" if self.target_modules == ["all-linear"] else list(self.target_modules)
+        )
+        return {
+            "r": self.rank,
+            "lora_alpha": self.alpha,
+            "lora_dropout": self.dropout,
+            "target_modules": targets or None,
+            "target_parameters": list(self.target_parameters) or None,
+        }
 
 
 @dataclass(kw_only=True)
@@ -150,8 +220,23 @@ class ModelConfig:
     extra: dict[str, Any] = field(default_factory=dict)
     """Further keyword arguments passed verbatim to the ``transformers`` config class."""
 
+    pretrained: str | None = None
+    """A local directory holding a Hugging Face checkpoint of this architecture (what
+    ``save_pretrained`` writes: ``config.json`` and the weights): the model starts from its
+    weights (``from_pretrained``, local files only, never a download) instead of a seeded
+    initialisation. Every worker and spare reads it; ``checkpointless run`` checks it first."""
+
+    lora: LoraConfig | None = None
+    """Fine-tune a LoRA adapter on the frozen model instead of the whole model (``peft``)."""
+
     def __post_init__(self) -> None:
         _choice("family", self.family, typing.get_args(Family))
+        if self.family == "tiny_gpt":
+            for name in ("pretrained", "lora"):
+                if getattr(self, name) is not None:
+                    raise RecipeError(name, "needs a transformers model family ('llama' or 'gpt_oss')")
+        if self.pretrained is not None and not self.pretrained.strip():
+            raise RecipeError("pretrained", "must be a directory path (or left out)")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers"):
             _positive(name, getattr(self, name))
         _positive("num_attention_heads", self.num_attention_heads)
@@ -517,10 +602,13 @@ def recipe_from_dict(
     ``raw`` is copied (refusing recursive or oversized structures), not changed.
     ``source`` names the origin in error messages. With ``check_data`` a directory
     ``data.source`` must exist and the corpus is opened as the workers will open it (see
-    :func:`check_recipe_data`).
+    :func:`check_recipe_data`), a ``model.pretrained`` checkpoint must fit the recipe
+    (:func:`check_pretrained`) and ``model.lora`` must apply to the model (:func:`check_lora`).
     """
     recipe = loader.from_mapping(RecipeConfig, raw, overrides, source=source, what="recipe")
     if check_data:
+        check_pretrained(recipe, source=source)
+        check_lora(recipe, source=source)
         check_recipe_data(recipe, source=source)
     return recipe
 
@@ -570,6 +658,94 @@ def check_recipe_data(recipe: RecipeConfig, *, source: str = "") -> None:
         raise RecipeError("data.source", f"cannot prepare the token cache: {exc}", source=source) from None
 
 
+def _architecture(model: ModelConfig) -> dict[str, Any]:
+    """The ``config.json`` keys that decide the weights' shapes, with the recipe's effective values."""
+    arch: dict[str, Any] = {
+        "vocab_size": model.vocab_size,
+        "hidden_size": model.hidden_size,
+        "intermediate_size": model.intermediate_size,
+        "num_hidden_layers": model.num_hidden_layers,
+        "num_attention_heads": model.num_attention_heads,
+        "num_key_value_heads": model.kv_heads,
+        "head_dim": model.head_dim or model.hidden_size // model.num_attention_heads,
+        "tie_word_embeddings": model.tie_word_embeddings,
+    }
+    if model.family == "gpt_oss":
+        arch["num_local_experts"] = model.num_local_experts
+        arch["num_experts_per_tok"] = model.num_experts_per_tok
+    return arch
+
+
+#: Files of which a checkpoint directory must hold one: its weights (``save_pretrained``'s names).
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+
+
+def check_pretrained(recipe: RecipeConfig, *, source: str = "") -> None:
+    """Check ``model.pretrained`` (if set) as every worker will read it, or raise :class:`RecipeError`.
+
+    The directory must exist and hold a Hugging Face checkpoint (``config.json`` and one of
+    :data:`WEIGHT_FILES`) whose ``model_type`` is the recipe's family and whose architecture (the
+    fields that decide the weights' shapes: sizes, layers, heads, experts, tied embeddings) is the
+    recipe's, so the run cannot start from weights that do not fit. Reads ``config.json`` only.
+    """
+    model = recipe.model
+    if model.pretrained is None:
+        return
+    path = Path(model.pretrained).expanduser()
+
+    def error(key: str, message: str) -> RecipeError:
+        return RecipeError(f"model.{key}", message, source=source)
+
+    if not path.is_dir():
+        raise error("pretrained", f"directory {str(path)!r} does not exist or is not a directory")
+    config = path / "config.json"
+    if not config.is_file():
+        raise error(
+            "pretrained", f"{str(path)!r} has no config.json: not a Hugging Face checkpoint (save_pretrained)"
+        )
+    if not any((path / name).is_file() for name in WEIGHT_FILES):
+        raise error("pretrained", f"{str(path)!r} holds no weights (none of {', '.join(WEIGHT_FILES)})")
+    try:
+        saved = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise error("pretrained", f"cannot read {str(config)!r}: {' '.join(str(exc).split())}") from None
+    if not isinstance(saved, dict):
+        raise error("pretrained", f"{str(config)!r} is not a JSON object")
+    if saved.get("model_type") != model.family:
+        raise error(
+            "family",
+            f"{model.family!r}, but the checkpoint in {str(path)!r} is a {saved.get('model_type')!r} model",
+        )
+    if saved.get("head_dim") is None and isinstance(saved.get("hidden_size"), int):
+        heads = saved.get("num_attention_heads") or 1
+        saved["head_dim"] = saved["hidden_size"] // heads
+    if saved.get("num_key_value_heads") is None:
+        saved["num_key_value_heads"] = saved.get("num_attention_heads")
+    saved.setdefault("tie_word_embeddings", True)  # transformers' PretrainedConfig default
+    for key, value in _architecture(model).items():
+        if saved.get(key) != value:
+            raise error(key, f"{value!r}, but the checkpoint in {str(path)!r} has {saved.get(key)!r}")
+
+
+def check_lora(recipe: RecipeConfig, *, source: str = "") -> None:
+    """Apply ``model.lora`` to the model built on the meta device (no memory, no checkpoint read),
+    so that a target that matches nothing, or ``peft`` missing, is one :class:`RecipeError` before
+    any worker starts rather than every worker's crash. Imports ``transformers`` and ``peft``."""
+    if recipe.model.lora is None:
+        return
+    from checkpointless.recipes.models import build_hf_model
+
+    try:
+        build_hf_model(recipe.model, seed=0, device="meta")
+    except RecipeError as err:
+        raise err.located(err.key, source) from None
+
+
 def load_recipe(
     path: str | Path,
     overrides: Iterable[str] = (),
@@ -580,8 +756,9 @@ def load_recipe(
 
     ``overrides`` are ``"dotted.key=value"`` strings applied before validation. With
     ``check_data`` (default) the corpus is opened as the workers will open it (see
-    :func:`check_recipe_data`; this tokenizes it into the token cache on first use); with
-    ``check_data=False`` the data is not looked at (for dry runs of recipes meant for
+    :func:`check_recipe_data`; this tokenizes it into the token cache on first use) and a
+    ``model.pretrained`` checkpoint is checked (:func:`check_pretrained`); with
+    ``check_data=False`` neither is looked at (for dry runs of recipes meant for
     another machine). Every problem raises :class:`RecipeError` (a :class:`ValueError`)
     naming the file and the dotted key, in one line.
     """

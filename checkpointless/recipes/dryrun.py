@@ -24,9 +24,16 @@ With FSDP shard degree ``shards`` every rank holds ``1 / shards`` of all of that
 ``replicas = workers / shards`` ranks hold each shard. During forward/backward FSDP also
 gathers one full decoder layer at a time (reported as the transient ``gathered layer``).
 
+With ``model.lora`` the base is frozen: its parameters are held (in the dtype above) but have no
+grads and no optimizer state (``build_training`` gives the optimizer the adapter alone); the
+adapter's parameters have all three.
+
 Recovery: a spare that replaces a failed rank receives that rank's shard of the params and
 optimizer state (master weights and moments) from the rank holding the same shard in a
-healthy replica. Gradients are not moved: recovery happens at a step boundary, where they
+healthy replica. Frozen parameters the spare built alike (a LoRA base, from the same
+checkpoint or seed) are compared by digest and not moved (``checkpointless.state.frozen``):
+with ``model.lora`` only the adapter and its optimizer state travel (``recovery_kept_bytes``
+is the base the spare keeps). Gradients are not moved: recovery happens at a step boundary, where they
 are recomputed. A tied parameter (input embedding = LM head) is moved once per name, as
 the model's ``state_dict`` lists it (``recovery_bytes`` counts that too). The bytes moved
 therefore depend only on the model and ``shards``, not on the number of workers. With a
@@ -95,30 +102,43 @@ def dry_run(cfg: RecipeConfig) -> dict[str, Any]:
     ``spares``, ``shards``, ``replicas``, ``world_size``, ``micro_batch``,
     ``tokens_per_step``), per-rank bytes (``rank_params_bytes``, ``rank_grads_bytes``,
     ``rank_optimizer_bytes``, of which ``rank_master_bytes`` are fp32 master weights,
+    ``trainable_params`` (the adapter with ``model.lora``, else ``params``), ``lora`` (whether),
     ``rank_total_bytes``; transient: ``gathered_layer_bytes``, ``step_grads_bytes`` the fp32
     grad copy during a master-weight optimizer step), totals
     (``replica_state_bytes``: one full copy of params+grads+optimizer state;
     ``cluster_state_bytes``: all replicas), recovery (``recovery_bytes``: what one failed
     rank's replacement receives, params and optimizer state, a tied parameter under each
-    of its names; ``recovery_donors``: healthy ranks holding that shard;
-    ``recoverable``) and ``approx_flops_per_step`` (6 x active params x tokens).
+    of its names; ``recovery_kept_bytes``: frozen parameters the replacement holds alike and so
+    keeps; ``recovery_donors``: healthy ranks holding that shard; ``recoverable``) and
+    ``approx_flops_per_step`` (6 x active params x tokens).
     """
     from checkpointless.recipes.models import parameter_breakdown
 
     counts = parameter_breakdown(cfg.model)
     par = cfg.parallel
     per_param = state_bytes_per_param(par.dtype, par.shards)
-    n = counts["total"]
+    n, trained = counts["total"], counts["trainable"]
     shard_params = _ceil_div(n, par.shards)  # FSDP pads the flat parameter to a multiple of shards
-    rank = {part: shard_params * b for part, b in per_param.items()}
-    master = shard_params * master_bytes_per_param(par.dtype, par.shards)
-    tied = _ceil_div(counts["tied"], par.shards) * per_param["params"]  # sent again under its 2nd name
+    shard_trained = _ceil_div(trained, par.shards)  # frozen parameters have no grads, no optimizer state
+    rank = {
+        "params": shard_params * per_param["params"],
+        "grads": shard_trained * per_param["grads"],
+        "optimizer": shard_trained * per_param["optimizer"],
+    }
+    master = shard_trained * master_bytes_per_param(par.dtype, par.shards)
+    # a tied parameter is sent again under its 2nd name; a frozen one (and its 2nd name) is kept
+    tied = _ceil_div(counts["tied_trainable"], par.shards) * per_param["params"]
+    kept = (
+        shard_params - shard_trained + _ceil_div(counts["tied"] - counts["tied_trainable"], par.shards)
+    ) * (per_param["params"])
     rank_total = sum(rank.values())
     return {
         "name": cfg.name,
         "family": cfg.model.family,
         "dtype": par.dtype,
         "params": n,
+        "trainable_params": trained,
+        "lora": cfg.model.lora is not None,
         "active_params": counts["active"],
         "embedding_params": counts["embedding"],
         "expert_params": counts["experts"],
@@ -142,7 +162,8 @@ def dry_run(cfg: RecipeConfig) -> dict[str, Any]:
         "step_grads_bytes": master,  # fp32 grad copies, same size as the masters
         "replica_state_bytes": rank_total * par.shards,
         "cluster_state_bytes": rank_total * par.workers,
-        "recovery_bytes": rank["params"] + tied + rank["optimizer"],
+        "recovery_bytes": shard_trained * per_param["params"] + tied + rank["optimizer"],
+        "recovery_kept_bytes": kept,
         "recovery_donors": par.replicas - 1,
         "recoverable": par.replicas > 1,
         "approx_flops_per_step": 6 * counts["active"] * cfg.tokens_per_step,
@@ -170,6 +191,7 @@ def _flops(f: float) -> str:
 def format_dry_run(report: dict[str, Any]) -> str:
     """Render a :func:`dry_run` report as a human-readable table."""
     bpp = report["bytes_per_param"]
+    trained = "adapter param" if report["lora"] else "param"
     rows: list[tuple[str, str]] = [
         ("recipe", f"{report['name']} ({report['family']}, {report['dtype']})"),
         ("parameters", f"{_count(report['params'])} ({report['params']:,})"),
@@ -177,8 +199,16 @@ def format_dry_run(report: dict[str, Any]) -> str:
     if report["expert_params"]:
         rows.append(("  active per token", _count(report["active_params"])))
         rows.append(("  in experts", _count(report["expert_params"])))
+    rows.append(("  embeddings + head", _count(report["embedding_params"])))
+    if report["lora"]:
+        share = report["trainable_params"] / report["params"]
+        rows.append(
+            (
+                "  LoRA adapter",
+                f"{_count(report['trainable_params'])} trainable ({share:.2%}); the base is frozen",
+            )
+        )
     rows += [
-        ("  embeddings + head", _count(report["embedding_params"])),
         (
             "layout",
             f"{report['workers']} workers = {report['replicas']} replicas x {report['shards']} shards"
@@ -187,10 +217,10 @@ def format_dry_run(report: dict[str, Any]) -> str:
         ("batch", f"{report['micro_batch']} seq/worker, {report['tokens_per_step']:,} tokens/step"),
         ("compute", f"~{_flops(report['approx_flops_per_step'])}/step (6 x active x tokens)"),
         ("per rank: params", f"{_gib(report['rank_params_bytes'])}  ({bpp['params']} B/param / shards)"),
-        ("per rank: grads", f"{_gib(report['rank_grads_bytes'])}  ({bpp['grads']} B/param / shards)"),
+        ("per rank: grads", f"{_gib(report['rank_grads_bytes'])}  ({bpp['grads']} B/{trained} / shards)"),
         (
             "per rank: AdamW state",
-            f"{_gib(report['rank_optimizer_bytes'])}  ({bpp['optimizer']} B/param / shards"
+            f"{_gib(report['rank_optimizer_bytes'])}  ({bpp['optimizer']} B/{trained} / shards"
             + (", incl. fp32 master)" if report["rank_master_bytes"] else ")"),
         ),
         ("per rank: total", _gib(report["rank_total_bytes"])),
@@ -208,7 +238,15 @@ def format_dry_run(report: dict[str, Any]) -> str:
         ("whole cluster", _gib(report["cluster_state_bytes"])),
         (
             "recovery moves",
-            f"{_gib(report['recovery_bytes'])} per failed rank (params + AdamW shard)"
+            f"{_gib(report['recovery_bytes'])} per failed rank ("
+            + (
+                "adapter + its AdamW shard; the frozen base, "
+                + _gib(report["recovery_kept_bytes"])
+                + ", is checked by digest, not moved"
+                if report["lora"]
+                else "params + AdamW shard"
+            )
+            + ")"
             + (
                 f", from any of {report['recovery_donors']} donor(s)"
                 if report["recoverable"]

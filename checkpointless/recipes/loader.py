@@ -412,6 +412,15 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
     return parts, value
 
 
+def _section(hint: Any) -> Any:
+    """An optional section (``LoraConfig | None``) as its dataclass, so ``--set`` can reach below it."""
+    if typing.get_origin(hint) in (Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(args) == 1 and dataclasses.is_dataclass(args[0]):
+            return args[0]
+    return hint
+
+
 def apply_overrides(
     cls: type, raw: dict[str, Any], overrides: Iterable[str], *, source: str = ""
 ) -> dict[str, Any]:
@@ -438,7 +447,7 @@ def apply_overrides(
                         source=source,
                         text=f"override {item!r}: unknown key '{'.'.join(parts[: depth + 1])}'",
                     )
-                hint = typing.get_type_hints(schema)[part]
+                hint = _section(typing.get_type_hints(schema)[part])
                 if dataclasses.is_dataclass(hint):
                     schema = hint
                 elif typing.get_origin(hint) is dict or hint is Any:

@@ -119,10 +119,12 @@ def build_training(cfg: RecipeConfig, mesh: Any = None, device: torch.device | N
     oc = cfg.optim
     hyper: dict[str, Any] = {"lr": oc.lr, "betas": oc.betas, "eps": oc.eps, "weight_decay": oc.weight_decay}
     optimizer: torch.optim.Optimizer
-    if next(model.parameters()).dtype == torch.float32:  # the model's own weights are the masters
-        optimizer = torch.optim.AdamW(model.parameters(), **hyper)
+    # the parameters that train: all, or with model.lora the adapter (no state, no master for the base)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if params[0].dtype == torch.float32:  # the model's own weights are the masters
+        optimizer = torch.optim.AdamW(params, **hyper)
     else:
-        optimizer = MasterWeightAdamW(model.parameters(), **hyper)
+        optimizer = MasterWeightAdamW(params, **hyper)
     steps = cfg.train.steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_lambda(s, oc.warmup_steps, steps, oc.schedule)
