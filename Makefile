@@ -15,7 +15,7 @@ $(PY):
 $(STAMP): $(PY) pyproject.toml Makefile
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q -e ".[dev,report,recipes,transformers]" "$(TORCH_SPEC)"
+	$(PIP) install -q -e ".[dev,report,recipes,transformers,lightning]" "$(TORCH_SPEC)"
 	touch $(STAMP)
 
 install: $(STAMP)

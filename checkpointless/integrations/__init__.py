@@ -1,1 +1,2 @@
-"""Integrations with the training frameworks people already use: ``transformers`` (``Trainer``), ``lightning``."""
+"""Integrations with the training frameworks people already use: ``transformers`` (``Trainer``), ``lightning``
+(``CheckpointlessStrategy``)."""

@@ -1,0 +1,114 @@
+"""A Lightning script made checkpointless by ``Trainer(strategy=CheckpointlessStrategy())``
+(``tests/scripts/lightning_train.py``): under the launcher a kill, a hang and an exception are
+recovered in-process and the job ends bitwise equal to the fault-free run: the final state digest
+(model, optimizer, step) and the digest of everything registered (LR scheduler, the session's
+progress, Lightning's own loop counters and callback state) agree; a replacement joins mid-epoch,
+at an epoch's first step, at the last step and after it. Alone (no launcher) the script trains on
+one process; manual optimization is refused in one line."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.jobs import logs_of, run_job
+
+pytest.importorskip("lightning")
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = str(ROOT / "tests" / "scripts" / "lightning_train.py")
+STEPS = 18  # 3 epochs of 96 samples in global batches of 8 x 2 ranks
+
+
+def _job(lightning_out: Path, *faults: str, spares: int = 1, extra: tuple[str, ...] = (), **kw: object):  # type: ignore[no-untyped-def]
+    """Run the script with its Lightning output in ``lightning_out`` (emptied first: the paths in
+    the callbacks' state are part of what the runs compare)."""
+    shutil.rmtree(lightning_out, ignore_errors=True)
+    command = [sys.executable, SCRIPT, str(lightning_out), *extra]
+    return run_job(workers=2, spares=spares, steps=STEPS, command=command,
+                   faults=list(faults), timeout_s=400, **kw)  # type: ignore[arg-type]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def lightning_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One output directory for every run of this module, so that their registered states compare."""
+    return tmp_path_factory.mktemp("lightning") / "out"
+
+
+@pytest.fixture(scope="module")
+def reference(lightning_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    job = _job(lightning_dir, spares=0, out=tmp_path_factory.mktemp("lightning-reference"))
+    assert job.ok, f"{job.error}\n{logs_of(job)}"
+    assert job.digest is not None
+    assert job.report["steps_completed"] == STEPS
+    # rank 0's last line: 2 ranks, and no env:// process group of Lightning's own
+    last = job.logs["w0"].read_text()
+    assert f"trained {STEPS} steps" in last and "ranks 2, process group: False" in last, last[-2000:]
+    return job.digest, job.report["final_registered_sha256"]
+
+
+@pytest.mark.parametrize(
+    "faults",
+    [
+        ["kill:rank=0@step=3", "exception:rank=1@step=9"],  # rank 0 (the logger's) replaced mid-epoch
+        ["kill:rank=1@step=6"],  # the first step of epoch 1
+        ["exception:rank=0@step=5"],
+        ["kill:rank=1@step=17"],  # the last step
+    ],
+    ids=["kill-then-exception", "kill-at-epoch-start", "exception", "kill-at-last-step"],
+)
+def test_a_lightning_script_recovers_bitwise(
+    lightning_dir: Path, reference: tuple[str, str], faults: list[str]
+) -> None:
+    job = _job(lightning_dir, *faults)
+    assert job.ok, f"{job.error}\n{logs_of(job)}"
+    assert (job.digest, job.report["final_registered_sha256"]) == reference
+    assert [f["lost_steps"] for f in job.report["faults"]] == [0] * len(faults)
+    # rank 0 alone wrote Lightning's checkpoint and logs, in the one version directory
+    versions = sorted(p.name for p in (lightning_dir / "lightning_logs").iterdir())
+    assert versions == ["version_0"], versions
+    assert [p.name for p in (lightning_dir / "lightning_logs" / "version_0" / "checkpoints").iterdir()] == [
+        f"epoch=2-step={STEPS}.ckpt"
+    ]
+
+
+def test_a_hung_rank_is_replaced_bitwise(lightning_dir: Path, reference: tuple[str, str]) -> None:
+    job = _job(lightning_dir, "hang:rank=1@step=11", hang_timeout_s=2.0)
+    assert job.ok, f"{job.error}\n{logs_of(job)}"
+    assert (job.digest, job.report["final_registered_sha256"]) == reference
+
+
+def test_a_rank_killed_at_the_last_check_is_replaced_after_the_last_step(
+    lightning_dir: Path, reference: tuple[str, str]
+) -> None:
+    """The replicas' check after the last step (``--consistency-every 6``): the replacement receives
+    the final state and only finishes."""
+    job = _job(lightning_dir, f"kill:rank=1@check={STEPS}", consistency_every=6)
+    assert job.ok, f"{job.error}\n{logs_of(job)}"
+    assert (job.digest, job.report["final_registered_sha256"]) == reference
+
+
+@pytest.mark.timeout(300)
+def test_manual_optimization_is_refused_in_one_line(tmp_path: Path) -> None:
+    job = _job(tmp_path / "out", spares=0, extra=("--manual",))
+    assert not job.ok
+    assert "CheckpointlessStrategy does not support manual optimization" in (job.error or ""), job.error
+
+
+@pytest.mark.timeout(300)
+def test_the_script_runs_alone_on_one_process(tmp_path: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    for name in list(env):
+        if name.startswith("CHECKPOINTLESS_"):
+            del env[name]
+    run = subprocess.run([sys.executable, SCRIPT, str(tmp_path), "--epochs", "1"], capture_output=True,
+                         text=True, timeout=240, env=env)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "trained 12 steps" in run.stdout and "ranks 1, process group: False" in run.stdout, run.stdout

@@ -1,0 +1,103 @@
+"""A Lightning script of the usual shape, made checkpointless by its ``strategy=`` argument (the
+integration tests run it as it is): a small classifier with dropout and batch norm, a DataLoader
+over a map-style dataset, an LR scheduler stepped every step, ``self.log(..., sync_dist=True)`` in
+training and validation, gradient clipping, validation every epoch.
+
+Usage: lightning_train.py OUTPUT_DIR [--epochs N] [--manual] [--accumulate N]
+(``--manual``: manual optimization, ``--accumulate``: gradient accumulation; both refused)
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from checkpointless.integrations.lightning import CheckpointlessStrategy
+
+
+class Points(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Fixed pseudo-random points in 3 classes (a real script reads files)."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, 16, generator=g)
+        self.y = (self.x[:, :3].sum(1) > 0).long() + (self.x[:, 3] > 1).long()
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i], self.y[i]
+
+
+class Classifier(L.LightningModule):
+    def __init__(self, manual: bool = False) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 3)
+        )
+        self.automatic_optimization = not manual
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.net(x), y)
+        self.log("train_loss", loss, sync_dist=True, prog_bar=True)
+        if not self.automatic_optimization:
+            opt = self.optimizers()
+            opt.zero_grad()  # type: ignore[union-attr]
+            self.manual_backward(loss)
+            opt.step()  # type: ignore[union-attr]
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        logits = self.net(x)
+        self.log("val_loss", nn.functional.cross_entropy(logits, y), sync_dist=True)
+        self.log("val_acc", (logits.argmax(1) == y).float().mean(), sync_dist=True)
+
+    def configure_optimizers(self) -> dict[str, object]:
+        optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.7)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("output_dir")
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--manual", action="store_true")
+    p.add_argument("--accumulate", type=int, default=1)
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    L.seed_everything(7, verbose=False)
+    model = Classifier(manual=a.manual)
+    train = DataLoader(Points(96, 1), batch_size=8, shuffle=True)
+    val = DataLoader(Points(32, 2), batch_size=16)
+    strategy = CheckpointlessStrategy()
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        max_epochs=a.epochs,
+        gradient_clip_val=None if a.manual else 1.0,  # Lightning's own rule
+        accumulate_grad_batches=a.accumulate,
+        log_every_n_steps=2,
+        default_root_dir=a.output_dir,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, train, val)
+    if trainer.is_global_zero:
+        print(
+            f"trained {trainer.global_step} steps, val_loss {float(trainer.callback_metrics['val_loss']):.4f}, "
+            f"ranks {trainer.world_size}, process group: {dist.is_initialized()}, state {strategy.digest}",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
