@@ -49,6 +49,9 @@ class FakeStore:
     def check(self, keys: list[str]) -> bool:
         return all(k in self.data for k in keys)
 
+    def append(self, key: str, value: str | bytes) -> None:
+        self.data[key] = self.data.get(key, b"") + (value.encode() if isinstance(value, str) else bytes(value))
+
     def add(self, key: str, amount: int) -> int:
         value = int(self.data.get(key, b"0")) + amount
         self.data[key] = str(value).encode()
@@ -170,6 +173,7 @@ class FakeWorker:
             keys.fail(gen, rank),
             json.dumps({"committed": committed, "reason": reason, "proc": self.proc, "has_state": has_state}),
         )
+        self.store.raw.append(self.store.name(keys.fail_ranks(gen)), f"{rank},")
         self.store.add(keys.fail_count(gen), 1)
         self.store.set(keys.REPORT_BELL, "1")
 

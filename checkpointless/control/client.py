@@ -455,6 +455,7 @@ class ControlClient:
         )
         self._failure_report = (keys.fail(gen, rank), report)
         self.store.set(*self._failure_report)
+        self.store.raw.append(self.store.name(keys.fail_ranks(gen)), f"{rank},")
         self.store.add(keys.fail_count(gen), 1)
         self.store.set(keys.REPORT_BELL, "1")
 

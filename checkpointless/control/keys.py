@@ -8,6 +8,7 @@ protocol can be read in one place. Values are sealed with the job's secret
     gen/<n>/plan                JSON ``Plan`` of generation n
     gen/<n>/pg/<token>/...      rendezvous of generation n's process group (token from the secret)
     gen/<n>/fail/count          counter: members that reported a failure in gen n
+    gen/<n>/fail/ranks          ``r,`` appended by each member that reported (a hint: which reports to read)
     gen/<n>/fail/<rank>         JSON {committed, reason, proc, has_state}
     gen/<n>/abort               set by the coordinator once generation n has failed
     gen/<n>/layout/<rank>       JSON list of (name, shape, dtype) of a rank's parameters
@@ -62,6 +63,11 @@ def pg_prefix(gen: int, token: str) -> str:
 
 def fail_count(gen: int) -> str:
     return f"gen/{gen}/fail/count"
+
+
+def fail_ranks(gen: int) -> str:
+    """Appended to (``rank,``) by each member after its failure report: which reports to read (a hint)."""
+    return f"gen/{gen}/fail/ranks"
 
 
 def fail(gen: int, rank: int) -> str:

@@ -86,6 +86,10 @@ class JobResult:
     write_error: str | None = None  # report.json / events.jsonl could not be written
 
 
+RELAYED_CHUNKS_PER_PASS = 256
+"""Hosts' event chunks one collection reads at most while the job runs (a few hundred KB of events)."""
+
+
 def open_store(host: str, port: int) -> TCPStore:
     """Host the control store on ``host`` only; ``port`` 0 picks a free port.
 
@@ -279,6 +283,12 @@ class Launcher:
         announcement) each live host's probed until a gap."""
         assert self.remote is not None
         known = [(h, i) for h, n in relayed.items() for i in range(self._chunks_read.get(f"@{h}", 0), n)]
+        if not final and len(known) > RELAYED_CHUNKS_PER_PASS:
+            # an overloaded coordinator lets its event log fall behind, not its decisions: each
+            # host's oldest unread chunks first, in turn (a host's chunks stay in order), the rest
+            # at the next pass
+            known.sort(key=lambda hi: (hi[1] - self._chunks_read.get(f"@{hi[0]}", 0), hi[0]))
+            known = sorted(known[:RELAYED_CHUNKS_PER_PASS])
         raws = self.store.get_sealed_present([keys.node_events(h, i) for h, i in known])
         for (host, i), raw in zip(known, raws, strict=True):
             self._record_chunk(host, keys.node_events(host, i), raw, relay=True)
