@@ -2,112 +2,121 @@
 
 **What runs for real.** The launcher process of ``checkpointless coordinator --nodes N
 --nproc-per-node 8 --spare-nodes 1``: ``Launcher`` with a ``ClusterSpec`` and the job's secret, built
-as ``launch/cluster.py``'s ``cmd_coordinator`` builds it. Its control store (the c10d ``TCPStore``
-server, libuv, a thread of that process), its coordinator loop and its event log are unchanged
-product code, in a process of their own. Its store calls are counted in-process by a thin wrapper
-around its store connections (every call, its keys and value bytes, the seconds it took); a
-sampling profiler (a thread of that process reading the main thread's stack every 20 ms) records
-where the loop's time goes, in a window of its own after the steady-state window.
+as ``launch/cluster.py``'s ``cmd_coordinator`` builds it (``bench/scale_coord.py``). Its control store
+(the c10d ``TCPStore`` server, libuv, a thread of that process), its coordinator loop and its event
+log are unchanged product code, in a process of their own. Its store calls are counted in-process by
+a thin wrapper around its store connections (every call, its keys and value bytes, the seconds it
+took); a sampling profiler (a thread of that process reading the main thread's stack every 20 ms)
+records where the loop's time goes, in a window of its own after the steady-state window.
 
 **Settings.** 8 ranks per host, one spare host, one step per second. The series runs at
 ``hang_timeout_s`` 2 s, the value ``checkpointless cluster`` uses when hosts share one machine's
-cores (so: a silent rank is hung after 2 s, an agent beats every 1.6 s, a host that does not answer an
-order within 2 s or is silent for 8 s is lost; ranks still beat every 0.1 s and check their lease
-every 0.1 s). At the job's default, 0.5 s, a simulated rank whose heartbeat its simulator issues
-more than 0.5 s late is killed as hung (finding 6 says why its reported CPU time does not save it),
-and from 100 hosts on the simulators here run that late at times: the series uses 2 s so that what
-is measured is the coordinator, not the simulators' lag. The default is run at 100 hosts too.
+cores (so: a silent rank is hung after 2 s, an agent sends its status every 1.6 s, a host that does
+not answer an order within 2 s or is silent for 8 s is lost; heartbeats still go every 0.1 s). At the
+job's default, 0.5 s, a simulated rank whose heartbeat its simulator forwards more than 0.5 s late is
+killed as hung (the findings say why its reported CPU time does not save it), and with the per-rank
+protocol the simulators here ran that late at times from 100 hosts on: the series uses 2 s so that
+what is measured is the coordinator, not the simulators' lag. The default is run at 100 hosts too.
 
-**What is simulated.** Each host is a simulated agent with two store connections (its order
-connection, blocked in a ``wait`` on its next order as ``node.py``'s is; its status connection, which
-also carries its 8 processes' writes) speaking the agent protocol: hello, ticket, accept, spawn
-orders obeyed by pretending the processes started (reported alive, their CPU time growing as a
-training process's does), any other order (kill, ping, stop) answered at once with a status, and
-``node/<host>/status`` every beat with the lease round trip after it. Its 8 processes write what a
-worker's ``ControlClient`` writes, sealed with the job's secret: ``hb/<proc>`` every 0.1 s (the fields
-``Session`` puts in: rank, gen, phase, committed, step, attempt, step_time_s, loss, total, chunks), and
-at each step a ``step_committed`` event chunk and a heartbeat. Their lease checks (a ``check`` round
-trip per process every 0.1 s, on the generation's abort key) come from separate processes ("ackers"),
-one per simulator. A power loss: the bench stops one worker host (its status, its ranks' heartbeats
-and lease checks, its order reads) at a recorded time. When the coordinator aborts the generation,
-every surviving rank reports as a member does (a ``fault_detected`` event, ``gen/<n>/fail/<rank>``, the
-failure counter, the report bell); the spare host's processes wait on their assignment keys; every
-rank joins the next plan (new generation, committed step) and commits again.
+**What is simulated** (``bench/scale_sim.py``). Each host is a simulated agent with two store
+connections (its order connection, blocked in a ``wait`` on its next order as ``node.py``'s is; its
+status connection, which also carries its relay's writes) speaking the agent protocol: hello, ticket,
+accept, spawn orders obeyed by pretending the processes started (reported alive, their CPU time
+growing as a training process's does), any other order (kill, ping, stop) answered at once with a
+status, and ``node/<host>/status`` every status interval with the lease round trip after it. Its
+relay (``launch/relay.py``) does what the agent's does, every heartbeat interval (0.1 s): the host's
+new events as one sealed chunk ``node/<host>/events/<i>`` (each line naming its process: at each step
+the ``step_committed`` of its 8 ranks, and any other event of theirs), then one sealed value
+``node/<host>/relay`` = {seq, t, chunks, procs} with the latest heartbeat of each of its 8 processes
+(the fields ``Session`` puts in: rank, gen, phase, committed, step, attempt, step_time_s, loss, total,
+chunks; a new one each beat), then one round trip (a ``check`` of the abort key of its ranks'
+generation, ``gen/latest`` while it has none). The processes' own traffic with their agent's store
+(heartbeats, event chunks, lease checks on the host's loopback) is not simulated: it never reaches
+the coordinator. Once every 10 beats the relay also checks the job's stop key for its ranks (which
+ask their relay at each step boundary, ``Session._leave_if_stopped``). What each rank still sends to
+the coordinator's store itself is, per generation, its failure report and its reads of the plan.
+The round trips (the relays' lease and stop checks) come from
+separate processes ("ackers"), one per simulator. A power loss: the bench stops one worker host (its
+status, its relay, its ranks' round trips, its order reads) at a recorded time. When the coordinator
+aborts the generation, every surviving rank reports as a member does (a ``fault_detected`` event,
+through its relay; ``gen/<n>/fail/<rank>``, the failure counter, the report bell, on the coordinator's
+store); the spare host's processes wait on their assignment keys; every rank joins the next plan (new
+generation, committed step) and commits again.
+
+``--protocol per-rank`` simulates the protocol before the relay instead: each process writes
+``hb/<proc>`` every 0.1 s and an event chunk ``events/<proc>/<i>`` per commit (with a heartbeat), and
+makes its own lease round trip (a ``check`` on its generation's abort key every 0.1 s), all on the
+coordinator's store; the statuses, stop checks, reports and waits are the same.
 
 Not simulated: the data plane (no process group is formed: group formation is costed on paper
-below), the ranks' own connections (a worker holds two or three, a simulated host one for its 8
-ranks), each rank's read of the plan and its blocking ``wait_plan`` (each simulator process waits on
-the plan key once and reads it once; size and read time are reported), training, torch. Many hosts
-share a simulator process (one thread issues every host's writes, one thread per host blocks on its
-orders): on 2 cores they cannot issue every write the protocol asks for beyond ~100 hosts. The tables
-say which share of the protocol's calls they issued ("offered"); agent statuses, commits and failure
-reports go first, the ranks' periodic heartbeats get what is left, oldest first. Simulators,
-ackers and the coordinator share the machine's cores at the same priority, with whatever else runs
-there (the load average is recorded per case).
+below), the ranks' own connections (a worker holds two or three to the coordinator's store, a
+simulated host one for its 8 ranks; a real agent's relay has a connection of its own), each rank's
+read of the plan and its blocking ``wait_plan`` (each simulator process waits on the plan key once and
+reads it once; size and read time are reported), training, torch. Many hosts share a simulator
+process (one thread issues every host's writes, one thread per host blocks on its orders): on 2 cores
+they may not issue every write the protocol asks for at the larger scales. The tables say
+which share of the protocol's calls they issued ("offered"); agent statuses, commits and failure
+reports go first, the periodic beats (relay values; per-rank: heartbeats) get what is left, oldest
+first. Simulators, ackers and the coordinator share the machine's cores at the same priority, with
+whatever else runs there (the load average is recorded per case).
 
-Usage: ``python bench/control_scale.py [--quick] [--hosts 10,100]`` -> ``bench/out/control_scale.json``
-and ``bench/results/control_scale.json``.
+Usage: ``python bench/control_scale.py [--quick] [--hosts 10,100] [--protocol per-rank] [--out DIR]``
+-> ``bench/out/control_scale.json`` and ``bench/results/control_scale.json`` (with ``--out DIR``:
+``DIR/control_scale.json`` only).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import cProfile
-import heapq
 import itertools
 import json
-import math
 import os
-import pstats
 import queue
-import random
-import resource
 import signal
 import subprocess
 import sys
 import threading
 import time
 import traceback
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import IO, Any
 
 import common
-from torch.distributed import DistStoreError, TCPStore
-
-from checkpointless.control import keys
-from checkpointless.control.auth import (
-    SignedStore,
-    job_namespace,
-    new_secret,
-    read_secret_file,
-    write_secret_file,
+from scale_coord import coordinator_main
+from scale_sim import (
+    NPROC,
+    PER_RANK,
+    PROTOCOLS,
+    RELAY,
+    SIM_NICE,
+    SPARE_NODES,
+    STEP_S,
+    acker_main,
+    host_name,
+    intervals,
+    protocol_rates,
+    raise_nofile,
+    simulator_main,
 )
-from checkpointless.control.plan import Plan
-from checkpointless.control.vocab import Event, Phase, Reason, Role, event
+from torch.distributed import TCPStore
 
-NPROC = 8  # ranks per host
-SPARE_NODES = 1
+from checkpointless.control.auth import new_secret, write_secret_file
+from checkpointless.control.membership import INTRUDER_KEYS
+from checkpointless.control.vocab import Event
+
 SERIES_HANG_S = 2.0  # see the module docstring: the job default, 0.5 s, is the extra case
 #: (worker hosts, hang_timeout_s) measured; 300 hosts locates the knee between 100 and 1,000
 CASES = ((10, SERIES_HANG_S), (100, SERIES_HANG_S), (300, SERIES_HANG_S), (1000, SERIES_HANG_S),
          (2000, SERIES_HANG_S), (100, 0.5))  # fmt: skip
 QUICK_CASES = ((10, SERIES_HANG_S), (100, SERIES_HANG_S))
-STEP_S = 1.0  # the simulated training's pace
-TOTAL_STEPS = 10**9  # what the ranks' session.steps(total) says: the job never ends by itself
 HANG_TIMEOUT_S = 0.5  # RecoveryConfig's default, as `checkpointless coordinator` uses it
 WARMUP_S, WINDOW_S, PROFILE_S, AFTER_S = 8.0, 20.0, 10.0, 3.0
 QUICK_WARMUP_S, QUICK_WINDOW_S, QUICK_PROFILE_S = 5.0, 10.0, 6.0
-SIM_NICE = 0  # nice 5 starved the simulators on a loaded machine (their statuses late: false hang kills)
-CONNECT_THREADS = 32  # c10d's client now and then takes 5 s to connect: many at once
-HEARTBEAT_MODES = ("per-rank",)  # today's protocol; an "aggregated" mode (hb folded into the status) later
-PID_BASE = 100_000  # the simulated agents' pids (only an identifier in the accept key)
-_ORDER_WAIT = timedelta(hours=1)  # as node.py: a timed-out wait logs two c10d lines, so wait long
-_SPARE_POLL = timedelta(seconds=30)  # as client.py's wait_assignment
 _TICK = os.sysconf("SC_CLK_TCK")
 _SELF = Path(__file__).resolve()
 
@@ -182,1192 +191,8 @@ def _machine_cpu() -> tuple[int, int]:
     return sum(values) - idle, sum(values)
 
 
-def _raise_nofile() -> None:
-    """As many descriptors as the hard limit allows: the store holds two connections per host."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = hard if hard != resource.RLIM_INFINITY else 1 << 20
-    if soft < want:
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-
-
 def _stat(xs: Iterable[float]) -> dict[str, float | int]:
     return common.summary(list(xs))
-
-
-# -- the coordinator's process ------------------------------------------------------
-_CATEGORIES = ("hb", "node", "events", "gen", "assign", "agents", "job", "report", "fatal", "done", "fault",
-               "consistency", "checkpointless")  # fmt: skip
-
-
-class OpCounter:
-    """Every store call of the coordinator's process: calls per operation, keys and value bytes per
-    key category (the key's first component: ``hb``, ``node``, ``events``, ``gen``...), and the
-    seconds the calls took, per connection (``main``: the launcher's loop; ``bell``: the report
-    bell's two connections)."""
-
-    def __init__(self, namespace: str) -> None:
-        self.ns = namespace
-        self._lock = threading.Lock()
-        self.calls: Counter[str] = Counter()
-        self.keys: Counter[str] = Counter()
-        self.bytes_in: Counter[str] = Counter()
-        self.bytes_out: Counter[str] = Counter()
-        self.seconds: Counter[str] = Counter()
-
-    def _category(self, key: Any) -> str:
-        k = key.decode() if isinstance(key, bytes) else str(key)
-        if k.startswith(self.ns):
-            k = k[len(self.ns) :]
-        head = k.split("/", 1)[0]
-        return head if head in _CATEGORIES else "other"
-
-    def record(self, label: str, op: str, args: tuple[Any, ...], result: Any, seconds: float) -> None:
-        names = args[0] if args else []
-        if isinstance(names, str | bytes):
-            names = [names]
-        cats = [self._category(k) for k in names] if isinstance(names, list) else []
-        out = 0
-        if op == "set" and len(args) > 1:
-            out = len(args[1])
-        elif op == "multi_set" and len(args) > 1:
-            out = sum(len(v) for v in args[1])
-        inb: list[int] = []
-        if op == "get" and result is not None:
-            inb = [len(result)]
-        elif op == "multi_get" and result is not None:
-            inb = [len(v) for v in result]
-        with self._lock:
-            self.calls[f"{label} {op}"] += 1
-            self.seconds[f"{label} {op}"] += seconds
-            for i, c in enumerate(cats):
-                self.keys[f"{op} {c}"] += 1
-                if i < len(inb):
-                    self.bytes_in[c] += inb[i]
-            if out and cats:
-                self.bytes_out[cats[0]] += out
-
-    def snapshot(self) -> dict[str, dict[str, float]]:
-        with self._lock:
-            return {
-                "calls": dict(self.calls), "keys": dict(self.keys), "bytes_in": dict(self.bytes_in),
-                "bytes_out": dict(self.bytes_out), "seconds": dict(self.seconds),
-            }  # fmt: skip
-
-
-class CountingStore:
-    """A c10d store whose every call is counted (``OpCounter``); attributes pass through."""
-
-    def __init__(self, inner: Any, counter: OpCounter, label: str) -> None:
-        self._inner, self._counter, self._label = inner, counter, label
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._inner, name)
-        if name.startswith("_") or not callable(attr):
-            return attr
-        counter, label = self._counter, self._label
-
-        def call(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            result = None
-            try:
-                result = attr(*args, **kwargs)
-                return result
-            finally:
-                counter.record(label, name, args, result, time.perf_counter() - t0)
-
-        self.__dict__[name] = call
-        return call
-
-
-class TickHook:
-    """An ``on_tick`` callback of the launcher (its main thread, once per loop): times the loop; a
-    thread of its own writes the counters to ``ctl/stats.json`` twice a second."""
-
-    def __init__(self, ctl: Path, counter: OpCounter) -> None:
-        self.ctl, self.counter = ctl, counter
-        self.launcher: Any = None
-        self.iters = 0
-        self._recent: deque[tuple[float, float]] = deque(maxlen=50_000)  # (wall clock, seconds since last)
-        self._lock = threading.Lock()
-        self._last: float | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._stats_loop, name="bench-stats", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def __call__(self, coord: Any) -> None:
-        now = time.monotonic()
-        with self._lock:
-            if self._last is not None:
-                self._recent.append((time.time(), now - self._last))
-            self.iters += 1
-        self._last = now
-
-    def write(self) -> None:
-        with self._lock:
-            cutoff = time.time() - 90.0
-            recent = [(round(t, 4), round(d, 5)) for t, d in self._recent if t >= cutoff]
-            iters = self.iters
-        events = len(self.launcher.events) if self.launcher is not None else 0
-        _write_atomic(self.ctl / "stats.json", json.dumps(
-            {"t": time.time(), "iters": iters, "recent": recent, "ops": self.counter.snapshot(), "events": events}
-        ))  # fmt: skip
-
-    def _stats_loop(self) -> None:
-        while not self._stop.wait(0.5):
-            with contextlib.suppress(Exception):  # a failed write must not end the coordinator
-                self.write()
-
-
-def _short(file: str, line: int, func: str) -> str:
-    for marker in ("checkpointless/", "bench/", "site-packages/", "lib/python3"):
-        if marker in file:
-            file = file[file.index(marker) :]
-            break
-    return f"{file}:{line}({func})" if line else func
-
-
-SAMPLE_S = 0.02
-
-
-class StackSampler:
-    """Where the coordinator's main thread spends its wall time: between the bench's
-    ``ctl/profile_on`` and ``ctl/profile_off`` a thread samples that thread's Python stack every
-    ``SAMPLE_S`` (an in-process sampling profiler: it sees the loop even when one iteration lasts
-    minutes, where a profiler started from the loop would not start). A store call is attributed to
-    its caller (``store <op> <- caller``); the loop's idle wait shows as ``selectors``."""
-
-    def __init__(self, ctl: Path, thread_id: int) -> None:
-        self.ctl, self.tid = ctl, thread_id
-        self.window: list[Counter[str]] | None = None  # [inclusive, exclusive, samples] while asked
-        self.whole: list[Counter[str]] = [Counter(), Counter(), Counter()]  # since the start
-        self._started = time.monotonic()
-        threading.Thread(target=self._loop, name="bench-sampler", daemon=True).start()
-
-    def _loop(self) -> None:
-        on, off = self.ctl / "profile_on", self.ctl / "profile_off"
-        window_start, last_dump = 0.0, time.monotonic()
-        while True:
-            time.sleep(SAMPLE_S)
-            with contextlib.suppress(Exception):  # a sample lost is no harm
-                self._sample()
-            now = time.monotonic()
-            if self.window is None and on.exists():
-                on.unlink()
-                self.window, window_start = [Counter(), Counter(), Counter()], now
-            elif self.window is not None and off.exists():
-                off.unlink()
-                _write_atomic(
-                    self.ctl / "profile.json", json.dumps(summary_of(self.window, now - window_start))
-                )
-                self.window = None
-            if now - last_dump > 2.0:  # the whole run's, kept current: a coordinator may not end cleanly
-                last_dump = now
-                _write_atomic(
-                    self.ctl / "profile_all.json", json.dumps(summary_of(self.whole, now - self._started))
-                )
-
-    def _sample(self) -> None:
-        frame = sys._current_frames().get(self.tid)
-        names: list[str] = []
-        f = frame
-        while f is not None and len(names) < 100:
-            code = f.f_code
-            names.append(_short(code.co_filename, code.co_firstlineno, code.co_name))
-            f = f.f_back
-        if not names or frame is None:
-            return
-        leaf = names[0]
-        if names[0].startswith("bench/control_scale.py") and names[0].endswith("(call)"):
-            # blocked in (or making) a store call: named by the first caller outside the store's wrappers
-            caller = next((n for n in names[1:] if "control/auth.py" not in n), "?")
-            leaf = f"store {frame.f_locals.get('name', '?')} <- {caller}"
-        for acc in (self.whole, self.window):
-            if acc is None:
-                continue
-            acc[2]["n"] += 1
-            acc[1][leaf] += 1
-            for n in set(names):
-                acc[0][n] += 1
-
-
-def summary_of(acc: list[Counter[str]], seconds: float, top: int = 30) -> dict[str, Any]:
-    """A sampler's counts as shares of its samples: ``inclusive`` (on the stack), ``exclusive`` (the leaf)."""
-    n = max(1, acc[2]["n"])
-    return {
-        "samples": acc[2]["n"], "window_s": round(seconds, 2),
-        "inclusive": [[k, round(v / n, 4)] for k, v in acc[0].most_common(top)],
-        "exclusive": [[k, round(v / n, 4)] for k, v in acc[1].most_common(top)],
-    }  # fmt: skip
-
-
-def coordinator_main(a: argparse.Namespace) -> int:
-    """The launcher process of ``checkpointless coordinator`` (``cluster.py``'s ``cmd_coordinator``),
-    with its store connections counted and its loop timed."""
-    import logging
-
-    from checkpointless.config import JobConfig, RecoveryConfig
-    from checkpointless.launch import launcher as launcher_mod
-    from checkpointless.launch.remote import ClusterSpec
-
-    _raise_nofile()
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    secret = read_secret_file(Path(a.secret_file))
-    counter = OpCounter(job_namespace(secret))
-    real_open, real_tcp = launcher_mod.open_store, launcher_mod.TCPStore
-
-    def tcp_store(*args: Any, **kwargs: Any) -> Any:  # the report bell's connections
-        store = real_tcp(*args, **kwargs)
-        return store if kwargs.get("is_master") else CountingStore(store, counter, "bell")
-
-    launcher_mod.TCPStore = tcp_store  # type: ignore[misc]
-    launcher_mod.open_store = lambda host, port: CountingStore(real_open(host, port), counter, "main")  # type: ignore[assignment]
-    base = RecoveryConfig()
-    rc = RecoveryConfig(hang_timeout_s=a.hang_timeout,
-                        heartbeat_interval_s=min(base.heartbeat_interval_s, a.hang_timeout / 4))  # fmt: skip
-    job = JobConfig(workers=a.hosts * NPROC, spares=SPARE_NODES * NPROC, recovery=rc)
-    out = Path(a.out)
-    ctl = out / "ctl"
-
-    def listening(addr: str) -> None:
-        _write_atomic(ctl / "addr", addr)
-
-    spec = ClusterSpec(nodes=a.hosts, nproc_per_node=NPROC, spare_nodes=SPARE_NODES, start_agents=listening,
-                       join_timeout_s=a.join_timeout)  # fmt: skip
-    hook = TickHook(ctl, counter)
-    launcher = launcher_mod.Launcher(job, [], host="127.0.0.1", port=0, out_dir=out / "run", cluster=spec,
-                                     secret=secret, on_tick=[hook], timeout_s=a.timeout)  # fmt: skip
-    hook.launcher = launcher
-    hook.start()
-    StackSampler(ctl, threading.main_thread().ident or 0)
-    try:
-        result = launcher.run()
-        outcome = {"ok": result.ok, "error": result.error, "interrupted": result.interrupted,
-                   "events": len(result.events)}  # fmt: skip
-    except BaseException as e:  # recorded for the bench, then raised
-        outcome = {
-            "ok": False,
-            "error": f"{type(e).__name__}: {e}",
-            "traceback": traceback.format_exc()[-3000:],
-        }
-        raise
-    finally:
-        with contextlib.suppress(Exception):
-            hook.write()
-        _write_atomic(ctl / "result.json", json.dumps(outcome))
-    return 0
-
-
-# -- the simulated hosts ---------------------------------------------------------------
-_HB_BARE = '{"seq": %d, "phase": "%s", "t": %r, "chunks": %d}'
-_HB_JOINED = '{"seq": %d, "phase": "%s", "rank": %d, "gen": %d, "committed": %d, "total": %d, "start": 0, "t": %r, "chunks": %d}'
-_HB_STEPPING = (
-    '{"seq": %d, "phase": "%s", "rank": %d, "gen": %d, "committed": %d, "total": %d, "start": 0, "step": %d, '
-    '"attempt": %d, "step_time_s": %r, "loss": %r, "t": %r, "chunks": %d}'
-)
-
-
-_STEP_EVENT = (  # vocab.event(STEP_COMMITTED, ...) as json.dumps writes it, one line
-    '{"t": %r, "kind": "step_committed", "proc": "%s", "rank": %d, "gen": %d, "step": %d, "step_time_s": %r, '
-    '"loss": %r}\n'
-)
-
-
-class FastSealer:
-    """``SignedStore``'s ``name``, ``seal`` and ``open``, with the HMAC keyed once (the same bytes)."""
-
-    def __init__(self, secret: bytes, namespace: str = "") -> None:
-        import hashlib
-        import hmac
-
-        self._base = hmac.new(secret, digestmod=hashlib.sha256)
-        self._store = SignedStore(None, secret, namespace=namespace)
-        self.namespace = namespace
-
-    def name(self, key: str) -> str:
-        return self.namespace + key
-
-    def seal(self, key: str, text: str) -> bytes:
-        data = text.encode()
-        h = self._base.copy()
-        h.update(key.encode() + b"\0" + data)
-        return h.hexdigest().encode() + b"." + data
-
-    def open(self, key: str, raw: bytes) -> str | None:
-        return self._store.open(key, raw)
-
-
-class SimStats:
-    """A simulator's own store calls by purpose (``status``, ``hb``, ``ack``, ``commit``, ``report``,
-    ``order``, ``join``, ``plan``, ``spare``; ``instr``: the bench's own watchers), value bytes, and
-    the round trips' latencies since the last snapshot."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.calls: Counter[str] = Counter()
-        self.bytes_out: Counter[str] = Counter()
-        self.bytes_in: Counter[str] = Counter()
-        self.errors: Counter[str] = Counter()
-        self._lat: dict[str, list[float]] = {}
-
-    def op(self, purpose: str, op: str, out: int = 0, inb: int = 0, lat: float | None = None) -> None:
-        # no lock: one thread (the driver) makes nearly every call; a count the rare order thread
-        # races with may be lost, and the GIL makes the snapshot's copies whole
-        self.calls[f"{purpose} {op}"] += 1
-        if out:
-            self.bytes_out[purpose] += out
-        if inb:
-            self.bytes_in[purpose] += inb
-        if lat is not None:
-            lst = self._lat.setdefault(purpose, [])
-            if len(lst) < 200_000:
-                lst.append(lat)
-
-    def snapshot(self) -> dict[str, Any]:
-        with self._lock:
-            lat, self._lat = self._lat, {}
-            return {
-                "calls": dict(self.calls), "bytes_out": dict(self.bytes_out), "bytes_in": dict(self.bytes_in),
-                "errors": dict(self.errors),
-                "lat": {k: {"n": len(v), "p50": common.percentile(v, 50), "p99": common.percentile(v, 99),
-                            "max": max(v)} for k, v in lat.items() if v},
-            }  # fmt: skip
-
-
-class Conn:
-    """One store connection of a simulator; every call counted under a purpose."""
-
-    def __init__(self, addr: str, stats: SimStats, timeout_s: float = 120.0) -> None:
-        host, port = addr.rsplit(":", 1)
-        self.raw = TCPStore(host, int(port), is_master=False, wait_for_workers=False,
-                            timeout=timedelta(seconds=timeout_s))  # fmt: skip
-        self.stats = stats
-
-    def set(self, purpose: str, name: str, value: bytes) -> None:
-        self.raw.set(name, value)
-        self.stats.op(purpose, "set", out=len(value))
-
-    def check(self, purpose: str, name: str) -> bool:
-        t0 = time.perf_counter()
-        ok = bool(self.raw.check([name]))
-        self.stats.op(purpose, "check", lat=time.perf_counter() - t0)
-        return ok
-
-    def get(self, purpose: str, name: str) -> bytes:
-        t0 = time.perf_counter()
-        value = bytes(self.raw.get(name))
-        self.stats.op(purpose, "get", inb=len(value), lat=time.perf_counter() - t0)
-        return value
-
-    def add(self, purpose: str, name: str, amount: int) -> int:
-        t0 = time.perf_counter()
-        n = int(self.raw.add(name, amount))
-        self.stats.op(purpose, "add", lat=time.perf_counter() - t0)
-        return n
-
-    def delete(self, purpose: str, name: str) -> None:
-        self.raw.delete_key(name)
-        self.stats.op(purpose, "delete")
-
-    def wait(self, purpose: str, name: str, timeout: timedelta) -> None:
-        self.stats.op(purpose, "wait")
-        self.raw.wait([name], timeout)
-
-
-def _reply_line(lock: threading.Lock, obj: dict[str, Any]) -> None:
-    """One JSON line to the driver on stdout (a simulator's or the ack load's answer)."""
-    with lock:
-        sys.stdout.write(json.dumps(obj) + "\n")
-        sys.stdout.flush()
-
-
-@dataclass
-class SimProc:
-    """One process of a simulated host, as its ``ControlClient`` would publish it."""
-
-    name: str
-    role: str
-    slot: int
-    pid: int
-    host: int  # its agent's index
-    started: float
-    prio: str = "lo"  # which schedule its heartbeats and lease checks are on (spares: "hi")
-    alive: bool = True
-    exit: int | None = None
-    rank: int | None = None
-    gen: int | None = None
-    phase: str = Phase.STARTING
-    committed: int = -1
-    attempt: int = 0
-    seq: int = 0
-    chunks: int = 0
-    next_hb: float = 0.0
-    reported: int = -1  # the generation whose failure it reported
-    assigned: int | None = None  # a spare's assignment (a generation) not joined yet
-    cpu_frozen: float | None = None
-    step_time: float = 0.0  # the last step's time and loss, as Session's metrics
-    loss: float = 0.0
-
-    def cpu(self, now: float) -> float | None:
-        """The CPU seconds its agent reports: a worker trains (a core's worth), a spare idles."""
-        if self.cpu_frozen is not None:
-            return self.cpu_frozen
-        busy = 0.95 if self.role == Role.WORKER else 0.01
-        return round(2.5 + busy * (now - self.started), 2)
-
-
-@dataclass
-class SimAgent:
-    index: int
-    host: str
-    spare: bool
-    pid: int
-    orders: Conn | None = None  # the agent's main connection: its orders
-    conn: Conn | None = None  # its status connection, which also carries its processes' writes
-    procs: dict[str, SimProc] = field(default_factory=dict)
-    seq: int = 0
-    node: int = -1
-    dead: bool = False
-    stopping: bool = False
-    next_status: float = 0.0
-    exited_unreported: bool = False
-
-
-def host_name(index: int) -> str:
-    return f"h{index:04d}"
-
-
-def _usage(seq: int) -> dict[str, Any]:
-    """An 8-accelerator host's usage sample, as ``UsageSampler`` writes it (NVML there)."""
-    r = random.Random(seq // 5)  # the agent samples every fifth beat
-    return {
-        "cpus": 96, "cpu_percent": round(r.uniform(8, 14), 1), "mem_used_bytes": r.randrange(200, 260) * 2**30,
-        "mem_total_bytes": 2048 * 2**30,
-        "gpus": [{"index": i, "util_percent": float(r.randrange(90, 100)), "mem_used_bytes": r.randrange(60, 75) * 2**30,
-                  "mem_total_bytes": 80 * 2**30} for i in range(NPROC)],
-    }  # fmt: skip
-
-
-class Simulator:
-    """Simulated agents ``first .. first+count-1`` (worker hosts below ``hosts``, the spare host at
-    ``hosts``): one driver thread issues every host's writes from two schedules (``hi``: agent
-    statuses, the spares' beats; ``lo``: the workers' heartbeats and lease checks) and a work queue
-    (commits, failure reports, joins), one thread per host blocks on its orders."""
-
-    def __init__(self, a: argparse.Namespace) -> None:
-        self.addr = a.addr
-        self.secret = read_secret_file(Path(a.secret_file))
-        self.sealer = FastSealer(self.secret, job_namespace(self.secret))
-        self.plain = FastSealer(self.secret)
-        self.stats = SimStats()
-        self.hosts = a.hosts
-        self.agents = [
-            SimAgent(i, host_name(i), i >= a.hosts, PID_BASE + i) for i in range(a.first, a.first + a.count)
-        ]
-        self.by_host = {ag.host: ag for ag in self.agents}
-        self.by_index = {ag.index: ag for ag in self.agents}
-        hang = a.hang_timeout
-        lease = 0.5 * hang  # RecoveryConfig.lease_s (LEASE_FRACTION)
-        self.hb_s = min(0.1, hang / 4)  # heartbeat_interval_s, as the coordinator command sets it
-        self.ack_s = min(self.hb_s, lease / 4)  # ControlClient._ack_every
-        self.status_s = max(self.hb_s, 4 * hang / 5)  # remote.status_interval
-        self.step_s = a.step_s
-        self.join_timeout = a.join_timeout
-        self.inbox: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
-        self.hi: list[tuple[float, int, str, Any]] = []
-        self.lo: list[tuple[float, int, str, Any]] = []
-        self.work: deque[tuple[str, SimAgent, SimProc, int]] = deque()
-        self._seq = itertools.count()
-        self.plans: dict[int, Plan] = {}
-        self.gen_running: int | None = None
-        self.next_commit = math.inf
-        self.pending_commits = 0
-        self.pending_reports: dict[int, int] = {}
-        self.failed: set[int] = set()
-        self.timing: dict[str, float] = {}
-        self.stopped = threading.Event()
-        self.sizes: dict[str, list[int]] = {
-            k: [0, 0] for k in ("status", "heartbeat", "chunk", "plan", "report")
-        }
-        self.lag = {"status_max_s": 0.0, "lo_max_s": 0.0, "lo_late_0.5s": 0, "lo_n": 0, "lo_sum_s": 0.0}
-        self.late_steps = 0
-        self.plan_read_s: dict[int, float] = {}
-        self._out_lock = threading.Lock()
-
-    # -- bookkeeping ----------------------------------------------------------------
-    def _size(self, kind: str, n: int) -> None:
-        s = self.sizes[kind]
-        s[0] += n
-        s[1] += 1
-
-    def _push(self, heap: list[tuple[float, int, str, Any]], due: float, kind: str, obj: Any) -> None:
-        heapq.heappush(heap, (due, next(self._seq), kind, obj))
-
-    def _sget(self, conn: Conn, purpose: str, key: str, plain: bool = False) -> str | None:
-        """``SignedStore.get``: a check, then the value (verified)."""
-        s = self.plain if plain else self.sealer
-        name = s.name(key)
-        if not conn.check(purpose, name):
-            return None
-        return s.open(key, conn.get(purpose, name))
-
-    def _set(self, conn: Conn, purpose: str, key: str, text: str) -> int:
-        raw = self.sealer.seal(key, text)
-        conn.set(purpose, self.sealer.name(key), raw)
-        return len(raw)
-
-    # -- start: connect, join ----------------------------------------------------------
-    def run(self) -> None:
-        threading.Thread(target=self._control, name="sim-control", daemon=True).start()
-        conns = _connect_many(self.addr, self.stats, 2 * len(self.agents))
-        for i, ag in enumerate(self.agents):
-            ag.orders, ag.conn = conns[2 * i], conns[2 * i + 1]
-        self.timing["connected"] = time.time()
-        self._join_all()
-        self.timing["accepted"] = time.time()
-        for ag in self.agents:
-            threading.Thread(
-                target=self._order_loop, args=(ag,), name=f"orders-{ag.host}", daemon=True
-            ).start()
-        threading.Thread(target=self._watch, args=("abort", keys.abort), daemon=True).start()
-        threading.Thread(target=self._watch, args=("plan", keys.plan), daemon=True).start()
-        self._loop()
-
-    def _join_all(self) -> None:
-        """Each agent's ``node.Agent.join``: the hello, the job, a ticket and its hello, then its
-        accept polled every 50 ms (the coordinator answers once every host has said hello)."""
-        deadline = time.monotonic() + self.join_timeout
-        for ag in self.agents:
-            assert ag.orders is not None
-            while self._sget(ag.orders, "join", keys.CLUSTER_HELLO, plain=True) is None:
-                self._check_deadline(deadline, "no hello from the coordinator")
-                time.sleep(0.1)
-            while self._sget(ag.orders, "join", keys.JOB_CONFIG) is None:
-                self._check_deadline(deadline, "no job from the coordinator")
-                time.sleep(0.05)
-            hello: dict[str, Any] = {"host": ag.host, "addr": "127.0.0.1", "nproc": NPROC, "spare": ag.spare,
-                                     "pid": ag.pid}  # fmt: skip
-            if not ag.spare:
-                hello["node_rank"] = ag.index
-            ticket = ag.orders.add("join", self.sealer.name(keys.AGENTS_COUNT), 1) - 1
-            self._set(ag.orders, "join", keys.agent_hello(ticket), json.dumps(hello))
-            self._drain()
-        waiting = list(self.agents)
-        while waiting:
-            self._check_deadline(deadline, f"{len(waiting)} host(s) not accepted")
-            t0 = time.monotonic()
-            still = []
-            for ag in waiting:
-                assert ag.orders is not None
-                text = self._sget(ag.orders, "join", keys.node_accept(ag.host, ag.pid))
-                if text is None:
-                    still.append(ag)
-                    continue
-                reply = json.loads(text)
-                if "error" in reply:
-                    raise RuntimeError(f"{ag.host} refused: {reply['error']}")
-                ag.node = int(reply["node"])
-            waiting = still
-            self._drain()
-            time.sleep(max(0.0, 0.05 - (time.monotonic() - t0)))
-
-    def _check_deadline(self, deadline: float, what: str) -> None:
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"join: {what} within {self.join_timeout:g}s")
-
-    # -- threads that block on the store ---------------------------------------------------
-    def _order_loop(self, ag: SimAgent) -> None:
-        """``node.Agent._order_loop``: a blocking wait on the next order's key, then read and delete it."""
-        conn, index = ag.orders, 0
-        assert conn is not None
-        while not self.stopped.is_set():
-            key = keys.node_order(ag.host, index)
-            try:
-                conn.wait("order", self.sealer.name(key), _ORDER_WAIT)
-                if ag.dead:
-                    return  # a host without power reads nothing
-                text = self._sget(conn, "order", key)
-                if text is None:
-                    continue
-                conn.delete("order", self.sealer.name(key))
-            except (RuntimeError, OSError):
-                return  # the coordinator is gone
-            index += 1
-            self.inbox.put(("order", ag, json.loads(text)))
-
-    def _assign_loop(self, p: SimProc) -> None:
-        """A spare's ``ControlClient.wait_assignment``, on a connection of its own (as the spare's)."""
-        try:
-            conn = Conn(self.addr, self.stats)
-        except (RuntimeError, OSError):
-            return
-        key = keys.assign(p.name)
-        while not self.stopped.is_set():
-            try:
-                conn.wait("spare", self.sealer.name(key), _SPARE_POLL)
-            except DistStoreError:  # the wait timed out: is the job over?
-                with contextlib.suppress(RuntimeError, OSError):
-                    if self._sget(conn, "spare", keys.JOB_STOP) is not None:
-                        return
-                continue
-            except (RuntimeError, OSError):
-                return
-            try:
-                value = self._sget(conn, "spare", key)
-            except (RuntimeError, OSError):
-                return
-            if value is None:
-                continue
-            if value != keys.STOP:
-                self.inbox.put(("assigned", p, int(value)))
-            return
-
-    def _watch(self, kind: str, key_of: Callable[[int], str]) -> None:
-        """The bench's own instrument: a blocking wait on generation g's abort (or plan) key, then
-        g+1's, on a connection of its own; the simulated ranks learn of an abort from it at once (a
-        real rank within one lease check, 62.5 ms) and of a plan (a real rank: its own ``wait_plan``)."""
-        try:
-            conn = Conn(self.addr, self.stats)
-        except (RuntimeError, OSError):
-            return
-        for gen in itertools.count():
-            try:
-                conn.wait("instr", self.sealer.name(key_of(gen)), _ORDER_WAIT)
-            except (RuntimeError, OSError):
-                return
-            self.inbox.put((kind, gen, time.time()))
-
-    # -- control (stdin: one JSON command a line, one JSON answer a line) ----------------
-    def _control(self) -> None:
-        for line in sys.stdin:
-            cmd = json.loads(line)
-            if cmd.get("cmd") == "stop":
-                self.stopped.set()
-                self._reply({"id": cmd.get("id"), "ok": True})
-                break
-            reply: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
-            self.inbox.put(("cmd", cmd, reply))
-            try:
-                out = reply.get(timeout=60)
-            except queue.Empty:
-                out = {"error": "the simulator's driver did not answer within 60 s"}
-            out["id"] = cmd.get("id")
-            self._reply(out)
-        self.stopped.set()
-
-    def _reply(self, obj: dict[str, Any]) -> None:
-        _reply_line(self._out_lock, obj)
-
-    def _command(self, cmd: dict[str, Any]) -> dict[str, Any]:
-        if cmd["cmd"] == "kill":
-            ag = self.by_host[cmd["host"]]
-            ag.dead = True  # from now on nothing of this host is written: a power loss
-            t = time.time()
-            now = time.monotonic()
-            for p in ag.procs.values():
-                p.cpu_frozen = p.cpu(now)
-            self.timing["killed"] = t
-            return {"t": t, "host": ag.host}
-        if cmd["cmd"] == "stats":
-            return self._snapshot()
-        return {"error": f"unknown command {cmd['cmd']!r}"}
-
-    def _snapshot(self) -> dict[str, Any]:
-        procs = [p for ag in self.agents if not ag.dead for p in ag.procs.values() if p.alive]
-        members = [p for p in procs if p.gen is not None and p.gen == self.gen_running and p.committed >= 0]
-        committed = [p.committed for p in members]
-        ru = resource.getrusage(resource.RUSAGE_SELF)
-        lag, self.lag = (
-            self.lag,
-            {"status_max_s": 0.0, "lo_max_s": 0.0, "lo_late_0.5s": 0, "lo_n": 0, "lo_sum_s": 0.0},
-        )
-        return {
-            "t": time.time(), "cpu_s": ru.ru_utime + ru.ru_stime, **self.stats.snapshot(),
-            "agents": len(self.agents), "dead": sum(ag.dead for ag in self.agents),
-            "accepted": sum(ag.node >= 0 for ag in self.agents), "procs": len(procs), "members": len(members),
-            "gen": self.gen_running, "committed_min": min(committed, default=None),
-            "committed_max": max(committed, default=None),
-            "sizes": {k: (v[0] / v[1] if v[1] else None) for k, v in self.sizes.items()},
-            "lag": lag, "late_steps": self.late_steps, "timing": dict(self.timing),
-            "plan_read_s": {str(g): s for g, s in self.plan_read_s.items()},
-            "work": len(self.work), "lo_queue": len(self.lo),
-        }  # fmt: skip
-
-    # -- the driver --------------------------------------------------------------------
-    def _drain(self) -> None:
-        while True:
-            try:
-                item = self.inbox.get_nowait()
-            except queue.Empty:
-                return
-            self._handle(item)
-
-    def _handle(self, item: tuple[Any, ...]) -> None:
-        kind = item[0]
-        if kind == "cmd":
-            item[2].put(self._command(item[1]))
-        elif kind == "order":
-            self._on_order(item[1], item[2])
-        elif kind == "assigned":
-            p: SimProc = item[1]
-            p.assigned = item[2]
-            if item[2] in self.plans:
-                self._queue_join(self.by_index[p.host], p, item[2])
-        elif kind == "abort":
-            self._on_abort(item[1], item[2])
-        elif kind == "plan":
-            self._on_plan(item[1], item[2])
-
-    def _loop(self) -> None:
-        while not self.stopped.is_set():
-            self._drain()
-            now = time.monotonic()
-            self._run_due(self.hi, now + 0.05)
-            if self.gen_running is not None and now >= self.next_commit:
-                if self.pending_commits:
-                    self.late_steps += 1  # the last step's commits are not all out yet
-                else:
-                    self._queue_commits(self.gen_running)
-                self.next_commit += self.step_s
-                if self.next_commit < now:
-                    self.next_commit = now + self.step_s
-            self._run_work(time.monotonic() + 0.02)
-            self._run_due(self.lo, min(self.hi[0][0] if self.hi else math.inf, time.monotonic() + 0.02))
-            due = min(self.hi[0][0] if self.hi else math.inf, self.lo[0][0] if self.lo else math.inf,
-                      self.next_commit)  # fmt: skip
-            wait = 0.0 if self.work else max(0.0, min(0.01, due - time.monotonic()))
-            if wait > 0:
-                try:
-                    self._handle(self.inbox.get(timeout=wait))
-                except queue.Empty:
-                    pass
-
-    def _run_due(self, heap: list[tuple[float, int, str, Any]], limit: float) -> None:
-        """Run the items of ``heap`` that are due, until ``limit`` (monotonic) passes."""
-        now = time.monotonic()
-        while heap and heap[0][0] <= now < limit:
-            due, _, kind, obj = heapq.heappop(heap)
-            try:
-                self._run_item(kind, obj, due)
-            except (RuntimeError, OSError) as e:
-                self.stats.errors[f"{kind} {type(e).__name__}"] += 1
-            now = time.monotonic()
-
-    def _run_item(self, kind: str, obj: Any, due: float) -> None:
-        now = time.monotonic()
-        if kind == "status":
-            ag: SimAgent = obj
-            if ag.dead or due != ag.next_status:
-                return
-            self.lag["status_max_s"] = max(self.lag["status_max_s"], now - due)
-            self._status(ag)
-            return
-        p: SimProc = obj
-        ag = self.by_index[p.host]
-        if ag.dead or not p.alive:
-            return
-        if kind == "hb":
-            if due != p.next_hb:
-                return  # a commit flush moved the next beat
-            if p.prio == "lo":
-                self._lo_lag(now - due)
-            self._heartbeat(ag, p, "hb")
-            p.next_hb = due + self.hb_s if now - due < self.hb_s else now + self.hb_s
-            self._push(self.hi if p.prio == "hi" else self.lo, p.next_hb, "hb", p)
-
-    def _lo_lag(self, lag: float) -> None:
-        g = self.lag
-        g["lo_max_s"] = max(g["lo_max_s"], lag)
-        g["lo_n"] += 1
-        g["lo_sum_s"] += lag
-        if lag > 0.5:
-            g["lo_late_0.5s"] += 1
-
-    def _run_work(self, limit: float) -> None:
-        while self.work and time.monotonic() < limit:
-            kind, ag, p, gen = self.work.popleft()
-            try:
-                if kind == "commit":
-                    self.pending_commits -= 1
-                    self._commit(ag, p, gen)
-                elif kind == "report":
-                    self.pending_reports[gen] -= 1
-                    self._report(ag, p, gen)
-                    if self.pending_reports[gen] == 0:
-                        self.timing[f"reports_done_{gen}"] = time.time()
-                elif kind == "join":
-                    self._join(ag, p, gen)
-                elif kind == "first":
-                    self._first(ag, p)
-            except (RuntimeError, OSError) as e:
-                self.stats.errors[f"{kind} {type(e).__name__}"] += 1
-
-    # -- what an agent writes ------------------------------------------------------------
-    def _status(self, ag: SimAgent) -> None:
-        """``node.Agent._report`` and the lease round trip after it."""
-        assert ag.conn is not None
-        now = time.monotonic()
-        ag.seq += 1
-        procs: dict[str, dict[str, Any]] = {}
-        for p in ag.procs.values():
-            d: dict[str, Any] = {"alive": p.alive, "pid": p.pid, "slot": p.slot,
-                                 "exit": None if p.alive else p.exit, "cpu": p.cpu(now)}  # fmt: skip
-            if not p.alive:
-                d["tail"] = ""
-            procs[p.name] = d
-        stopped = ag.stopping and not any(p.alive for p in ag.procs.values())
-        text = json.dumps({"seq": ag.seq, "procs": procs, "stopped": stopped, "usage": _usage(ag.seq)})
-        self._size("status", self._set(ag.conn, "status", keys.node_status(ag.host), text))
-        if ag.exited_unreported:
-            ag.exited_unreported = False
-            self._set(ag.conn, "status", keys.REPORT_BELL, "1")
-        ag.conn.add("status", self.sealer.name(keys.AGENTS_COUNT), 0)
-        ag.next_status = time.monotonic() + self.status_s
-        self._push(self.hi, ag.next_status, "status", ag)
-
-    def _beat_now(self, ag: SimAgent) -> None:
-        ag.next_status = time.monotonic()
-        self._push(self.hi, ag.next_status, "status", ag)
-
-    def _on_order(self, ag: SimAgent, order: dict[str, Any]) -> None:
-        if ag.dead:
-            return
-        op = order.get("op")
-        now = time.monotonic()
-        if op == "spawn":
-            name, role = str(order["name"]), str(order["role"])
-            p = SimProc(name, role, len(ag.procs), 1_000_000 + ag.index * 100 + len(ag.procs), ag.index, now,
-                        prio="hi" if role == Role.SPARE else "lo")  # fmt: skip
-            ag.procs[name] = p
-            self.work.append(("first", ag, p, -1))
-            if role == Role.SPARE:
-                threading.Thread(
-                    target=self._assign_loop, args=(p,), name=f"assign-{name}", daemon=True
-                ).start()
-        elif op == "kill":
-            p2 = ag.procs.get(str(order["name"]))
-            if p2 is not None and p2.alive:
-                p2.alive, p2.exit, p2.cpu_frozen = False, -9, p2.cpu(now)
-                ag.exited_unreported = True
-        elif op == "stop":  # the job's end: its processes see job/stop and exit
-            ag.stopping = True
-            for p3 in ag.procs.values():
-                if p3.alive:
-                    p3.alive, p3.exit, p3.cpu_frozen = False, 0, p3.cpu(now)
-        self._beat_now(ag)
-
-    def _first(self, ag: SimAgent, p: SimProc) -> None:
-        """A new process's first writes: a worker's first heartbeat (starting); a spare's
-        ``spare_ready`` event and its heartbeat (phase spare), its model built."""
-        if ag.dead or not p.alive:
-            return
-        if p.role == Role.SPARE:
-            p.phase = Phase.SPARE
-            self._event(ag, p, event(Event.SPARE_READY, proc=p.name), "hb")
-        self._heartbeat(ag, p, "hb")
-        now = time.monotonic()
-        p.next_hb = now + self.hb_s * random.random()
-        self._push(self.hi if p.prio == "hi" else self.lo, p.next_hb, "hb", p)
-        if p.role == Role.WORKER and 0 in self.plans and self.gen_running is not None:
-            self._queue_join(ag, p, 0)
-
-    def _heartbeat(self, ag: SimAgent, p: SimProc, purpose: str) -> None:
-        """``ControlClient._flush``'s heartbeat: the fields ``Session`` and ``member.py`` put in (the
-        JSON ``json.dumps`` would write, from a template: a third of the simulator's time went there)."""
-        assert ag.conn is not None
-        p.seq += 1
-        if p.rank is None:
-            text = _HB_BARE % (p.seq, p.phase, time.time(), p.chunks)
-        elif not p.attempt:
-            text = _HB_JOINED % (
-                p.seq,
-                p.phase,
-                p.rank,
-                p.gen,
-                p.committed,
-                TOTAL_STEPS,
-                time.time(),
-                p.chunks,
-            )
-        else:
-            step = p.committed + 1 if p.phase == Phase.COMPUTE else p.committed
-            text = _HB_STEPPING % (p.seq, p.phase, p.rank, p.gen, p.committed, TOTAL_STEPS, step, p.attempt,
-                                   p.step_time, p.loss, time.time(), p.chunks)  # fmt: skip
-        self._size("heartbeat", self._set(ag.conn, purpose, keys.heartbeat(p.name), text))
-
-    def _event(self, ag: SimAgent, p: SimProc, ev: dict[str, Any], purpose: str) -> None:
-        """One event chunk (``ControlClient._flush``: written before the heartbeat that counts it)."""
-        assert ag.conn is not None
-        key = keys.events(p.name, p.chunks)
-        p.chunks += 1
-        self._size("chunk", self._set(ag.conn, purpose, key, json.dumps(ev) + "\n"))
-
-    def _queue_commits(self, gen: int) -> None:
-        for ag in self.agents:
-            if ag.dead:
-                continue
-            for p in ag.procs.values():
-                if p.alive and p.gen == gen and p.phase != Phase.RECOVERING:
-                    self.work.append(("commit", ag, p, gen))
-                    self.pending_commits += 1
-
-    def _commit(self, ag: SimAgent, p: SimProc, gen: int) -> None:
-        """``Session._commit``: the heartbeat fields, a ``step_committed`` event, a sync flush."""
-        if ag.dead or not p.alive or p.gen != gen or self.gen_running != gen or p.phase == Phase.RECOVERING:
-            return
-        assert ag.conn is not None
-        p.committed += 1
-        p.attempt += 1
-        p.phase = Phase.IDLE
-        p.step_time, p.loss = (
-            round(self.step_s * random.uniform(0.97, 1.0), 6),
-            round(random.uniform(2, 3), 6),
-        )
-        key = keys.events(p.name, p.chunks)
-        p.chunks += 1
-        text = _STEP_EVENT % (time.time(), p.name, p.rank, gen, p.committed, p.step_time, p.loss)
-        self._size("chunk", self._set(ag.conn, "commit", key, text))
-        self._heartbeat(ag, p, "commit")
-        p.phase = Phase.COMPUTE  # the next step starts at once; the next beat shows it
-        p.next_hb = time.monotonic() + self.hb_s
-        self._push(self.hi if p.prio == "hi" else self.lo, p.next_hb, "hb", p)
-
-    def _on_abort(self, gen: int, t: float) -> None:
-        """Generation ``gen`` failed: every live member here leaves it and reports (``member._recover``)."""
-        if gen in self.failed:
-            return
-        self.failed.add(gen)
-        self.timing[f"abort_seen_{gen}"] = t
-        if self.gen_running == gen:
-            self.gen_running, self.next_commit = None, math.inf
-        self.work = deque(w for w in self.work if w[0] != "commit")
-        self.pending_commits = 0
-        n = 0
-        for ag in self.agents:
-            if ag.dead:
-                continue
-            for p in ag.procs.values():
-                if p.alive and p.gen == gen and p.reported != gen:
-                    self.work.appendleft(("report", ag, p, gen))
-                    n += 1
-        self.pending_reports[gen] = n
-        if n == 0:
-            self.timing[f"reports_done_{gen}"] = time.time()
-
-    def _report(self, ag: SimAgent, p: SimProc, gen: int) -> None:
-        """A member released by the abort: ``fault_detected`` (collective error, a sync flush), then
-        ``ControlClient.report_failure`` (the sealed report, the counter, the bell)."""
-        if ag.dead or not p.alive or p.gen != gen or p.reported == gen:
-            return
-        assert ag.conn is not None
-        p.reported = gen
-        self._event(ag, p, event(Event.FAULT_DETECTED, proc=p.name, rank=p.rank, gen=gen, step=p.committed + 1,
-                                 reason=Reason.COLLECTIVE_ERROR,
-                                 error="Connection closed by peer [10.0.0.1]:12345"), "report")  # fmt: skip
-        self._heartbeat(ag, p, "report")
-        p.phase = Phase.RECOVERING
-        report = json.dumps({"committed": p.committed, "reason": Reason.COLLECTIVE_ERROR, "proc": p.name,
-                             "has_state": True})  # fmt: skip
-        self._size("report", self._set(ag.conn, "report", keys.fail(gen, p.rank or 0), report))
-        ag.conn.add("report", self.sealer.name(keys.fail_count(gen)), 1)
-        self._set(ag.conn, "report", keys.REPORT_BELL, "1")
-
-    def _on_plan(self, gen: int, t: float) -> None:
-        """Generation ``gen``'s plan is out: read it once for this simulator's hosts (each real rank
-        reads it itself), then every member here joins it."""
-        self.timing[f"plan_seen_{gen}"] = t
-        conn = next((ag.conn for ag in self.agents if not ag.dead), None)
-        if conn is None:
-            return
-        t0 = time.perf_counter()
-        text = self._sget(conn, "plan", keys.plan(gen))
-        self.plan_read_s[gen] = time.perf_counter() - t0
-        if text is None:
-            return
-        self._size("plan", len(text) + 65)
-        plan = Plan.from_json(text)
-        self.plans[gen] = plan
-        members = set(plan.members.values())
-        for ag in self.agents:
-            if ag.dead:
-                continue
-            for p in ag.procs.values():
-                if p.alive and p.name in members and (p.role == Role.WORKER or p.assigned == gen):
-                    self._queue_join(ag, p, gen)
-        self.gen_running = gen
-        self.next_commit = time.monotonic() + self.step_s
-
-    def _queue_join(self, ag: SimAgent, p: SimProc, gen: int) -> None:
-        self.work.append(("join", ag, p, gen))
-
-    def _join(self, ag: SimAgent, p: SimProc, gen: int) -> None:
-        """``member._enter``: the rank, the generation, the committed step (a replacement's after
-        its transfer), phase idle; the group's formation is not simulated."""
-        plan = self.plans.get(gen)
-        if ag.dead or not p.alive or plan is None or p.gen == gen:
-            return
-        rank = plan.rank_of(p.name)
-        if rank is None:
-            return
-        if p.role == Role.SPARE:
-            p.role, p.prio, p.assigned = Role.WORKER, "lo", None
-            p.next_hb = time.monotonic() + self.hb_s
-            self._push(self.lo, p.next_hb, "hb", p)
-        p.rank, p.gen, p.phase = rank, gen, Phase.IDLE
-        p.committed = plan.resume_step - 1
-        self._heartbeat(ag, p, "join")
-
-
-def _connect_many(addr: str, stats: SimStats, n: int) -> list[Conn]:
-    """``n`` connections to the store, opened from a pool of threads."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(CONNECT_THREADS) as pool:
-        return list(pool.map(lambda _: Conn(addr, stats), range(n)))
-
-
-class AckLoad:
-    """The ranks' lease checks of hosts ``first .. first+count-1`` (``ControlClient._ack``: a round
-    trip every ``ack_s`` per process, on its generation's abort key), from a process of its own: a
-    round trip blocks its caller, and in the simulator's process the waits fought its driver for the
-    GIL. Its hosts' processes are named as the coordinator names them (``w<rank>``, the spare host's
-    ``s<i>``); the generation is followed with a blocking wait on the next plan."""
-
-    def __init__(self, a: argparse.Namespace) -> None:
-        self.addr, self.hosts = a.addr, a.hosts
-        secret = read_secret_file(Path(a.secret_file))
-        self.sealer = FastSealer(secret, job_namespace(secret))
-        self.stats = SimStats()
-        hang = a.hang_timeout
-        self.ack_s = min(min(0.1, hang / 4), 0.5 * hang / 4)
-        self.procs: list[tuple[int, str]] = []
-        for h in range(a.first, a.first + a.count):
-            for k in range(NPROC):
-                self.procs.append(
-                    (h, f"w{h * NPROC + k}" if h < a.hosts else f"s{(h - a.hosts) * NPROC + k}")
-                )
-        self.dead: set[int] = set()
-        self.gen = 0
-        self.stopped = threading.Event()
-        self.lag = {"n": 0, "sum_s": 0.0, "max_s": 0.0, "late_0.5s": 0}
-        self._out_lock = threading.Lock()
-
-    def run(self) -> None:
-        threading.Thread(target=self._control, name="acks-control", daemon=True).start()
-        conn = Conn(self.addr, self.stats)
-        threading.Thread(target=self._follow, name="acks-plans", daemon=True).start()
-        heap = [(time.monotonic() + self.ack_s * random.random(), i) for i in range(len(self.procs))]
-        heapq.heapify(heap)
-        while not self.stopped.is_set():
-            due, i = heap[0]
-            now = time.monotonic()
-            if due > now:
-                time.sleep(min(0.01, due - now))
-                continue
-            heapq.heappop(heap)
-            host, name = self.procs[i]
-            # a member checks its generation's abort; a waiting spare its own heartbeat key
-            key = keys.heartbeat(name) if name[0] == "s" and self.gen == 0 else keys.abort(self.gen)
-            if host in self.dead:
-                continue  # a host without power sends nothing
-            lag = now - due
-            g = self.lag
-            g["n"] += 1
-            g["sum_s"] += lag
-            g["max_s"] = max(g["max_s"], lag)
-            if lag > 0.5:
-                g["late_0.5s"] += 1
-            try:
-                conn.check("ack", self.sealer.name(key))
-            except (RuntimeError, OSError) as e:
-                self.stats.errors[f"ack {type(e).__name__}"] += 1
-                if self.stopped.wait(0.05):
-                    return
-            heapq.heappush(heap, (due + self.ack_s if lag < self.ack_s else time.monotonic() + self.ack_s, i))
-
-    def _follow(self) -> None:
-        try:
-            conn = Conn(self.addr, self.stats)
-        except (RuntimeError, OSError):
-            return
-        for gen in itertools.count(1):
-            try:
-                conn.wait("instr", self.sealer.name(keys.plan(gen)), _ORDER_WAIT)
-            except (RuntimeError, OSError):
-                return
-            self.gen = gen
-
-    def _control(self) -> None:
-        for line in sys.stdin:
-            cmd = json.loads(line)
-            out: dict[str, Any] = {"id": cmd.get("id")}
-            if cmd.get("cmd") == "stop":
-                self.stopped.set()
-                self._reply(out)
-                break
-            if cmd.get("cmd") == "kill":
-                host = next((h for h, _ in self.procs if host_name(h) == cmd["host"]), None)
-                if host is not None:
-                    self.dead.add(host)
-                out["t"] = time.time()
-            elif cmd.get("cmd") == "stats":
-                ru = resource.getrusage(resource.RUSAGE_SELF)
-                lag, self.lag = self.lag, {"n": 0, "sum_s": 0.0, "max_s": 0.0, "late_0.5s": 0}
-                out.update(
-                    t=time.time(), cpu_s=ru.ru_utime + ru.ru_stime, ack_lag=lag, **self.stats.snapshot()
-                )
-            self._reply(out)
-        self.stopped.set()
-
-    def _reply(self, obj: dict[str, Any]) -> None:
-        _reply_line(self._out_lock, obj)
-
-
-def acker_main(a: argparse.Namespace) -> int:
-    _raise_nofile()
-    with contextlib.suppress(OSError):
-        os.nice(a.nice)
-    try:
-        AckLoad(a).run()
-    except Exception:
-        traceback.print_exc()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-def simulator_main(a: argparse.Namespace) -> int:
-    _raise_nofile()
-    with contextlib.suppress(OSError):
-        os.nice(a.nice)
-    sim = Simulator(a)
-    prof = cProfile.Profile() if os.environ.get("CONTROL_SCALE_PROFILE_SIM") else None
-    try:
-        if prof is not None:
-            prof.enable()
-        sim.run()
-    except Exception:
-        traceback.print_exc()
-        sys.stderr.flush()
-        # keep answering the bench (its stats say what failed) until it stops this process
-        sim.timing["failed"] = time.time()
-        while not sim.stopped.is_set():
-            sim._drain()
-            time.sleep(0.05)
-    if prof is not None:
-        prof.disable()
-        pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(30)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # threads blocked in store waits: no interpreter teardown under them
 
 
 # -- the bench: one scale ----------------------------------------------------------------
@@ -1522,23 +347,9 @@ def _sum_sims(snaps: list[dict[str, Any]], key: str) -> dict[str, float]:
     return dict(out)
 
 
-def protocol_rates(hosts: int, hang: float, step_s: float) -> dict[str, float]:
-    """Store calls per second the protocol asks of the hosts and their processes (the simulators'
-    target): per purpose, from the job's intervals (``heartbeat_interval_s``, the lease checks,
-    ``status_interval``) and the step pace."""
-    ranks, spares = hosts * NPROC, SPARE_NODES * NPROC
-    hb_s = min(0.1, hang / 4)
-    ack_s = min(hb_s, 0.5 * hang / 4)
-    status_s = max(hb_s, 4 * hang / 5)
-    return {
-        "status": 2 * (hosts + SPARE_NODES) / status_s,  # the status, the lease round trip
-        "hb": ranks * (1 / hb_s - 1 / step_s) + spares / hb_s,  # the thread's beats (a commit is one)
-        "ack": (ranks + spares) / ack_s,
-        "commit": 2 * ranks / step_s,  # the event chunk, the heartbeat
-    }
-
-
-def _steady(a: dict[str, Any], b: dict[str, Any], hosts: int, hang: float, step_s: float) -> dict[str, Any]:
+def _steady(
+    a: dict[str, Any], b: dict[str, Any], hosts: int, hang: float, step_s: float, protocol: str
+) -> dict[str, Any]:
     dt = b["wall"] - a["wall"]
     sa, sb = a["stats"], b["stats"]
     dts = max(1e-6, float(sb.get("t", 0)) - float(sa.get("t", 0)))
@@ -1554,7 +365,7 @@ def _steady(a: dict[str, Any], b: dict[str, Any], hosts: int, hang: float, step_
     by_purpose: Counter[str] = Counter()
     for k, v in sim_calls.items():
         by_purpose[k.split(" ", 1)[0]] += v
-    target = protocol_rates(hosts, hang, step_s)
+    target = protocol_rates(hosts, hang, step_s, protocol)
     offered = {k: round(by_purpose.get(k, 0.0) / v, 3) for k, v in target.items() if v}
     sim_total = sum(v for k, v in by_purpose.items() if k != "instr")
     busy = (b["machine"][0] - a["machine"][0]) / max(1, b["machine"][1] - a["machine"][1])
@@ -1570,7 +381,7 @@ def _steady(a: dict[str, Any], b: dict[str, Any], hosts: int, hang: float, step_
     ack_n = sum(g["n"] for g in acks)
     threads = {k: round((b["threads"].get(k, 0.0) - a["threads"].get(k, 0.0)) / dt, 3) for k in b["threads"]}
     sizes = {k: statistics_mean([s["sizes"][k] for s in b["sims"] if s.get("sizes", {}).get(k)]) for k in
-             ("status", "heartbeat", "chunk", "plan", "report")}  # fmt: skip
+             ("status", "relay", "heartbeat", "chunk", "plan", "report")}  # fmt: skip
     bytes_out = sum(
         _delta(_sum_sims(a["sims"], "bytes_out"), _sum_sims(b["sims"], "bytes_out"), sim_dt).values()
     )
@@ -1620,7 +431,9 @@ def _steady(a: dict[str, Any], b: dict[str, Any], hosts: int, hang: float, step_
         "sizes_bytes": {k: (round(v) if v else None) for k, v in sizes.items()},
         "per_poll_bytes": {
             "statuses": round((hosts + SPARE_NODES) * (sizes["status"] or 0)),
-            "heartbeats": round((hosts + SPARE_NODES) * NPROC * (sizes["heartbeat"] or 0)),
+            # relay: a value per host; per-rank: a heartbeat per process
+            **({"relays": round((hosts + SPARE_NODES) * (sizes["relay"] or 0))} if protocol == RELAY
+               else {"heartbeats": round((hosts + SPARE_NODES) * NPROC * (sizes["heartbeat"] or 0))}),
         },
     }  # fmt: skip
 
@@ -1704,6 +517,7 @@ class Params:
     profile_s: float = PROFILE_S
     sims: int | None = None  # simulator processes (None: 1 up to 100 hosts, else 2)
     nice: int = SIM_NICE
+    protocol: str = RELAY  # scale_sim.PROTOCOLS
 
 
 def measure(hosts: int, dest: Path, params: Params) -> dict[str, Any]:
@@ -1719,7 +533,8 @@ def measure(hosts: int, dest: Path, params: Params) -> dict[str, Any]:
     timeout = 60.0 + 0.1 * hosts
     n_sims = params.sims or (1 if hosts <= 100 else 2)
     res: dict[str, Any] = {"hosts": hosts, "ranks": hosts * NPROC, "spare_hosts": SPARE_NODES,
-                           "connections": 2 * (hosts + SPARE_NODES), "simulators": n_sims, "ok": False}  # fmt: skip
+                           "connections": 2 * (hosts + SPARE_NODES), "simulators": n_sims, "protocol": params.protocol,
+                           "ok": False}  # fmt: skip
     logs: list[IO[bytes]] = []
     sims: list[SimHandle] = []
     ackers: list[SimHandle] = []
@@ -1756,10 +571,11 @@ def measure(hosts: int, dest: Path, params: Params) -> dict[str, Any]:
             logs.append(log)
             common_args = ["--addr", addr, "--secret-file", str(secret_file), "--hosts", str(hosts), "--first",
                            str(first), "--count", str(count), "--hang-timeout", str(params.hang_timeout),
-                           "--nice", str(params.nice)]  # fmt: skip
+                           "--nice", str(params.nice), "--protocol", params.protocol, "--step-s",
+                           str(params.step_s)]  # fmt: skip
             sims.append(SimHandle(
-                [common.PYTHON, str(_SELF), "--role", "simulator", *common_args, "--step-s", str(params.step_s),
-                 "--join-timeout", str(join_timeout)], log, env))  # fmt: skip
+                [common.PYTHON, str(_SELF), "--role", "simulator", *common_args, "--join-timeout",
+                 str(join_timeout)], log, env))  # fmt: skip
             ackers.append(SimHandle([common.PYTHON, str(_SELF), "--role", "acker", *common_args], log, env))
         snaps: list[dict[str, Any]] = []
 
@@ -1777,7 +593,7 @@ def measure(hosts: int, dest: Path, params: Params) -> dict[str, Any]:
         a = _snapshot(coord.pid, ctl, sims + ackers)
         time.sleep(params.window_s)
         b = _snapshot(coord.pid, ctl, sims + ackers)
-        res["steady"] = _steady(a, b, hosts, params.hang_timeout, params.step_s)
+        res["steady"] = _steady(a, b, hosts, params.hang_timeout, params.step_s, params.protocol)
         if params.profile_s > 0:
             (ctl / "profile_on").touch()
             time.sleep(params.profile_s)
@@ -1897,7 +713,7 @@ def run(
     """Every case (worker hosts, hang timeout) in turn; what the page's section is made from."""
     import dataclasses
 
-    _raise_nofile()
+    raise_nofile()
     params = params or Params()
     if quick:
         params.warmup_s, params.window_s, params.profile_s = QUICK_WARMUP_S, QUICK_WINDOW_S, QUICK_PROFILE_S
@@ -1924,10 +740,11 @@ def run(
         "coordinator_cpu_core_frac": _fit(xs, [r["steady"]["coordinator"]["cpu_core_frac"] for r in series]),
     }  # fmt: skip
     return {
-        "quick": quick, "nproc_per_node": NPROC, "spare_nodes": SPARE_NODES, "heartbeats": HEARTBEAT_MODES[0],
+        "quick": quick, "nproc_per_node": NPROC, "spare_nodes": SPARE_NODES, "protocol": params.protocol,
         "params": {"series_hang_timeout_s": SERIES_HANG_S, "step_s": params.step_s, "warmup_s": params.warmup_s,
                    "window_s": params.window_s, "profile_s": params.profile_s, "sim_nice": params.nice},
-        "protocol_target_per_s": {f"{h}@{t:g}": protocol_rates(h, t, params.step_s) for h, t in cases},
+        "protocol_target_per_s": {f"{h}@{t:g}": protocol_rates(h, t, params.step_s, params.protocol)
+                                  for h, t in cases},
         "rows": rows, "linear_fit": lin, "store_microbench": micro, "published": PUBLISHED,
         "machine": common.machine_info(),
     }  # fmt: skip
@@ -1972,6 +789,25 @@ def f_(x: Any, digits: int = 3) -> str:
     return common.fmt(x, digits)
 
 
+#: what each purpose of the simulators' calls is, in the tables' words
+_PURPOSE = {"status": "agent statuses", "relay": "relay values", "events": "event chunks",
+            "ack": "lease round trips", "stop": "stop checks", "hb": "heartbeats", "commit": "commits"}  # fmt: skip
+#: the purposes the steady table's "offered" column shows, per protocol
+_OFFERED = {RELAY: ("relay", "ack", "events", "stop"), PER_RANK: ("hb", "ack", "commit", "stop")}
+
+
+def _protocol(res: dict[str, Any]) -> str:
+    """What the simulated hosts spoke (results from before the relay say ``heartbeats: per-rank``)."""
+    return str(res.get("protocol") or res.get("heartbeats") or PER_RANK)
+
+
+def _target(res: dict[str, Any], r: dict[str, Any]) -> dict[str, float]:
+    """The calls/s the protocol asked of case ``r``'s hosts, as its run recorded them."""
+    hang = r.get("hang_timeout_s", SERIES_HANG_S)
+    stored = (res.get("protocol_target_per_s") or {}).get(f"{r['hosts']}@{hang:g}")
+    return stored or protocol_rates(r["hosts"], hang, res["params"]["step_s"], _protocol(res))
+
+
 def verdicts(res: dict[str, Any], r: dict[str, Any] | None) -> list[list[str]]:
     """The goals at 2,000 hosts against case ``r`` (that scale, the series' setting)."""
     f = common.fmt
@@ -1983,10 +819,37 @@ def verdicts(res: dict[str, Any], r: dict[str, Any] | None) -> list[list[str]]:
     stuck = iters is not None and iters < 10
     peak = r.get("rss_mb_max")
     growth = _g(r, "steady", "coordinator", "rss_growth_mb_per_min")
-    target = protocol_rates(r["hosts"], r.get("hang_timeout_s", SERIES_HANG_S), res["params"]["step_s"])
+    target = _target(res, r)
     hosts = r["hosts"] + SPARE_NODES
-    per_rank = (target["hb"] + target["ack"] + target["commit"]) / hosts
     offered = _g(r, "steady", "simulators", "offered_frac") or {}
+    if _protocol(res) == RELAY:
+        us = _store_us_per_call(r)
+        need = sum(target.values()) * us / 1e6 if us else None
+        short = [k for k in target if (offered.get(k) or 0) < 0.9]
+        traffic = [
+            "steady store traffic linear in hosts", "linear",
+            f"by construction: {sum(target.values()) / hosts:,.0f} store calls/s per host (a relay value and a "
+            f"round trip per beat, an event chunk per step, its status and a round trip every "
+            f"{intervals(r.get('hang_timeout_s', SERIES_HANG_S))[2]:g} s, its 8 ranks' stop checks: "
+            f"{target.get('stop', 0) / hosts:,.0f}/s), {sum(target.values()):,.0f}/s at 2,000 hosts on one store "
+            "thread" + (f", about {need:.2f} cores of it at the {f(us, 0)} µs per call measured there" if need
+                        else "")
+            + "; the simulators offered " + ", ".join(f"{f(offered.get(k), 3)} of the {_PURPOSE[k]}" for k in target),
+            "–" if need is None else "linear, but **not met** as a load one store thread carries" if need >= 1
+            else f"linear; not established (offered under 0.9: {', '.join(_PURPOSE[k] for k in short)})" if short
+            else "met",
+        ]  # fmt: skip
+    else:
+        per_rank = sum(target.get(k, 0.0) for k in ("hb", "ack", "commit", "stop")) / hosts
+        traffic = [
+            "steady store traffic linear in hosts", "linear",
+            f"by construction: {sum(target.values()) / hosts:,.0f} store calls/s per host, {per_rank:,.0f} of them "
+            "from its 8 ranks (heartbeats, lease checks, commits), so linear with a large constant "
+            f"({sum(target.values()):,.0f}/s at 2,000 hosts, one store thread); measured: the simulators offered "
+            f"{f(offered.get('hb'), 3)} of the heartbeats and {f(offered.get('ack'), 3)} of the lease checks at "
+            "2,000 hosts",
+            "linear, but **not met** as a load one store thread carries (finding 3)",
+        ]  # fmt: skip
     return [
         ["new plan within 1 s of detection (host_lost → gen 1 plan)", "≤ 1 s",
          f(plan, 2) + " s" if plan is not None
@@ -2000,13 +863,7 @@ def verdicts(res: dict[str, Any], r: dict[str, Any] | None) -> list[list[str]]:
          f"{f(peak, 0)} MB at its peak (the run lasted minutes), growing {f(growth, 0)} MB/min",
          "–" if peak is None else "**not met**" if peak >= 1024 or (growth or 0) * 60 + peak >= 1024
          else "met"],
-        ["steady store traffic linear in hosts", "linear",
-         f"by construction: {sum(target.values()) / hosts:,.0f} store calls/s per host, {per_rank:,.0f} of them "
-         "from its 8 ranks (heartbeats, lease checks, commits), so linear with a large constant "
-         f"({sum(target.values()):,.0f}/s at 2,000 hosts, one store thread); measured: the simulators offered "
-         f"{f(offered.get('hb'), 3)} of the heartbeats and {f(offered.get('ack'), 3)} of the lease checks at "
-         "2,000 hosts",
-         "linear, but **not met** as a load one store thread carries (finding 3)"],
+        traffic,
     ]  # fmt: skip
 
 
@@ -2016,6 +873,8 @@ def markdown(res: dict[str, Any]) -> str:
         return "FAILED: no case measured"
     f = common.fmt
     g = _g
+    relayed = _protocol(res) == RELAY
+    offered = _OFFERED[RELAY if relayed else PER_RANK]
 
     def label(r: dict[str, Any]) -> str:
         return f"{r['hosts']:,} ({r['ranks']:,})" + ("" if r.get("hang_timeout_s") == SERIES_HANG_S
@@ -2032,7 +891,7 @@ def markdown(res: dict[str, Any]) -> str:
     steady = common.md_table(
         ["hosts (ranks)", "coordinator CPU, cores: process / main / store thread", "loop iterations/s · p95 s",
          "RSS MB window start → end · peak · growth MB/min", "store calls/s: all · per host · coordinator's",
-         "offered: hb / lease checks / commits", "machine CPU busy · load avg"],
+         "offered: " + " / ".join(_PURPOSE[k] for k in offered), "machine CPU busy · load avg"],
         [[label(r),
           " / ".join(f(g(r, "steady", "coordinator", *k), 2) for k in
                      (("cpu_core_frac",), ("threads_core_frac", "main"), ("threads_core_frac", "store"))),
@@ -2042,16 +901,20 @@ def markdown(res: dict[str, Any]) -> str:
           f" · {f(r.get('rss_mb_max'), 0)} · {f(g(r, 'steady', 'coordinator', 'rss_growth_mb_per_min'), 0)}",
           f"{f(g(r, 'steady', 'store_calls_per_s_total'), 0)} · {f(g(r, 'steady', 'store_calls_per_host_per_s'), 1)}"
           f" · {f(g(r, 'steady', 'coordinator', 'store_calls_per_s_total'), 0)}",
-          " / ".join(f(g(r, "steady", "simulators", "offered_frac", k), 2) for k in ("hb", "ack", "commit")),
+          " / ".join(f(g(r, "steady", "simulators", "offered_frac", k), 2) for k in offered),
           f"{f(g(r, 'steady', 'machine_cpu_busy_frac'), 2)} · {r.get('loadavg_start', ['–'])[0]}"]
          for r in rows if g(r, "steady")],
     )  # fmt: skip
     traffic = common.md_table(
-        ["hosts (ranks)", "status value B", "heartbeat value B", "per poll: statuses B (hosts × status)",
-         "per poll: heartbeats B (ranks × hb)", "coordinator reads B/s", "events/s into the log",
-         "protocol's calls/s (target)"],
-        [[label(r), f(g(r, "steady", "sizes_bytes", "status"), 0), f(g(r, "steady", "sizes_bytes", "heartbeat"), 0),
-          f"{g(r, 'steady', 'per_poll_bytes', 'statuses') or 0:,}", f"{g(r, 'steady', 'per_poll_bytes', 'heartbeats') or 0:,}",
+        ["hosts (ranks)", "status value B",
+         *(["relay value B (its heartbeat B)", "per poll: statuses B (hosts × status)",
+            "per poll: relay values B (hosts × relay)"] if relayed
+           else ["heartbeat value B", "per poll: statuses B (hosts × status)", "per poll: heartbeats B (ranks × hb)"]),
+         "coordinator reads B/s", "events/s into the log", "protocol's calls/s (target)"],
+        [[label(r), f(g(r, "steady", "sizes_bytes", "status"), 0),
+          f"{f(g(r, 'steady', 'sizes_bytes', 'relay'), 0)} ({f(g(r, 'steady', 'sizes_bytes', 'heartbeat'), 0)})"
+          if relayed else f(g(r, "steady", "sizes_bytes", "heartbeat"), 0),
+          f"{g(r, 'steady', 'per_poll_bytes', 'statuses') or 0:,}", f"{g(r, 'steady', 'per_poll_bytes', 'relays' if relayed else 'heartbeats') or 0:,}",
           f"{sum((g(r, 'steady', 'coordinator', 'bytes_in_per_s') or {}).values()):,.0f}",
           f(g(r, "steady", "coordinator", "events_per_s"), 0),
           f"{sum((g(r, 'steady', 'simulators', 'protocol_target_per_s') or {}).values()):,.0f}"]
@@ -2066,13 +929,21 @@ def markdown(res: dict[str, Any]) -> str:
             )
     big = next((r for r in rows if r["hosts"] == 2000 and r.get("hang_timeout_s") == SERIES_HANG_S), None)
     parts = [
-        f"{res['nproc_per_node']} ranks per host, one spare host, {res['params']['step_s']:g} step/s, heartbeats "
-        f"{res['heartbeats']} (today's protocol); the series at hang timeout "
+        f"{res['nproc_per_node']} ranks per host, one spare host, {res['params']['step_s']:g} step/s, protocol "
+        + (
+            "`relay` (today's: each host's agent forwards its ranks' heartbeats, events and lease, one value, one "
+            "chunk and one round trip per host)"
+            if relayed
+            else "`per-rank` (before the agents' relay: each rank "
+            "beats, writes its events and renews its lease on the coordinator's store)"
+        )
+        + "; the series at hang timeout "
         f"{res['params']['series_hang_timeout_s']:g} s (the method says why), the job's default 0.5 s at 100 hosts. "
         f"Steady window {res['params']['window_s']:g} s after {res['params']['warmup_s']:g} s of warm-up; then "
         f"{res['params']['profile_s']:g} s of sampling profile; then one worker host loses power (t = 0 below). "
         "Alone: `OMP_NUM_THREADS=1 python bench/control_scale.py` (every case) or `--quick` (10 and 100 hosts); "
-        "`--hosts 10,100 --hang-timeout 0.5` for other cases.",
+        "`--hosts 10,100 --hang-timeout 0.5` for other cases, `--protocol per-rank` for the protocol before the "
+        "relay.",
         "",
         "**A host's power loss** (seconds from the loss, on one clock: the events' times are the coordinator's):",
         "",
@@ -2083,7 +954,8 @@ def markdown(res: dict[str, Any]) -> str:
         steady,
         "",
         "**Bytes per coordinator tick.** The coordinator reads every host's status at each loop iteration and "
-        "every process's heartbeat at each heartbeat poll (0.1 s), each in one `multi_get`:",
+        + ("every host's relay value" if relayed else "every process's heartbeat")
+        + " at each heartbeat poll (0.1 s), each in one `multi_get`:",
         "",
         traffic,
         "",
@@ -2113,13 +985,134 @@ def _share(r: dict[str, Any], needle: str, whole: bool = False) -> float | None:
 
 def _findings(res: dict[str, Any]) -> str:
     """The bottlenecks, each with the evidence the runs recorded (code and numbers)."""
+    return _findings_relay(res) if _protocol(res) == RELAY else _findings_per_rank(res)
+
+
+def _pct(x: float | None) -> str:
+    return "–" if x is None else f"{100 * x:.0f}%"
+
+
+def _loop_rate(r: dict[str, Any]) -> str:
+    """The coordinator loop's pace in case ``r``: iterations a second, or how few it made at all."""
+    fin = r.get("coordinator_final") or {}
+    if fin.get("loop_iterations") is not None and fin["loop_iterations"] < 20:
+        return f"{fin['loop_iterations']} iteration(s) in {common.fmt(fin.get('run_s'), 0)} s"
+    return f"{common.fmt(_g(r, 'steady', 'coordinator', 'loop_iterations_per_s'), 1)} iterations/s"
+
+
+def _findings_common(res: dict[str, Any], first: int) -> list[str]:
+    """The findings that hold in both protocols (numbered from ``first``)."""
+    rows, f = res["rows"], common.fmt
+    series = [r for r in rows if r.get("hang_timeout_s") == SERIES_HANG_S]
+    lines, n = [], first
+    slow = [r for r in rows if r["hosts"] == 100 and _g(r, "failure", "first_fault_s") is not None]
+    if slow:
+        lines.append(
+            f"{n}. **A busy coordinator postpones its own detections.** `Membership._forgive_own_stall` credits each "
+            "of the coordinator's stalls to every process's silence clock, the dead host's too: at 100 hosts the "
+            "first `fault_detected` came "
+            + " and ".join(
+                f"{f(_g(r, 'failure', 'first_fault_s'), 1)} s after the power loss with a hang timeout of "
+                f"{r['hang_timeout_s']:g} s (the coordinator logged {_g(r, 'coordinator_log', 'stall_warnings')} "
+                f"stalls in that run, up to {f(_g(r, 'coordinator_log', 'worst_stall_s'), 1)} s)"
+                for r in slow
+            )
+            + ". Right for a stall of the coordinator alone; under sustained load it delays every detection by "
+            "the sum of the stalls."
+        )
+        n += 1
+    lines.append(
+        f"{n}. **The hang rule's CPU exemption does not hold for a remote process** (from the code; a development "
+        "run of the per-rank protocol at 100 hosts and the 0.5 s default, with the simulators' heartbeats up to "
+        "0.6 s late, lost 16 healthy ranks and the job this way). `Detection._hung` spares a silent process that "
+        "used CPU in a window of `hang_timeout_s / 2`; a remote process's CPU time changes only when its agent's "
+        "status does, every `0.8 x hang_timeout_s`, so a window often sees none and a busy process whose "
+        "heartbeats are late is killed as stopped."
+    )
+    growth = [(r["hosts"], _g(r, "steady", "coordinator", "rss_growth_mb_per_min"), r.get("rss_mb_max"))
+              for r in series if _g(r, "steady")]  # fmt: skip
+    lines.append(
+        f"{n + 1}. **Memory grows with every step.** The launcher keeps every event in memory (`Launcher._events`), "
+        "every rank sends one per step, and chunks the loop has not deleted stay in the store, in the same "
+        "process: "
+        + ", ".join(f"{f(gr, 0)} MB/min at {h:,} hosts (peak {f(pk, 0)} MB)" for h, gr, pk in growth)
+        + ". A day at 2,000 hosts x 8 ranks and 1 step/s is 1.4 billion events."
+    )
+    return lines
+
+
+def _findings_relay(res: dict[str, Any]) -> str:
+    """``_findings`` of runs whose hosts relayed (``launch/relay.py``)."""
+    rows, f = res["rows"], common.fmt
+    series = [r for r in rows if r.get("hang_timeout_s") == SERIES_HANG_S]
+    step_s = res["params"]["step_s"]
+    ok = [r["hosts"] for r in series if r.get("ok")]
+    failed = [r["hosts"] for r in series if not r.get("ok")]
+    if ok and failed:
+        head = (f"The coordinator recovered up to {max(ok):,} hosts here"
+                + (f" and not from {min(h for h in failed if h > max(ok)):,} hosts up" if max(failed) > max(ok)
+                   else "") + f" (failed: {', '.join(f'{h:,}' for h in failed)} hosts)")  # fmt: skip
+    elif ok:
+        head = f"The coordinator recovered at every scale measured here, up to {max(ok):,} hosts"
+    else:
+        head = "The coordinator recovered at no scale measured here"
+    hosts, ranks = 2000 + SPARE_NODES, 2000 * NPROC
+    full = protocol_rates(2000, SERIES_HANG_S, step_s, RELAY)
+    full_default = protocol_rates(2000, HANG_TIMEOUT_S, step_s, RELAY)
+    costs = [(r["hosts"], _store_us_per_call(r)) for r in series if _store_us_per_call(r)]
+    us = min((c for _, c in costs), default=None)
+    mid = next((r for r in series if r["hosts"] == 100), series[0] if series else None)
+    rtt_del = _rtt_us(mid, "delete_key") if mid else None
+
+    def each(fn: Callable[[dict[str, Any]], str]) -> str:
+        return ", ".join(f"{fn(r)} at {r['hosts']:,} hosts" for r in series)
+
+    lines = [
+        "**Findings** (what limits the control plane, with the evidence; the profile shares are of the loop's "
+        "sampled wall time):",
+        "",
+        f"1. **{head}.** Each host's agent relays its ranks' heartbeats, events and leases: the coordinator reads "
+        "one relay value per host per heartbeat poll (one `multi_get` for every host) and one event chunk per "
+        f"host per step, deleting each (`Launcher._record_chunk`, one `delete_key` round trip a chunk: "
+        f"{2000 / step_s:,.0f}/s at 2,000 hosts, where the per-rank protocol made {ranks / step_s:,.0f}"
+        + (f"; {f(rtt_del, 0)} µs each at 100 hosts" if rtt_del else "")
+        + f"); every 5 s `Membership._check_intruders` checks at most {INTRUDER_KEYS} plain key names, one `check` "
+        "each; during a failure `Coordinator._check_reports` reads the reports the members list "
+        "(`gen/<n>/fail/ranks`) in one `multi_get`. "
+        "Blocked in store round trips: "
+        + each(lambda r: _pct(_share(r, "store ")))
+        + " of the loop's time in the profile window (the list above names the calls). The loop: "
+        + each(_loop_rate)
+        + ".",
+        f"2. **One store thread carries every host's traffic.** The relay protocol "
+        f"asks {sum(full.values()):,.0f} store calls/s of 2,000 hosts x 8 ranks at this series' setting "
+        f"({sum(full_default.values()):,.0f} at the 0.5 s default): per host a relay value and a round trip "
+        f"every 0.1 s, an event chunk per step, a status and a round trip every "
+        f"{intervals(SERIES_HANG_S)[2]:g} s, and a check of the job's stop every 10 beats for its ranks "
+        f"(which ask their relay at each step boundary, `Session._leave_if_stopped`): "
+        f"{full['stop']:,.0f}/s, {_pct(full['stop'] / sum(full.values()))} of the whole, "
+        f"{full['stop'] / hosts:,.0f} of the {sum(full.values()) / hosts:,.0f} calls/s per host. The store's "
+        "server is one libuv thread of the coordinator's process; its CPU per call in the steady windows: "
+        + (", ".join(f"{f(c, 0)} µs at {h:,} hosts" for h, c in costs) if costs else "–")
+        + (f", so the 2,000-host protocol needs about {sum(full.values()) * us / 1e6:.2f} cores of it" if us else "")
+        + ". The simulators offered "
+        + ", ".join(
+            f"{f(_g(r, 'steady', 'simulators', 'offered_frac', 'relay'), 2)} of the relay values and "
+            f"{f(_g(r, 'steady', 'simulators', 'offered_frac', 'stop'), 2)} of the stop checks at {r['hosts']:,}"
+            for r in series if _g(r, "steady")
+        )
+        + " hosts (below 1: the figures there are of a lighter load than the protocol's).",
+        *_findings_common(res, 3),
+    ]  # fmt: skip
+    return "\n".join(lines)
+
+
+def _findings_per_rank(res: dict[str, Any]) -> str:
+    """``_findings`` of runs of the protocol before the relay (every rank on the coordinator's store)."""
     rows = res["rows"]
     f = common.fmt
     series = [r for r in rows if r.get("hang_timeout_s") == SERIES_HANG_S]
     step_s = res["params"]["step_s"]
-
-    def pct(x: float | None) -> str:
-        return "–" if x is None else f"{100 * x:.0f}%"
 
     def each(fn: Callable[[dict[str, Any]], str]) -> str:
         return ", ".join(f"{fn(r)} at {r['hosts']:,} hosts" for r in series)
@@ -2132,16 +1125,11 @@ def _findings(res: dict[str, Any]) -> str:
     checks = (4 * (ranks + SPARE_NODES * NPROC) + 2 * ranks) / 5.0  # _check_intruders, every 5 s
     costs = [(r["hosts"], _store_us_per_call(r)) for r in series if _store_us_per_call(r)]
     us = min((c for _, c in costs), default=None)
-    full = protocol_rates(2000, SERIES_HANG_S, step_s)
-    full_default = protocol_rates(2000, HANG_TIMEOUT_S, step_s)
+    full = protocol_rates(2000, SERIES_HANG_S, step_s, PER_RANK)
+    full_default = protocol_rates(2000, HANG_TIMEOUT_S, step_s, PER_RANK)
+    if not any("stop" in t for t in (res.get("protocol_target_per_s") or {}).values()):
+        full.pop("stop"), full_default.pop("stop")  # runs from before the stop checks were simulated
     crashed = [r for r in rows if "DistNetworkError" in str(_g(r, "coordinator_result", "error") or "")]
-
-    def loop(r: dict[str, Any]) -> str:
-        fin = r.get("coordinator_final") or {}
-        rate = _g(r, "steady", "coordinator", "loop_iterations_per_s")
-        if fin.get("loop_iterations") is not None and fin["loop_iterations"] < 20:
-            return f"{fin['loop_iterations']} iteration(s) in {f(fin.get('run_s'), 0)} s"
-        return f"{f(rate, 1)} iterations/s"
 
     lines = [
         "**Findings** (what limits the control plane, with the evidence; the profile shares are of the loop's "
@@ -2159,13 +1147,13 @@ def _findings(res: dict[str, Any]) -> str:
             else ""
         )
         + ". Blocked in store round trips: "
-        + each(lambda r: pct(_share(r, "store ")))
+        + each(lambda r: _pct(_share(r, "store ")))
         + " of the loop's time in the profile window (the largest part each time in the list above: the event "
         "chunks' deletes and reads, the intruder checks). The loop: "
-        + each(loop)
+        + each(_loop_rate)
         + ". Once an iteration outlasts a step the unread chunks pile up and the next read of them is larger "
         "still (over the 300-host run, the `multi_get` of that backlog was "
-        + pct(
+        + _pct(
             next(
                 (
                     _share(r, "multi_get <- checkpointless/launch/launcher.py", whole=True)
@@ -2240,40 +1228,9 @@ def _findings(res: dict[str, Any]) -> str:
         "host, scans every process (`[... for n, p in self.children.items() if p._host is h]`): 2,001 x 16,008 "
         "= 32 million steps at 2,000 hosts. `Detection._check_processes` asks `Plan.rank_of` the rank of every "
         "worker each tick, and `rank_of` scans every member: 16,000 x 16,000 = 256 million steps per tick "
-        f"({pct(_share(mid, 'rank_of')) if mid else '–'} of the loop's time already at 100 hosts)."
+        f"({_pct(_share(mid, 'rank_of')) if mid else '–'} of the loop's time already at 100 hosts)."
     )
-    slow = [r for r in rows if r["hosts"] == 100 and _g(r, "failure", "first_fault_s") is not None]
-    if slow:
-        lines.append(
-            "5. **A busy coordinator postpones its own detections.** `Membership._forgive_own_stall` credits each "
-            "of the coordinator's stalls to every process's silence clock, the dead host's too: at 100 hosts the "
-            "first `fault_detected` came "
-            + " and ".join(
-                f"{f(_g(r, 'failure', 'first_fault_s'), 1)} s after the power loss with a hang timeout of "
-                f"{r['hang_timeout_s']:g} s (the coordinator logged {_g(r, 'coordinator_log', 'stall_warnings')} "
-                f"stalls in that run, up to {f(_g(r, 'coordinator_log', 'worst_stall_s'), 1)} s)"
-                for r in slow
-            )
-            + ". Right for a stall of the coordinator alone; under sustained load it delays every detection by "
-            "the sum of the stalls."
-        )
-    lines.append(
-        "6. **The hang rule's CPU exemption does not hold for a remote process** (from the code; a development "
-        "run at 100 hosts and the 0.5 s default, with the simulators' heartbeats up to 0.6 s late, lost 16 "
-        "healthy ranks and the job this way). `Detection._hung` spares a silent process that used CPU in a "
-        "window of `hang_timeout_s / 2`; a remote process's CPU time changes only when its agent's status does, "
-        "every `0.8 x hang_timeout_s`, so a window often sees none and a busy process whose heartbeats are late "
-        "is killed as stopped."
-    )
-    growth = [(r["hosts"], _g(r, "steady", "coordinator", "rss_growth_mb_per_min"), r.get("rss_mb_max"))
-              for r in series if _g(r, "steady")]  # fmt: skip
-    lines.append(
-        "7. **Memory grows with every step.** The launcher keeps every event in memory (`Launcher._events`), "
-        "every rank sends one per step, and chunks the loop has not deleted stay in the store, in the same "
-        "process: "
-        + ", ".join(f"{f(gr, 0)} MB/min at {h:,} hosts (peak {f(pk, 0)} MB)" for h, gr, pk in growth)
-        + ". A day at 2,000 hosts x 8 ranks and 1 step/s is 1.4 billion events."
-    )
+    lines += _findings_common(res, 5)
     return "\n".join(lines)
 
 
@@ -2340,12 +1297,21 @@ def _on_paper(res: dict[str, Any]) -> str:
         "",
         "So at 2,000 hosts a recovery is bounded by forming the new groups over every rank (minutes by the "
         "measured store cost and by the published figures), then by distributing the plan (seconds), not by "
-        "detection, once the control plane itself keeps up (the findings above: today it does not). What "
-        "it needs: groups that do not rebuild over every rank (NCCL's `ncclCommShrink` / `ncclCommGrow` "
-        "[nccl-api], or a hierarchy: groups within a replica set, a small group across), one plan read per "
-        "host, heartbeats folded into each host's status (one key per host, not eight), event chunks batched "
-        "and deleted in one call, no per-process round trips in the coordinator's loop, and a store that is "
-        "not one thread (sharded, or agents relaying their hosts' traffic).",
+        "detection, once the control plane itself keeps up"
+        + (
+            " (the findings above say how far it does). What it needs still: groups that do not rebuild over "
+            "every rank (NCCL's `ncclCommShrink` / `ncclCommGrow` [nccl-api], or a hierarchy: groups within a "
+            "replica set, a small group across), one plan read per host, event chunks deleted in one call, no "
+            "per-process round trips in the coordinator's loop or per rank and step on its store, and a store "
+            "that is not one thread (sharded)."
+            if _protocol(res) == RELAY
+            else " (the findings above: with this protocol it does not). What it needs: groups that do not "
+            "rebuild over every rank (NCCL's `ncclCommShrink` / `ncclCommGrow` [nccl-api], or a hierarchy: "
+            "groups within a replica set, a small group across), one plan read per host, heartbeats folded into "
+            "each host's status (one key per host, not eight), event chunks batched and deleted in one call, no "
+            "per-process round trips in the coordinator's loop, and a store that is not one thread (sharded, or "
+            "agents relaying their hosts' traffic)."
+        ),
         "",
         "Published figures used above:",
         "",
@@ -2377,40 +1343,42 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--no-profile", action="store_true", help="skip the profile window")
     p.add_argument("--no-results", action="store_true", help="do not write bench/results/control_scale.json")
+    p.add_argument("--protocol", choices=PROTOCOLS, default=RELAY,
+                   help="what the simulated hosts speak: relay (today's, the default) or per-rank (the one "
+                   "before the agents' relay)")  # fmt: skip
+    p.add_argument("--out", default=None, help="write the runs and control_scale.json under this directory "
+                   "(not bench/out), and no result to bench/results")  # fmt: skip
     p.add_argument(
         "--role",
         choices=("bench", "coordinator", "simulator", "acker"),
         default="bench",
         help=argparse.SUPPRESS,
     )
-    for flag in ("--addr", "--secret-file", "--out"):
+    for flag in ("--addr", "--secret-file"):
         p.add_argument(flag, default=None, help=argparse.SUPPRESS)
     for flag, kind, default in (("--first", int, 0), ("--count", int, 0), ("--step-s", float, STEP_S),
                                 ("--hang-timeout", float, None), ("--join-timeout", float, 300.0),
                                 ("--timeout", float, 7200.0), ("--nice", int, SIM_NICE)):  # fmt: skip
         p.add_argument(flag, type=kind, default=default, help=argparse.SUPPRESS)
     a, _ = p.parse_known_args(argv)
-    if a.role == "coordinator":
+    if a.role != "bench":  # a process of one case (``measure``)
         a.hosts = int(a.hosts)
-        return coordinator_main(a)
-    if a.role == "simulator":
-        a.hosts = int(a.hosts)
-        return simulator_main(a)
-    if a.role == "acker":
-        a.hosts = int(a.hosts)
-        return acker_main(a)
+        role = {"coordinator": coordinator_main, "simulator": simulator_main, "acker": acker_main}
+        return role[a.role](a)
     hang = a.hang_timeout if a.hang_timeout is not None else SERIES_HANG_S
     cases = tuple((int(x), hang) for x in a.hosts.split(",")) if a.hosts else None
-    params = Params(sims=a.sims, profile_s=0.0 if a.no_profile else PROFILE_S)
+    params = Params(sims=a.sims, profile_s=0.0 if a.no_profile else PROFILE_S, protocol=a.protocol)
+    out = Path(a.out).resolve() if a.out else common.OUT
+    out.mkdir(parents=True, exist_ok=True)
     git = common.git_state()
-    res = run(a.quick, common.OUT, cases, params)
+    res = run(a.quick, out, cases, params)
     res["_command"] = "OMP_NUM_THREADS=1 python bench/control_scale.py" + "".join(
         f" {x}" for x in (argv or sys.argv[1:])
     )
     res["_date"] = res["machine"]["date"]
     res["_commit"], res["_dirty"] = git["commit"], git["dirty"]
-    common.write_json(common.OUT / "control_scale.json", res)
-    if not a.no_results:
+    common.write_json(out / "control_scale.json", res)
+    if not a.no_results and not a.out:
         common.write_json(common.RESULTS / "control_scale.json", res)
     print(markdown(res))
     return 0 if all(r.get("ok") for r in res["rows"]) else 1

@@ -29,6 +29,9 @@ Benchmarks (each also runs alone: ``python bench/NAME.py [--quick]``):
   paired per repetition, with false failures of fault-free jobs at each setting;
 - ``kill_cost``: where a kill's time goes (stall vs slowdown after it), spares started niced or not;
 - ``steady_compare``: fault-free step time of every system against plain DDP at two model sizes;
+- ``integrations``: the Hugging Face ``Trainer`` under ``checkpointless launch`` against
+  ``transformers.Trainer`` under ``torchrun`` (same script), paired step times; Lightning once its
+  strategy exists;
 - ``control_load``: the launcher's, heartbeats' and idle spare's CPU and wake-ups on HSDP 2x2, the
   workers' per-step wake-ups against plain FSDP2, and plain FSDP2 with a session per rank vs one;
 - ``control_scale``: the real coordinator (store and loop) driven by simulated host agents at 10 to
@@ -60,6 +63,7 @@ import control_load
 import control_scale
 import hang_compare
 import hsdp
+import integrations
 import kill_cost
 import large_state
 import node_stall
@@ -84,6 +88,7 @@ BENCHES: list[tuple[str, str, Any]] = [
     ("consistency", "Cost of the replica consistency check", consistency),
     ("hsdp", "Sharded (FSDP2 HSDP): kill stall, bytes per recovery, steady state vs plain FSDP2", hsdp),
     ("steady_compare", "Steady state side by side, two model sizes", steady_compare),
+    ("integrations", "Integrations against the same script without checkpointless", integrations),
     (
         "control_load",
         "What the control plane takes from the training cores (counted from /proc)",
@@ -197,6 +202,9 @@ def targets(results: dict[str, Any]) -> str:
                 ["HSDP steady-state step time vs plain FSDP2 HSDP, paired ratio (geometric mean, 95% interval)",
                  "≤ 1.03", f"{g:.3f} [{lo:.3f}, {hi:.3f}], n={len(pairs)}", common.interval_verdict(lo, hi, 1.03)]
             )  # fmt: skip
+    integ = results.get("integrations")
+    if integ and (row := integrations.verdict_row(integ.get("hf_trainer") or {})) is not None:
+        rows.append(row)
     cs = results.get("control_scale")
     if cs and cs.get("rows"):
         big = next((r for r in cs["rows"] if r.get("hosts") == 2000

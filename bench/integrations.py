@@ -1,0 +1,217 @@
+"""Steady-state step time of each integration against the same script without checkpointless, paired.
+
+- **Hugging Face ``Trainer``**: ``bench/baselines/hf_trainer.py`` (the shape of
+  ``tests/scripts/hf_trainer.py``: a ``LlamaForCausalLM`` built from a config, sequences of 64
+  tokens, 4 per rank x 2 accumulated micro-batches per optimizer step, clipping, a cosine schedule
+  with warm-up, logging every 10 steps; no evaluation, no checkpoints) run two ways on 2 ranks: ``checkpointless launch --workers 2 --spares 0 -- python hf_trainer.py`` with
+  ``checkpointless.integrations.transformers.Trainer``, and ``torchrun --standalone
+  --nproc-per-node 2 hf_trainer.py --plain`` with ``transformers.Trainer`` (DDP through accelerate,
+  gloo; ``ddp_find_unused_parameters=False`` on both sides, see the script). The step time of a
+  run is the median gap between consecutive ``on_step_end`` callbacks of rank 0
+  (``time.perf_counter()`` inside the script: start-up, model building and the end of the process
+  do not count), the first ``WARMUP`` steps left out.
+- **Lightning**: the same comparison (our launcher and strategy against Lightning's DDP strategy)
+  once ``checkpointless/integrations/lightning.py`` has a ``CheckpointlessStrategy`` and
+  ``lightning`` is installed; until then the section says why it is not measured.
+
+The two sides run as pairs, A/B alternating (``plain, checkpointless`` then ``checkpointless,
+plain``, ...) to spread the machine's drifting load; the ratio checkpointless / plain is taken
+within a pair, and the pairs' ratios give a geometric mean with a 95% t interval on their logs
+(``common.paired_interval``). Goal: within 3% (interval at or below 1.03).
+
+Usage: ``python bench/integrations.py [--quick]`` -> ``bench/out/integrations.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import itertools
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import common
+from baselines import child_env, end_group, start
+
+SCRIPT = common.BENCH_DIR / "baselines" / "hf_trainer.py"
+LIGHTNING = common.REPO / "checkpointless" / "integrations" / "lightning.py"
+WORKERS = 2
+STEPS, QUICK_STEPS = 100, 40
+WARMUP = 10
+PAIRS, QUICK_PAIRS = 5, 3
+GOAL = 1.03
+RUN_TIMEOUT_S = 600.0
+
+
+def _command(system: str, out: Path, steps: int) -> list[str]:
+    script = [str(SCRIPT), str(out), str(steps)]
+    if system == "plain":
+        return [common.PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORKERS}",
+                *script, "--plain"]  # fmt: skip
+    return [common.PYTHON, "-m", "checkpointless.launch.cli", "launch", "--workers", str(WORKERS), "--spares", "0",
+            "--quiet", "--out", str(out / "launch"), "--", common.PYTHON, *script]  # fmt: skip
+
+
+def hf_run(system: str, out: Path, steps: int) -> dict[str, Any]:
+    """One run of the Trainer script; its per-step times (rank 0) after the warm-up."""
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / "run.log"
+    proc = start(_command(system, out, steps), log, child_env())
+    t0 = time.monotonic()
+    try:
+        rc = proc.wait(timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        rc = None
+    finally:
+        end_group(proc)
+    wall = time.monotonic() - t0
+    times_path = out / "times.json"
+    if rc != 0 or not times_path.is_file():
+        tail = log.read_text(errors="replace")[-2000:] if log.is_file() else ""
+        return {"system": system, "ok": False, "rc": rc, "wall_s": wall, "error": tail}
+    data = json.loads(times_path.read_text())
+    gaps = [b - a for a, b in itertools.pairwise(data["times"][WARMUP:])]
+    return {
+        "system": system,
+        "ok": len(gaps) > 0,
+        "wall_s": wall,
+        "params": data["params"],
+        "steps": len(data["times"]),
+        "step_s": statistics.median(gaps) if gaps else None,
+        "steps_s": common.summary(gaps),
+    }
+
+
+def hf_pairs(quick: bool, dest: Path) -> dict[str, Any]:
+    steps = QUICK_STEPS if quick else STEPS
+    pairs: list[dict[str, Any]] = []
+    for rep in range(QUICK_PAIRS if quick else PAIRS):
+        order = ["plain", "checkpointless"] if rep % 2 == 0 else ["checkpointless", "plain"]
+        runs = {system: hf_run(system, dest / f"hf-{rep}-{system}", steps) for system in order}
+        pair: dict[str, Any] = {"order": order, **{s: runs[s]["step_s"] for s in order}, "runs": runs}
+        if runs["plain"]["ok"] and runs["checkpointless"]["ok"]:
+            pair["ratio"] = runs["checkpointless"]["step_s"] / runs["plain"]["step_s"]
+        pairs.append(pair)
+        print(
+            f"   hf pair {rep}: plain {common.fmt(pair['plain'])} s, checkpointless "
+            f"{common.fmt(pair['checkpointless'])} s, ratio {common.fmt(pair.get('ratio'))}",
+            flush=True,
+        )
+    ratios = [p["ratio"] for p in pairs if "ratio" in p]
+    params = next((r["params"] for p in pairs for r in p["runs"].values() if r["ok"]), None)
+    return {
+        "measured": True,
+        "steps": steps,
+        "warmup": WARMUP,
+        "params": params,
+        "pairs": pairs,
+        "plain_s": common.summary([p["plain"] for p in pairs]),
+        "checkpointless_s": common.summary([p["checkpointless"] for p in pairs]),
+        "ratio": common.summary(ratios),
+        "interval": common.paired_interval(ratios),
+        "failed": sum(1 for p in pairs for r in p["runs"].values() if not r["ok"]),
+    }
+
+
+def lightning_skip() -> str:
+    """Why the Lightning comparison is not measured (this benchmark has no Lightning part yet)."""
+    reasons = []
+    if not LIGHTNING.is_file() or "class CheckpointlessStrategy" not in LIGHTNING.read_text():
+        reasons.append(
+            "no strategy yet (checkpointless/integrations/lightning.py has no CheckpointlessStrategy)"
+        )
+    if importlib.util.find_spec("lightning") is None:
+        reasons.append("lightning is not installed")
+    if not reasons:
+        return "the strategy exists now, but this benchmark has no Lightning part yet"
+    return "not measured: " + "; ".join(reasons)
+
+
+def run(quick: bool, out: Path) -> dict[str, Any]:
+    common.pin_threads()
+    dest = common.fresh_dir(out / "integrations")
+    if importlib.util.find_spec("transformers") is None:
+        hf: dict[str, Any] = {"measured": False, "reason": "not measured: transformers is not installed"}
+    else:
+        hf = hf_pairs(quick, dest)
+    return {
+        "quick": quick,
+        "goal": GOAL,
+        "hf_trainer": hf,
+        "lightning": {"measured": False, "reason": lightning_skip()},
+        "machine": common.machine_info(),
+    }
+
+
+def verdict_row(hf: dict[str, Any]) -> list[Any] | None:
+    """The summary table's row (``run_all.targets``), or None without two complete pairs."""
+    if not hf.get("measured") or not hf.get("interval"):
+        return None
+    g, lo, hi = hf["interval"]
+    return ["HF Trainer step time vs transformers.Trainer under torchrun, paired ratio (geometric mean, 95% interval)",
+            f"≤ {GOAL:g}", f"{g:.3f} [{lo:.3f}, {hi:.3f}], n={hf['ratio']['n']}",
+            common.interval_verdict(lo, hi, GOAL)]  # fmt: skip
+
+
+def _range(s: dict[str, Any]) -> str:
+    return f"{common.fmt(s.get('min'))}-{common.fmt(s.get('max'))}" if s.get("n") else "–"
+
+
+def markdown(res: dict[str, Any]) -> str:
+    hf, lt = res["hf_trainer"], res["lightning"]
+    parts = ["**Hugging Face `Trainer`**" + (" (quick run)" if res.get("quick") else "") + "\n"]
+    if not hf.get("measured"):
+        parts.append(f"{hf['reason']}.\n")
+    else:
+        rows = []
+        for i, p in enumerate(hf["pairs"]):
+            cells: list[str] = []
+            for system in ("plain", "checkpointless"):
+                s = p["runs"][system]["steps_s"] if p["runs"][system]["ok"] else {}
+                cells += (
+                    [f"{s['median'] * 1e3:.1f}", f"{s['p95'] * 1e3:.1f}"] if s.get("n") else ["FAILED", ""]
+                )
+            rows.append([i, " then ".join(p["order"]), *cells, common.fmt(p.get("ratio"))])
+        table = common.md_table(
+            ["pair", "order", "torchrun median ms", "p95 ms", "checkpointless median ms", "p95 ms", "ratio"],
+            rows,
+        )
+        params = f"{hf['params'] / 1e6:.2f}M parameters, " if hf.get("params") else ""
+        parts.append(
+            f"{params}{hf['steps']} optimizer steps per run, the first {hf['warmup']} not counted, "
+            f"{len(hf['pairs'])} alternating pair(s); per run the median and p95 of its step times "
+            f"(rank 0, measured inside the script).\n\n{table}\n"
+        )
+        r = hf["ratio"]
+        if hf.get("interval"):
+            g, lo, hi = hf["interval"]
+            parts.append(
+                f"checkpointless / torchrun, per pair: geometric mean **{g:.3f}**, 95% interval "
+                f"[{lo:.3f}, {hi:.3f}] (pairs' ratios {_range(r)}); goal ≤ {res['goal']:g}: "
+                f"{common.interval_verdict(lo, hi, res['goal'])}.\n"
+            )
+        elif r.get("n"):
+            parts.append(f"checkpointless / torchrun: {r['median']:.3f} (one pair: no interval).\n")
+        if hf.get("failed"):
+            parts.append(f"**{hf['failed']} run(s) failed** (logs in `bench/out/integrations/`).\n")
+    parts.append(f"**Lightning**\n\n{lt['reason']}.\n")
+    return "\n".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true")
+    a = p.parse_args(argv)
+    res = run(a.quick, common.OUT)
+    common.write_json(common.OUT / "integrations.json", res)
+    print(markdown(res))
+    return 1 if res["hf_trainer"].get("failed") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""``bench/control_scale.py``'s simulated agents speak the relay protocol (``launch/relay.py``), and
+its page renders results of either protocol."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+if str(BENCH) not in sys.path:
+    sys.path.insert(0, str(BENCH))
+
+import common  # noqa: E402
+import control_scale  # noqa: E402
+import scale_sim  # noqa: E402
+
+from checkpointless.control import keys  # noqa: E402
+from checkpointless.control.auth import SignedStore, job_namespace, new_secret, write_secret_file  # noqa: E402
+from checkpointless.control.vocab import Event, Phase, Role  # noqa: E402
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class _Writes:
+    """The store connection of a simulated host (the network boundary): what it was asked to set."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, bytes] = {}
+
+    def set(self, purpose: str, name: str, value: bytes) -> None:
+        self.values[name] = value
+
+
+def _simulator(tmp_path: Path, protocol: str) -> tuple[scale_sim.Simulator, SignedStore]:
+    secret = new_secret()
+    write_secret_file(tmp_path / "secret", secret)
+    a = argparse.Namespace(addr="127.0.0.1:1", secret_file=str(tmp_path / "secret"), hosts=1, first=0, count=2,
+                           hang_timeout=2.0, step_s=1.0, join_timeout=10.0, protocol=protocol)  # fmt: skip
+    return scale_sim.Simulator(a), SignedStore(None, secret, namespace=job_namespace(secret))
+
+
+def test_a_relayed_host_writes_one_value_and_one_chunk_per_beat(tmp_path: Path) -> None:
+    sim, store = _simulator(tmp_path, scale_sim.RELAY)
+    ag = sim.agents[0]
+    ag.conn = _Writes()  # type: ignore[assignment]
+    for k in range(scale_sim.NPROC):
+        sim._on_order(ag, {"op": "spawn", "name": f"w{k}", "role": Role.WORKER})
+    sim._run_work(float("inf"))
+    for p in ag.procs.values():
+        p.rank, p.gen, p.phase = int(p.name[1:]), 0, Phase.IDLE
+    sim.gen_running = 0
+    for p in ag.procs.values():
+        sim._commit(ag, p, 0)
+    assert ag.conn.values == {}  # relayed: nothing reaches the coordinator's store before the beat
+    sim._relay(ag)
+
+    def read(key: str) -> str:
+        text = store.open(key, ag.conn.values.pop(store.name(key)))  # type: ignore[union-attr]
+        assert text is not None
+        return text
+
+    value = json.loads(read(keys.node_relay(ag.host)))
+    lines = [json.loads(line) for line in read(keys.node_events(ag.host, 0)).splitlines()]
+    assert ag.conn.values == {}  # one value and one chunk, nothing per rank
+    assert value["seq"] == 1 and value["chunks"] == 1 and set(value["procs"]) == {f"w{k}" for k in range(8)}
+    hb = value["procs"]["w3"]
+    assert hb["rank"] == 3 and hb["gen"] == 0 and hb["committed"] == 0 and hb["chunks"] == 1
+    assert [(e["kind"], e["proc"]) for e in lines] == [(Event.STEP_COMMITTED, f"w{k}") for k in range(8)]
+    sim._relay(ag)  # no new events: no chunk, a new heartbeat of each process
+    value = json.loads(read(keys.node_relay(ag.host)))
+    assert ag.conn.values == {} and value["chunks"] == 1 and value["procs"]["w3"]["seq"] == hb["seq"] + 1
+
+
+def test_the_relay_protocol_asks_far_fewer_calls_of_the_store() -> None:
+    relay = scale_sim.protocol_rates(2000, 2.0, 1.0, scale_sim.RELAY)
+    per_rank = scale_sim.protocol_rates(2000, 2.0, 1.0, scale_sim.PER_RANK)
+    assert relay["ack"] * scale_sim.NPROC == pytest.approx(per_rank["ack"])  # a round trip per host, not rank
+    assert relay["relay"] == pytest.approx((2000 + scale_sim.SPARE_NODES) * 10)
+    assert per_rank["stop"] == 16_000  # each rank checks the job's stop every step
+    assert relay["stop"] == 2_000  # relayed: the relay asks once a second for its host's ranks
+    assert sum(relay.values()) < sum(per_rank.values()) / 5
+
+
+def test_the_page_renders_either_protocol() -> None:
+    res: dict[str, Any] = json.loads((common.RESULTS / "control_scale.json").read_text())
+    res.pop("protocol", None)
+    res["heartbeats"] = scale_sim.PER_RANK  # as results from before the relay say it
+    page = control_scale.markdown(res)
+    assert "protocol `per-rank`" in page and "offered: heartbeats / lease round trips / commits" in page
+    res["protocol"] = scale_sim.RELAY
+    page = control_scale.markdown(res)
+    assert "protocol `relay`" in page and "offered: relay values / lease round trips / event chunks" in page
