@@ -50,7 +50,9 @@ class FakeStore:
         return all(k in self.data for k in keys)
 
     def append(self, key: str, value: str | bytes) -> None:
-        self.data[key] = self.data.get(key, b"") + (value.encode() if isinstance(value, str) else bytes(value))
+        self.data[key] = self.data.get(key, b"") + (
+            value.encode() if isinstance(value, str) else bytes(value)
+        )
 
     def add(self, key: str, amount: int) -> int:
         value = int(self.data.get(key, b"0")) + amount
