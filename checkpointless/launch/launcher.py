@@ -248,9 +248,10 @@ class Launcher:
         if self.remote is not None:
             self._collect_relayed(relayed or {}, final=announced is None)
         announced = announced or {}
+        children = self.children
         known: list[tuple[str, int]] = [
             (name, i)
-            for name in self.children
+            for name in children
             if name in announced
             for i in range(self._chunks_read.get(name, 0), announced[name])
         ]
@@ -258,7 +259,7 @@ class Launcher:
         for (name, i), raw in zip(known, raws, strict=True):
             self._record_chunk(name, keys.events(name, i), raw)
             self._chunks_read[name] = i + 1
-        for name, child in self.children.items():
+        for name, child in children.items():
             if name in announced or name in self._drained or getattr(child, "relayed", False):
                 continue
             gone = not child.alive()  # seen before reading: a process that is gone writes no more
@@ -447,8 +448,9 @@ class Launcher:
                     hosts[h.name] = dict(h.status["usage"])
         else:
             hosts[socket.gethostname()] = self._usage.local()
+        children = self.children  # a copy per call: once, not once per rank
         for rank, name in coord.members.items():
-            handle = self.children.get(name)
+            handle = children.get(name)
             host = getattr(handle, "host", "")
             if handle is None or host not in hosts:
                 continue
@@ -535,8 +537,9 @@ class Launcher:
     def _wait_workers(self, coord: Coordinator, timeout_s: float = 30.0) -> None:
         """Let the ranks exit; ``job/stop`` is re-asserted meanwhile (a stranger may overwrite it)."""
         deadline = time.monotonic() + timeout_s
+        children = self.children
         for name in coord.members.values():
-            child = self.children[name]
+            child = children[name]
             while child.alive() and time.monotonic() < deadline:
                 if self.store.get(keys.JOB_STOP) is None:
                     self.store.set(keys.JOB_STOP, "1")
