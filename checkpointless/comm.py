@@ -13,9 +13,9 @@ collective on the group fail too (measured with 4 ranks: a rank blocked in the
 ring all-reduce on a live neighbour is released within ~30 ms once that
 neighbour drops its group). ``ProcessGroupGloo.abort()`` alone does not close
 anything: the sockets live as long as the group object or any of its pending
-``Work`` objects, so this module never lets a ``Work`` outlive a failed call
-(a ``CollectiveError`` carries no reference to one), and the session clears the
-frames of a failure's traceback before it aborts. A collective blocked on a
+``Work`` objects, so no ``Work`` outlives a failed call but in the group's own table of works
+not yet waited for, which ``abort`` empties (a ``CollectiveError`` carries no reference to one),
+and the session clears the frames of a failure's traceback before it aborts. A collective blocked on a
 *stopped* peer is not released by anything but that peer's death (DESIGN.md):
 the coordinator kills such a peer.
 
@@ -25,6 +25,16 @@ communicator is aborted). A member leaves its generation that way when the coord
 it while its collectives still work (a host cut off from the coordinator but not from its peers,
 a member declared dead that is not): the session's heartbeat thread sees the abort and releases
 the group, and the blocked collective raises ``CollectiveError`` in the main thread.
+
+Shutting the sockets down is not enough on its own for gloo: a send whose bytes did not all fit
+in the socket when the peer stopped reading (a peer cut off or stopped mid-transfer) waits for
+gloo's timeout (its pair notifies the pending receives, not an unbound buffer's queued write).
+So a wait on a gloo collective never blocks for long: it waits in slices of ``RELEASE_POLL_S``
+and gives up as soon as its group is released (``_wait``); and a group aborted while one of its
+collectives still runs in gloo's worker thread is not destroyed (its destructor would join that
+thread, holding the GIL, until the timeout): it is kept aside, its sockets shut down, and dropped
+once that work has ended (``abort``, ``_sweep``). Not yet for point-to-point transfers (a state
+transfer's): a timed wait on a gloo send ends the send, and torch does not expose its abort.
 """
 
 from __future__ import annotations
@@ -47,6 +57,14 @@ from checkpointless.sockets import (
 )
 
 log = logging.getLogger(__name__)
+
+RELEASE_POLL_S = 0.05  # how often a gloo wait looks whether its group was released
+_graveyard: list[tuple[Any, list[Any]]] = []  # (aborted gloo group, its collectives still running)
+
+
+def _sweep() -> None:
+    """Drop the aborted groups whose last collective has ended (their destructors are quick now)."""
+    _graveyard[:] = [(pg, works) for pg, works in _graveyard if not all(w.is_completed() for w in works)]
 
 
 _BACKEND_MARKS = ("gloo", "NCCL", "ProcessGroup", "Connection reset", "Connection closed")
@@ -102,6 +120,8 @@ class Group:
         self.gen, self.rank, self.world_size = gen, rank, world_size
         self.backend = backend
         self.control: Group = self
+        self._pending: dict[int, tuple[Any, bool]] = {}  # works not yet waited for: (work, p2p), by id
+        _sweep()
         prefix = prefix or f"pg/{gen}/"
         prefixed = dist.PrefixStore(prefix, store)
         before = sockets()
@@ -159,6 +179,7 @@ class Group:
         self._owned = False
         self._fds = {}
         self._released = False
+        self._pending = {}
         return self
 
     def _settle(self) -> None:
@@ -166,6 +187,39 @@ class Group:
         NCCL ``Work`` only orders the stream after it)."""
         if self.backend == "nccl":
             torch.cuda.current_stream(self.device).synchronize()
+
+    def _track(self, work: Any, p2p: bool = False) -> Any:
+        self._pending[id(work)] = (work, p2p)
+        return work
+
+    def _wait(self, work: Any, what: str) -> None:
+        """Wait for one of this group's works. A gloo collective: in slices, giving up as soon as the
+        group is released (see the module doc). NCCL, a point-to-point transfer (whose timed wait
+        would end it) or a group this one only wraps: the plain wait."""
+        p2p = self._pending.get(id(work), (None, False))[1]
+        try:
+            if self.backend == "gloo" and self._owned and not p2p:
+                self._wait_gloo(work)
+            else:
+                work.wait()
+        except CollectiveError:
+            raise
+        except RuntimeError as e:  # gloo and NCCL errors (torch.distributed.DistError is one)
+            raise CollectiveError(f"gen {self.gen}: {what} failed: {e}") from None
+        self._pending.pop(id(work), None)
+
+    def _wait_gloo(self, work: Any) -> None:
+        poll = timedelta(seconds=RELEASE_POLL_S)
+        while True:
+            try:
+                work.wait(poll)
+                return
+            except RuntimeError:
+                if work.is_completed():
+                    work.wait()  # ended just now, or failed: its own outcome
+                    return
+            if self._released:
+                raise CollectiveError(f"gen {self.gen}: the group was released while a collective waited")
 
     def allreduce_(self, tensors: list[torch.Tensor]) -> None:
         """Sum each tensor in place across the group (all issued, then all awaited)."""
@@ -183,7 +237,7 @@ class Group:
         Members must start their collectives in the same order.
         """
         try:
-            return self.pg.allreduce([tensor])
+            return self._track(self.pg.allreduce([tensor]))
         except RuntimeError as e:  # gloo and NCCL errors (torch.distributed.DistError is one)
             raise CollectiveError(f"gen {self.gen}: allreduce failed: {e}") from None
 
@@ -192,10 +246,8 @@ class Group:
         a live Work keeps the group's sockets open (see the module doc)."""
         try:
             for w in works:
-                w.wait()
+                self._wait(w, "allreduce")
             self._settle()
-        except RuntimeError as e:  # gloo and NCCL errors (torch.distributed.DistError is one)
-            raise CollectiveError(f"gen {self.gen}: allreduce failed: {e}") from None
         finally:
             works.clear()
 
@@ -206,48 +258,47 @@ class Group:
             for t in tensors:
                 opts = dist.BroadcastOptions()
                 opts.rootRank = root
-                works.append(self.pg.broadcast([t], opts))
-            for w in works:
-                w.wait()
-            self._settle()
+                works.append(self._track(self.pg.broadcast([t], opts)))
         except RuntimeError as e:  # gloo and NCCL errors (torch.distributed.DistError is one)
             works.clear()  # a live Work keeps the group's sockets open (see module doc)
             raise CollectiveError(f"gen {self.gen}: broadcast failed: {e}") from None
+        try:
+            for w in works:
+                self._wait(w, "broadcast")
+            self._settle()
+        finally:
+            works.clear()
 
     def allgather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every member's ``tensor`` (same shape and dtype on all), in rank order."""
         out = [torch.empty_like(tensor) for _ in range(self.world_size)]
-        work: Any = None
         try:
-            work = self.pg.allgather([out], [tensor])
-            work.wait()
-            self._settle()
+            work = self._track(self.pg.allgather([out], [tensor]))
         except RuntimeError as e:  # gloo and NCCL errors (torch.distributed.DistError is one)
-            work = None
             raise CollectiveError(f"gen {self.gen}: allgather failed: {e}") from None
+        self._wait(work, "allgather")
+        del work
+        self._settle()
         return out
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Any:
         """Start sending ``tensor`` to ``dst``; finish with ``wait``. Messages match by tag."""
         try:
-            return self.pg.send([tensor], dst, tag)
+            return self._track(self.pg.send([tensor], dst, tag), p2p=True)
         except RuntimeError as e:  # gloo and NCCL errors (torch.distributed.DistError is one)
             raise CollectiveError(f"gen {self.gen}: send to rank {dst} failed: {e}") from None
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int) -> Any:
         """Start receiving into ``tensor`` from ``src``; finish with ``wait``."""
         try:
-            return self.pg.recv([tensor], src, tag)
+            return self._track(self.pg.recv([tensor], src, tag), p2p=True)
         except RuntimeError as e:  # gloo and NCCL errors (torch.distributed.DistError is one)
             raise CollectiveError(f"gen {self.gen}: recv from rank {src} failed: {e}") from None
 
     def wait(self, work: Any) -> None:
         """Wait for an ``isend``/``irecv``."""
-        try:
-            work.wait()
-            self._settle()
-        except RuntimeError as e:  # gloo and NCCL errors (torch.distributed.DistError is one)
-            raise CollectiveError(f"gen {self.gen}: point-to-point transfer failed: {e}") from None
+        self._wait(work, "point-to-point transfer")
+        self._settle()
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         try:
@@ -300,10 +351,20 @@ class Group:
         if ctl is not self:
             ctl.abort()
         pg, self.pg = self.pg, None
+        running = [w for w, p2p in self._pending.values() if not p2p and not w.is_completed()]
+        self._pending = {}
         if pg is None or not self._owned:
             return
         try:
             pg.abort()
         except Exception:  # already torn down by the failure itself
             log.debug("gen %d: abort raised", self.gen, exc_info=True)
-        del pg  # the last reference: ~ProcessGroupGloo closes the sockets
+        if running and self.backend == "gloo":
+            # its destructor would wait for them (see the module doc): the peers see the
+            # connections shut down instead, and the group goes once they have ended
+            n = shutdown_sockets(self._fds)
+            _graveyard.append((pg, running))
+            log.debug("gen %d rank %d: aborted with %d collectives running, %d connections shut down",
+                      self.gen, self.rank, len(running), n)  # fmt: skip
+        del pg  # the last reference (unless kept aside): ~ProcessGroupGloo closes the sockets
+        _sweep()

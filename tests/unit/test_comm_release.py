@@ -5,10 +5,16 @@ gloo group (real sockets)."""
 
 from __future__ import annotations
 
+import os
+import random
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -97,3 +103,63 @@ def test_release_leaves_the_other_threads_connections_alone(monkeypatch: pytest.
     finally:
         for s in (*theirs, *accepted, server):
             s.close()
+
+
+_PEER = """
+import sys
+from datetime import timedelta
+import torch
+from torch.distributed import TCPStore
+from checkpointless.comm import Group
+torch.set_num_threads(1)
+store = TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=30))
+g = Group(store, 0, 1, 2, prefix=sys.argv[3], timeout=timedelta(seconds=int(sys.argv[2])))
+x = torch.zeros(16 * 1024 * 1024)
+print("formed", flush=True)
+while True:
+    g.broadcast_([x])
+"""
+
+
+def test_release_ends_a_wait_on_a_send_to_a_peer_that_stopped_reading() -> None:
+    """The root of a 64 MB broadcast waits only for its sends; its peer stops reading (SIGSTOP, as
+    a host cut off mid-transfer: no reset comes back) at a random point of a broadcast; a third
+    thread releases the group 0.3 s later. gloo does not notify a send whose bytes are queued when
+    its connection is shut down (comm's module doc), so before the sliced wait this waited for the
+    collective timeout whenever the stop fell inside a transfer (2 of 4 stops in a development run).
+    Every stop must end in a prompt failure, wherever it fell, and the abort must not block."""
+    master = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    timeout_s = 20
+    rng = random.Random(7)
+    for trial in range(4):
+        peer = subprocess.Popen(
+            [sys.executable, "-c", _PEER, str(master.port), str(timeout_s), f"stopped{trial}/"],
+            stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[2],
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )  # fmt: skip
+        try:
+            store = TCPStore("127.0.0.1", master.port, is_master=False, timeout=timedelta(seconds=30))
+            g = Group(store, 0, 0, 2, prefix=f"stopped{trial}/", timeout=timedelta(seconds=timeout_s))
+            assert peer.stdout is not None and peer.stdout.readline().strip() == "formed"
+            x = torch.ones(16 * 1024 * 1024)
+            stop_at = time.monotonic() + 0.3 + rng.random() * 0.5
+
+            def stop_then_release(at: float, pid: int, group: Group) -> None:
+                time.sleep(max(0.0, at - time.monotonic()))
+                os.kill(pid, signal.SIGSTOP)
+                time.sleep(0.3)
+                group.release()
+
+            threading.Thread(target=stop_then_release, args=(stop_at, peer.pid, g), daemon=True).start()
+            with pytest.raises(CollectiveError):
+                while True:
+                    g.broadcast_([x])
+            waited = time.monotonic() - stop_at
+            t0 = time.monotonic()
+            g.abort()
+            aborted = time.monotonic() - t0
+            assert waited < 3.0, f"trial {trial}: released after {waited:.1f} s (timeout {timeout_s} s)"
+            assert aborted < 1.0, f"trial {trial}: abort blocked {aborted:.1f} s"
+        finally:
+            peer.kill()
+            peer.wait(10)
