@@ -64,13 +64,13 @@ import random
 import time
 from collections.abc import Iterator
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, overload
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from checkpointless.comm import CollectiveError
+from checkpointless.comm import CollectiveError, Group
 from checkpointless.config import JobConfig
 from checkpointless.control import keys
 from checkpointless.control.auth import secret_from_env
@@ -104,6 +104,9 @@ from checkpointless.state import (
 )
 
 if TYPE_CHECKING:
+    from torch.utils.data import IterableDataset
+
+    from checkpointless.data.iterable_loader import IterableStepLoader
     from checkpointless.data.loader import StepLoader
 
 log = logging.getLogger(__name__)
@@ -190,6 +193,10 @@ class Session(Member):
     model there, and put every batch on ``session.device``. The session makes it the current CUDA
     device. Over NCCL the gradients and the state move GPU to GPU; the small messages that steer
     the job (barriers, digests, a transfer's header) run on a gloo group of the same generation.
+
+    ``session.process_group`` (read-only) is the current generation's data-parallel group, or None
+    outside a launcher, for an integration's own collectives (Lightning's ``self.log(...,
+    sync_dist=True)``): a new object after every recovery, so read it at each use.
     """
 
     def __init__(
@@ -307,6 +314,12 @@ class Session(Member):
     def dp_size(self) -> int:
         return self.world_size
 
+    @property
+    def process_group(self) -> Group | None:
+        """The current generation's data-parallel process group, or None outside a launcher (a
+        sharded model alone: a group of one). Replaced at every recovery: read it at each use."""
+        return self._group
+
     # -- the loop -----------------------------------------------------------------
     def steps(self, total: int, *, start: int = 0) -> Iterator[int]:
         """Yield the step to execute until ``total`` steps are committed.
@@ -351,30 +364,78 @@ class Session(Member):
                 self._fatal(message)  # the same in every replacement: no spare can fix it
         self._loop_done = True
 
-    def loader(
+    @overload
+    def loader(  # type: ignore[overload-overlap]  # an IterableDataset is a Dataset: told apart at run time
         self,
-        dataset: Any,
+        dataset: IterableDataset[Any],
         global_batch_size: int,
         *,
-        shuffle: bool = True,
+        shuffle: bool | None = None,
         seed: int | None = None,
         collate_fn: Any = None,
         num_workers: int = 0,
         drop_last: bool = True,
         pin_memory: bool = False,
-    ) -> StepLoader:
-        """This rank's part of every step's global batch of a map-style ``dataset``, as a function of
-        the step (``checkpointless.data.loader``): ``batch = loader.batch(step)`` inside the
-        attempt, in place of a ``DataLoader`` with a ``DistributedSampler``. Epochs follow from the
-        step; the global batch does not depend on the number of ranks; the iterator (and its
-        worker processes) is kept from step to step and restarted only after a recovery.
-        ``seed``: the shuffle's (default: the session's)."""
+    ) -> IterableStepLoader: ...
+
+    @overload
+    def loader(
+        self,
+        dataset: Any,
+        global_batch_size: int,
+        *,
+        shuffle: bool | None = None,
+        seed: int | None = None,
+        collate_fn: Any = None,
+        num_workers: int = 0,
+        drop_last: bool = True,
+        pin_memory: bool = False,
+    ) -> StepLoader: ...
+
+    def loader(
+        self,
+        dataset: Any,
+        global_batch_size: int,
+        *,
+        shuffle: bool | None = None,
+        seed: int | None = None,
+        collate_fn: Any = None,
+        num_workers: int = 0,
+        drop_last: bool = True,
+        pin_memory: bool = False,
+    ) -> StepLoader | IterableStepLoader:
+        """This rank's part of every step's global batch of ``dataset``, as a function of the step:
+        ``batch = loader.batch(step)`` inside the attempt, in place of a ``DataLoader`` with a
+        ``DistributedSampler``. Epochs follow from the step; the global batch does not depend on the
+        number of ranks; the iterator (and its worker processes) is kept from step to step and
+        restarted only after a recovery.
+
+        A map-style dataset is read by ``StepLoader`` (``checkpointless.data.loader``): ``shuffle``
+        (default ``True``) draws each epoch's order from ``seed`` (default: the session's). A
+        ``torch.utils.data.IterableDataset`` is read by ``IterableStepLoader``
+        (``checkpointless.data.iterable_loader``, whose docstring is the dataset's contract): its
+        order is its own, so ``shuffle=True`` is an error and ``seed`` is ignored (a warning)."""
+        from torch.utils.data import IterableDataset
+
+        if isinstance(dataset, IterableDataset):
+            from checkpointless.data.iterable_loader import IterableStepLoader
+
+            if seed is not None:
+                import warnings
+
+                warnings.warn("session.loader(seed=...) is ignored for an iterable dataset: its order "
+                              "is its own", stacklevel=2)  # fmt: skip
+            return IterableStepLoader(
+                dataset, global_batch_size, rank=lambda: self.dp_rank, size=lambda: self.dp_size,
+                shuffle=bool(shuffle), collate_fn=collate_fn, num_workers=num_workers,
+                drop_last=drop_last, pin_memory=pin_memory,
+            )  # fmt: skip
         from checkpointless.data.loader import StepLoader
 
         return StepLoader(
             dataset, global_batch_size, rank=lambda: self.dp_rank, size=lambda: self.dp_size,
-            shuffle=shuffle, seed=self.seed if seed is None else seed, collate_fn=collate_fn,
-            num_workers=num_workers, drop_last=drop_last, pin_memory=pin_memory,
+            shuffle=True if shuffle is None else shuffle, seed=self.seed if seed is None else seed,
+            collate_fn=collate_fn, num_workers=num_workers, drop_last=drop_last, pin_memory=pin_memory,
         )  # fmt: skip
 
     def _leave_if_stopped(self) -> None:

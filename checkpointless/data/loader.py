@@ -1,4 +1,5 @@
-"""A map-style dataset read as a function of the step: ``StepLoader`` (``session.loader(...)``).
+"""A map-style dataset read as a function of the step: ``StepLoader`` (``session.loader(...)``; an
+``IterableDataset`` is read by ``iterable_loader.py``).
 
 What a ``DataLoader`` with a ``DistributedSampler`` gives a DDP script, made re-executable:
 
@@ -25,7 +26,26 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+
+def worker_processes(num_workers: int) -> dict[str, Any]:
+    """A ``DataLoader``'s keyword arguments for ``num_workers`` worker processes: started from a
+    ``forkserver`` (never ``fork``: the process runs threads) and dying with the training process
+    (``orphans.py``); none for ``num_workers == 0``."""
+    if num_workers == 0:
+        return {}
+    import multiprocessing
+
+    from checkpointless.data.orphans import die_with_parent
+
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["checkpointless.data._forkserver_preload"])  # orphans.py
+    return {
+        "multiprocessing_context": context,
+        "persistent_workers": False,
+        "worker_init_fn": die_with_parent,
+    }
 
 
 class _StepBatches:
@@ -62,12 +82,17 @@ class StepLoader:
         drop_last: bool = True,
         pin_memory: bool = False,
     ) -> None:
+        if isinstance(dataset, IterableDataset):
+            raise TypeError(
+                "StepLoader needs a map-style dataset (with __len__ and __getitem__); an "
+                "IterableDataset is read by IterableStepLoader (session.loader() picks it)"
+            )
         try:
             n = len(dataset)  # type: ignore[arg-type]
         except TypeError:
             raise TypeError(
-                "session.loader() needs a map-style dataset (with __len__ and __getitem__); "
-                "an iterable dataset is not supported yet"
+                "session.loader() needs a map-style dataset (with __len__ and __getitem__) or a "
+                "torch.utils.data.IterableDataset"
             ) from None
         if global_batch_size < 1:
             raise ValueError(f"global_batch_size must be at least 1, got {global_batch_size}")
@@ -127,30 +152,23 @@ class StepLoader:
         if self._iter is None or step != self._next or shape != self._shape:
             self._restart(step, shape)
         assert self._iter is not None
-        out = next(self._iter)
+        try:
+            out = next(self._iter)
+        except BaseException:
+            self.close()  # the iterator is past this step: executed again, it restarts here
+            raise
         self._next = step + 1
         return out
 
     def _restart(self, step: int, shape: tuple[int, int]) -> None:
         self.close()
-        kwargs: dict[str, Any] = {}
-        if self.num_workers > 0:
-            import multiprocessing
-
-            from checkpointless.data.orphans import die_with_parent
-
-            context = multiprocessing.get_context("forkserver")
-            context.set_forkserver_preload(["checkpointless.data._forkserver_preload"])  # orphans.py
-            kwargs["multiprocessing_context"] = context
-            kwargs["persistent_workers"] = False
-            kwargs["worker_init_fn"] = die_with_parent
         loader = DataLoader(
             self.dataset,
             batch_sampler=_StepBatches(self, step),
             collate_fn=self.collate_fn,
             num_workers=self.num_workers,
             pin_memory=self.pin_memory,
-            **kwargs,
+            **worker_processes(self.num_workers),
         )
         self._iter, self._next, self._shape = iter(loader), step, shape
 
