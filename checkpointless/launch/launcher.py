@@ -481,7 +481,7 @@ class Launcher:
             coord.start(list(workers), list(spares))
             return
         assert self.remote is not None and self.cluster is not None
-        SignedStore(self.store.raw, self._secret).set(keys.CLUSTER_HELLO, "checkpointless")
+        self.remote.publish_hello(SignedStore(self.store.raw, self._secret))
         self.remote.publish_job()
         if self.cluster.start_agents is not None:
             self.cluster.start_agents(f"{self.host}:{self.store.raw.port}")

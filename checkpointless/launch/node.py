@@ -44,6 +44,7 @@ log = logging.getLogger(__name__)
 
 AGENT_NICE = -10  # where the agent may raise its priority (root, or RLIMIT_NICE)
 EXIT_LOST = 3  # the coordinator stopped answering: this host fenced itself
+HELLO_SETTLE_S = 3.0  # a hello that does not open is "another secret" once it stays so this long
 _ORDER_WAIT = timedelta(hours=1)  # a timed-out wait logs two c10d warnings: wait long
 _RETRY_S = 0.1  # a status that could not be sent is tried again this soon
 _STOP_GRACE_S = 5.0  # a stopped job's processes may exit by themselves this long, then are killed
@@ -119,15 +120,23 @@ class Agent:
         self.addr = self.addr or _own_addr(self.coordinator)  # the route to it exists now
         plain = SignedStore(raw, self._secret)
         deadline = time.monotonic() + self.join_timeout_s
-        while (sealed := plain.get_sealed(keys.CLUSTER_HELLO)) is None:
-            if time.monotonic() > deadline:
+        mismatch: float | None = None  # since when the hello there does not open with this secret
+        while True:
+            sealed = plain.get_sealed(keys.CLUSTER_HELLO)
+            if sealed is not None and plain.open(keys.CLUSTER_HELLO, sealed) is not None:
+                break
+            now = time.monotonic()
+            if sealed is not None:
+                # another secret, or a stranger's value the coordinator writes over within a second
+                mismatch = now if mismatch is None else mismatch
+                if now > min(deadline, mismatch + HELLO_SETTLE_S):
+                    raise LaunchError(
+                        f"the coordinator at {self.coordinator} has another secret (wrong --secret-file?)"
+                    )
+            elif now > deadline:
                 raise LaunchError(f"{self.coordinator} is not a checkpointless coordinator (no hello within "
                                   f"{self.join_timeout_s:g}s)")  # fmt: skip
             time.sleep(0.1)
-        if plain.open(keys.CLUSTER_HELLO, sealed) is None:
-            raise LaunchError(
-                f"the coordinator at {self.coordinator} has another secret (wrong --secret-file?)"
-            )
         self.store = SignedStore(raw, self._secret, namespace=job_namespace(self._secret))
         text = _wait_value(self.store, keys.JOB_CONFIG, self.join_timeout_s)
         if text is None:

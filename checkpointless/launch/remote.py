@@ -43,6 +43,8 @@ from checkpointless.errors import JobFailed
 
 log = logging.getLogger(__name__)
 
+HELLO_CHECK_S = 0.5  # how often the hello is looked at while agents join (``RemoteNodes.accept``)
+
 
 @dataclass
 class ClusterSpec:
@@ -188,6 +190,7 @@ class RemoteNodes:
         self.hosts: dict[str, _Host] = {}
         self.children: dict[str, RemoteProcess] = {}
         self._tickets = 0  # agents' hellos read so far
+        self._plain: SignedStore | None = None  # the store without the job's namespace (the hello)
         self._next_spare = 0
         self.spares: list[str] = []
         self._timeout = host_timeout(job)
@@ -203,13 +206,36 @@ class RemoteNodes:
         """What an agent reads first: the job's configuration and id."""
         self.store.set(keys.JOB_CONFIG, json.dumps({"job": self.job.to_json(), "job_id": self.job_id}))
 
+    def publish_hello(self, plain: SignedStore) -> None:
+        """The hello an agent reads first, under a plain key name (``keys.CLUSTER_HELLO``), sealed:
+        ``plain`` is the job's secret on the store without the job's namespace. ``accept`` writes it
+        again whenever it does not open (a stranger overwrote it: agents joining then would think
+        the coordinator had another secret, and the agent waits ``HELLO_SETTLE_S`` for this)."""
+        self._plain = plain
+        plain.set(keys.CLUSTER_HELLO, "checkpointless")
+
+    def _keep_hello(self) -> None:
+        plain = self._plain
+        if plain is None:
+            return
+        sealed = plain.get_sealed(keys.CLUSTER_HELLO)
+        if sealed is None or plain.open(keys.CLUSTER_HELLO, sealed) is None:
+            log.warning(
+                "the cluster hello was overwritten by a writer without this job's secret: written again"
+            )
+            plain.set(keys.CLUSTER_HELLO, "checkpointless")
+
     def accept(self, timeout_s: float, alive: Callable[[], None] | None = None) -> None:
         """Wait until every worker and spare host has an agent; raise ``JobFailed`` after
         ``timeout_s`` naming what is missing. ``alive`` is called between polls (the launcher's
         own checks)."""
         want = self.nodes + self.spare_nodes
         deadline = time.monotonic() + timeout_s
+        next_hello = 0.0
         while len(self.hosts) < want:
+            if time.monotonic() >= next_hello:
+                self._keep_hello()
+                next_hello = time.monotonic() + HELLO_CHECK_S
             self._read_hellos()
             if len(self.hosts) >= want:
                 break
