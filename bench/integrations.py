@@ -10,9 +10,16 @@
   run is the median gap between consecutive ``on_step_end`` callbacks of rank 0
   (``time.perf_counter()`` inside the script: start-up, model building and the end of the process
   do not count), the first ``WARMUP`` steps left out.
-- **Lightning**: the same comparison (our launcher and strategy against Lightning's DDP strategy)
-  once ``checkpointless/integrations/lightning.py`` has a ``CheckpointlessStrategy`` and
-  ``lightning`` is installed; until then the section says why it is not measured.
+- **Lightning**: ``bench/baselines/lightning_trainer.py`` (the shape of
+  ``tests/scripts/lightning_train.py``: a ``LightningModule`` MLP classifier with batch norm and
+  dropout, a shuffled ``DataLoader`` of 64 samples per rank x 2 accumulated micro-batches per
+  optimizer step, AdamW with a per-step LR scheduler, clipping, ``self.log`` every step; no
+  validation, checkpoints or logger) run two ways on 2 ranks: ``checkpointless launch --workers 2
+  --spares 0 -- python lightning_trainer.py`` with ``strategy=CheckpointlessStrategy()``, and
+  ``torchrun --standalone --nproc-per-node 2 lightning_trainer.py --plain`` with Lightning's
+  ``DDPStrategy(process_group_backend="gloo")``. The step time of a run is the median gap between
+  the ``on_train_batch_end`` callbacks of rank 0 that end an optimizer step (``time.perf_counter()``
+  inside the script), the first ``WARMUP`` steps left out.
 
 The two sides run as pairs, A/B alternating (``plain, checkpointless`` then ``checkpointless,
 plain``, ...) to spread the machine's drifting load; the ratio checkpointless / plain is taken
@@ -38,8 +45,10 @@ from typing import Any
 import common
 from baselines import child_env, end_group, start
 
-SCRIPT = common.BENCH_DIR / "baselines" / "hf_trainer.py"
-LIGHTNING = common.REPO / "checkpointless" / "integrations" / "lightning.py"
+SCRIPTS = {
+    "hf": common.BENCH_DIR / "baselines" / "hf_trainer.py",
+    "lightning": common.BENCH_DIR / "baselines" / "lightning_trainer.py",
+}
 WORKERS = 2
 STEPS, QUICK_STEPS = 100, 40
 WARMUP = 10
@@ -48,8 +57,8 @@ GOAL = 1.03
 RUN_TIMEOUT_S = 600.0
 
 
-def _command(system: str, out: Path, steps: int) -> list[str]:
-    script = [str(SCRIPT), str(out), str(steps)]
+def _command(kind: str, system: str, out: Path, steps: int) -> list[str]:
+    script = [str(SCRIPTS[kind]), str(out), str(steps)]
     if system == "plain":
         return [common.PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORKERS}",
                 *script, "--plain"]  # fmt: skip
@@ -57,11 +66,11 @@ def _command(system: str, out: Path, steps: int) -> list[str]:
             "--quiet", "--out", str(out / "launch"), "--", common.PYTHON, *script]  # fmt: skip
 
 
-def hf_run(system: str, out: Path, steps: int) -> dict[str, Any]:
-    """One run of the Trainer script; its per-step times (rank 0) after the warm-up."""
+def one_run(kind: str, system: str, out: Path, steps: int) -> dict[str, Any]:
+    """One run of the ``kind`` script (``hf``, ``lightning``); its per-step times (rank 0) after the warm-up."""
     out.mkdir(parents=True, exist_ok=True)
     log = out / "run.log"
-    proc = start(_command(system, out, steps), log, child_env())
+    proc = start(_command(kind, system, out, steps), log, child_env())
     t0 = time.monotonic()
     try:
         rc = proc.wait(timeout=RUN_TIMEOUT_S)
@@ -87,18 +96,19 @@ def hf_run(system: str, out: Path, steps: int) -> dict[str, Any]:
     }
 
 
-def hf_pairs(quick: bool, dest: Path) -> dict[str, Any]:
+def paired(kind: str, quick: bool, dest: Path) -> dict[str, Any]:
+    """The ``kind`` script's alternating pairs (module docstring)."""
     steps = QUICK_STEPS if quick else STEPS
     pairs: list[dict[str, Any]] = []
     for rep in range(QUICK_PAIRS if quick else PAIRS):
         order = ["plain", "checkpointless"] if rep % 2 == 0 else ["checkpointless", "plain"]
-        runs = {system: hf_run(system, dest / f"hf-{rep}-{system}", steps) for system in order}
+        runs = {system: one_run(kind, system, dest / f"{kind}-{rep}-{system}", steps) for system in order}
         pair: dict[str, Any] = {"order": order, **{s: runs[s]["step_s"] for s in order}, "runs": runs}
         if runs["plain"]["ok"] and runs["checkpointless"]["ok"]:
             pair["ratio"] = runs["checkpointless"]["step_s"] / runs["plain"]["step_s"]
         pairs.append(pair)
         print(
-            f"   hf pair {rep}: plain {common.fmt(pair['plain'])} s, checkpointless "
+            f"   {kind} pair {rep}: plain {common.fmt(pair['plain'])} s, checkpointless "
             f"{common.fmt(pair['checkpointless'])} s, ratio {common.fmt(pair.get('ratio'))}",
             flush=True,
         )
@@ -118,34 +128,16 @@ def hf_pairs(quick: bool, dest: Path) -> dict[str, Any]:
     }
 
 
-def lightning_skip() -> str:
-    """Why the Lightning comparison is not measured (this benchmark has no Lightning part yet)."""
-    reasons = []
-    if not LIGHTNING.is_file() or "class CheckpointlessStrategy" not in LIGHTNING.read_text():
-        reasons.append(
-            "no strategy yet (checkpointless/integrations/lightning.py has no CheckpointlessStrategy)"
-        )
-    if importlib.util.find_spec("lightning") is None:
-        reasons.append("lightning is not installed")
-    if not reasons:
-        return "the strategy exists now, but this benchmark has no Lightning part yet"
-    return "not measured: " + "; ".join(reasons)
-
-
 def run(quick: bool, out: Path) -> dict[str, Any]:
     common.pin_threads()
     dest = common.fresh_dir(out / "integrations")
-    if importlib.util.find_spec("transformers") is None:
-        hf: dict[str, Any] = {"measured": False, "reason": "not measured: transformers is not installed"}
-    else:
-        hf = hf_pairs(quick, dest)
-    return {
-        "quick": quick,
-        "goal": GOAL,
-        "hf_trainer": hf,
-        "lightning": {"measured": False, "reason": lightning_skip()},
-        "machine": common.machine_info(),
-    }
+    parts: dict[str, Any] = {}
+    for key, kind, package in (("hf_trainer", "hf", "transformers"), ("lightning", "lightning", "lightning")):
+        if importlib.util.find_spec(package) is None:
+            parts[key] = {"measured": False, "reason": f"not measured: {package} is not installed"}
+        else:
+            parts[key] = paired(kind, quick, dest)
+    return {"quick": quick, "goal": GOAL, **parts, "machine": common.machine_info()}
 
 
 def verdict_row(hf: dict[str, Any]) -> list[Any] | None:
@@ -162,44 +154,46 @@ def _range(s: dict[str, Any]) -> str:
     return f"{common.fmt(s.get('min'))}-{common.fmt(s.get('max'))}" if s.get("n") else "–"
 
 
-def markdown(res: dict[str, Any]) -> str:
-    hf, lt = res["hf_trainer"], res["lightning"]
-    parts = ["**Hugging Face `Trainer`**" + (" (quick run)" if res.get("quick") else "") + "\n"]
-    if not hf.get("measured"):
-        parts.append(f"{hf['reason']}.\n")
-    else:
-        rows = []
-        for i, p in enumerate(hf["pairs"]):
-            cells: list[str] = []
-            for system in ("plain", "checkpointless"):
-                s = p["runs"][system]["steps_s"] if p["runs"][system]["ok"] else {}
-                cells += (
-                    [f"{s['median'] * 1e3:.1f}", f"{s['p95'] * 1e3:.1f}"] if s.get("n") else ["FAILED", ""]
-                )
-            rows.append([i, " then ".join(p["order"]), *cells, common.fmt(p.get("ratio"))])
-        table = common.md_table(
-            ["pair", "order", "torchrun median ms", "p95 ms", "checkpointless median ms", "p95 ms", "ratio"],
-            rows,
-        )
-        params = f"{hf['params'] / 1e6:.2f}M parameters, " if hf.get("params") else ""
+def _section(title: str, part: dict[str, Any], baseline: str, res: dict[str, Any]) -> list[str]:
+    """One integration's table and verdict (``baseline``: what the plain side runs under)."""
+    parts = [f"**{title}**" + (" (quick run)" if res.get("quick") else "") + "\n"]
+    if not part.get("measured"):
+        return [*parts, f"{part['reason']}.\n"]
+    rows = []
+    for i, p in enumerate(part["pairs"]):
+        cells: list[str] = []
+        for system in ("plain", "checkpointless"):
+            s = p["runs"][system]["steps_s"] if p["runs"][system]["ok"] else {}
+            cells += [f"{s['median'] * 1e3:.1f}", f"{s['p95'] * 1e3:.1f}"] if s.get("n") else ["FAILED", ""]
+        rows.append([i, " then ".join(p["order"]), *cells, common.fmt(p.get("ratio"))])
+    table = common.md_table(
+        ["pair", "order", f"{baseline} median ms", "p95 ms", "checkpointless median ms", "p95 ms", "ratio"],
+        rows,
+    )
+    params = f"{part['params'] / 1e6:.2f}M parameters, " if part.get("params") else ""
+    parts.append(
+        f"{params}{part['steps']} optimizer steps per run, the first {part['warmup']} not counted, "
+        f"{len(part['pairs'])} alternating pair(s); per run the median and p95 of its step times "
+        f"(rank 0, measured inside the script).\n\n{table}\n"
+    )
+    r = part["ratio"]
+    if part.get("interval"):
+        g, lo, hi = part["interval"]
         parts.append(
-            f"{params}{hf['steps']} optimizer steps per run, the first {hf['warmup']} not counted, "
-            f"{len(hf['pairs'])} alternating pair(s); per run the median and p95 of its step times "
-            f"(rank 0, measured inside the script).\n\n{table}\n"
+            f"checkpointless / {baseline}, per pair: geometric mean **{g:.3f}**, 95% interval "
+            f"[{lo:.3f}, {hi:.3f}] (pairs' ratios {_range(r)}); goal ≤ {res['goal']:g}: "
+            f"{common.interval_verdict(lo, hi, res['goal'])}.\n"
         )
-        r = hf["ratio"]
-        if hf.get("interval"):
-            g, lo, hi = hf["interval"]
-            parts.append(
-                f"checkpointless / torchrun, per pair: geometric mean **{g:.3f}**, 95% interval "
-                f"[{lo:.3f}, {hi:.3f}] (pairs' ratios {_range(r)}); goal ≤ {res['goal']:g}: "
-                f"{common.interval_verdict(lo, hi, res['goal'])}.\n"
-            )
-        elif r.get("n"):
-            parts.append(f"checkpointless / torchrun: {r['median']:.3f} (one pair: no interval).\n")
-        if hf.get("failed"):
-            parts.append(f"**{hf['failed']} run(s) failed** (logs in `bench/out/integrations/`).\n")
-    parts.append(f"**Lightning**\n\n{lt['reason']}.\n")
+    elif r.get("n"):
+        parts.append(f"checkpointless / {baseline}: {r['median']:.3f} (one pair: no interval).\n")
+    if part.get("failed"):
+        parts.append(f"**{part['failed']} run(s) failed** (logs in `bench/out/integrations/`).\n")
+    return parts
+
+
+def markdown(res: dict[str, Any]) -> str:
+    parts = _section("Hugging Face `Trainer`", res["hf_trainer"], "torchrun", res)
+    parts += _section("Lightning", res["lightning"], "torchrun DDP", res)
     return "\n".join(parts)
 
 
@@ -210,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     res = run(a.quick, common.OUT)
     common.write_json(common.OUT / "integrations.json", res)
     print(markdown(res))
-    return 1 if res["hf_trainer"].get("failed") else 0
+    return 1 if res["hf_trainer"].get("failed") or res["lightning"].get("failed") else 0
 
 
 if __name__ == "__main__":

@@ -3,8 +3,11 @@
 recovered in-process and the job ends bitwise equal to the fault-free run: the final state digest
 (model, optimizer, step) and the digest of everything registered (LR scheduler, the session's
 progress, Lightning's own loop counters and callback state) agree; a replacement joins mid-epoch,
-at an epoch's first step, at the last step and after it. Alone (no launcher) the script trains on
-one process; manual optimization is refused in one line."""
+at an epoch's first step, at the last step and after it. With gradient accumulation
+(``--accumulate 4``: steps of 4 and 2 micro-batches) a kill and an exception re-run the whole
+optimizer step and end bitwise equal to the accumulating fault-free run. Alone (no launcher) the
+script trains on one process, with and without accumulation; manual optimization is refused in
+one line."""
 
 from __future__ import annotations
 
@@ -25,14 +28,17 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "tests" / "scripts" / "lightning_train.py")
 STEPS = 18  # 3 epochs of 96 samples in global batches of 8 x 2 ranks
+ACCUMULATE = ("--accumulate", "4")
+ACCUMULATED_STEPS = 6  # the same 6 batches per epoch, in 2 steps: 4 micro-batches, then 2
 
 
-def _job(lightning_out: Path, *faults: str, spares: int = 1, extra: tuple[str, ...] = (), **kw: object):  # type: ignore[no-untyped-def]
+def _job(lightning_out: Path, *faults: str, spares: int = 1, extra: tuple[str, ...] = (), steps: int = STEPS,
+         **kw: object):  # type: ignore[no-untyped-def]  # fmt: skip
     """Run the script with its Lightning output in ``lightning_out`` (emptied first: the paths in
     the callbacks' state are part of what the runs compare)."""
     shutil.rmtree(lightning_out, ignore_errors=True)
     command = [sys.executable, SCRIPT, str(lightning_out), *extra]
-    return run_job(workers=2, spares=spares, steps=STEPS, command=command,
+    return run_job(workers=2, spares=spares, steps=steps, command=command,
                    faults=list(faults), timeout_s=400, **kw)  # type: ignore[arg-type]  # fmt: skip
 
 
@@ -51,6 +57,18 @@ def reference(lightning_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     # rank 0's last line: 2 ranks, and no env:// process group of Lightning's own
     last = job.logs["w0"].read_text()
     assert f"trained {STEPS} steps" in last and "ranks 2, process group: False" in last, last[-2000:]
+    return job.digest, job.report["final_registered_sha256"]
+
+
+@pytest.fixture(scope="module")
+def accumulated_reference(lightning_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    job = _job(lightning_dir, spares=0, extra=ACCUMULATE, steps=ACCUMULATED_STEPS,
+               out=tmp_path_factory.mktemp("lightning-accumulated-reference"))  # fmt: skip
+    assert job.ok, f"{job.error}\n{logs_of(job)}"
+    assert job.digest is not None
+    assert job.report["steps_completed"] == ACCUMULATED_STEPS
+    last = job.logs["w0"].read_text()
+    assert f"trained {ACCUMULATED_STEPS} steps" in last and "ranks 2" in last, last[-2000:]
     return job.digest, job.report["final_registered_sha256"]
 
 
@@ -79,6 +97,30 @@ def test_a_lightning_script_recovers_bitwise(
     ]
 
 
+@pytest.mark.parametrize(
+    "faults",
+    [
+        ["kill:rank=0@step=2"],  # rank 0 replaced at the first of epoch 1's 4 micro-batches
+        ["exception:rank=1@step=3"],  # the 2 micro-batches that end epoch 1
+    ],
+    ids=["kill", "exception"],
+)
+def test_an_accumulating_script_recovers_bitwise(
+    lightning_dir: Path, accumulated_reference: tuple[str, str], faults: list[str]
+) -> None:
+    """A step's micro-batches are one attempt: after the failure (at the step's reduction, once per
+    optimizer step) the survivor runs the step's closures again from the first, the replacement
+    enters the Trainer's loop at the step's first micro-batch, and the job ends where the
+    fault-free run does."""
+    job = _job(lightning_dir, *faults, extra=ACCUMULATE, steps=ACCUMULATED_STEPS)
+    assert job.ok, f"{job.error}\n{logs_of(job)}"
+    assert (job.digest, job.report["final_registered_sha256"]) == accumulated_reference
+    assert [f["lost_steps"] for f in job.report["faults"]] == [0] * len(faults)
+    assert [p.name for p in (lightning_dir / "lightning_logs" / "version_0" / "checkpoints").iterdir()] == [
+        f"epoch=2-step={ACCUMULATED_STEPS}.ckpt"
+    ]
+
+
 def test_a_hung_rank_is_replaced_bitwise(lightning_dir: Path, reference: tuple[str, str]) -> None:
     job = _job(lightning_dir, "hang:rank=1@step=11", hang_timeout_s=2.0)
     assert job.ok, f"{job.error}\n{logs_of(job)}"
@@ -103,12 +145,16 @@ def test_manual_optimization_is_refused_in_one_line(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_the_script_runs_alone_on_one_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("extra", "steps"), [((), 12), (ACCUMULATE, 3)], ids=["per-batch", "accumulated"])
+def test_the_script_runs_alone_on_one_process(tmp_path: Path, extra: tuple[str, ...], steps: int) -> None:
+    """12 batches of 8 samples: 12 steps, or 3 of 4 accumulated micro-batches."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     for name in list(env):
         if name.startswith("CHECKPOINTLESS_"):
             del env[name]
-    run = subprocess.run([sys.executable, SCRIPT, str(tmp_path), "--epochs", "1"], capture_output=True,
+    run = subprocess.run([sys.executable, SCRIPT, str(tmp_path), "--epochs", "1", *extra], capture_output=True,
                          text=True, timeout=240, env=env)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "trained 12 steps" in run.stdout and "ranks 1, process group: False" in run.stdout, run.stdout
+    assert f"trained {steps} steps" in run.stdout and "ranks 1, process group: False" in run.stdout, (
+        run.stdout
+    )

@@ -4,7 +4,7 @@ over a map-style dataset, an LR scheduler stepped every step, ``self.log(..., sy
 training and validation, gradient clipping, validation every epoch.
 
 Usage: lightning_train.py OUTPUT_DIR [--epochs N] [--manual] [--accumulate N]
-(``--manual``: manual optimization, ``--accumulate``: gradient accumulation; both refused)
+(``--manual``: manual optimization, refused; ``--accumulate N``: ``accumulate_grad_batches=N``)
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 pytest.importorskip("lightning")
 
 import lightning as L
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from packaging.requirements import Requirement
 from packaging.version import Version
 
@@ -48,9 +49,11 @@ class _Stream(IterableDataset[tuple[torch.Tensor, torch.Tensor]]):
 
 
 class _Regression(L.LightningModule):
-    def __init__(self, manual: bool = False) -> None:
+    def __init__(self, manual: bool = False, dropout: float = 0.3) -> None:
         super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.3), torch.nn.Linear(8, 1))
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(4, 8), torch.nn.Dropout(dropout), torch.nn.Linear(8, 1)
+        )
         self.automatic_optimization = not manual
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -64,15 +67,30 @@ class _Regression(L.LightningModule):
         return [opt], [torch.optim.lr_scheduler.StepLR(opt, 2)]
 
 
-def _fit(tmp_path: Path, loader: Any = None, manual: bool = False, **trainer: Any) -> CheckpointlessStrategy:
+class _Validated(_Regression):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val", torch.nn.functional.mse_loss(self.net(x), y), sync_dist=True)
+
+
+class _OwnOptimizerStep(_Regression):
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> None:
+        super().optimizer_step(*args, **kwargs)
+
+
+def _fit(
+    tmp_path: Path, loader: Any = None, manual: bool = False, module: L.LightningModule | None = None,
+    val: Any = None, **trainer: Any,
+) -> CheckpointlessStrategy:  # fmt: skip
     torch.manual_seed(0)
     strategy = CheckpointlessStrategy(seed=5)
     options: dict[str, Any] = {"max_epochs": 2, "accelerator": "cpu", "logger": False, "enable_progress_bar": False,
                                "enable_model_summary": False, "enable_checkpointing": False}  # fmt: skip
     t = L.Trainer(strategy=strategy, default_root_dir=tmp_path, **{**options, **trainer})
     t.fit(
-        _Regression(manual),
+        module if module is not None else _Regression(manual),
         loader if loader is not None else DataLoader(_Points(), batch_size=8, shuffle=True),
+        val,
     )
     return strategy
 
@@ -91,18 +109,67 @@ def test_limit_train_batches_reads_each_epoch_from_its_start(tmp_path: Path) -> 
     assert s.session is not None and s.session.committed_step == 5
 
 
+def test_accumulated_micro_batches_make_one_step_of_their_samples(tmp_path: Path) -> None:
+    """Two micro-batches of 4 samples per optimizer step (one session step, one reduction) train
+    as one batch of 8 does, to rounding: the same samples, the loss halved per micro-batch; an
+    epoch of 5 batches of 8 samples ends with a step of one micro-batch. Reproducible."""
+    points = _Points()
+
+    def fit(name: str, batch: int, accumulate: int) -> tuple[CheckpointlessStrategy, list[torch.Tensor]]:
+        torch.manual_seed(0)
+        module = _Regression(dropout=0.0)
+        s = _fit(tmp_path / name, DataLoader(points, batch_size=batch, shuffle=True), module=module,
+                 accumulate_grad_batches=accumulate)  # fmt: skip
+        return s, [p.detach().clone() for p in module.parameters()]
+
+    (one, p1), (two, p2), (again, _) = fit("one", 8, 1), fit("two", 4, 2), fit("again", 4, 2)
+    for s in (one, two):
+        assert s.session is not None and s.session.committed_step == 9  # 2 epochs of 5 steps
+    for a, b in zip(p1, p2, strict=True):
+        torch.testing.assert_close(a, b)
+    assert two.digest == again.digest and two.digest != one.digest  # summed in another order
+
+    odd, _ = fit("odd", 8, 2)  # 5 batches per epoch: steps of 2, 2 and 1 micro-batches
+    assert odd.session is not None and odd.session.committed_step == 5
+
+
 @pytest.mark.parametrize(
     ("options", "loader", "message"),
     [
         ({"manual": True}, None, "manual optimization"),
-        ({"accumulate_grad_batches": 2}, None, "accumulate_grad_batches=2"),
+        (
+            {"accumulate_grad_batches": 2, "module": _OwnOptimizerStep()},
+            None,
+            "accumulate_grad_batches=2 with a LightningModule.optimizer_step of its own",
+        ),
+        ({"callbacks": [GradientAccumulationScheduler({0: 2})]}, None, "GradientAccumulationScheduler"),
+        (
+            {
+                "accumulate_grad_batches": 2,
+                "val_check_interval": 3,
+                "module": _Validated(),
+                "val": DataLoader(_Points(8), batch_size=4),
+            },
+            None,
+            "validation inside an accumulated step (accumulate_grad_batches=2, validation every 3 batches",
+        ),
         ({"max_epochs": -1}, None, "training without an end"),
         ({"overfit_batches": 2}, None, "overfit_batches"),
         ({}, DataLoader(_Stream(), batch_size=8), "an IterableDataset as the train set"),
         ({}, DataLoader(_Points(), batch_sampler=[[0, 1], [2, 3]]), "without batch_size"),
         ({}, DataLoader(_Points(), batch_size=8, sampler=list(range(40))), "a sampler of its own"),
     ],
-    ids=["manual", "accumulate", "endless", "overfit", "iterable", "batch-sampler", "sampler"],
+    ids=[
+        "manual",
+        "accumulate-own-optimizer-step",
+        "accumulation-scheduler",
+        "validation-inside-a-step",
+        "endless",
+        "overfit",
+        "iterable",
+        "batch-sampler",
+        "sampler",
+    ],
 )
 def test_an_unsupported_feature_is_refused_in_one_line(
     tmp_path: Path, options: dict[str, Any], loader: Any, message: str
@@ -119,12 +186,12 @@ def test_collectives_run_over_the_sessions_group_and_fall_back_to_the_ranks_own_
 
     class _Session:  # what the strategy reads of its session: the group and the rank
         def __init__(self, group: Group) -> None:
-            self._group, self.rank, self.world_size = group, group.rank, group.world_size
+            self.process_group, self.rank, self.world_size = group, group.rank, group.world_size
 
     def rank_fn(rank: int, store: TCPStore) -> Any:
         group = Group(store, 0, rank, 2, prefix="lightning/")
         s = CheckpointlessStrategy()
-        s._session, s._aligned = _Session(group), True  # type: ignore[assignment]
+        s._session, s._comm.aligned = _Session(group), True  # type: ignore[assignment]
         t = torch.tensor([1.0 + rank, 10.0 * rank])
         out = {
             "mean": s.reduce(t).tolist(),
@@ -140,7 +207,7 @@ def test_collectives_run_over_the_sessions_group_and_fall_back_to_the_ranks_own_
             group.abort()  # a peer leaves between steps
             return out
         out["after"] = s.reduce(t, reduce_op="sum").tolist()  # fails: rank 0's own value
-        out["aligned"] = s._aligned
+        out["aligned"] = s._comm.aligned
         return out
 
     r0, r1 = run_ranks(2, rank_fn)

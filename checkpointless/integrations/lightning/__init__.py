@@ -1,0 +1,103 @@
+"""Lightning made checkpointless with one argument.
+
+::
+
+    trainer = lightning.Trainer(strategy=CheckpointlessStrategy(), max_epochs=3, ...)
+    trainer.fit(model)
+
+launched with ``checkpointless launch --workers N --spares K -- python script.py``. Run with plain
+``python script.py`` (no launcher) it trains on one process, with no fault tolerance.
+
+The package: ``strategy`` (``CheckpointlessStrategy``, the step), ``progress`` (Lightning's own
+progress, moved to a replacement), ``data`` (the train ``DataLoader`` as a function of the step),
+``collectives`` (``reduce``, ``all_gather``, ``barrier``, ``broadcast`` over the session's group).
+
+What the strategy does (automatic optimization only):
+
+- the step: ``optimizer_step`` runs the closure Lightning hands it (``training_step``, ``zero_grad``
+  and ``backward``), the gradient reduction (``Session.reduce_gradients``), Lightning's
+  ``on_before_optimizer_step`` and gradient clipping, and the optimizer update inside one
+  ``session.attempt()``: a failed step (a peer killed, hung or raising) is recovered in-process
+  and the same closure runs again with the same batch and the same RNG seeds before
+  ``optimizer_step`` returns; the Trainer's loop never sees the failure. Session step ``s`` is
+  Lightning's ``global_step`` ``s``.
+- gradient accumulation (``accumulate_grad_batches=k``): the ``k`` micro-batches of one optimizer
+  step are one attempt. The strategy says it handles accumulation (``handles_gradient_accumulation``,
+  as DeepSpeed's does) while micro-batches remain, so Lightning hands it every micro-batch's closure;
+  the attempt opens before the first one's, the gradients accumulate locally (``Session.no_sync``)
+  and are reduced once, by the last micro-batch's backward and ``reduce_gradients``, before the
+  update (an epoch's last step may have fewer micro-batches, as Lightning makes it). After a
+  failure at any micro-batch the parameters are still those before the step (only the update
+  changes them) and the session has undone the buffers' updates: the next attempt runs the
+  step's closures so far again, from the first, with the same batches and the RNG reseeded at the
+  step's start, and the Trainer's loop goes on with the next micro-batch. Lightning's own code
+  between two micro-batches (``on_train_batch_end``, the next batch's fetch and start hooks) is not
+  run again by the survivors (a replacement runs it once, like the fault-free run): collectives
+  there stay each rank's own, and randomness drawn there (rather than in ``training_step``) is not
+  reproduced. A ``LightningModule.optimizer_step`` of the user's own would run at every
+  micro-batch (refused with accumulation), and so would validation falling inside a step
+  (``val_check_interval`` not a multiple of ``k``: refused).
+- the state a replacement receives: the LightningModule (parameters and buffers), the optimizer,
+  every LR scheduler, the gradient scaler (fp16), the session's step and RNG states, and Lightning's
+  own progress as it was when the step under way began (its loops' counters and its callbacks'
+  ``state_dict``): the replacement, a hot spare waiting in ``Trainer.fit``'s setup, loads them the
+  way Lightning resumes a checkpoint (``fit_loop.load_state_dict``) and enters the Trainer's loop
+  at that step (its first micro-batch). The Trainer's loop itself cannot be re-entered mid-step
+  from a strategy: survivors never leave ``optimizer_step`` during a recovery, and a replacement
+  starts that loop afresh from the received progress (so Lightning's ``on_train_epoch_start`` hooks
+  do not run for the epoch it joins, as on any mid-epoch resume). A spare that replaces a rank
+  after the last step (a rank lost while the others wait in ``Session.finish``) only finishes and
+  exits 0 from ``fit``'s setup.
+- the data: the train ``DataLoader`` (a map-style dataset, its ``batch_size``, ``shuffle``,
+  ``collate_fn``, ``num_workers``, ``drop_last``) is read through ``Session.loader`` as a function
+  of the position: Lightning's batch ``b`` of epoch ``e`` is this rank's part of global batch
+  ``e x batches_per_epoch + b`` of ``batch_size x ranks`` samples, an epoch's order a permutation of
+  the seed and the epoch, the rank's part the ``b``-th contiguous slice. A replacement reads what
+  the failed rank would have read (from the first micro-batch of its step), with no skipping;
+  randomness in the dataset's ``__getitem__`` (main process) is seeded from the position and the
+  rank.
+- collectives (``reduce``, ``all_gather``, ``barrier``, ``broadcast``: ``self.log(...,
+  sync_dist=True)``, ``self.all_gather``, callbacks) run over the session's group. Inside a step a
+  failure there is the step's failure, recovered as any. Between steps (epoch-end aggregates,
+  validation, callbacks) a failure leaves the value this rank's own until the next step, which
+  recovers. A replacement's collectives before its first step are its own (its peers are inside
+  that step), and so are those of Lightning's setup before the session exists: what they resolved
+  that must agree (the checkpoint directory, the loggers' versions) is rank 0's once the group
+  forms, as under DDP. ``broadcast`` carries a ``str``, number, bool or None (nothing received is
+  unpickled); other objects stay each rank's own (they are equal on replicas). No ``env://``
+  process group is started: ``torch.distributed`` stays uninitialised.
+- validation, test and predict loops run on every rank over the whole dataset (no
+  ``DistributedSampler``): the replicas are equal, so are their metrics.
+
+Refused in one line (``ValueError``; the Trainer's settings before a spare waits, the train
+dataloader when Lightning asks for it, validation inside an accumulated step when training
+starts): manual optimization, ``GradientAccumulationScheduler``, a ``LightningModule.optimizer_step``
+of its own with ``accumulate_grad_batches > 1``, more than one device per process or
+``num_nodes > 1``, ``overfit_batches``, resuming from a Lightning checkpoint (``ckpt_path``),
+training with no end (``max_epochs=-1`` without ``max_steps``), a train dataloader that is not one
+``DataLoader`` over a map-style dataset with a ``batch_size`` and a plain sequential or random
+sampler, ``all_gather(sync_grads=True)``. Tested with the Lightning versions in
+``pyproject.toml``'s ``lightning`` extra (``SUPPORTED``).
+"""
+
+from __future__ import annotations
+
+import lightning
+from packaging.version import Version
+
+SUPPORTED = (Version("2.5"), Version("2.7"))
+"""The Lightning versions this strategy is tested with: at least the first, below the second (the
+``lightning`` extra in ``pyproject.toml`` pins the same range)."""
+
+if not SUPPORTED[0] <= Version(lightning.__version__) < SUPPORTED[1]:
+    raise ImportError(
+        f"checkpointless.integrations.lightning needs lightning >={SUPPORTED[0]},<{SUPPORTED[1]} "
+        f"(found {lightning.__version__}): pip install 'checkpointless[lightning]'"
+    )
+
+from checkpointless.integrations.lightning.strategy import (  # noqa: E402  # after the version check
+    CheckpointlessStrategy,
+    under_launcher,
+)
+
+__all__ = ["SUPPORTED", "CheckpointlessStrategy", "under_launcher"]

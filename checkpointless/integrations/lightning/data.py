@@ -1,0 +1,86 @@
+"""The train ``DataLoader`` read as a function of the step (``Session.loader``)."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, RandomSampler
+
+from checkpointless.session import step_seed
+
+if TYPE_CHECKING:
+    from checkpointless.integrations.lightning.strategy import CheckpointlessStrategy
+
+
+class _TrainBatches:
+    """The train ``DataLoader`` as the Trainer iterates it: an epoch's batches from the one the
+    Trainer is at, each read by the session's ``StepLoader`` as a function of its position."""
+
+    def __init__(self, strategy: CheckpointlessStrategy, dataloader: DataLoader[Any]) -> None:
+        session = strategy._require_session()
+        per_rank = dataloader.batch_size
+        assert per_rank is not None  # checked by refusals.refused_loader
+        self._strategy = strategy
+        self.dataset = dataloader.dataset
+        self._loader = session.loader(
+            dataloader.dataset, per_rank * session.dp_size, shuffle=isinstance(dataloader.sampler, RandomSampler),
+            seed=strategy.seed, collate_fn=dataloader.collate_fn, num_workers=dataloader.num_workers,
+            drop_last=dataloader.drop_last, pin_memory=dataloader.pin_memory,
+        )  # fmt: skip
+
+    def __len__(self) -> int:
+        return len(self._loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        """From the Trainer's ``global_step``: an epoch's start, or a replacement's first step (the
+        first micro-batch of an accumulated step)."""
+        trainer = self._strategy._trainer
+        assert trainer is not None
+        per_epoch = len(self._loader)  # the data's epoch; the Trainer's may be shorter (limit_train_batches)
+        accumulate = trainer.accumulate_grad_batches
+        steps = math.ceil(trainer_epoch(trainer, per_epoch) / accumulate)  # an epoch's last may be shorter
+        epoch, step = divmod(trainer.global_step, steps)
+        return self._batches(epoch * per_epoch, step * accumulate, per_epoch)
+
+    def _batches(self, base: int, first: int, per_epoch: int) -> Iterator[Any]:
+        seed, rank = self._strategy.seed, self._strategy.global_rank
+        for b in range(first, per_epoch):
+            step = base + b
+            # the dataset's own randomness (augmentation in the main process) is a function of the
+            # step, not of when the Trainer prefetches it; the training RNG is left untouched (the
+            # CPU generator's alone: torch.manual_seed would reseed an accelerator's too, which
+            # fork_rng(devices=[]) does not restore)
+            with torch.random.fork_rng(devices=[]):
+                state = np.random.get_state(), random.getstate()
+                s = step_seed(seed ^ 0x5EED, step, rank)
+                torch.default_generator.manual_seed(s)
+                np.random.seed(s % 2**32)
+                random.seed(s)
+                try:
+                    batch = self._loader.batch(step)
+                finally:
+                    np.random.set_state(state[0])
+                    random.setstate(state[1])
+            yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """Nothing: the position is the Trainer's step (this makes Lightning see a resumable loader)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        self._loader.close()
+
+
+def trainer_epoch(trainer: Any, per_epoch: int) -> int:
+    """Batches in one of the Trainer's epochs over ``per_epoch`` batches of data (``limit_train_batches``)."""
+    limit = trainer.limit_train_batches
+    batches = min(per_epoch, limit) if isinstance(limit, int) else int(per_epoch * limit)
+    return max(1, batches)

@@ -1,0 +1,102 @@
+"""Lightning's own progress, moved with the training state: what a replacement loads to enter the
+Trainer's loop at the step under way, the way Lightning resumes a mid-epoch checkpoint."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from lightning.pytorch.callbacks import Callback
+
+
+class _Progress:
+    """Lightning's own progress at the start of the step under way, registered with the session as
+    ``lightning``: the fit loop's ``state_dict`` (its counters) as a checkpoint saved at the previous
+    batch's ``on_train_batch_end`` holds it (Lightning's own mid-epoch resume), and each callback's
+    ``state_dict`` (by ``state_key``) at this step's start, after the previous step's validation
+    and epoch end. With gradient accumulation the step starts at its first micro-batch. Equal on
+    every replica (the replicas compare it with the rest of the state). It adds a callback to the
+    Trainer (the last one) to see ``on_train_batch_end``."""
+
+    def __init__(self) -> None:
+        self.snapshot: dict[str, Any] = {"step": -1}
+        self.received = False  # loaded from a peer: this process is a replacement
+        self._loops: dict[str, Any] | None = None  # at the last on_train_batch_end
+
+        self.callback = _BatchEnd(self)
+
+    def capture(self, trainer: Any) -> None:
+        """At the start of step ``trainer.global_step`` (the strategy's ``on_train_batch_start`` of
+        the step's first micro-batch)."""
+        callbacks = {}
+        for cb in trainer.callbacks:
+            state = cb.state_dict()
+            if state:
+                callbacks[cb.state_key] = copy.deepcopy(state)
+        self.snapshot = {
+            "step": trainer.global_step,
+            "loops": self._loops,
+            "at_start": copy.deepcopy(trainer.fit_loop.state_dict()),
+            "callbacks": callbacks,
+            "loggers": [_logger_version(logger) for logger in trainer.loggers],
+        }
+
+    def restore(self, trainer: Any) -> None:
+        """Put the Trainer where the snapshot was taken, as Lightning resumes from a checkpoint saved
+        at the previous batch's end (``align`` finishes it at the step's start)."""
+        self._loops = self.snapshot["loops"]  # this step's snapshot holds it again, as its source's
+        if self._loops is not None:  # None: the first step, nothing to resume
+            trainer.fit_loop.load_state_dict(copy.deepcopy(self._loops))
+        callbacks = self.snapshot["callbacks"]
+        for cb in trainer.callbacks:
+            if cb.state_key in callbacks:
+                state = copy.deepcopy(callbacks[cb.state_key])
+                if isinstance(state.get("dirpath"), str) and hasattr(cb, "dirpath"):
+                    cb.dirpath = state["dirpath"]  # ModelCheckpoint's: its rank 0's, not resolved anew
+                cb.load_state_dict(state)
+        for logger, version in zip(trainer.loggers, self.snapshot["loggers"], strict=False):
+            _set_logger_version(logger, version)  # rank 0 logs on in the same directory
+
+    def align(self, trainer: Any) -> None:
+        """At a replacement's first ``on_train_batch_start``: every counter of the Trainer's loops
+        as its source's at that point. Lightning's resume leaves some off by one (the epoch's
+        ``ready``/``started`` after a resume at an epoch's last batch, the batch's ``ready``); they
+        count, they do not steer this step, and the replicas compare them."""
+        for key, value in copy.deepcopy(self.snapshot["at_start"]).items():
+            *path, name = key.split(".")
+            loop = trainer.fit_loop
+            for attr in path:
+                loop = getattr(loop, attr)
+            if name != "state_dict":
+                getattr(loop, name).load_state_dict(value)
+            elif loop is not trainer.fit_loop:  # the fit loop's own is its loaders' state: none here
+                loop.on_load_checkpoint(value)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.snapshot
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.snapshot = state
+        self.received = True
+
+
+def _logger_version(logger: Any) -> Any:
+    """A logger's version (the directory it writes to) if it has one to set (CSV, TensorBoard)."""
+    return logger.version if hasattr(logger, "_version") and isinstance(logger.version, int | str) else None
+
+
+def _set_logger_version(logger: Any, version: Any) -> None:
+    if version is not None and hasattr(logger, "_version"):
+        logger._version = version
+
+
+class _BatchEnd(Callback):
+    """Keeps the fit loop's state at the ``on_train_batch_end`` that ends an optimizer step (each
+    batch's without accumulation) for ``_Progress`` (no state of its own)."""
+
+    def __init__(self, progress: _Progress) -> None:
+        self._progress = progress
+
+    def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+        if not trainer.fit_loop._should_accumulate():  # the next step starts at the next batch
+            self._progress._loops = copy.deepcopy(trainer.fit_loop.state_dict())

@@ -1,0 +1,337 @@
+"""``CheckpointlessStrategy``: where this process is, the session, the re-executable step (with
+its accumulated micro-batches) and the end of the job (the package docstring says what it does)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
+from typing import Any
+
+import torch
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning_utilities.core.rank_zero import rank_zero_only  # Lightning's, re-exported
+from torch.utils.data import DataLoader
+
+from checkpointless.control.env import ENV_STORE
+from checkpointless.devices import local_device
+from checkpointless.integrations.lightning.collectives import _Collectives
+from checkpointless.integrations.lightning.data import _TrainBatches
+from checkpointless.integrations.lightning.progress import _logger_version, _Progress, _set_logger_version
+from checkpointless.integrations.lightning.refusals import (
+    refused_loader,
+    refused_settings,
+    validation_inside_a_step,
+)
+from checkpointless.session import Session
+from checkpointless.session_base import Attempt
+
+log = logging.getLogger(__name__)
+
+
+def under_launcher() -> bool:
+    """Whether this process was started by ``checkpointless launch`` (or ``run``, ``cluster``)."""
+    return ENV_STORE in os.environ
+
+
+class _Window:
+    """The attempt of the optimizer step under way, open from its first micro-batch's closure to its
+    update (one micro-batch without accumulation), and the closures run in it so far: after a
+    recovery the next attempt runs them again, in order, before the Trainer's loop goes on."""
+
+    def __init__(self, zero_grad: dict[str, Any]) -> None:
+        self.closures: list[Callable[[], Any]] = []
+        self.zero_grad = zero_grad  # Lightning's zero_grad count before the step: one attempt's counts
+        self._stack: ExitStack | None = None
+        self._attempt: Attempt | None = None
+
+    @property
+    def open(self) -> bool:
+        return self._stack is not None
+
+    def enter(self, session: Session) -> None:
+        self._stack = ExitStack()
+        self._attempt = self._stack.enter_context(session.attempt())
+
+    def fail(self, exc: BaseException) -> bool:
+        """End the attempt with ``exc``: True when the session recovered (the step runs again),
+        False when ``exc`` is to be raised (one process, a fatal error)."""
+        stack, self._stack = self._stack, None
+        assert stack is not None
+        return bool(stack.__exit__(type(exc), exc, exc.__traceback__))
+
+    def commit(self) -> None:
+        stack, self._stack = self._stack, None
+        assert stack is not None and self._attempt is not None
+        stack.close()
+        assert self._attempt.committed
+
+
+class CheckpointlessStrategy(ParallelStrategy):
+    """A Lightning strategy that makes ``Trainer.fit`` fault tolerant under ``checkpointless launch``
+    (``checkpointless.integrations.lightning``'s docstring). ``seed``: the base of the per-step
+    RNG seeds and of the train set's shuffle (default: ``seed_everything``'s, else 0).
+    ``session_kwargs``: more ``Session`` options (``broadcast_buffers``, ``overlap_reduction``,
+    ``reseed_rng``)."""
+
+    strategy_name = "checkpointless"
+
+    def __init__(self, *, seed: int | None = None, **session_kwargs: Any) -> None:
+        super().__init__()
+        self.seed = seed if seed is not None else int(os.environ.get("PL_GLOBAL_SEED", "0"))
+        self._session_kwargs = session_kwargs
+        self._session: Session | None = None
+        self._trainer: Any = None
+        self._progress = _Progress()
+        self._comm = _Collectives(lambda: self._session)
+        self._steps: Iterator[int] | None = None
+        self._total = -1  # the job's steps (the Trainer's estimated_stepping_batches)
+        self._window: _Window | None = None  # the step under way, from its first micro-batch
+        self._batches: _TrainBatches | None = None
+        self._finished = False
+        self._joining = False  # a replacement, before its first step: its loop counters are aligned then
+        self.digest: str | None = None
+        """The final state's SHA-256 (``Session.finish``), once ``fit`` has ended."""
+
+    @property
+    def session(self) -> Session | None:
+        """The ``checkpointless.Session`` of the ``fit`` under way (None before its setup)."""
+        return self._session
+
+    def _require_session(self) -> Session:
+        assert self._session is not None, "the session is made in setup()"
+        return self._session
+
+    # -- where this process is ---------------------------------------------------------------
+    @property
+    def root_device(self) -> torch.device:
+        if under_launcher():
+            return self._session.device if self._session is not None else local_device()
+        return self.parallel_devices[0] if self.parallel_devices else torch.device("cpu")
+
+    @property
+    def global_rank(self) -> int:
+        return self._session.rank if self._session is not None else 0
+
+    @property
+    def local_rank(self) -> int:
+        return 0  # one device per process (root_device)
+
+    @property
+    def node_rank(self) -> int:
+        return 0
+
+    @property
+    def world_size(self) -> int:
+        return self._session.world_size if self._session is not None else 1
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": 1, "rank": 0}  # no DistributedSampler: see the package docstring
+
+    @property
+    def handles_gradient_accumulation(self) -> bool:
+        """True while an accumulated step has micro-batches to come: Lightning then hands every
+        micro-batch's closure to ``optimizer_step`` (as it does for DeepSpeed) instead of running
+        it itself, so that the step's micro-batches run in its one attempt. False at an epoch's
+        last batch, where Lightning ends a shorter step as it does by itself."""
+        trainer = self._trainer
+        if trainer is None or trainer.accumulate_grad_batches == 1:
+            return False
+        return not trainer.fit_loop.epoch_loop._num_ready_batches_reached()
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    def teardown(self) -> None:
+        if self._batches is not None:
+            self._batches.close()
+        super(ParallelStrategy, self).teardown()  # the cluster environment is the launcher's
+
+    # -- setup: refusals, the session ----------------------------------------------------------
+    def _refuse(self, what: list[str]) -> None:
+        if what:
+            raise ValueError("CheckpointlessStrategy does not support " + "; ".join(what))
+
+    def setup(self, trainer: Any) -> None:
+        self._trainer = trainer
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._refuse(refused_settings(self, trainer, launched=under_launcher()))
+        super().setup(trainer)
+        if trainer.state.fn != TrainerFn.FITTING:
+            return  # validate, test, predict: this process alone (see the package docstring)
+        state: dict[str, Any] = {
+            f"lr_scheduler{i}": c.scheduler for i, c in enumerate(self.lr_scheduler_configs)
+        }
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if scaler is not None:
+            state["grad_scaler"] = scaler
+        state["lightning"] = self._progress
+        if self._progress.callback not in trainer.callbacks:
+            trainer.callbacks.append(self._progress.callback)
+        assert self.lightning_module is not None
+        # a spare waits here for a rank, then receives the state (``_join``)
+        self._session = Session(
+            self.lightning_module, self.optimizers[0], state=state, seed=self.seed, **self._session_kwargs
+        )
+        # Lightning's rank-zero-only output: set at import from LOCAL_RANK (the slot), now the rank
+        rank_zero_only.rank = self._session.rank  # type: ignore[attr-defined]
+        if self._progress.received and self._progress.snapshot["step"] >= 0:
+            self._join(trainer)
+            return
+        # No rank has begun a step: every rank of the generation is here, and collectives are
+        # real from now on. What Lightning broadcast before the group existed was each rank's own:
+        # the checkpoint directory and the loggers' versions (from each rank's look at the log
+        # directory) are rank 0's, as under DDP.
+        self._comm.aligned = True
+        for cb in trainer.checkpoint_callbacks:
+            if isinstance(getattr(cb, "dirpath", None), str):
+                cb.dirpath = self.broadcast(cb.dirpath)
+        for logger in trainer.loggers:
+            _set_logger_version(logger, self.broadcast(_logger_version(logger)))
+
+    def _join(self, trainer: Any) -> None:
+        """A replacement: enter the Trainer's loop where the state it received was taken."""
+        session = self._require_session()
+        snapshot_step = int(self._progress.snapshot["step"])
+        if session.step != snapshot_step:
+            # the job had done its last step (a rank died in Session.finish): nothing left to train
+            log.info(
+                "[rank %d] joined after the last step %d: finishing", session.rank, session.committed_step
+            )
+            self._finish(total=session.step)
+            raise SystemExit(0)
+        self._progress.restore(trainer)
+        self._joining = True
+        log.info("[rank %d] joined at step %d (epoch %d)", session.rank, session.step, trainer.current_epoch)
+
+    def process_dataloader(self, dataloader: object) -> object:
+        trainer = self._trainer
+        if self._session is None or trainer is None or trainer.state.stage != RunningStage.TRAINING:
+            return dataloader
+        refused = refused_loader(dataloader, self.world_size)
+        self._refuse([refused] if refused else [])
+        assert isinstance(dataloader, DataLoader)
+        if self._batches is not None:
+            self._batches.close()
+        self._batches = _TrainBatches(self, dataloader)
+        return self._batches
+
+    def on_train_start(self) -> None:
+        refused = validation_inside_a_step(self._trainer)
+        self._refuse([refused] if refused else [])
+
+    # -- the step ------------------------------------------------------------------------------
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self._window is not None:
+            return  # a later micro-batch of the step under way
+        if self._joining:
+            self._joining = False
+            self._progress.align(self._trainer)
+        self._progress.capture(self._trainer)
+
+    def optimizer_step(
+        self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any
+    ) -> Any:
+        """One micro-batch's closure (``training_step``, ``zero_grad`` at the step's first,
+        ``backward``), its gradients accumulated locally; at the step's last micro-batch (every
+        batch without accumulation) the gradient reduction, Lightning's ``on_before_optimizer_step``
+        and clipping, and the update. The step's micro-batches are one session attempt: after a
+        recovery its closures so far run again, from the first, before this returns."""
+        session = self._require_session()
+        trainer = self._trainer
+        model = model or self.lightning_module
+        if self._steps is None:
+            self._total = int(trainer.estimated_stepping_batches)
+            self._steps = session.steps(self._total)
+        last = not trainer.fit_loop._should_accumulate()  # Lightning's own test
+        # a failed attempt's first closure ran zero_grad: its count stays what one attempt makes it
+        zero_grad = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.zero_grad
+        if self._window is None:
+            self._window = _Window(zero_grad.state_dict())
+        window = self._window
+        window.closures.append(closure)
+
+        def closure_and_reduction() -> Any:
+            loss = closure()
+            session.reduce_gradients()
+            return loss  # then Lightning's on_before_optimizer_step and clipping, then the update
+
+        while True:
+            again = [] if window.open else window.closures[:-1]  # after a recovery: the step's earlier ones
+            if not window.open:
+                self._begin(window)
+            self._comm.in_step = True
+            try:
+                for earlier in again:
+                    with session.no_sync():
+                        earlier()
+                if not last:
+                    with session.no_sync():  # reduced once, by the last micro-batch's
+                        closure()
+                    return None
+                result = self.precision_plugin.optimizer_step(
+                    optimizer, model=model, closure=closure_and_reduction, **kwargs
+                )
+            except BaseException as e:
+                if not window.fail(e):
+                    raise
+                zero_grad.load_state_dict(window.zero_grad)  # recovered: the same step again
+                continue
+            finally:
+                self._comm.in_step = False
+            window.commit()
+            self._window = None
+            self._comm.in_window = False
+            return result
+
+    def _begin(self, window: _Window) -> None:
+        """The next attempt of the step under way (the replicas' consistency check runs first when due)."""
+        assert self._steps is not None
+        try:
+            step = next(self._steps)
+        except StopIteration:
+            raise RuntimeError(
+                f"the Trainer runs step {self._trainer.global_step} beyond the job's total"
+            ) from None
+        assert step == self._trainer.global_step, (step, self._trainer.global_step)
+        self._comm.aligned = self._comm.in_window = True
+        window.enter(self._require_session())
+
+    def on_train_end(self) -> None:
+        self._finish(total=self._trainer.global_step)
+
+    def _finish(self, total: int) -> None:
+        """After the last step: the replicas' last check, then ``Session.finish`` (which serves as a
+        recovery source until every rank is done). A Trainer that stopped before the job's total
+        (``EarlyStopping``: every rank decides alike) ends the job at its ``global_step``."""
+        session = self._session
+        if session is None or self._finished:
+            return
+        self._finished = True
+        steps = self._steps if self._steps is not None and total == self._total else session.steps(total)
+        for step in steps:
+            raise RuntimeError(f"the Trainer ended before step {step}")
+        self.digest = session.finish()
+
+    # -- collectives (collectives.py says when they run over the group) ------------------------
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        """``sum``, ``mean``, ``max`` or ``min`` over the ranks (``group`` is ignored: one group)."""
+        return self._comm.reduce(tensor, reduce_op)
+
+    def all_gather(self, tensor: torch.Tensor, group: Any = None, sync_grads: bool = False) -> torch.Tensor:
+        """Every rank's ``tensor``, stacked in rank order (``(world_size, *shape)``)."""
+        if sync_grads:
+            raise ValueError("CheckpointlessStrategy does not support all_gather(sync_grads=True)")
+        return self._comm.all_gather(tensor)
+
+    def barrier(self, name: str | None = None) -> None:
+        self._comm.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """``src``'s ``obj`` if it is a ``str``, number, bool or None; any other object stays this
+        rank's own (nothing received is unpickled; Lightning broadcasts paths and decisions)."""
+        return self._comm.broadcast(obj, src)
