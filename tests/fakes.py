@@ -81,6 +81,7 @@ class FakeProcess:
         self.kills = 0
         self._exitcode: int | None = None
         self.cpu: float | None = None  # what ``cpu_seconds`` reports (None: not visible)
+        self.cpu_age_s = 0.0  # how old that figure is (``cpu_age``)
 
     def alive(self) -> bool:
         return self._exitcode is None
@@ -99,6 +100,9 @@ class FakeProcess:
 
     def cpu_seconds(self) -> float | None:
         return self.cpu
+
+    def cpu_age(self) -> float:
+        return self.cpu_age_s
 
     def exit(self, code: int) -> None:
         """The process ends with ``code`` (negative: killed by that signal)."""

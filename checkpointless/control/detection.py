@@ -91,13 +91,16 @@ class Detection(Membership):
         cpu = p.handle.cpu_seconds()
         if cpu is None:
             return silent > hang
+        # when that figure was read: now here, at its agent's last status for another host's
+        # process (a window between two reads of one figure would see an idle process)
+        at = now - p.handle.cpu_age()
         if p.cpu_mark is None:
-            p.cpu_mark = (now, cpu)
+            p.cpu_mark = (at, cpu)
             return False
-        window = now - p.cpu_mark[0]
+        window = at - p.cpu_mark[0]
         if window >= hang / 2 or (silent > hang and window >= hang / 4):
             p.busy = cpu - p.cpu_mark[1] >= max(0.01, _BUSY_SHARE * window)
-            p.cpu_mark = (now, cpu)
+            p.cpu_mark = (at, cpu)
         if silent > max(rc.progress_timeout_s, hang):
             return True
         return silent > hang and p.busy is False

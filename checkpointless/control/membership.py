@@ -51,6 +51,11 @@ class ProcessHandle(Protocol):
         cannot see it (another host, no ``/proc``)."""
         ...
 
+    def cpu_age(self) -> float:
+        """Seconds since ``cpu_seconds``'s figure was read (0 for a process read live; another
+        host's process: since its agent's last status)."""
+        ...
+
 
 @dataclass
 class _Proc:

@@ -132,6 +132,9 @@ class _Child:
         """User + system CPU time of the process and its descendants (``/proc``), None where unreadable."""
         return _tree_cpu_seconds(self.popen.pid)
 
+    def cpu_age(self) -> float:
+        return 0.0  # read now
+
     def log_tail(self) -> str:
         with contextlib.suppress(OSError, ValueError):  # ValueError: the log is closed (stopped)
             if not self.log_file.closed:

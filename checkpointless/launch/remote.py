@@ -157,6 +157,9 @@ class RemoteProcess:
             return None
         return float(report["cpu"])
 
+    def cpu_age(self) -> float:
+        return self._nodes.age(self._host)
+
 
 class RemoteNodes:
     """The job's hosts, each with its agent: registration, orders, statuses, lost hosts."""

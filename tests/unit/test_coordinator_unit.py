@@ -217,6 +217,39 @@ def test_silent_but_using_cpu_is_not_hung_until_the_progress_timeout() -> None:
     assert job.kinds("fault_detected")[0]["busy"] is True
 
 
+def test_a_busy_process_on_another_host_is_judged_between_its_agents_reports() -> None:
+    """Another host's process: its CPU figure moves only when its agent reports (here every 3
+    ticks, each report's figure aged 0 to 2 ticks when read). A window between two reads of the
+    same report is no evidence of idleness: busy all along, it is not killed before the progress
+    timeout; stopped, it is killed once two reports show no CPU used."""
+    job = Job()
+    job.steady()
+    w1 = job.procs["w1"]
+    w1.cpu, used = 5.0, 5.0
+    job.beating.discard("w1")
+    last, rc = job.clock.now, job.config.recovery
+    n = 0
+    while job.clock.now < last + 3 * rc.hang_timeout_s:  # a 6 s pause, busy all along
+        n += 1
+        used += 0.2
+        if n % 3 == 0:
+            w1.cpu, w1.cpu_age_s = used, 0.0  # the agent's report
+        else:
+            w1.cpu_age_s += DT
+        job.tick()
+    assert job.faults() == [] and job.kills() == {}
+    stopped = job.clock.now  # stopped: the next reports show the same figure
+    while not job.faults():
+        n += 1
+        if n % 3 == 0:
+            w1.cpu, w1.cpu_age_s = used, 0.0
+        else:
+            w1.cpu_age_s += DT
+        job.tick()
+    assert job.faults() == [("heartbeat_timeout", "w1")] and job.kinds("fault_detected")[0]["busy"] is False
+    assert job.clock.now <= stopped + 2 * rc.hang_timeout_s
+
+
 def test_a_heartbeat_after_a_busy_pause_clears_it() -> None:
     job = Job()
     job.steady()

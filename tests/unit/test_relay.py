@@ -161,6 +161,9 @@ class _Handle:
     def cpu_seconds(self) -> float | None:
         return None
 
+    def cpu_age(self) -> float:
+        return 0.0
+
 
 def test_the_coordinator_reads_a_key_per_host_and_ignores_replays_and_forgeries(
     coordinator: tuple[Any, SignedStore],
