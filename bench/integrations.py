@@ -140,14 +140,24 @@ def run(quick: bool, out: Path) -> dict[str, Any]:
     return {"quick": quick, "goal": GOAL, **parts, "machine": common.machine_info()}
 
 
-def verdict_row(hf: dict[str, Any]) -> list[Any] | None:
-    """The summary table's row (``run_all.targets``), or None without two complete pairs."""
-    if not hf.get("measured") or not hf.get("interval"):
-        return None
-    g, lo, hi = hf["interval"]
-    return ["HF Trainer step time vs transformers.Trainer under torchrun, paired ratio (geometric mean, 95% interval)",
-            f"≤ {GOAL:g}", f"{g:.3f} [{lo:.3f}, {hi:.3f}], n={hf['ratio']['n']}",
-            common.interval_verdict(lo, hi, GOAL)]  # fmt: skip
+_VERDICT_TITLES = {
+    "hf_trainer": "HF Trainer step time vs transformers.Trainer under torchrun",
+    "lightning": "Lightning step time, CheckpointlessStrategy vs Lightning's DDP strategy under torchrun",
+}
+
+
+def verdict_rows(res: dict[str, Any]) -> list[list[Any]]:
+    """The summary table's rows (``run_all.targets``): one per integration with two complete pairs."""
+    rows = []
+    for key, title in _VERDICT_TITLES.items():
+        part = res.get(key) or {}
+        if not part.get("measured") or not part.get("interval"):
+            continue
+        g, lo, hi = part["interval"]
+        rows.append([f"{title}, paired ratio (geometric mean, 95% interval)", f"≤ {GOAL:g}",
+                     f"{g:.3f} [{lo:.3f}, {hi:.3f}], n={part['ratio']['n']}",
+                     common.interval_verdict(lo, hi, GOAL)])  # fmt: skip
+    return rows
 
 
 def _range(s: dict[str, Any]) -> str:

@@ -203,8 +203,10 @@ def targets(results: dict[str, Any]) -> str:
                  "≤ 1.03", f"{g:.3f} [{lo:.3f}, {hi:.3f}], n={len(pairs)}", common.interval_verdict(lo, hi, 1.03)]
             )  # fmt: skip
     integ = results.get("integrations")
-    if integ and (row := integrations.verdict_row(integ.get("hf_trainer") or {})) is not None:
-        rows.append(row)
+    if integ:
+        rows += integrations.verdict_rows(integ)
+    if results.get("node_stall"):
+        rows += node_stall.verdict_rows(results["node_stall"])
     cs = results.get("control_scale")
     if cs and cs.get("rows"):
         big = next((r for r in cs["rows"] if r.get("hosts") == 2000
