@@ -32,9 +32,16 @@ the callbacks, ``_maybe_log_save_evaluate`` for ``logging_steps``, ``eval_strate
   writes checkpoints and the model (``save_steps``, ``save_model``).
 
 Refused in one line (``ValueError``) under the launcher: DeepSpeed, FSDP, ``n_gpu > 1``
-(``DataParallel``), ``auto_find_batch_size``, an ``IterableDataset`` train set, tensor, sequence or
-context parallelism (``parallelism_config``). Tested with the ``transformers`` and ``accelerate``
-versions pinned in ``pyproject.toml``'s ``transformers`` extra.
+(``DataParallel``), ``auto_find_batch_size``, tensor, sequence or context parallelism
+(``parallelism_config``), an ``IterableDataset`` train set read by more than one worker process
+(``dataloader_num_workers > 1``) or without ``__len__`` and without ``max_steps``. Tested with the
+``transformers`` and ``accelerate`` versions pinned in ``pyproject.toml``'s ``transformers`` extra.
+
+An ``IterableDataset`` train set (a ``datasets`` streaming dataset among them) is read by
+``session.loader``'s iterable path, whose docstring (``checkpointless.data.iterable_loader``) is the
+contract it must keep: one stream, the same in every process, shuffled (if at all) from its own seed
+and ``set_epoch``; micro-batch ``m`` is samples ``[m x B, (m + 1) x B)`` of it (``B`` the global
+micro-batch), passes following one another when it has ``__len__``.
 """
 
 from __future__ import annotations
@@ -96,8 +103,22 @@ def _refusals(trainer: _HFTrainer) -> list[str]:
     if getattr(args, "parallelism_config", None) is not None:
         out.append("parallelism_config (tensor, sequence or context parallelism)")
     if isinstance(trainer.train_dataset, torch.utils.data.IterableDataset):
-        out.append("an IterableDataset as train_dataset (give a map-style dataset)")
+        workers = args.dataloader_num_workers
+        if workers > 1:
+            out.append(f"dataloader_num_workers={workers} with an IterableDataset as train_dataset (each "
+                       "worker would read its own copy of the stream: use 0 or 1)")  # fmt: skip
+        if _length(trainer.train_dataset) is None and args.max_steps <= 0:
+            out.append("an IterableDataset without __len__ as train_dataset without max_steps (set "
+                       "TrainingArguments.max_steps)")  # fmt: skip
     return out
+
+
+def _length(dataset: Any) -> int | None:
+    """``len(dataset)``, None for a stream without one."""
+    try:
+        return len(dataset)
+    except TypeError:
+        return None
 
 
 class Trainer(_HFTrainer):
@@ -172,14 +193,18 @@ class Trainer(_HFTrainer):
         accumulation = args.gradient_accumulation_steps
         dataset, collator = self._train_data()
         micro_global = self._train_batch_size * ranks  # samples per micro-batch, over every rank
-        micro_per_epoch = len(dataset) // micro_global
-        if micro_per_epoch < accumulation:
-            raise ValueError(
-                f"the train set has {len(dataset)} samples: fewer than one optimizer step of "
-                f"{accumulation} x {micro_global} (gradient_accumulation_steps x per_device_train_batch_size "
-                f"x {ranks} ranks)"
-            )
-        per_epoch = micro_per_epoch // accumulation
+        samples = _length(dataset)
+        if samples is None:  # a stream read once (refusals: max_steps is set): one epoch of max_steps
+            per_epoch = args.max_steps
+        else:
+            micro_per_epoch = samples // micro_global
+            if micro_per_epoch < accumulation:
+                raise ValueError(
+                    f"the train set has {samples} samples: fewer than one optimizer step of "
+                    f"{accumulation} x {micro_global} (gradient_accumulation_steps x "
+                    f"per_device_train_batch_size x {ranks} ranks)"
+                )
+            per_epoch = micro_per_epoch // accumulation
         max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * per_epoch)
         epochs = math.ceil(max_steps / per_epoch)
         self._init_training_state(max_steps, per_epoch, epochs, resume_from_checkpoint, trial)
@@ -189,9 +214,10 @@ class Trainer(_HFTrainer):
         if getattr(self.accelerator, "scaler", None) is not None:
             state["grad_scaler"] = self.accelerator.scaler
         session = self._session = Session(self.model, optimizer, state=state, seed=args.seed)
+        stream = isinstance(dataset, torch.utils.data.IterableDataset)  # its order is its own
         seed = args.data_seed if args.data_seed is not None else args.seed
         loader = session.loader(
-            dataset, micro_global, shuffle=True, seed=seed, collate_fn=collator,
+            dataset, micro_global, shuffle=not stream, seed=None if stream else seed, collate_fn=collator,
             num_workers=args.dataloader_num_workers, drop_last=True, pin_memory=args.dataloader_pin_memory,
         )  # fmt: skip
         self.callback_handler.train_dataloader = loader

@@ -1,8 +1,8 @@
 """A Hugging Face ``Trainer`` script made checkpointless by its import line
 (``checkpointless.integrations.transformers.Trainer``): under the launcher a kill, an exception and
-a hang end bitwise equal to the fault-free run, with the Trainer's own accumulation, clipping,
-schedule, logging, evaluation and checkpoints; a resumed run ends where the uninterrupted one does;
-alone (no launcher) it is the plain ``transformers.Trainer``."""
+a hang end bitwise equal to the fault-free run (a map-style train set, and a stream), with the
+Trainer's own accumulation, clipping, schedule, logging, evaluation and checkpoints; a resumed run
+ends where the uninterrupted one does; alone (no launcher) it is the plain ``transformers.Trainer``."""
 
 from __future__ import annotations
 
@@ -78,10 +78,25 @@ def test_resuming_from_the_trainers_checkpoint_ends_where_the_whole_run_does(
     assert committed == list(range(6, STEPS))  # started at step 6, no step done twice
 
 
+def test_a_trainer_on_a_stream_recovers_bitwise(tmp_path: Path) -> None:
+    """An ``IterableDataset`` train set (an endless stream shuffled by its own seed, no
+    ``__len__``): a kill and an exception end where the fault-free run does; the replacement and
+    the re-executed steps are positioned in the stream by the step."""
+    ref = run_job(workers=2, spares=0, steps=STEPS, command=_command(tmp_path / "ref", "--iterable"),
+                  timeout_s=400)  # fmt: skip
+    assert ref.ok, f"{ref.error}\n{logs_of(ref)}"
+    job = run_job(workers=2, spares=1, steps=STEPS, command=_command(tmp_path / "faults", "--iterable"),
+                  faults=["kill:rank=1@step=7", "exception:rank=0@step=9"], timeout_s=400)  # fmt: skip
+    assert job.ok, f"{job.error}\n{logs_of(job)}"
+    assert job.digest == ref.digest
+
+
 def test_an_unsupported_setting_is_refused_in_one_line(tmp_path: Path) -> None:
-    job = run_job(workers=2, spares=0, steps=STEPS, command=_command(tmp_path, "--iterable"), timeout_s=200)
+    job = run_job(workers=2, spares=0, steps=STEPS, timeout_s=200,
+                  command=_command(tmp_path, "--iterable", "--workers", "2"))  # fmt: skip
     assert not job.ok
-    assert "does not support an IterableDataset" in (job.error or ""), job.error
+    assert "does not support dataloader_num_workers=2 with an IterableDataset" in (job.error or ""), job.error
+    assert "Traceback" not in (job.error or "")
 
 
 @pytest.mark.timeout(300)
@@ -94,3 +109,7 @@ def test_the_trainer_script_runs_alone_as_a_plain_trainer(tmp_path: Path) -> Non
                          timeout=240, env=env)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     assert "trained 4 steps" in run.stdout
+    stream = subprocess.run([sys.executable, SCRIPT, str(tmp_path / "stream"), "2", "--iterable"],
+                            capture_output=True, text=True, timeout=240, env=env)  # fmt: skip
+    assert stream.returncode == 0, stream.stderr[-3000:]
+    assert "trained 2 steps" in stream.stdout

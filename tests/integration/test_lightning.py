@@ -121,6 +121,24 @@ def test_an_accumulating_script_recovers_bitwise(
     ]
 
 
+STREAM = ("--stream", "12")  # an endless stream, 12 steps in Lightning epochs of 6 batches
+
+
+def test_a_script_on_a_stream_recovers_bitwise(lightning_dir: Path, tmp_path: Path) -> None:
+    """An ``IterableDataset`` train set without ``__len__`` (``max_steps``): a kill of rank 0 and an
+    exception end where the fault-free run does; the stream goes on across Lightning's epochs."""
+    ref = _job(lightning_dir, spares=0, extra=STREAM, steps=12, out=tmp_path / "ref")
+    assert ref.ok, f"{ref.error}\n{logs_of(ref)}"
+    job = _job(lightning_dir, "kill:rank=0@step=4", "exception:rank=1@step=8", extra=STREAM, steps=12,
+               out=tmp_path / "faults")  # fmt: skip
+    assert job.ok, f"{job.error}\n{logs_of(job)}"
+    assert (job.digest, job.report["final_registered_sha256"]) == (
+        ref.digest,
+        ref.report["final_registered_sha256"],
+    )
+    assert [f["lost_steps"] for f in job.report["faults"]] == [0, 0]
+
+
 def test_a_hung_rank_is_replaced_bitwise(lightning_dir: Path, reference: tuple[str, str]) -> None:
     job = _job(lightning_dir, "hang:rank=1@step=11", hang_timeout_s=2.0)
     assert job.ok, f"{job.error}\n{logs_of(job)}"

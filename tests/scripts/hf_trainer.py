@@ -2,8 +2,9 @@
 for its import line): a small causal LM built from a config, a map-style dataset, gradient
 accumulation, clipping, a cosine schedule with warm-up, logging, evaluation and checkpoints.
 
-Usage: hf_trainer.py OUTPUT_DIR STEPS [--bf16] [--resume CHECKPOINT] [--iterable]
-(``--iterable``: the train set as an ``IterableDataset``, which the integration refuses)
+Usage: hf_trainer.py OUTPUT_DIR STEPS [--bf16] [--resume CHECKPOINT] [--iterable] [--workers N]
+(``--iterable``: the train set as an endless stream, an ``IterableDataset`` without ``__len__``
+whose passes are shuffled from its own seed; ``--workers``: ``dataloader_num_workers``)
 """
 
 from __future__ import annotations
@@ -31,11 +32,19 @@ class Tokens(torch.utils.data.Dataset):
 
 
 class Stream(torch.utils.data.IterableDataset):
-    def __init__(self, inner: Tokens) -> None:
-        self.inner = inner
+    """Endless passes over ``inner``, each in an order drawn from the stream's own seed and the
+    pass's number (a streaming corpus with a shuffle of its own); no ``__len__``."""
+
+    def __init__(self, inner: Tokens, seed: int) -> None:
+        self.inner, self.seed = inner, seed
 
     def __iter__(self):  # type: ignore[no-untyped-def]
-        return iter(self.inner[i] for i in range(len(self.inner)))
+        n = 0
+        while True:
+            order = torch.randperm(len(self.inner), generator=torch.Generator().manual_seed(self.seed + n))
+            for i in order.tolist():
+                yield self.inner[i]
+            n += 1
 
 
 def main() -> None:
@@ -45,6 +54,7 @@ def main() -> None:
     p.add_argument("--bf16", action="store_true")
     p.add_argument("--resume", default=None)
     p.add_argument("--iterable", action="store_true")
+    p.add_argument("--workers", type=int, default=0)
     a = p.parse_args()
     torch.manual_seed(0)
     config = LlamaConfig(
@@ -76,12 +86,12 @@ def main() -> None:
         use_cpu=True,
         report_to=[],
         seed=7,
-        dataloader_num_workers=0,
+        dataloader_num_workers=a.workers,
         disable_tqdm=True,
     )
     train: torch.utils.data.Dataset = Tokens(96, 16, 128, 1)
     if a.iterable:
-        train = Stream(train)
+        train = Stream(train, seed=11)
     trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=Tokens(8, 16, 128, 2))
     out = trainer.train(resume_from_checkpoint=a.resume)
     print(f"trained {out.global_step} steps, loss {out.training_loss:.4f}", flush=True)

@@ -3,8 +3,10 @@ integration tests run it as it is): a small classifier with dropout and batch no
 over a map-style dataset, an LR scheduler stepped every step, ``self.log(..., sync_dist=True)`` in
 training and validation, gradient clipping, validation every epoch.
 
-Usage: lightning_train.py OUTPUT_DIR [--epochs N] [--manual] [--accumulate N]
-(``--manual``: manual optimization, refused; ``--accumulate N``: ``accumulate_grad_batches=N``)
+Usage: lightning_train.py OUTPUT_DIR [--epochs N] [--manual] [--accumulate N] [--stream STEPS]
+(``--manual``: manual optimization, refused; ``--accumulate N``: ``accumulate_grad_batches=N``;
+``--stream STEPS``: the train set an endless stream, an ``IterableDataset`` without ``__len__``
+shuffled by its own seed, read for ``max_steps=STEPS`` in epochs of 6 batches)
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from checkpointless.integrations.lightning import CheckpointlessStrategy
 
@@ -33,6 +35,22 @@ class Points(Dataset[tuple[torch.Tensor, torch.Tensor]]):
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.x[i], self.y[i]
+
+
+class Stream(IterableDataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Endless passes over ``inner``, each in an order drawn from the stream's own seed and the
+    pass's number (a streaming corpus with a shuffle of its own); no ``__len__``."""
+
+    def __init__(self, inner: Points, seed: int) -> None:
+        self.inner, self.seed = inner, seed
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        n = 0
+        while True:
+            order = torch.randperm(len(self.inner), generator=torch.Generator().manual_seed(self.seed + n))
+            for i in order.tolist():
+                yield self.inner[i]
+            n += 1
 
 
 class Classifier(L.LightningModule):
@@ -72,11 +90,16 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--manual", action="store_true")
     p.add_argument("--accumulate", type=int, default=1)
+    p.add_argument("--stream", type=int, default=0, metavar="STEPS")
     a = p.parse_args()
     torch.set_num_threads(1)
     L.seed_everything(7, verbose=False)
     model = Classifier(manual=a.manual)
     train = DataLoader(Points(96, 1), batch_size=8, shuffle=True)
+    stream = {}
+    if a.stream:
+        train = DataLoader(Stream(Points(96, 1), seed=3), batch_size=8)
+        stream = {"max_steps": a.stream, "limit_train_batches": 6}
     val = DataLoader(Points(32, 2), batch_size=16)
     strategy = CheckpointlessStrategy()
     trainer = L.Trainer(
@@ -89,6 +112,7 @@ def main() -> None:
         default_root_dir=a.output_dir,
         enable_progress_bar=False,
         enable_model_summary=False,
+        **stream,  # type: ignore[arg-type]
     )
     trainer.fit(model, train, val)
     if trainer.is_global_zero:

@@ -104,6 +104,35 @@ def test_alone_it_trains_on_one_process_and_is_reproducible(tmp_path: Path) -> N
     assert not torch.distributed.is_initialized()
 
 
+class _Recording(_Regression):
+    def __init__(self) -> None:
+        super().__init__(dropout=0.0)
+        self.seen: list[torch.Tensor] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.seen.append(batch[0].clone())
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("limit", [None, 2], ids=["one-endless-epoch", "epochs-of-2-batches"])
+def test_a_stream_is_read_in_its_order_one_global_batch_after_the_other(
+    tmp_path: Path, limit: int | None
+) -> None:
+    """An ``IterableDataset`` without ``__len__`` (with ``max_steps``): step ``s`` reads samples
+    ``[8s, 8s + 8)`` of the stream, in one endless epoch or across the Trainer's epochs of
+    ``limit_train_batches`` batches (the stream goes on; it does not start again)."""
+    module = _Recording()
+    options: dict[str, Any] = {"max_steps": 4, "max_epochs": -1}
+    if limit is not None:
+        options["limit_train_batches"] = limit
+    s = _fit(tmp_path, DataLoader(_Stream(), batch_size=8), module=module, **options)
+    assert s.session is not None and s.session.committed_step == 3
+    points = _Points()
+    assert len(module.seen) == 4
+    for step, x in enumerate(module.seen):
+        torch.testing.assert_close(x, torch.stack([points[i][0] for i in range(8 * step, 8 * step + 8)]))
+
+
 def test_limit_train_batches_reads_each_epoch_from_its_start(tmp_path: Path) -> None:
     s = _fit(tmp_path, limit_train_batches=3)
     assert s.session is not None and s.session.committed_step == 5
@@ -155,7 +184,16 @@ def test_accumulated_micro_batches_make_one_step_of_their_samples(tmp_path: Path
         ),
         ({"max_epochs": -1}, None, "training without an end"),
         ({"overfit_batches": 2}, None, "overfit_batches"),
-        ({}, DataLoader(_Stream(), batch_size=8), "an IterableDataset as the train set"),
+        (
+            {},
+            DataLoader(_Stream(), batch_size=8),
+            "an IterableDataset without __len__ as the train set without max_steps",
+        ),
+        (
+            {"max_steps": 3},
+            DataLoader(_Stream(), batch_size=8, num_workers=2),
+            "num_workers=2 with an IterableDataset",
+        ),
         ({}, DataLoader(_Points(), batch_sampler=[[0, 1], [2, 3]]), "without batch_size"),
         ({}, DataLoader(_Points(), batch_size=8, sampler=list(range(40))), "a sampler of its own"),
     ],
@@ -166,7 +204,8 @@ def test_accumulated_micro_batches_make_one_step_of_their_samples(tmp_path: Path
         "validation-inside-a-step",
         "endless",
         "overfit",
-        "iterable",
+        "endless-stream",
+        "stream-workers",
         "batch-sampler",
         "sampler",
     ],

@@ -55,7 +55,9 @@ What the strategy does (automatic optimization only):
   the seed and the epoch, the rank's part the ``b``-th contiguous slice. A replacement reads what
   the failed rank would have read (from the first micro-batch of its step), with no skipping;
   randomness in the dataset's ``__getitem__`` (main process) is seeded from the position and the
-  rank.
+  rank. An ``IterableDataset`` is read the same way by ``Session.loader``'s iterable path (global
+  batch ``g`` is samples ``[g x B, (g + 1) x B)`` of the one stream, in its own order); without
+  ``__len__`` its batches follow one another across the Trainer's epochs.
 - collectives (``reduce``, ``all_gather``, ``barrier``, ``broadcast``: ``self.log(...,
   sync_dist=True)``, ``self.all_gather``, callbacks) run over the session's group. Inside a step a
   failure there is the step's failure, recovered as any. Between steps (epoch-end aggregates,
@@ -75,8 +77,11 @@ starts): manual optimization, ``GradientAccumulationScheduler``, a ``LightningMo
 of its own with ``accumulate_grad_batches > 1``, more than one device per process or
 ``num_nodes > 1``, ``overfit_batches``, resuming from a Lightning checkpoint (``ckpt_path``),
 training with no end (``max_epochs=-1`` without ``max_steps``), a train dataloader that is not one
-``DataLoader`` over a map-style dataset with a ``batch_size`` and a plain sequential or random
-sampler, ``all_gather(sync_grads=True)``. Tested with the Lightning versions in
+``DataLoader`` with a ``batch_size`` over a map-style dataset with a plain sequential or random
+sampler, or over an ``IterableDataset`` (``checkpointless.data.iterable_loader``'s contract) read by
+at most one worker process and, without ``__len__``, with ``max_steps`` (one endless epoch, or the
+Trainer's epochs of ``limit_train_batches`` batches one after the other in the stream),
+``all_gather(sync_grads=True)``. Tested with the Lightning versions in
 ``pyproject.toml``'s ``lightning`` extra (``SUPPORTED``).
 """
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from collections.abc import Iterator
@@ -9,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, RandomSampler
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
 from checkpointless.session import step_seed
 
@@ -27,29 +28,37 @@ class _TrainBatches:
         assert per_rank is not None  # checked by refusals.refused_loader
         self._strategy = strategy
         self.dataset = dataloader.dataset
+        stream = isinstance(self.dataset, IterableDataset)  # its order is its own
         self._loader = session.loader(
-            dataloader.dataset, per_rank * session.dp_size, shuffle=isinstance(dataloader.sampler, RandomSampler),
-            seed=strategy.seed, collate_fn=dataloader.collate_fn, num_workers=dataloader.num_workers,
-            drop_last=dataloader.drop_last, pin_memory=dataloader.pin_memory,
+            dataloader.dataset, per_rank * session.dp_size,
+            shuffle=not stream and isinstance(dataloader.sampler, RandomSampler),
+            seed=None if stream else strategy.seed, collate_fn=dataloader.collate_fn,
+            num_workers=dataloader.num_workers, drop_last=dataloader.drop_last, pin_memory=dataloader.pin_memory,
         )  # fmt: skip
 
     def __len__(self) -> int:
-        return len(self._loader)
+        return len(self._loader)  # a TypeError for a stream without __len__: Lightning's "no length"
 
     def __iter__(self) -> Iterator[Any]:
         """From the Trainer's ``global_step``: an epoch's start, or a replacement's first step (the
         first micro-batch of an accumulated step)."""
         trainer = self._strategy._trainer
         assert trainer is not None
-        per_epoch = len(self._loader)  # the data's epoch; the Trainer's may be shorter (limit_train_batches)
         accumulate = trainer.accumulate_grad_batches
+        try:
+            per_epoch = len(self._loader)  # the data's epoch; the Trainer's may be shorter
+        except TypeError:  # a stream without __len__: one endless epoch, or the Trainer's of
+            limit = trainer.limit_train_batches  # limit_train_batches batches, one after the other
+            if not isinstance(limit, int):
+                return self._batches(0, trainer.global_step * accumulate, None)
+            per_epoch = limit
         steps = math.ceil(trainer_epoch(trainer, per_epoch) / accumulate)  # an epoch's last may be shorter
         epoch, step = divmod(trainer.global_step, steps)
         return self._batches(epoch * per_epoch, step * accumulate, per_epoch)
 
-    def _batches(self, base: int, first: int, per_epoch: int) -> Iterator[Any]:
+    def _batches(self, base: int, first: int, per_epoch: int | None) -> Iterator[Any]:
         seed, rank = self._strategy.seed, self._strategy.global_rank
-        for b in range(first, per_epoch):
+        for b in range(first, per_epoch) if per_epoch is not None else itertools.count(first):
             step = base + b
             # the dataset's own randomness (augmentation in the main process) is a function of the
             # step, not of when the Trainer prefetches it; the training RNG is left untouched (the

@@ -51,17 +51,36 @@ def refused_settings(strategy: Any, trainer: Any, *, launched: bool) -> list[str
     return out
 
 
-def refused_loader(dataloader: object, world: int) -> str | None:
-    """Why the train ``dataloader`` cannot be read as a function of the step by ``world`` ranks."""
+def length(dataset: object) -> int | None:
+    """``len(dataset)``, None for a stream without one."""
+    try:
+        return len(dataset)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+def refused_loader(dataloader: object, world: int, max_steps: int = -1) -> str | None:
+    """Why the train ``dataloader`` cannot be read as a function of the step by ``world`` ranks
+    (``max_steps``: the Trainer's)."""
     if not isinstance(dataloader, DataLoader):
         return f"a train dataloader of type {type(dataloader).__name__} (give one torch DataLoader)"
-    if isinstance(dataloader.dataset, IterableDataset):
-        return "an IterableDataset as the train set (give a map-style dataset)"
     if dataloader.batch_size is None:
         return "a train DataLoader without batch_size (a batch_sampler of its own)"
-    if type(dataloader.sampler) not in (RandomSampler, SequentialSampler):
+    samples = length(dataloader.dataset)
+    if isinstance(dataloader.dataset, IterableDataset):
+        if dataloader.num_workers > 1:
+            return (f"num_workers={dataloader.num_workers} with an IterableDataset as the train set (each "
+                    "worker would read its own copy of the stream: use 0 or 1)")  # fmt: skip
+        if samples is None:
+            return (
+                None
+                if max_steps > 0
+                else "an IterableDataset without __len__ as the train set without max_steps"
+            )
+    elif type(dataloader.sampler) not in (RandomSampler, SequentialSampler):
         return f"a train DataLoader with a sampler of its own ({type(dataloader.sampler).__name__})"
-    tail = len(dataloader.dataset) % (dataloader.batch_size * world)  # type: ignore[arg-type]
+    assert samples is not None
+    tail = samples % (dataloader.batch_size * world)
     if not dataloader.drop_last and tail % world:
         return (
             f"drop_last=False with a last global batch of {tail} samples, which {world} ranks "

@@ -212,7 +212,7 @@ class CheckpointlessStrategy(ParallelStrategy):
         trainer = self._trainer
         if self._session is None or trainer is None or trainer.state.stage != RunningStage.TRAINING:
             return dataloader
-        refused = refused_loader(dataloader, self.world_size)
+        refused = refused_loader(dataloader, self.world_size, trainer.max_steps)
         self._refuse([refused] if refused else [])
         assert isinstance(dataloader, DataLoader)
         if self._batches is not None:
