@@ -121,6 +121,24 @@ def test_an_accumulating_script_recovers_bitwise(
     ]
 
 
+@pytest.mark.parametrize(
+    "where", ["2:1:0", "4:2:1"], ids=["rank0-second-of-4-micro-batches", "rank1-third-of-4"]
+)
+def test_an_exception_inside_an_accumulated_step_recovers_bitwise(
+    lightning_dir: Path, accumulated_reference: tuple[str, str], where: str
+) -> None:
+    """``training_step`` raises at a micro-batch that is not the step's last (before any reduction):
+    the rank's attempt fails there, its peers' at the step's reduction, and every rank runs the
+    step's closures again from the first; the job ends where the fault-free run does."""
+    job = _job(lightning_dir, spares=0, extra=(*ACCUMULATE, "--raise-at", where), steps=ACCUMULATED_STEPS)
+    assert job.ok, f"{job.error}\n{logs_of(job)}"
+    assert (job.digest, job.report["final_registered_sha256"]) == accumulated_reference
+    faults = job.report["faults"]
+    assert len(faults) == 1 and faults[0]["lost_steps"] == 0, faults
+    step, micro, _ = where.split(":")
+    assert f"at micro-batch {micro} of step {step}" in (faults[0].get("error") or ""), faults
+
+
 STREAM = ("--stream", "12")  # an endless stream, 12 steps in Lightning epochs of 6 batches
 
 

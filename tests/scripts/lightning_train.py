@@ -4,7 +4,9 @@ over a map-style dataset, an LR scheduler stepped every step, ``self.log(..., sy
 training and validation, gradient clipping, validation every epoch.
 
 Usage: lightning_train.py OUTPUT_DIR [--epochs N] [--manual] [--accumulate N] [--stream STEPS]
+                          [--raise-at STEP:MICRO:RANK]
 (``--manual``: manual optimization, refused; ``--accumulate N``: ``accumulate_grad_batches=N``;
+``--raise-at``: ``training_step`` raises once, on that rank, at that micro-batch of that step;
 ``--stream STEPS``: the train set an endless stream, an ``IterableDataset`` without ``__len__``
 shuffled by its own seed, read for ``max_steps=STEPS`` in epochs of 6 batches)
 """
@@ -54,8 +56,9 @@ class Stream(IterableDataset[tuple[torch.Tensor, torch.Tensor]]):
 
 
 class Classifier(L.LightningModule):
-    def __init__(self, manual: bool = False) -> None:
+    def __init__(self, manual: bool = False, raise_at: tuple[int, int, int] | None = None) -> None:
         super().__init__()
+        self.raise_at = raise_at  # (step, micro-batch, rank): raise there, once
         self.net = nn.Sequential(
             nn.Linear(16, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.2), nn.Linear(32, 3)
         )
@@ -63,6 +66,12 @@ class Classifier(L.LightningModule):
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
+        micro = batch_idx % self.trainer.accumulate_grad_batches
+        if self.raise_at == (self.trainer.global_step, micro, self.global_rank):
+            self.raise_at = None
+            raise RuntimeError(
+                f"a fault of the script's own at micro-batch {micro} of step {self.trainer.global_step}"
+            )
         loss = nn.functional.cross_entropy(self.net(x), y)
         self.log("train_loss", loss, sync_dist=True, prog_bar=True)
         if not self.automatic_optimization:
@@ -91,10 +100,12 @@ def main() -> None:
     p.add_argument("--manual", action="store_true")
     p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--stream", type=int, default=0, metavar="STEPS")
+    p.add_argument("--raise-at", default=None, metavar="STEP:MICRO:RANK")
     a = p.parse_args()
     torch.set_num_threads(1)
     L.seed_everything(7, verbose=False)
-    model = Classifier(manual=a.manual)
+    raise_at = tuple(int(v) for v in a.raise_at.split(":")) if a.raise_at else None
+    model = Classifier(manual=a.manual, raise_at=raise_at)  # type: ignore[arg-type]
     train = DataLoader(Points(96, 1), batch_size=8, shuffle=True)
     stream = {}
     if a.stream:
