@@ -78,6 +78,21 @@ def test_resuming_from_the_trainers_checkpoint_ends_where_the_whole_run_does(
     assert committed == list(range(6, STEPS))  # started at step 6, no step done twice
 
 
+def test_an_exception_at_the_first_of_a_steps_micro_batches_recovers_bitwise(
+    tmp_path: Path, reference: tuple[str, Path]
+) -> None:
+    """The model's forward raises at the first of step 4's two micro-batches on rank 1 (before the
+    step's reduction): every rank runs the whole step again, and the job ends where the fault-free
+    run does."""
+    job = run_job(workers=2, spares=0, steps=STEPS, command=_command(tmp_path, "--raise-at", "4:0:1"),
+                  timeout_s=400)  # fmt: skip
+    assert job.ok, f"{job.error}\n{logs_of(job)}"
+    assert job.digest == reference[0]
+    faults = job.report["faults"]
+    assert len(faults) == 1 and faults[0]["lost_steps"] == 0, faults
+    assert "at micro-batch 0 of step 4" in (faults[0].get("error") or ""), faults
+
+
 def test_a_trainer_on_a_stream_recovers_bitwise(tmp_path: Path) -> None:
     """An ``IterableDataset`` train set (an endless stream shuffled by its own seed, no
     ``__len__``): a kill and an exception end where the fault-free run does; the replacement and

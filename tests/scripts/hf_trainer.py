@@ -3,16 +3,19 @@ for its import line): a small causal LM built from a config, a map-style dataset
 accumulation, clipping, a cosine schedule with warm-up, logging, evaluation and checkpoints.
 
 Usage: hf_trainer.py OUTPUT_DIR STEPS [--bf16] [--resume CHECKPOINT] [--iterable] [--workers N]
+                     [--raise-at STEP:MICRO:RANK]
 (``--iterable``: the train set as an endless stream, an ``IterableDataset`` without ``__len__``
-whose passes are shuffled from its own seed; ``--workers``: ``dataloader_num_workers``)
+whose passes are shuffled from its own seed; ``--workers``: ``dataloader_num_workers``;
+``--raise-at``: the model's forward raises once, on that rank, at that micro-batch of that step)
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback, TrainingArguments
 
 from checkpointless.integrations.transformers import Trainer
 
@@ -47,6 +50,25 @@ class Stream(torch.utils.data.IterableDataset):
             n += 1
 
 
+class RaiseOnce(TrainerCallback):
+    """Makes the model's forward raise once, on ``rank``, at micro-batch ``micro`` of ``step``."""
+
+    def __init__(self, model: torch.nn.Module, step: int, micro: int, rank: int) -> None:
+        self.where, self.rank, self.forwards, self.step = (step, micro), rank, 0, -1
+        model.register_forward_pre_hook(self._forward)
+
+    def on_step_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        self.step, self.forwards = state.global_step, 0
+
+    def _forward(self, module: torch.nn.Module, inputs: object) -> None:
+        if not module.training:
+            return  # evaluation
+        micro, self.forwards = self.forwards, self.forwards + 1
+        if (self.step, micro) == self.where and int(os.environ.get("RANK", "0")) == self.rank:
+            self.where = (-1, -1)
+            raise RuntimeError(f"a fault of the script's own at micro-batch {micro} of step {self.step}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("output_dir")
@@ -55,6 +77,7 @@ def main() -> None:
     p.add_argument("--resume", default=None)
     p.add_argument("--iterable", action="store_true")
     p.add_argument("--workers", type=int, default=0)
+    p.add_argument("--raise-at", default=None, metavar="STEP:MICRO:RANK")
     a = p.parse_args()
     torch.manual_seed(0)
     config = LlamaConfig(
@@ -92,7 +115,12 @@ def main() -> None:
     train: torch.utils.data.Dataset = Tokens(96, 16, 128, 1)
     if a.iterable:
         train = Stream(train, seed=11)
-    trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=Tokens(8, 16, 128, 2))
+    callbacks = []
+    if a.raise_at:
+        step, micro, rank = (int(v) for v in a.raise_at.split(":"))
+        callbacks.append(RaiseOnce(model, step, micro, rank))
+    trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=Tokens(8, 16, 128, 2),
+                      callbacks=callbacks)  # fmt: skip
     out = trainer.train(resume_from_checkpoint=a.resume)
     print(f"trained {out.global_step} steps, loss {out.training_loss:.4f}", flush=True)
 
