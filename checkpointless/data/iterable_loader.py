@@ -64,7 +64,7 @@ from typing import Any, Protocol
 
 from torch.utils.data import DataLoader, IterableDataset, default_collate
 
-from checkpointless.data.loader import worker_processes
+from checkpointless.data.loader import own_generator, worker_processes
 
 _END = object()
 
@@ -309,6 +309,7 @@ class IterableStepLoader:
             collate_fn=self.collate_fn,
             num_workers=self.num_workers,
             pin_memory=self.pin_memory,
+            generator=own_generator(step),
             **worker_processes(self.num_workers),
         )
         self._iter, self._next, self._shape = iter(loader), step, shape

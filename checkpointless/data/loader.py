@@ -48,6 +48,14 @@ def worker_processes(num_workers: int) -> dict[str, Any]:
     }
 
 
+def own_generator(step: int) -> torch.Generator:
+    """The generator a ``DataLoader`` made at ``step`` draws its workers' base seed from. Without
+    one, ``iter(DataLoader)`` draws it from the global generator: a loader made again inside a
+    re-executed step (after a recovery) would then shift the dropout and every other draw of that
+    step away from the uninterrupted run's, which made no loader there."""
+    return torch.Generator().manual_seed(step)
+
+
 class _StepBatches:
     """A batch sampler: this rank's sample indices for steps ``start, start + 1, ...``."""
 
@@ -168,6 +176,7 @@ class StepLoader:
             collate_fn=self.collate_fn,
             num_workers=self.num_workers,
             pin_memory=self.pin_memory,
+            generator=own_generator(step),
             **worker_processes(self.num_workers),
         )
         self._iter, self._next, self._shape = iter(loader), step, shape

@@ -12,14 +12,16 @@ launched with ``checkpointless launch --workers N --spares K -- python script.py
 
 Under the launcher the training loop is the ``Trainer``'s own pieces (``training_step`` and
 ``compute_loss`` with its autocast, gradient clipping, the optimizer and LR scheduler it creates,
-the callbacks, ``_maybe_log_save_evaluate`` for ``logging_steps``, ``eval_strategy`` and
-``save_steps``) put together in a ``Session``'s step loop:
+the callbacks, with their ``on_epoch_begin``/``on_epoch_end`` at the steps that start and end an
+epoch, ``_maybe_log_save_evaluate`` for the logging, evaluation and save strategies) put together in
+a ``Session``'s step loop:
 
 - an optimizer step is the re-executable block (``session.attempt()``): its ``gradient_accumulation_steps``
   micro-batches' forward and backward passes (all but the last under ``session.no_sync()``), the
   gradient reduction, clipping (after the reduction, as DDP clips), the optimizer and scheduler
   steps. A failed step is executed again after the recovery; its state (model, optimizer, LR
-  scheduler, gradient scaler) moves to a replacement peer-to-peer.
+  scheduler, gradient scaler, the ``Trainer``'s best metric and the callbacks' exportable state:
+  ``_TrainerProgress``) moves to a replacement peer-to-peer.
 - the data: micro-batch ``m`` of the job (``m = step * gradient_accumulation_steps + i``) is this
   rank's part of a global batch of ``per_device_train_batch_size x ranks`` samples drawn by
   ``session.loader`` (an epoch's order is a permutation from the seed and the epoch, ``data_seed``
@@ -47,15 +49,19 @@ micro-batch), passes following one another when it has ``__len__``.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import time
+from collections import Counter
 from typing import Any
 
 import torch
 
 from checkpointless.config import JobConfig
 from checkpointless.control.env import ENV_CONFIG, ENV_STORE
+
+log = logging.getLogger(__name__)
 
 _TORCHRUN_VARS = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
 
@@ -79,6 +85,8 @@ if under_launcher():
         torch.cuda.set_device(_local_device())
 
 from transformers import Trainer as _HFTrainer  # noqa: E402  (after the variables are hidden)
+from transformers.trainer_callback import ExportableState  # noqa: E402
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR  # noqa: E402
 
 if not hasattr(_HFTrainer, "_prepare_for_training"):  # the 5.x loop's pieces this class is built of
     import transformers as _transformers
@@ -111,6 +119,56 @@ def _refusals(trainer: _HFTrainer) -> list[str]:
             out.append("an IterableDataset without __len__ as train_dataset without max_steps (set "
                        "TrainingArguments.max_steps)")  # fmt: skip
     return out
+
+
+def _tokens(micro: list[Any], model: Any) -> int:
+    """The tokens (elements of the model's main input) in one step's micro-batches on this rank."""
+    name = getattr(model, "main_input_name", "input_ids")
+    return sum(int(b[name].numel()) for b in micro if isinstance(b, dict) and torch.is_tensor(b.get(name)))
+
+
+class _TrainerProgress:
+    """The ``Trainer``'s own state that steers training, moved to a replacement with the model (the
+    ``Trainer``'s mid-training resume restores the same from ``trainer_state.json``): the best metric
+    and its step (``load_best_model_at_end``, ``metric_for_best_model``) and the callbacks' exportable
+    state (``EarlyStoppingCallback``'s patience, ``TrainerControl``), as at the start of the step under
+    way. Equal on every replica (they evaluate alike), so the replicas' digests cover it; per-rank
+    counters (timings, the logged loss, tokens seen) stay each rank's own."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self._trainer = trainer
+
+    def _exportable(self) -> list[tuple[str, Any]]:
+        t = self._trainer
+        found = [cb for cb in [*t.callback_handler.callbacks, t.control] if isinstance(cb, ExportableState)]
+        named, seen = [], Counter[str]()
+        for cb in found:
+            name = type(cb).__name__
+            named.append((f"{name}.{seen[name]}", cb))
+            seen[name] += 1
+        return named
+
+    def state_dict(self) -> dict[str, Any]:
+        state = self._trainer.state
+        callbacks = {name: cb.state() for name, cb in self._exportable()}
+        return {
+            "best_metric": state.best_metric,
+            "best_global_step": state.best_global_step,
+            "callbacks": callbacks,
+        }
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        t = self._trainer
+        t.state.best_metric, t.state.best_global_step = saved["best_metric"], saved["best_global_step"]
+        t.state.best_model_checkpoint = t._best_checkpoint_dir()
+        for name, cb in self._exportable():
+            if name in saved["callbacks"]:
+                kept = saved["callbacks"][name]
+                for attr, value in {
+                    **kept["attributes"],
+                    **(kept["args"] if cb is t.control else {}),
+                }.items():
+                    setattr(cb, attr, value)
 
 
 def _length(dataset: Any) -> int | None:
@@ -147,9 +205,30 @@ class Trainer(_HFTrainer):
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         """Rank 0 alone writes a checkpoint (the replicas are equal; accelerate's single-process
-        mode would have every rank write the same files at once)."""
+        mode would have every rank write the same files at once). The others note the best one as
+        rank 0 does (``load_best_model_at_end``): it is rank 0's directory, written by the time
+        training ends (``Session.finish`` returns once every rank is done)."""
         if not under_launcher() or self._rank() == 0:
             super()._save_checkpoint(model, trial)
+        elif self.args.save_strategy in ("steps", "epoch", "best"):
+            self.state.best_model_checkpoint = self._best_checkpoint_dir(trial)
+
+    def _best_checkpoint_dir(self, trial: Any = None) -> str | None:
+        """Rank 0's checkpoint of the best step so far (None before one)."""
+        step = self.state.best_global_step
+        run_dir = self._get_output_dir(trial=trial)
+        return os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}") if step else None
+
+    def _finalize_training(self, trial: Any, num_train_samples: int, start_time: float) -> Any:
+        """As ``transformers.Trainer``'s, but rank 0 alone deletes checkpoints (``save_total_limit``
+        1 with the best model kept): every rank deleting the same directories would race."""
+        if not under_launcher() or self._rank() == 0:
+            return super()._finalize_training(trial, num_train_samples, start_time)
+        limit, self.args.save_total_limit = self.args.save_total_limit, None
+        try:
+            return super()._finalize_training(trial, num_train_samples, start_time)
+        finally:
+            self.args.save_total_limit = limit
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         if not under_launcher() or self._rank() == 0:
@@ -210,7 +289,7 @@ class Trainer(_HFTrainer):
         self._init_training_state(max_steps, per_epoch, epochs, resume_from_checkpoint, trial)
         model, _ = self._prepare_for_training(max_steps, None, resume_from_checkpoint)
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper
-        state: dict[str, Any] = {"lr_scheduler": self.lr_scheduler}
+        state: dict[str, Any] = {"lr_scheduler": self.lr_scheduler, "trainer": _TrainerProgress(self)}
         if getattr(self.accelerator, "scaler", None) is not None:
             state["grad_scaler"] = self.accelerator.scaler
         session = self._session = Session(self.model, optimizer, state=state, seed=args.seed)
@@ -234,13 +313,22 @@ class Trainer(_HFTrainer):
             self._evaluate(trial, ignore_keys_for_eval, skip_scheduler=True)
         plateau = isinstance(self.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
         assert self.optimizer is not None and self.lr_scheduler is not None  # made by _prepare_for_training
+        warned_epoch_stop = False
+        epoch_begun = -1  # the epoch whose on_epoch_begin ran (a step executed again does not repeat it)
+        grad_norm: Any = None
+        learning_rate = None
         for step in session.steps(max_steps, start=self.state.global_step):
             self.state.global_step = step  # a step executed again after a recovery starts here too
-            grad_norm: Any = None
+            epoch = step // per_epoch
+            if epoch != epoch_begun:  # also the epoch a resumed run or a replacement starts in, as HF does
+                self.control = self.callback_handler.on_epoch_begin(args, self.state, self.control)
+                epoch_begun = epoch
+            grad_norm = None
             learning_rate = None
             with session.attempt() as attempt:
                 self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
                 micro = [loader.batch(step * accumulation + i) for i in range(accumulation)]
+                session.log(tokens=_tokens(micro, self.model))  # the live tok/s and the report's
                 items = self._get_num_items_in_batch(micro, args.device)
                 self.current_gradient_accumulation_steps = accumulation
                 losses = []
@@ -270,12 +358,22 @@ class Trainer(_HFTrainer):
             self.state.epoch = (step + 1) / per_epoch  # type: ignore[assignment]
             self.control = self.callback_handler.on_step_end(args, self.state, self.control)
             self._maybe_log_save_evaluate(
-                self._tr_loss, grad_norm, model, trial, int(step // per_epoch), ignore_keys_for_eval, start_time,
+                self._tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time,
                 learning_rate=learning_rate,
             )  # fmt: skip
+            if self.control.should_epoch_stop and not warned_epoch_stop:
+                log.warning("control.should_epoch_stop is not honoured: the step decides what is read")
+                warned_epoch_stop = True
+            self.control.should_epoch_stop = False
+            last = step + 1 >= max_steps or self.control.should_training_stop
+            if last or (step + 1) % per_epoch == 0:  # the epoch's end (or training's), as HF's loop has it
+                self.control = self.callback_handler.on_epoch_end(args, self.state, self.control)
+                self._maybe_log_save_evaluate(
+                    self._tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time,
+                    learning_rate=learning_rate,
+                )  # fmt: skip
             if self.control.should_training_stop:
                 break
         loader.close()
-        self.control = self.callback_handler.on_epoch_end(args, self.state, self.control)
         session.finish()
         return self._finalize_training(trial, max_steps * micro_global * accumulation, start_time)

@@ -128,3 +128,53 @@ def test_the_trainer_script_runs_alone_as_a_plain_trainer(tmp_path: Path) -> Non
                             capture_output=True, text=True, timeout=240, env=env)  # fmt: skip
     assert stream.returncode == 0, stream.stderr[-3000:]
     assert "trained 2 steps" in stream.stdout
+
+
+CLASSIFIER = str(ROOT / "tests" / "scripts" / "hf_classifier.py")
+EPOCHS, STEPS_PER_EPOCH = 3, 32  # 256 rows, 4 per device, 2 ranks
+
+
+def _classifier_lines(job: object) -> list[str]:
+    """Each process's closing line (the workers', in rank order of their names; a replaced rank's
+    is its replacement's)."""
+    lines = []
+    for _, path in sorted(job.logs.items()):  # type: ignore[attr-defined]
+        found = [line for line in path.read_text().splitlines() if line.startswith("trained ")]
+        lines += found[-1:]
+    return lines
+
+
+@pytest.mark.parametrize(
+    "faults", [["kill:rank=1@step=40"], ["exception:rank=0@step=63"]], ids=["kill", "exception"]
+)
+def test_an_epoch_trainer_with_best_model_and_early_stopping_recovers_bitwise(
+    tmp_path: Path, faults: list[str]
+) -> None:
+    """A classifier trained by epochs over a ``datasets.Dataset`` (dropout on, a padding collator,
+    evaluation and a checkpoint at every epoch's end, the best model loaded at the end, early
+    stopping), each rank starting from weights of its own: a kill (the replacement enters mid-epoch
+    with the Trainer's best metric and the callbacks' state) and an exception (the step executed
+    again, its dropout drawn as before) end bitwise where the fault-free run does, and every rank
+    evaluates, keeps and loads the same best checkpoint."""
+    pytest.importorskip("datasets")
+    steps = EPOCHS * STEPS_PER_EPOCH
+
+    def command(out: Path) -> list[str]:
+        return [sys.executable, CLASSIFIER, str(out), str(EPOCHS)]
+
+    ref = run_job(workers=2, spares=0, steps=steps, command=command(tmp_path / "ref"), out=tmp_path / "ref-run",
+                  timeout_s=400)  # fmt: skip
+    assert ref.ok, f"{ref.error}\n{logs_of(ref)}"
+    job = run_job(workers=2, spares=1, steps=steps, command=command(tmp_path / "f"), out=tmp_path / "f-run",
+                  faults=faults, timeout_s=400)  # fmt: skip
+    assert job.ok, f"{job.error}\n{logs_of(job)}"
+    assert job.digest == ref.digest
+    want = [line.replace(str(tmp_path / "ref"), "OUT") for line in _classifier_lines(ref)]
+    assert len(want) == 2 and want[0] == want[1], want  # the replicas agree
+    got = [line.replace(str(tmp_path / "f"), "OUT") for line in _classifier_lines(job)]
+    assert got == want, (got, want)  # a killed rank's own line never came: its replacement's did
+    epochs = [p.name for p in (tmp_path / "ref").iterdir() if p.name.startswith("checkpoint-")]
+    assert sorted(p.name for p in (tmp_path / "f").iterdir() if p.name.startswith("checkpoint-")) == sorted(
+        epochs
+    )
+    assert f"checkpoint-{steps}" in epochs  # saved at the epochs' ends (save_total_limit keeps the best)

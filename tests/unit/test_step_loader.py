@@ -147,3 +147,20 @@ def test_worker_processes_die_with_a_killed_training_process() -> None:
         for pid in _holding(token):
             os.kill(pid, signal.SIGKILL)
     assert left == [], left
+
+
+def test_restarting_the_iterator_draws_nothing_from_the_global_generator() -> None:
+    """A step executed again after a recovery makes its iterator anew inside the step, after the
+    session reseeded the global generator: a draw there (a DataLoader's workers' base seed) would
+    shift the step's dropout away from the uninterrupted run's."""
+    from tests.unit.test_iterable_loader import Stream
+    from tests.unit.test_iterable_loader import _loader as iterable_loader
+
+    for loader in (_loader(Counted(40), 8, seed=0), iterable_loader(Stream(100), 4)):
+        loader.batch(0)
+        for step in (3, 1, 1):  # a jump, a step asked again, and again
+            torch.manual_seed(7)
+            loader.batch(step)  # made anew here
+            drawn = torch.rand(2)
+            torch.manual_seed(7)
+            assert torch.equal(drawn, torch.rand(2)), type(loader).__name__
