@@ -104,7 +104,7 @@ from checkpointless.state import (
 )
 
 if TYPE_CHECKING:
-    from torch.utils.data import IterableDataset
+    from torch.utils.data import DataLoader, IterableDataset
 
     from checkpointless.data.iterable_loader import IterableStepLoader
     from checkpointless.data.loader import StepLoader
@@ -379,6 +379,9 @@ class Session(Member):
     ) -> IterableStepLoader: ...
 
     @overload
+    def loader(self, dataset: DataLoader[Any]) -> StepLoader | IterableStepLoader: ...
+
+    @overload
     def loader(
         self,
         dataset: Any,
@@ -395,7 +398,7 @@ class Session(Member):
     def loader(
         self,
         dataset: Any,
-        global_batch_size: int,
+        global_batch_size: int | None = None,
         *,
         shuffle: bool | None = None,
         seed: int | None = None,
@@ -414,8 +417,25 @@ class Session(Member):
         (default ``True``) draws each epoch's order from ``seed`` (default: the session's). A
         ``torch.utils.data.IterableDataset`` is read by ``IterableStepLoader``
         (``checkpointless.data.iterable_loader``, whose docstring is the dataset's contract): its
-        order is its own, so ``shuffle=True`` is an error and ``seed`` is ignored (a warning)."""
-        from torch.utils.data import IterableDataset
+        order is its own, so ``shuffle=True`` is an error and ``seed`` is ignored (a warning).
+
+        ``session.loader(dataloader)``, given the ``DataLoader`` a DDP script built (with its
+        ``DistributedSampler``), reads its settings instead (``checkpointless.data.from_dataloader``):
+        ``batch_size`` per rank, the sampler's ``shuffle`` and ``seed``, ``collate_fn``,
+        ``num_workers``, ``drop_last``, ``pin_memory``."""
+        from torch.utils.data import DataLoader, IterableDataset
+
+        if isinstance(dataset, DataLoader):
+            given = (global_batch_size, shuffle, seed, collate_fn, num_workers, drop_last, pin_memory)
+            if given != (None, None, None, None, 0, True, False):
+                raise TypeError("session.loader(dataloader) takes its settings from the DataLoader: "
+                                "pass no other arguments (or pass the dataset and global_batch_size)")  # fmt: skip
+            from checkpointless.data.from_dataloader import loader_settings
+
+            settings = loader_settings(dataset, self.dp_size, self.seed)
+            return self.loader(settings.pop("dataset"), **settings)
+        if global_batch_size is None:
+            raise TypeError("session.loader(dataset, global_batch_size): global_batch_size is missing")
 
         if isinstance(dataset, IterableDataset):
             from checkpointless.data.iterable_loader import IterableStepLoader

@@ -1,7 +1,9 @@
 """A DDP-style script with a map-style dataset read through ``session.loader`` (epochs, shuffling,
-DataLoader worker processes) instead of a ``DataLoader`` with a ``DistributedSampler``.
+DataLoader worker processes) instead of a ``DataLoader`` with a ``DistributedSampler``; with
+``--dataloader``, the script's own ``DataLoader`` and ``DistributedSampler`` handed to
+``session.loader`` (the same batches). The model has dropout.
 
-Usage: loader_epochs.py STEPS [NUM_WORKERS]. 40 samples, global batch 8: 5 steps an epoch.
+Usage: loader_epochs.py STEPS [NUM_WORKERS] [--dataloader]. 40 samples, global batch 8: 5 steps an epoch.
 """
 
 from __future__ import annotations
@@ -9,23 +11,33 @@ from __future__ import annotations
 import sys
 
 import torch
-from torch.utils.data import TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data.distributed import DistributedSampler
 
 import checkpointless as cl
 
 
 def main() -> None:
-    steps = int(sys.argv[1])
-    workers = int(sys.argv[2]) if len(sys.argv) > 2 else 0
+    args = [a for a in sys.argv[1:] if a != "--dataloader"]
+    steps = int(args[0])
+    workers = int(args[1]) if len(args) > 1 else 0
     torch.set_num_threads(1)
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(40, 6, generator=g)
     data = TensorDataset(x, x @ torch.linspace(-1, 1, 6).unsqueeze(1))
-    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Dropout(0.2),
+                                torch.nn.Linear(16, 1))  # fmt: skip
     opt = torch.optim.AdamW(model.parameters(), lr=0.02)
     session = cl.Session(model, opt)
-    loader = session.loader(data, global_batch_size=8, shuffle=True, num_workers=workers)
+    if "--dataloader" in sys.argv:  # what a DDP script built, handed over (4 per rank at 2 ranks)
+        sampler = DistributedSampler(
+            data, num_replicas=session.dp_size, rank=session.dp_rank, shuffle=True, seed=0
+        )
+        loader = session.loader(DataLoader(data, batch_size=8 // session.dp_size, sampler=sampler,
+                                           num_workers=workers, drop_last=True))  # fmt: skip
+    else:
+        loader = session.loader(data, global_batch_size=8, shuffle=True, seed=0, num_workers=workers)
     for step in session.steps(steps):
         with session.attempt():
             xb, yb = loader.batch(step)

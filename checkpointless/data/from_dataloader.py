@@ -1,0 +1,71 @@
+"""``session.loader(dataloader)``: a DDP script's existing ``DataLoader`` read as a function of the step.
+
+A DDP script already says how it reads its data: ``DataLoader(dataset, batch_size=B,
+sampler=DistributedSampler(dataset, shuffle=..., seed=...), collate_fn=..., num_workers=...)``.
+Rather than have its author restate that as ``session.loader(dataset, global_batch_size, ...)``, the
+session takes the ``DataLoader`` and reads its settings:
+
+- the global batch is ``batch_size x`` the data-parallel ranks when the loader is made (``B`` per
+  rank, as the ``DistributedSampler`` gave each rank), fixed from then on;
+- the order: a ``DistributedSampler``'s ``shuffle`` and ``seed``; a ``RandomSampler`` shuffles from
+  the session's seed (a generator of its own has no seed to read); a ``SequentialSampler`` keeps the
+  dataset's order; an ``IterableDataset`` keeps its own;
+- ``collate_fn``, ``num_workers``, ``pin_memory``, and ``drop_last`` (the ``DataLoader``'s or the
+  ``DistributedSampler``'s);
+- the ranks and the rank: the session's, never the sampler's (which may have been built for a
+  world the job no longer has).
+
+The ``DataLoader`` itself is never iterated (its sampler's position is per-rank state; the step is
+the position). A sampler of another kind (weighted, bucketed by length, a ``batch_sampler`` of one's
+own) cannot be translated into a function of the step: it is refused in one line.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
+from torch.utils.data.distributed import DistributedSampler
+
+
+def loader_settings(dataloader: DataLoader[Any], dp_size: int, default_seed: int) -> dict[str, Any]:
+    """``session.loader``'s arguments (``dataset``, ``global_batch_size`` and the keywords) for the
+    ``DataLoader`` a DDP script built; a ``ValueError`` naming what cannot be translated."""
+    if dataloader.batch_size is None:
+        raise ValueError(
+            "session.loader(dataloader): the DataLoader has a batch_sampler of its own (or "
+            "batch_size=None), which cannot be read as a function of the step; pass the dataset "
+            "instead: session.loader(dataset, global_batch_size, ...)"
+        )
+    dataset, sampler = dataloader.dataset, dataloader.sampler
+    stream = isinstance(dataset, IterableDataset)
+    drop_last = dataloader.drop_last
+    shuffle, seed = False, None
+    if stream:
+        pass  # its order is its own (the DataLoader's sampler is a placeholder)
+    elif isinstance(sampler, DistributedSampler):
+        shuffle, seed = sampler.shuffle, sampler.seed
+        drop_last = drop_last or sampler.drop_last
+    elif isinstance(sampler, RandomSampler):
+        if sampler.replacement or sampler._num_samples is not None:
+            raise ValueError(
+                "session.loader(dataloader): a RandomSampler with replacement=True or num_samples "
+                "is not supported (each epoch must be a permutation of the dataset)"
+            )
+        shuffle, seed = True, default_seed
+    elif not isinstance(sampler, SequentialSampler):
+        raise ValueError(
+            f"session.loader(dataloader): its sampler is a {type(sampler).__name__}, which cannot be "
+            "read as a function of the step; supported: DistributedSampler, RandomSampler "
+            "(shuffle=True), SequentialSampler (shuffle=False)"
+        )
+    return {
+        "dataset": dataset,
+        "global_batch_size": dataloader.batch_size * dp_size,
+        "shuffle": shuffle,
+        "seed": seed,
+        "collate_fn": dataloader.collate_fn,
+        "num_workers": dataloader.num_workers,
+        "drop_last": drop_last,
+        "pin_memory": dataloader.pin_memory,
+    }
