@@ -112,10 +112,21 @@ def kill_while_starting(
     return tick
 
 
-def abort_once_at(step: int, aborted: list[int]) -> Callable[[Coordinator], None]:
+HELD = Path(__file__).resolve().parent / "scripts" / "held.py"
+
+
+def held(command: list[str], at: int, release: Path) -> list[str]:
+    """``command`` (``python SCRIPT ...`` or ``python -m MODULE ...``) with every member waiting
+    before step ``at`` until ``release`` exists (tests/scripts/held.py)."""
+    return [command[0], str(HELD), "--at", str(at), "--release", str(release), "--", *command[1:]]
+
+
+def abort_once_at(step: int, aborted: list[int], release: Path) -> Callable[[Coordinator], None]:
     """An ``on_tick`` that makes the coordinator abort generation 0 once every member committed
     ``step``, with no fault among them: what a lost host's detection publishes while the
-    members' collectives still work (``aborted`` records the generation)."""
+    members' collectives still work (``aborted`` records the generation). Run the command
+    ``held(command, step + 1, release)``: the members wait there, so the abort strikes
+    mid-run whatever the machine's speed, and go on once it is published."""
 
     def tick(coord: Coordinator) -> None:
         if aborted or coord.plan is None or coord.plan.gen != 0:
@@ -123,6 +134,7 @@ def abort_once_at(step: int, aborted: list[int]) -> Callable[[Coordinator], None
         if all(int(coord.procs[n].hb.get("committed", -1)) >= step for n in coord.members.values()):
             coord._fail(coord._clock())
             aborted.append(coord.plan.gen)
+            release.touch()
 
     return tick
 

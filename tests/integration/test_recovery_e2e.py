@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.jobs import abort_once_at, assert_left_in_place, logs_of, reference_digest, run_job
+from checkpointless.launch.demo import DemoModel, worker_command
+from tests.jobs import TINY, abort_once_at, assert_left_in_place, held, logs_of, reference_digest, run_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -102,14 +103,24 @@ def test_stuck_step_with_live_heartbeat_is_detected_as_no_progress(tmp_path: Pat
     assert clean.ok and clean.digest == faulted.digest
 
 
-def test_members_leave_a_generation_the_coordinator_aborts_while_their_collectives_work() -> None:
+def test_members_leave_a_generation_the_coordinator_aborts_while_their_collectives_work(
+    tmp_path: Path,
+) -> None:
     """The coordinator aborts generation 0 with no fault among the members (as it does when it
     loses a host that the peers can still reach, or declares dead a member that is not): every
     member leaves the generation at once although its collectives still work, reports, and the
     job goes on in generation 1 with the same processes, nobody killed, bitwise equal to the
     fault-free run. No spare: a member killed for not reporting would end the job."""
     aborted: list[int] = []
-    result = run_job(workers=2, spares=0, on_tick=abort_once_at(4, aborted), progress_timeout_s=20.0)
+    release = tmp_path / "release"
+    command = held(worker_command(DemoModel(steps=STEPS, **TINY)), 5, release)  # type: ignore[arg-type]
+    result = run_job(
+        workers=2,
+        spares=0,
+        command=command,
+        on_tick=abort_once_at(4, aborted, release),
+        progress_timeout_s=20.0,
+    )
     assert aborted == [0]
     assert_left_in_place(result)
     assert result.digest == reference_digest(2, STEPS)

@@ -17,7 +17,7 @@ import pytest
 
 from checkpointless.control.vocab import Event
 from checkpointless.launch.launcher import JobResult, Launcher
-from tests.jobs import abort_once_at, assert_left_in_place, kill_while_starting, logs_of, run_job
+from tests.jobs import abort_once_at, assert_left_in_place, held, kill_while_starting, logs_of, run_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -41,12 +41,19 @@ def _reference() -> str:
     return r.digest
 
 
-def test_members_leave_a_sharded_generation_the_coordinator_aborts_while_their_collectives_work() -> None:
+def test_members_leave_a_sharded_generation_the_coordinator_aborts_while_their_collectives_work(
+    tmp_path: Path,
+) -> None:
     """HSDP 2x2: the abort of a generation whose collectives all work releases every member's
     groups (the heartbeat thread shuts the generation's connections down): all report, the job
     resumes in the next generation with the same processes, bitwise equal to the fault-free run."""
     aborted: list[int] = []
-    r = _run(spares=0, on_tick=abort_once_at(6, aborted), progress_timeout_s=20.0)
+    release = tmp_path / "release"
+    command = held([sys.executable, str(EXAMPLE), "--steps", str(STEPS)], 7, release)
+    r = run_job(
+        workers=4, shards=2, steps=STEPS, spares=0, command=command,
+        on_tick=abort_once_at(6, aborted, release), progress_timeout_s=20.0,
+    )  # fmt: skip
     assert aborted == [0]
     assert_left_in_place(r)
     assert r.digest == _reference()
