@@ -62,7 +62,7 @@ import logging
 import os
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, overload
 
@@ -376,6 +376,7 @@ class Session(Member):
         num_workers: int = 0,
         drop_last: bool = True,
         pin_memory: bool = False,
+        worker_init_fn: Callable[[int], None] | None = None,
     ) -> IterableStepLoader: ...
 
     @overload
@@ -393,6 +394,7 @@ class Session(Member):
         num_workers: int = 0,
         drop_last: bool = True,
         pin_memory: bool = False,
+        worker_init_fn: Callable[[int], None] | None = None,
     ) -> StepLoader: ...
 
     def loader(
@@ -406,12 +408,16 @@ class Session(Member):
         num_workers: int = 0,
         drop_last: bool = True,
         pin_memory: bool = False,
+        worker_init_fn: Callable[[int], None] | None = None,
     ) -> StepLoader | IterableStepLoader:
         """This rank's part of every step's global batch of ``dataset``, as a function of the step:
         ``batch = loader.batch(step)`` inside the attempt, in place of a ``DataLoader`` with a
         ``DistributedSampler``. Epochs follow from the step; the global batch does not depend on the
         number of ranks; the iterator (and its worker processes) is kept from step to step and
-        restarted only after a recovery.
+        restarted only after a recovery; ``worker_init_fn`` runs in each worker process (after the
+        loader's own setup). A sample's random transforms (what ``dataset[i]`` draws from ``torch``,
+        ``random``, NumPy) are seeded from its place in the job (``checkpointless.data.sample_seeds``):
+        the same after a recovery and with any number of worker processes.
 
         A map-style dataset is read by ``StepLoader`` (``checkpointless.data.loader``): ``shuffle``
         (default ``True``) draws each epoch's order from ``seed`` (default: the session's). A
@@ -422,12 +428,13 @@ class Session(Member):
         ``session.loader(dataloader)``, given the ``DataLoader`` a DDP script built (with its
         ``DistributedSampler``), reads its settings instead (``checkpointless.data.from_dataloader``):
         ``batch_size`` per rank, the sampler's ``shuffle`` and ``seed``, ``collate_fn``,
-        ``num_workers``, ``drop_last``, ``pin_memory``."""
+        ``num_workers``, ``drop_last``, ``pin_memory``, ``worker_init_fn``."""
         from torch.utils.data import DataLoader, IterableDataset
 
         if isinstance(dataset, DataLoader):
-            given = (global_batch_size, shuffle, seed, collate_fn, num_workers, drop_last, pin_memory)
-            if given != (None, None, None, None, 0, True, False):
+            given = (global_batch_size, shuffle, seed, collate_fn, num_workers, drop_last, pin_memory,
+                     worker_init_fn)  # fmt: skip
+            if given != (None, None, None, None, 0, True, False, None):
                 raise TypeError("session.loader(dataloader) takes its settings from the DataLoader: "
                                 "pass no other arguments (or pass the dataset and global_batch_size)")  # fmt: skip
             from checkpointless.data.from_dataloader import loader_settings
@@ -448,7 +455,7 @@ class Session(Member):
             return IterableStepLoader(
                 dataset, global_batch_size, rank=lambda: self.dp_rank, size=lambda: self.dp_size,
                 shuffle=bool(shuffle), collate_fn=collate_fn, num_workers=num_workers,
-                drop_last=drop_last, pin_memory=pin_memory,
+                drop_last=drop_last, pin_memory=pin_memory, worker_init_fn=worker_init_fn,
             )  # fmt: skip
         from checkpointless.data.loader import StepLoader
 
@@ -456,6 +463,7 @@ class Session(Member):
             dataset, global_batch_size, rank=lambda: self.dp_rank, size=lambda: self.dp_size,
             shuffle=True if shuffle is None else shuffle, seed=self.seed if seed is None else seed,
             collate_fn=collate_fn, num_workers=num_workers, drop_last=drop_last, pin_memory=pin_memory,
+            worker_init_fn=worker_init_fn,
         )  # fmt: skip
 
     def _leave_if_stopped(self) -> None:

@@ -40,8 +40,10 @@ _BUSY_SHARE = 0.1
 def _hint(tail: str) -> str:
     """What a script's last error line usually means under the launcher ("" when nothing is known)."""
     if "process group has not been initialized" in tail or "init_process_group" in tail:
-        return (" (a torch.distributed call, such as DistributedSampler(dataset), before checkpointless.Session(): "
-                "the rank is known once the session exists; read the data with session.loader(...))")  # fmt: skip
+        return (" (a torch.distributed call that needs the default process group, such as DistributedSampler(dataset) "
+                "or dist.get_rank(): a replicated job has none; the rank is known once checkpointless.Session() "
+                "returns: session.dp_rank, session.dp_size, DistributedSampler(dataset, num_replicas=session.dp_size, "
+                "rank=session.dp_rank), or read the data with session.loader(...))")  # fmt: skip
     return ""
 
 

@@ -10,8 +10,10 @@ session takes the ``DataLoader`` and reads its settings:
 - the order: a ``DistributedSampler``'s ``shuffle`` and ``seed``; a ``RandomSampler`` shuffles from
   the session's seed (a generator of its own has no seed to read); a ``SequentialSampler`` keeps the
   dataset's order; an ``IterableDataset`` keeps its own;
-- ``collate_fn``, ``num_workers``, ``pin_memory``, and ``drop_last`` (the ``DataLoader``'s or the
-  ``DistributedSampler``'s);
+- ``collate_fn``, ``num_workers``, ``pin_memory``, ``worker_init_fn``, and ``drop_last`` (the
+  ``DataLoader``'s or the ``DistributedSampler``'s); the worker processes are the session's kind
+  (``forkserver``, started again only after a recovery), whatever ``multiprocessing_context`` and
+  ``persistent_workers`` say, and ``prefetch_factor`` and ``timeout`` are the defaults;
 - the ranks and the rank: the session's, never the sampler's (which may have been built for a
   world the job no longer has).
 
@@ -68,4 +70,5 @@ def loader_settings(dataloader: DataLoader[Any], dp_size: int, default_seed: int
         "num_workers": dataloader.num_workers,
         "drop_last": drop_last,
         "pin_memory": dataloader.pin_memory,
+        "worker_init_fn": dataloader.worker_init_fn,
     }

@@ -226,6 +226,7 @@ class IterableStepLoader:
         num_workers: int = 0,
         drop_last: bool = True,
         pin_memory: bool = False,
+        worker_init_fn: Callable[[int], None] | None = None,
     ) -> None:
         if not isinstance(dataset, IterableDataset):
             raise TypeError("IterableStepLoader reads a torch.utils.data.IterableDataset; a map-style "
@@ -255,6 +256,7 @@ class IterableStepLoader:
         self.dataset, self.global_batch_size, self.samples_per_pass = dataset, global_batch_size, n
         self._rank, self._size = rank, size
         self.drop_last, self.pin_memory, self.num_workers = drop_last, pin_memory, num_workers
+        self.worker_init_fn = worker_init_fn
         self.collate_fn = _Collate(default_collate if collate_fn is None else collate_fn)
         self.steps_per_epoch: int | None = None
         if n is not None:
@@ -310,7 +312,7 @@ class IterableStepLoader:
             num_workers=self.num_workers,
             pin_memory=self.pin_memory,
             generator=own_generator(step),
-            **worker_processes(self.num_workers),
+            **worker_processes(self.num_workers, self.worker_init_fn),
         )
         self._iter, self._next, self._shape = iter(loader), step, shape
 

@@ -13,8 +13,12 @@ What a ``DataLoader`` with a ``DistributedSampler`` gives a DDP script, made re-
 - the iterator is kept from step to step (the ``DataLoader``'s worker processes keep prefetching
   the next steps); it is rebuilt, starting at the step asked for, only when a step other than the
   next one is asked for (after a recovery, or at a resumed start);
+- a sample's random transforms (what the dataset's ``__getitem__`` draws from ``torch``,
+  ``random`` or NumPy) are seeded from its place in the job, ``(seed, step, position)``
+  (``sample_seeds.py``): the same in a recovered run, with any number of worker processes;
 - worker processes (``num_workers > 0``) are started with ``forkserver``, not ``fork``: the
   process already runs threads (the heartbeat, gloo's), which a fork would copy mid-operation.
+  A ``worker_init_fn`` runs in each of them after the loader's own.
 
 ``drop_last`` (the default) leaves out the tail of each epoch that does not fill a global batch;
 without it the epoch's last batch is shorter (and must still split evenly over the ranks).
@@ -28,11 +32,13 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
+from checkpointless.data.sample_seeds import Part, SeededSamples
 
-def worker_processes(num_workers: int) -> dict[str, Any]:
+
+def worker_processes(num_workers: int, worker_init_fn: Callable[[int], None] | None = None) -> dict[str, Any]:
     """A ``DataLoader``'s keyword arguments for ``num_workers`` worker processes: started from a
     ``forkserver`` (never ``fork``: the process runs threads) and dying with the training process
-    (``orphans.py``); none for ``num_workers == 0``."""
+    (``orphans.py``), then running ``worker_init_fn`` (the script's own); none for ``num_workers == 0``."""
     if num_workers == 0:
         return {}
     import multiprocessing
@@ -44,8 +50,21 @@ def worker_processes(num_workers: int) -> dict[str, Any]:
     return {
         "multiprocessing_context": context,
         "persistent_workers": False,
-        "worker_init_fn": die_with_parent,
+        "worker_init_fn": die_with_parent if worker_init_fn is None else _Then(worker_init_fn),
     }
+
+
+class _Then:
+    """``die_with_parent``, then the script's ``worker_init_fn`` (a class: it is pickled to the workers)."""
+
+    def __init__(self, fn: Callable[[int], None]) -> None:
+        self.fn = fn
+
+    def __call__(self, worker_id: int) -> None:
+        from checkpointless.data.orphans import die_with_parent
+
+        die_with_parent()
+        self.fn(worker_id)
 
 
 def own_generator(step: int) -> torch.Generator:
@@ -57,15 +76,15 @@ def own_generator(step: int) -> torch.Generator:
 
 
 class _StepBatches:
-    """A batch sampler: this rank's sample indices for steps ``start, start + 1, ...``."""
+    """A batch sampler: this rank's part of steps ``start, start + 1, ...`` (read by ``SeededSamples``)."""
 
     def __init__(self, loader: StepLoader, start: int) -> None:
         self.loader, self.start = loader, start
 
-    def __iter__(self) -> Iterator[list[int]]:
+    def __iter__(self) -> Iterator[Part]:
         step = self.start
         while True:
-            yield self.loader.indices(step)
+            yield self.loader.part(step)
             step += 1
 
 
@@ -89,6 +108,7 @@ class StepLoader:
         num_workers: int = 0,
         drop_last: bool = True,
         pin_memory: bool = False,
+        worker_init_fn: Callable[[int], None] | None = None,
     ) -> None:
         if isinstance(dataset, IterableDataset):
             raise TypeError(
@@ -113,6 +133,7 @@ class StepLoader:
         self._rank, self._size = rank, size
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
         self.collate_fn, self.num_workers, self.pin_memory = collate_fn, num_workers, pin_memory
+        self.worker_init_fn = worker_init_fn
         self.steps_per_epoch = n // global_batch_size if drop_last else -(-n // global_batch_size)
         self._order: tuple[int, torch.Tensor] | None = None  # (epoch, its sample order)
         self._iter: Iterator[Any] | None = None
@@ -142,6 +163,10 @@ class StepLoader:
 
     def indices(self, step: int, rank: int | None = None, size: int | None = None) -> list[int]:
         """Data-parallel rank ``rank``'s part (of ``size``) of step ``step``'s global batch."""
+        return self.part(step, rank, size).indices
+
+    def part(self, step: int, rank: int | None = None, size: int | None = None) -> Part:
+        """``indices``, with the step and the position of the part in the global batch."""
         rank = self._rank() if rank is None else rank
         size = self._size() if size is None else size
         batch = self.global_indices(step)
@@ -151,8 +176,8 @@ class StepLoader:
                 "cannot share evenly (make global_batch_size a multiple of the ranks; with "
                 "drop_last=False the epoch's last batch must split evenly too)"
             )
-        part = len(batch) // size
-        return batch[rank * part : (rank + 1) * part]
+        n = len(batch) // size
+        return Part(step, rank * n, batch[rank * n : (rank + 1) * n])
 
     def batch(self, step: int) -> Any:
         """This rank's part of step ``step``'s global batch, collated (``collate_fn``)."""
@@ -171,13 +196,13 @@ class StepLoader:
     def _restart(self, step: int, shape: tuple[int, int]) -> None:
         self.close()
         loader = DataLoader(
-            self.dataset,
-            batch_sampler=_StepBatches(self, step),
+            SeededSamples(self.dataset, self.seed),
+            batch_sampler=_StepBatches(self, step),  # type: ignore[arg-type]  # Parts: SeededSamples reads them
             collate_fn=self.collate_fn,
             num_workers=self.num_workers,
             pin_memory=self.pin_memory,
             generator=own_generator(step),
-            **worker_processes(self.num_workers),
+            **worker_processes(self.num_workers, self.worker_init_fn),
         )
         self._iter, self._next, self._shape = iter(loader), step, shape
 

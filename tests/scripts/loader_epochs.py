@@ -1,7 +1,8 @@
 """A DDP-style script with a map-style dataset read through ``session.loader`` (epochs, shuffling,
 DataLoader worker processes) instead of a ``DataLoader`` with a ``DistributedSampler``; with
 ``--dataloader``, the script's own ``DataLoader`` and ``DistributedSampler`` handed to
-``session.loader`` (the same batches). The model has dropout.
+``session.loader`` (the same batches). The model has dropout; the dataset adds random noise to
+each sample as it reads it (a random transform, drawn in the DataLoader's worker processes).
 
 Usage: loader_epochs.py STEPS [NUM_WORKERS] [--dataloader]. 40 samples, global batch 8: 5 steps an epoch.
 """
@@ -11,10 +12,30 @@ from __future__ import annotations
 import sys
 
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
 import checkpointless as cl
+
+
+class Noisy(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Samples ``(x_i + noise, y_i)``: the noise drawn from torch's global generator at each read."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i] + 0.1 * torch.randn_like(self.x[i]), self.y[i]
+
+
+def seed_worker(worker_id: int) -> None:
+    """A DDP script's usual ``worker_init_fn`` (PyTorch's reproducibility notes)."""
+    import random
+
+    random.seed(torch.initial_seed() % 2**32)
 
 
 def main() -> None:
@@ -25,7 +46,7 @@ def main() -> None:
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(40, 6, generator=g)
-    data = TensorDataset(x, x @ torch.linspace(-1, 1, 6).unsqueeze(1))
+    data = Noisy(x, x @ torch.linspace(-1, 1, 6).unsqueeze(1))
     model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Dropout(0.2),
                                 torch.nn.Linear(16, 1))  # fmt: skip
     opt = torch.optim.AdamW(model.parameters(), lr=0.02)
@@ -35,7 +56,8 @@ def main() -> None:
             data, num_replicas=session.dp_size, rank=session.dp_rank, shuffle=True, seed=0
         )
         loader = session.loader(DataLoader(data, batch_size=8 // session.dp_size, sampler=sampler,
-                                           num_workers=workers, drop_last=True))  # fmt: skip
+                                           num_workers=workers, drop_last=True,
+                                           worker_init_fn=seed_worker))  # fmt: skip
     else:
         loader = session.loader(data, global_batch_size=8, shuffle=True, seed=0, num_workers=workers)
     for step in session.steps(steps):

@@ -1075,9 +1075,12 @@ def test_a_member_that_may_be_in_a_collective_until_its_timeout_is_waited_for() 
 
 
 def test_a_sampler_built_before_the_session_is_named_in_the_error() -> None:
-    """``DistributedSampler(dataset)`` before ``Session()``: torch's line, then what it means here."""
+    """``DistributedSampler(dataset)`` (before or after ``Session()``: a replicated job has no default
+    process group): torch's line, then what it means here and what to write instead."""
     from checkpointless.control.detection import _hint
 
     line = "ValueError: Default process group has not been initialized, please make sure to call init_process_group."
-    assert "DistributedSampler(dataset), before checkpointless.Session()" in _hint(line)
+    hint = _hint(line)
+    assert "DistributedSampler(dataset)" in hint and "a replicated job has none" in hint
+    assert "num_replicas=session.dp_size, rank=session.dp_rank" in hint
     assert _hint("ZeroDivisionError: division by zero") == ""

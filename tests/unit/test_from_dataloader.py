@@ -25,10 +25,12 @@ def _pad(rows: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Any]:
 
 def test_a_distributed_samplers_settings_become_the_step_loaders() -> None:
     sampler = DistributedSampler(DATA, num_replicas=2, rank=1, shuffle=True, seed=5)  # built for 2 ranks
-    dl = DataLoader(DATA, batch_size=4, sampler=sampler, collate_fn=_pad, drop_last=True)
+    dl = DataLoader(DATA, batch_size=4, sampler=sampler, collate_fn=_pad, drop_last=True, num_workers=2,
+                    worker_init_fn=_pad)  # fmt: skip
     got = loader_settings(dl, dp_size=3, default_seed=0)
     assert got["global_batch_size"] == 12  # 4 per rank, over the ranks the session has
     assert (got["shuffle"], got["seed"], got["collate_fn"], got["drop_last"]) == (True, 5, _pad, True)
+    assert (got["num_workers"], got["worker_init_fn"]) == (2, _pad)
     assert loader_settings(DataLoader(DATA, batch_size=2, shuffle=True), 1, 9)["seed"] == 9  # RandomSampler
     assert loader_settings(DataLoader(DATA, batch_size=2), 1, 9)["shuffle"] is False  # SequentialSampler
     sampler_drops = DistributedSampler(DATA, num_replicas=2, rank=0, drop_last=True)

@@ -164,3 +164,52 @@ def test_restarting_the_iterator_draws_nothing_from_the_global_generator() -> No
             drawn = torch.rand(2)
             torch.manual_seed(7)
             assert torch.equal(drawn, torch.rand(2)), type(loader).__name__
+
+
+class Augmented(Dataset[torch.Tensor]):
+    """Sample ``i`` plus a random transform drawn from the three global generators, and what the
+    worker's ``worker_init_fn`` left (``TAG``)."""
+
+    def __len__(self) -> int:
+        return 48
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        import random
+
+        import numpy as np
+
+        noise = [*torch.rand(2).tolist(), random.random(), float(np.random.rand())]
+        return torch.tensor([float(i), *noise, float(os.environ.get("TAG", "0"))], dtype=torch.float64)
+
+
+def tag_worker(worker_id: int) -> None:
+    os.environ["TAG"] = "7"
+
+
+def test_a_samples_random_transform_depends_on_its_place_in_the_job_not_on_who_reads_it() -> None:
+    """A dataset's random transforms are drawn under a seed of (seed, step, position): a loader
+    restarted at a step (after a recovery) draws what the uninterrupted one drew there, with 0 or 2
+    worker processes, over 1 or 2 ranks; the training process's own generators are left as they
+    were; the script's worker_init_fn runs in each worker."""
+    ds = Augmented()
+    whole = _loader(ds, 8, seed=5)
+    torch.manual_seed(1)
+    expected_draw = torch.rand(3)
+    torch.manual_seed(1)
+    straight = [whole.batch(s) for s in range(5)]  # in this process: its generators untouched
+    assert torch.equal(torch.rand(3), expected_draw)
+    assert not torch.equal(straight[3][:, 1:3], straight[4][:, 1:3])  # the draws differ by sample
+    restarted = _loader(ds, 8, seed=5, num_workers=2, worker_init_fn=tag_worker)
+    halves = [_loader(ds, 8, r, 2, seed=5, num_workers=2) for r in range(2)]
+    try:
+        for s in (3, 4, 1):  # asked out of order: restarted at 3, then at 1
+            got = restarted.batch(s)
+            assert torch.equal(got[:, :5], straight[s][:, :5]), s
+            assert got[:, 5].eq(7).all()  # the worker_init_fn ran in its workers
+            parts = torch.cat([h.batch(s) for h in halves])
+            assert torch.equal(parts[:, :5], straight[s][:, :5]), s
+    finally:
+        restarted.close()
+        for h in halves:
+            h.close()
+    assert not torch.equal(_loader(ds, 8, seed=6).batch(0)[:, 1:5], straight[0][:, 1:5])  # another seed

@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, IterableDataset, RandomSampler
+from torch.utils.data import DataLoader
 
+from checkpointless.data.from_dataloader import loader_settings
 from checkpointless.session import step_seed
 
 if TYPE_CHECKING:
@@ -24,17 +25,11 @@ class _TrainBatches:
 
     def __init__(self, strategy: CheckpointlessStrategy, dataloader: DataLoader[Any]) -> None:
         session = strategy._require_session()
-        per_rank = dataloader.batch_size
-        assert per_rank is not None  # checked by refusals.refused_loader
         self._strategy = strategy
         self.dataset = dataloader.dataset
-        stream = isinstance(self.dataset, IterableDataset)  # its order is its own
-        self._loader = session.loader(
-            dataloader.dataset, per_rank * session.dp_size,
-            shuffle=not stream and isinstance(dataloader.sampler, RandomSampler),
-            seed=None if stream else strategy.seed, collate_fn=dataloader.collate_fn,
-            num_workers=dataloader.num_workers, drop_last=dataloader.drop_last, pin_memory=dataloader.pin_memory,
-        )  # fmt: skip
+        # its settings as session.loader(dataloader) reads them (the shuffle seed: the strategy's)
+        settings = loader_settings(dataloader, session.dp_size, strategy.seed)
+        self._loader = session.loader(settings.pop("dataset"), **settings)
 
     def __len__(self) -> int:
         return len(self._loader)  # a TypeError for a stream without __len__: Lightning's "no length"

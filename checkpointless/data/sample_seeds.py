@@ -1,0 +1,90 @@
+"""A sample's random transforms as a function of where it sits in the job, not of who reads it.
+
+A dataset's ``__getitem__`` often draws (random crops and flips, masking, noise) from the global
+generators: ``torch``'s, Python's ``random``, NumPy's. In a ``DataLoader`` worker process those are
+seeded from the base seed the loader drew when its iterator was made, plus the worker's index, and
+then run on from sample to sample. A loader restarted after a recovery (or with another number of
+workers) would therefore transform the same samples differently: the recovered run would no longer
+equal the uninterrupted one, silently.
+
+``SeededSamples`` wraps the dataset a ``StepLoader`` reads: before each sample it seeds the three
+generators from ``(seed, step, position of the sample in the step's global batch)``. So sample ``k``
+of step ``s`` draws the same numbers whichever rank reads it, with any number of worker
+processes, and when the step is read again after a recovery. In the training process itself
+(``num_workers=0``) the generators' states are put back after the batch: reading data leaves the
+training's own draws (dropout) as they were. A dataset that reads a batch at once (its own
+``__getitems__``, as a Hugging Face ``datasets.Dataset`` has) is seeded once per rank's part, from
+the part's first position: the same whatever the workers and after a recovery, not when the number
+of ranks changes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import sys
+from typing import Any, NamedTuple
+
+import torch
+from torch.utils.data import Dataset, get_worker_info
+
+
+class Part(NamedTuple):
+    """What a ``StepLoader``'s batch sampler yields: a rank's part of one step's global batch."""
+
+    step: int
+    offset: int  # the position of its first sample in the global batch
+    indices: list[int]
+
+
+def sample_seed(seed: int, step: int, position: int) -> int:
+    """A 63-bit seed for sample ``position`` of step ``step``'s global batch (``seed`` the loader's)."""
+    digest = hashlib.blake2b(f"{seed}/{step}/{position}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def _seed_all(value: int) -> None:
+    torch.default_generator.manual_seed(value)  # not torch.manual_seed: 100x slower (other devices)
+    random.seed(value)
+    np = sys.modules.get("numpy")  # seeded only where something imported it
+    if np is not None:
+        np.random.seed(value % 2**32)
+
+
+def _states() -> tuple[Any, ...]:
+    np = sys.modules.get("numpy")
+    return torch.get_rng_state(), random.getstate(), None if np is None else np.random.get_state()
+
+
+def _restore(states: tuple[Any, ...]) -> None:
+    torch.set_rng_state(states[0])
+    random.setstate(states[1])
+    np = sys.modules.get("numpy")
+    if np is not None and states[2] is not None:
+        np.random.set_state(states[2])
+
+
+class SeededSamples(Dataset[Any]):
+    """``dataset`` read by ``Part``s, each sample under its own seed (see the module docstring)."""
+
+    def __init__(self, dataset: Dataset[Any], seed: int) -> None:
+        self.dataset, self.seed = dataset, seed
+        self._batched = callable(getattr(dataset, "__getitems__", None))
+
+    def __getitem__(self, index: int) -> Any:  # not used by StepLoader, which reads Parts
+        return self.dataset[index]
+
+    def __getitems__(self, part: Part) -> list[Any]:
+        saved = _states() if get_worker_info() is None else None
+        try:
+            if self._batched:
+                _seed_all(sample_seed(self.seed, part.step, part.offset))
+                return list(self.dataset.__getitems__(part.indices))  # type: ignore[attr-defined]
+            out = []
+            for k, i in enumerate(part.indices):
+                _seed_all(sample_seed(self.seed, part.step, part.offset + k))
+                out.append(self.dataset[i])
+            return out
+        finally:
+            if saved is not None:
+                _restore(saved)
