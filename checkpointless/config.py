@@ -59,6 +59,11 @@ class RecoveryConfig:
     """Backstop for any single collective or group formation (normally never reached)."""
     plan_timeout_s: float = 120.0
     """How long a survivor waits for the coordinator's recovery plan."""
+    exit_timeout_s: float = 900.0
+    """Once the job has finished (every rank called ``session.finish()``), how long the launcher
+    waits for the ranks' processes to exit by themselves: what a script does after training (rank 0
+    saving the model, an evaluation, an upload) runs meanwhile. A process still alive then is killed,
+    with a warning naming it."""
     max_retries_per_step: int = 5
     """Recoveries that may resume at the same step before the job is failed."""
     consistency_every: int = 100
@@ -82,7 +87,7 @@ class RecoveryConfig:
 
     def __post_init__(self) -> None:
         for name in ("hang_timeout_s", "progress_timeout_s", "heartbeat_interval_s", "collective_timeout_s",
-                     "plan_timeout_s", "start_timeout_s"):  # fmt: skip
+                     "plan_timeout_s", "start_timeout_s", "exit_timeout_s"):  # fmt: skip
             value = getattr(self, name)
             if not math.isfinite(value) or value <= 0:
                 raise ValueError(f"{name} must be a positive finite number of seconds, got {value}")

@@ -89,6 +89,9 @@ def _add_detection_args(p: argparse.ArgumentParser, *, defaults: bool = True) ->
                    help="last-resort durable tier: an asynchronous snapshot every this many steps, used only "
                    "when no live replica holds some shard (default off)")  # fmt: skip
     p.add_argument("--durable-dir", type=Path, default=None, help="where the durable tier writes")
+    p.add_argument("--exit-timeout", type=float, default=None, metavar="SECONDS",
+                   help="once the job has finished, how long the ranks' processes may go on with their "
+                   f"own work (saving, evaluating) before they are killed (default {d.exit_timeout_s:g})")  # fmt: skip
 
 
 def _check_durable(recovery: RecoveryConfig, key: str) -> None:
@@ -159,6 +162,12 @@ def _job(
                 changes[name] = getattr(args, name)
         if args.durable_dir is not None:
             changes["durable_dir"] = str(args.durable_dir)
+        if args.exit_timeout is not None:
+            if not math.isfinite(args.exit_timeout) or args.exit_timeout <= 0:
+                raise UsageError(
+                    f"--exit-timeout must be a positive number of seconds, got {args.exit_timeout}"
+                )
+            changes["exit_timeout_s"] = args.exit_timeout
         recovery = dataclasses.replace(base, **changes)
         _check_durable(recovery, "recovery.durable_dir" if args.durable_dir is None else "--durable-dir")
         # without --steps, the steps are checked once the script's session.steps(total) says it
@@ -231,16 +240,21 @@ def _print_result(console: Console, result: JobResult, label: str) -> None:
             highlight=False,
         )
     console.print(f"final state sha256: {result.digest}", highlight=False)
+    for name, what in (r.get("after_finish") or {}).items():
+        console.print(f"[red]error:[/red] {name} {what} (its work after training may be incomplete; "
+                      f"log: {result.logs.get(name, '?')})", highlight=False)  # fmt: skip
     if result.write_error:
         console.print(f"[red]error:[/red] {result.write_error}", highlight=False)
 
 
 def _exit_code(result: JobResult) -> int:
-    """128 + the signal that stopped the job; 1 if it failed, its files could not be written, or
-    a fault it was to inject never fired; else 0."""
+    """128 + the signal that stopped the job; 1 if it failed, its files could not be written, a fault
+    it was to inject never fired, or a rank's process failed after the job finished; else 0."""
     if result.interrupted is not None:
         return 128 + result.interrupted
-    return 0 if result.ok and not result.write_error and not result.report.get("unfired_faults") else 1
+    r = result.report
+    failed = not result.ok or result.write_error or r.get("unfired_faults") or r.get("after_finish")
+    return 1 if failed else 0
 
 
 def _launch(

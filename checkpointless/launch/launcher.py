@@ -177,6 +177,7 @@ class Launcher:
         self._wakeups = _Wakeups()
         self._usage = UsageRecorder()
         self._events: list[dict[str, Any]] = []
+        self._after_finish: dict[str, str] = {}  # a rank's process that failed after the job's end
         self._rejections = 0  # messages rejected (every one); the first of each key is in the events
         self._rejected_keys: set[str] = set()
         self._chunks_read: dict[str, int] = {}
@@ -424,6 +425,7 @@ class Launcher:
         report["error"] = error
         report["job_id"] = self.job_id
         report["unfired_faults"] = unfired(self.job.faults, events)  # the CLI fails a run that has any
+        report["after_finish"] = self._after_finish  # and one whose script failed after training
         report["rejected_messages"] = {"count": self._rejections, "keys": sorted(self._rejected_keys)}
         report["hosts"] = summarize(events)
         report["clock_offsets"] = coord.clocks.shown()
@@ -516,7 +518,7 @@ class Launcher:
             if now > deadline:
                 raise JobFailed(f"job did not finish within {self.timeout_s:.0f}s")
             self._wakeups.wait(min(coord.next_tick_s(), 0.2) if self._wakeups.complete else 0.01)
-        self._wait_workers(coord)
+        self._after_finish = self._wait_workers(coord, self.job.recovery.exit_timeout_s)
 
     def _write_outputs(self, events: list[dict[str, Any]], report: dict[str, Any]) -> str | None:
         """Rewrite events.jsonl in time order and write report.json, atomically; the error if that failed."""
@@ -534,13 +536,21 @@ class Launcher:
             return f"could not write {self.out_dir}: {e.strerror or e}"
         return self._stream_error
 
-    def _wait_workers(self, coord: Coordinator, timeout_s: float = 30.0) -> None:
-        """Let the ranks exit; ``job/stop`` is re-asserted meanwhile (a stranger may overwrite it)."""
-        deadline = time.monotonic() + timeout_s
+    def _wait_workers(self, coord: Coordinator, timeout_s: float) -> dict[str, str]:
+        """Let the ranks exit (a script's work after training runs meanwhile, ``exit_timeout_s``);
+        ``job/stop`` is re-asserted meanwhile (a stranger may overwrite it). Returns what went wrong
+        after the end, by process: an exit code other than 0, or a kill at the timeout."""
+        failed: dict[str, str] = {}
+        start = time.monotonic()
+        deadline, told = start + timeout_s, False
         children = self.children
         for name in coord.members.values():
             child = children[name]
             while child.alive() and time.monotonic() < deadline:
+                if not told and time.monotonic() > start + 5.0:
+                    told = True
+                    log.warning("the job finished; waiting up to %.0fs for the ranks' processes to end their "
+                                "own work (recovery.exit_timeout_s, --exit-timeout)", timeout_s)  # fmt: skip
                 if self.store.get(keys.JOB_STOP) is None:
                     self.store.set(keys.JOB_STOP, "1")
                 if self.remote is not None:
@@ -550,9 +560,13 @@ class Launcher:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     child.popen.wait(timeout=0.2)
             if child.alive():
-                log.warning("%s did not exit after the job finished; killing it", name)
+                log.warning("%s did not exit within %.0fs of the job's end (--exit-timeout); killing it",
+                            name, timeout_s)  # fmt: skip
+                failed[name] = f"killed {timeout_s:g}s after the job finished (--exit-timeout)"
             elif child.exitcode() != 0:
                 log.warning("%s exited with code %s after finishing", name, child.exitcode())
+                failed[name] = f"exited with code {child.exitcode()} after the job finished"
+        return failed
 
     def _finished_anyway(self, coord: Coordinator, signum: int) -> bool:
         """Whether the job finished although a signal stopped it: the ranks completed the last

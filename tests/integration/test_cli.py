@@ -73,6 +73,7 @@ def _one_line_exit_2(r: subprocess.CompletedProcess[str], needle: str) -> None:
         (["demo", "--hang-timeout", "inf"], "--hang-timeout must be a positive number"),
         (["demo", "--hang-timeout", "nan"], "--hang-timeout must be a positive number"),
         (["demo", "--progress-timeout", "0"], "--progress-timeout must be a positive number"),
+        (["launch", "--exit-timeout", "-1", "--", "python", "-c", "0"], "--exit-timeout must be a positive number"),
         (["demo", "--out", "/proc/checkpointless"], "--out /proc/checkpointless"),
         (["frobnicate"], "unknown command"),
         (["launch", "--workers", "2"], "give the training command after --"),
@@ -204,3 +205,27 @@ def test_help_lists_the_commands_and_launch_help_needs_no_command(capsys: pytest
     assert exit_.value.code == 0
     out = capsys.readouterr().out
     assert "-- COMMAND" in out and "--metrics-port" in out
+
+
+def test_work_after_training_runs_to_its_end_and_a_failure_there_fails_the_run(tmp_path: Path) -> None:
+    """After ``session.finish()`` a script goes on (rank 0 saves for 7 s): the launcher waits for it
+    (up to ``--exit-timeout``), and a rank that then exits with a code, or is still at work at the
+    timeout and killed, fails the run (exit 1) with a line naming it: its work may be incomplete."""
+    saved = tmp_path / "saved"
+    r = cli("launch", "--workers", "2", "--spares", "0", "--quiet", "--out", str(tmp_path / "a"), "--",
+            "python", str(SCRIPTS / "after_finish.py"), str(saved), "7", "3")  # fmt: skip
+    assert saved.read_text() == "saved", r.stderr  # rank 0's work after training was not cut short
+    assert r.returncode == 1, r.stderr
+    (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert line.startswith("error: w1 exited with code 3 after the job finished"), r.stderr
+    report = json.loads((tmp_path / "a" / "report.json").read_text())
+    assert report["error"] is None and report["after_finish"] == {
+        "w1": "exited with code 3 after the job finished"
+    }
+    saved.unlink()
+    r = cli("launch", "--workers", "2", "--spares", "0", "--quiet", "--exit-timeout", "2", "--", "python",
+            str(SCRIPTS / "after_finish.py"), str(saved), "30", "0")  # fmt: skip
+    assert r.returncode == 1, r.stderr
+    (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert line.startswith("error: w0 killed 2s after the job finished (--exit-timeout)"), r.stderr
+    assert not saved.exists()
