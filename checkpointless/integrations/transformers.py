@@ -30,8 +30,11 @@ a ``Session``'s step loop:
 - ``accelerate`` runs in its single-process mode on every rank: it never starts an ``env://`` process
   group of its own (the gradients are reduced by the session, over the job's generation). So
   ``Trainer.evaluate`` runs on each rank over the whole evaluation set (the replicas are equal, so are
-  their metrics; no collective outside a step), the logged loss is the rank's own, and only rank 0
-  writes checkpoints and the model (``save_steps``, ``save_model``).
+  their metrics; no collective outside a step), and only rank 0 writes checkpoints and the model
+  (``save_steps``, ``save_model``). What accelerate's gathers gave the step under ``torchrun`` the
+  step does over the session's group instead: ``num_items_in_batch`` summed over the ranks (with
+  ``average_tokens_across_devices``; the loss then scaled by the ranks, ``compute_loss``) and the
+  logged loss averaged over them.
 
 Refused in one line (``ValueError``) under the launcher: DeepSpeed, FSDP, ``n_gpu > 1``
 (``DataParallel``), ``auto_find_batch_size``, tensor, sequence or context parallelism
@@ -133,7 +136,7 @@ class _TrainerProgress:
     and its step (``load_best_model_at_end``, ``metric_for_best_model``) and the callbacks' exportable
     state (``EarlyStoppingCallback``'s patience, ``TrainerControl``), as at the start of the step under
     way. Equal on every replica (they evaluate alike), so the replicas' digests cover it; per-rank
-    counters (timings, the logged loss, tokens seen) stay each rank's own."""
+    counters (timings, tokens seen) and ``log_history`` (timings in it) stay each rank's own."""
 
     def __init__(self, trainer: Trainer) -> None:
         self._trainer = trainer
@@ -184,6 +187,7 @@ class Trainer(_HFTrainer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._session: Any = None
+        self._items_ranks = 1  # the ranks whose items the step's num_items_in_batch counts
         super().__init__(*args, **kwargs)
         if not under_launcher():
             return
@@ -202,6 +206,25 @@ class Trainer(_HFTrainer):
 
     def is_local_process_zero(self) -> bool:
         return super().is_local_process_zero() if not under_launcher() else self._rank() == 0
+
+    def compute_loss(
+        self, model: Any, inputs: Any, return_outputs: bool = False, num_items_in_batch: Any = None
+    ) -> Any:
+        """``transformers.Trainer``'s; in a step whose ``num_items_in_batch`` counts every rank's
+        items (``average_tokens_across_devices``), the loss is scaled by the ranks, as HF's own
+        scales it by ``accelerator.num_processes`` under ``torchrun`` (1 here: accelerate runs in its
+        single-process mode). The reduced gradient is then the gradient of the loss over every
+        rank's tokens, as with ``torchrun``, whatever the ranks' token counts."""
+        out = super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                   num_items_in_batch=num_items_in_batch)  # fmt: skip
+        ranks = self._items_ranks
+        if (
+            ranks == 1
+            or num_items_in_batch is None
+            or not (self.model_accepts_loss_kwargs or self.compute_loss_func)
+        ):
+            return out
+        return (out[0] * ranks, *out[1:]) if return_outputs else out * ranks
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         """Rank 0 alone writes a checkpoint (the replicas are equal; accelerate's single-process
@@ -330,13 +353,26 @@ class Trainer(_HFTrainer):
                 micro = [loader.batch(step * accumulation + i) for i in range(accumulation)]
                 session.log(tokens=_tokens(micro, self.model))  # the live tok/s and the report's
                 items = self._get_num_items_in_batch(micro, args.device)
+                group = session.process_group
+                if group is None or group.world_size == 1:
+                    group = None
+                if group is not None and args.average_tokens_across_devices and torch.is_tensor(items):
+                    group.allreduce_([items])  # every rank's items, as accelerate's gather counts them
+                    self._items_ranks = group.world_size
                 self.current_gradient_accumulation_steps = accumulation
                 losses = []
-                for i, inputs in enumerate(micro):
-                    last = i == accumulation - 1
-                    self.accelerator.gradient_state._set_sync_gradients(last)
-                    with contextlib.nullcontext() if last else session.no_sync():
-                        losses.append(self.training_step(model, inputs, items))
+                try:
+                    for i, inputs in enumerate(micro):
+                        last = i == accumulation - 1
+                        self.accelerator.gradient_state._set_sync_gradients(last)
+                        with contextlib.nullcontext() if last else session.no_sync():
+                            losses.append(self.training_step(model, inputs, items))
+                finally:
+                    self._items_ranks = 1
+                step_loss = torch.stack(losses).sum()
+                if group is not None:  # the logged loss: the ranks' mean, as HF's gather makes it
+                    group.allreduce_([step_loss])
+                    step_loss /= group.world_size
                 session.reduce_gradients()
                 if args.max_grad_norm > 0:
                     grad_norm = self._clip_grad_norm(model)
@@ -350,8 +386,8 @@ class Trainer(_HFTrainer):
                 model.zero_grad()
             if not attempt.committed:
                 continue  # recovered: the same step again
-            for loss, inputs in zip(losses, micro, strict=True):
-                self._tr_loss += loss
+            self._tr_loss += step_loss
+            for inputs in micro:
                 self.current_flos += float(self.floating_point_ops(inputs))  # type: ignore[assignment]
                 self._track_num_input_tokens(inputs)
             self.state.global_step = step + 1

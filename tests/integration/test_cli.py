@@ -73,7 +73,10 @@ def _one_line_exit_2(r: subprocess.CompletedProcess[str], needle: str) -> None:
         (["demo", "--hang-timeout", "inf"], "--hang-timeout must be a positive number"),
         (["demo", "--hang-timeout", "nan"], "--hang-timeout must be a positive number"),
         (["demo", "--progress-timeout", "0"], "--progress-timeout must be a positive number"),
-        (["launch", "--exit-timeout", "-1", "--", "python", "-c", "0"], "--exit-timeout must be a positive number"),
+        (
+            ["launch", "--exit-timeout", "-1", "--", "python", "-c", "0"],
+            "--exit-timeout must be a positive number",
+        ),
         (["demo", "--out", "/proc/checkpointless"], "--out /proc/checkpointless"),
         (["frobnicate"], "unknown command"),
         (["launch", "--workers", "2"], "give the training command after --"),

@@ -6,10 +6,12 @@ ends where the uninterrupted one does; alone (no launcher) it is the plain ``tra
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -178,3 +180,31 @@ def test_an_epoch_trainer_with_best_model_and_early_stopping_recovers_bitwise(
         epochs
     )
     assert f"checkpoint-{steps}" in epochs  # saved at the epochs' ends (save_total_limit keeps the best)
+
+
+def _weights(checkpoint: Path) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    return load_file(str(checkpoint / "model.safetensors"))
+
+
+def test_the_ranks_share_the_loss_over_every_ranks_tokens_as_under_torchrun(tmp_path: Path) -> None:
+    """Labels partly masked (-100), so the ranks' micro-batches hold different numbers of labels:
+    with ``average_tokens_across_devices`` (the default), each step's loss is over every rank's
+    tokens (``num_items_in_batch`` counted over the ranks, the loss scaled by them, as HF does under
+    torchrun), so 2 ranks of 2 samples train what 1 rank of 4 does (to float rounding), and the
+    logged loss is the ranks' mean. (Each rank's own token mean, averaged, trained another model.)"""
+    one = run_job(workers=1, spares=0, steps=STEPS, command=_command(tmp_path / "one", "--padded", "--per-device", "4"),
+                  timeout_s=400)  # fmt: skip
+    assert one.ok, f"{one.error}\n{logs_of(one)}"
+    two = run_job(
+        workers=2, spares=0, steps=STEPS, command=_command(tmp_path / "two", "--padded"), timeout_s=400
+    )
+    assert two.ok, f"{two.error}\n{logs_of(two)}"
+    a, b = _weights(tmp_path / "one" / "checkpoint-12"), _weights(tmp_path / "two" / "checkpoint-12")
+    worst = max(float((a[k] - b[k]).abs().max() / a[k].abs().max().clamp_min(1e-12)) for k in a)
+    assert worst < 1e-4, worst
+    losses = [json.loads((tmp_path / d / "checkpoint-12" / "trainer_state.json").read_text())["log_history"]
+              for d in ("one", "two")]  # fmt: skip
+    logged = [[h["loss"] for h in history if "loss" in h] for history in losses]
+    assert len(logged[0]) == STEPS // 2 and logged[0] == pytest.approx(logged[1], rel=1e-4)

@@ -3,10 +3,12 @@ for its import line): a small causal LM built from a config, a map-style dataset
 accumulation, clipping, a cosine schedule with warm-up, logging, evaluation and checkpoints.
 
 Usage: hf_trainer.py OUTPUT_DIR STEPS [--bf16] [--resume CHECKPOINT] [--iterable] [--workers N]
-                     [--raise-at STEP:MICRO:RANK]
+                     [--raise-at STEP:MICRO:RANK] [--padded] [--per-device N]
 (``--iterable``: the train set as an endless stream, an ``IterableDataset`` without ``__len__``
 whose passes are shuffled from its own seed; ``--workers``: ``dataloader_num_workers``;
-``--raise-at``: the model's forward raises once, on that rank, at that micro-batch of that step)
+``--raise-at``: the model's forward raises once, on that rank, at that micro-batch of that step;
+``--padded``: each sample's tail is left out of the loss, a random length per sample;
+``--per-device``: per_device_train_batch_size, 2 by default)
 """
 
 from __future__ import annotations
@@ -23,15 +25,20 @@ from checkpointless.integrations.transformers import Trainer
 class Tokens(torch.utils.data.Dataset):
     """Fixed pseudo-random token sequences (a real script reads a tokenized corpus)."""
 
-    def __init__(self, n: int, length: int, vocab: int, seed: int) -> None:
+    def __init__(self, n: int, length: int, vocab: int, seed: int, padded: bool = False) -> None:
         g = torch.Generator().manual_seed(seed)
         self.data = torch.randint(0, vocab, (n, length), generator=g)
+        # padded: each sample's tail left out of the loss (-100), from 1 to length - 1 labels kept,
+        # so the ranks' micro-batches hold different numbers of labels
+        self.kept = torch.randint(1, length, (n,), generator=g) if padded else torch.full((n,), length)
 
     def __len__(self) -> int:
         return len(self.data)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.data[i], "labels": self.data[i].clone()}
+        labels = self.data[i].clone()
+        labels[int(self.kept[i]) :] = -100
+        return {"input_ids": self.data[i], "labels": labels}
 
 
 class Stream(torch.utils.data.IterableDataset):
@@ -78,6 +85,8 @@ def main() -> None:
     p.add_argument("--iterable", action="store_true")
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--raise-at", default=None, metavar="STEP:MICRO:RANK")
+    p.add_argument("--padded", action="store_true")
+    p.add_argument("--per-device", type=int, default=2)
     a = p.parse_args()
     torch.manual_seed(0)
     config = LlamaConfig(
@@ -93,7 +102,7 @@ def main() -> None:
     args = TrainingArguments(
         output_dir=a.output_dir,
         max_steps=a.steps,
-        per_device_train_batch_size=2,
+        per_device_train_batch_size=a.per_device,
         gradient_accumulation_steps=2,
         learning_rate=3e-3,
         lr_scheduler_type="cosine",
@@ -112,7 +121,7 @@ def main() -> None:
         dataloader_num_workers=a.workers,
         disable_tqdm=True,
     )
-    train: torch.utils.data.Dataset = Tokens(96, 16, 128, 1)
+    train: torch.utils.data.Dataset = Tokens(96, 16, 128, 1, padded=a.padded)
     if a.iterable:
         train = Stream(train, seed=11)
     callbacks = []
