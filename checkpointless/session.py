@@ -429,7 +429,7 @@ class Session(Member):
         ``DistributedSampler``), reads its settings instead (``checkpointless.data.from_dataloader``):
         ``batch_size`` per rank, the sampler's ``shuffle`` and ``seed``, ``collate_fn``,
         ``num_workers``, ``drop_last``, ``pin_memory``, ``worker_init_fn``."""
-        from torch.utils.data import DataLoader, IterableDataset
+        from torch.utils.data import DataLoader
 
         if isinstance(dataset, DataLoader):
             given = (global_batch_size, shuffle, seed, collate_fn, num_workers, drop_last, pin_memory,
@@ -443,27 +443,12 @@ class Session(Member):
             return self.loader(settings.pop("dataset"), **settings)
         if global_batch_size is None:
             raise TypeError("session.loader(dataset, global_batch_size): global_batch_size is missing")
+        from checkpointless.data.from_dataloader import make_loader
 
-        if isinstance(dataset, IterableDataset):
-            from checkpointless.data.iterable_loader import IterableStepLoader
-
-            if seed is not None:
-                import warnings
-
-                warnings.warn("session.loader(seed=...) is ignored for an iterable dataset: its order "
-                              "is its own", stacklevel=2)  # fmt: skip
-            return IterableStepLoader(
-                dataset, global_batch_size, rank=lambda: self.dp_rank, size=lambda: self.dp_size,
-                shuffle=bool(shuffle), collate_fn=collate_fn, num_workers=num_workers,
-                drop_last=drop_last, pin_memory=pin_memory, worker_init_fn=worker_init_fn,
-            )  # fmt: skip
-        from checkpointless.data.loader import StepLoader
-
-        return StepLoader(
+        return make_loader(
             dataset, global_batch_size, rank=lambda: self.dp_rank, size=lambda: self.dp_size,
-            shuffle=True if shuffle is None else shuffle, seed=self.seed if seed is None else seed,
-            collate_fn=collate_fn, num_workers=num_workers, drop_last=drop_last, pin_memory=pin_memory,
-            worker_init_fn=worker_init_fn,
+            default_seed=self.seed, shuffle=shuffle, seed=seed, collate_fn=collate_fn, num_workers=num_workers,
+            drop_last=drop_last, pin_memory=pin_memory, worker_init_fn=worker_init_fn,
         )  # fmt: skip
 
     def _leave_if_stopped(self) -> None:

@@ -24,10 +24,16 @@ own) cannot be translated into a function of the step: it is refused in one line
 
 from __future__ import annotations
 
-from typing import Any
+import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
+
+if TYPE_CHECKING:
+    from checkpointless.data.iterable_loader import IterableStepLoader
+    from checkpointless.data.loader import StepLoader
 
 
 def loader_settings(dataloader: DataLoader[Any], dp_size: int, default_seed: int) -> dict[str, Any]:
@@ -72,3 +78,41 @@ def loader_settings(dataloader: DataLoader[Any], dp_size: int, default_seed: int
         "pin_memory": dataloader.pin_memory,
         "worker_init_fn": dataloader.worker_init_fn,
     }
+
+
+def make_loader(
+    dataset: Any,
+    global_batch_size: int,
+    *,
+    rank: Callable[[], int],
+    size: Callable[[], int],
+    default_seed: int,
+    shuffle: bool | None = None,
+    seed: int | None = None,
+    collate_fn: Any = None,
+    num_workers: int = 0,
+    drop_last: bool = True,
+    pin_memory: bool = False,
+    worker_init_fn: Callable[[int], None] | None = None,
+) -> StepLoader | IterableStepLoader:
+    """``session.loader(dataset, global_batch_size, ...)``'s loader, for the data-parallel rank and
+    size that ``rank()`` and ``size()`` give when a step is read (a ``StepLoader`` for a map-style
+    dataset, an ``IterableStepLoader`` for a stream); ``default_seed``: the shuffle's seed when
+    ``seed`` is None."""
+    if isinstance(dataset, IterableDataset):
+        from checkpointless.data.iterable_loader import IterableStepLoader
+
+        if seed is not None:
+            warnings.warn("session.loader(seed=...) is ignored for an iterable dataset: its order "
+                          "is its own", stacklevel=3)  # fmt: skip
+        return IterableStepLoader(
+            dataset, global_batch_size, rank=rank, size=size, shuffle=bool(shuffle), collate_fn=collate_fn,
+            num_workers=num_workers, drop_last=drop_last, pin_memory=pin_memory, worker_init_fn=worker_init_fn,
+        )  # fmt: skip
+    from checkpointless.data.loader import StepLoader
+
+    return StepLoader(
+        dataset, global_batch_size, rank=rank, size=size, shuffle=True if shuffle is None else shuffle,
+        seed=default_seed if seed is None else seed, collate_fn=collate_fn, num_workers=num_workers,
+        drop_last=drop_last, pin_memory=pin_memory, worker_init_fn=worker_init_fn,
+    )  # fmt: skip

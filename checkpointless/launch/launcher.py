@@ -411,7 +411,9 @@ class Launcher:
                 finally:
                     self._cleanup()
                 if interrupted is not None and self._finished_anyway(coord, interrupted):
-                    interrupted = error = None
+                    error = None  # the training finished; a signal that stopped the scripts' own
+                    if not self._after_finish:  # work after it still ends the run as interrupted
+                        interrupted = None
         except JobInterrupted as e:  # a second signal during cleanup
             interrupted = e.signum
             error = error or f"interrupted by {signal.Signals(e.signum).name}"
@@ -541,9 +543,22 @@ class Launcher:
         ``job/stop`` is re-asserted meanwhile (a stranger may overwrite it). Returns what went wrong
         after the end, by process: an exit code other than 0, or a kill at the timeout."""
         failed: dict[str, str] = {}
+        children = self.children
+        try:
+            self._wait_each(coord, children, timeout_s, failed)
+        except (JobInterrupted, KeyboardInterrupt) as e:  # Ctrl-C stops the scripts' own work too
+            what = signal.Signals(e.signum).name if isinstance(e, JobInterrupted) else "SIGINT"
+            for name in coord.members.values():
+                if name not in failed and children[name].alive():
+                    failed[name] = f"stopped by {what} after the job finished"
+            self._after_finish = failed
+            raise
+        return failed
+
+    def _wait_each(self, coord: Coordinator, children: dict[str, Any], timeout_s: float,
+                   failed: dict[str, str]) -> None:  # fmt: skip
         start = time.monotonic()
         deadline, told = start + timeout_s, False
-        children = self.children
         for name in coord.members.values():
             child = children[name]
             while child.alive() and time.monotonic() < deadline:
@@ -566,7 +581,6 @@ class Launcher:
             elif child.exitcode() != 0:
                 log.warning("%s exited with code %s after finishing", name, child.exitcode())
                 failed[name] = f"exited with code {child.exitcode()} after the job finished"
-        return failed
 
     def _finished_anyway(self, coord: Coordinator, signum: int) -> bool:
         """Whether the job finished although a signal stopped it: the ranks completed the last

@@ -232,3 +232,38 @@ def test_work_after_training_runs_to_its_end_and_a_failure_there_fails_the_run(t
     (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
     assert line.startswith("error: w0 killed 2s after the job finished (--exit-timeout)"), r.stderr
     assert not saved.exists()
+
+
+def test_ctrl_c_during_the_work_after_training_stops_it_and_says_so(tmp_path: Path) -> None:
+    """Ctrl-C while rank 0 is still at its work after ``session.finish()`` (a long save): the
+    launcher stops it at once (no wait for --exit-timeout), the training result stands in
+    report.json, and the run exits 130 with a line naming the process whose work was cut short."""
+    saved = tmp_path / "saved"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "250"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "checkpointless.launch.cli", "launch", "--workers", "2", "--spares", "0",
+         "--quiet", "--out", str(tmp_path / "run"), "--", "python", str(SCRIPTS / "after_finish.py"),
+         str(saved), "60", "0"],
+        stderr=subprocess.PIPE, text=True, start_new_session=True, env=env,
+    )  # fmt: skip
+    try:
+        assert proc.stderr is not None
+        seen = []
+        for line in proc.stderr:  # the launcher says when it waits for the scripts' own work
+            seen.append(line)
+            if "waiting up to" in line:
+                break
+        else:
+            raise AssertionError("".join(seen))
+        os.kill(proc.pid, signal.SIGINT)
+        rest = proc.stderr.read()
+        assert proc.wait(timeout=30) == 130, "".join(seen) + rest
+    finally:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+    assert "error: w0 stopped by SIGINT after the job finished" in rest, rest
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert report["error"] is None and report["steps_completed"] == 3 and report["final_state_sha256"]
+    assert report["after_finish"] == {"w0": "stopped by SIGINT after the job finished"}
+    assert not saved.exists()

@@ -194,3 +194,48 @@ def test_the_script_runs_alone_on_one_process(tmp_path: Path, extra: tuple[str, 
     assert f"trained {steps} steps" in run.stdout and "ranks 1, process group: False" in run.stdout, (
         run.stdout
     )
+
+
+DATAMODULE = str(ROOT / "tests" / "scripts" / "lightning_datamodule.py")
+
+
+def test_a_datamodule_script_with_checkpoints_early_stopping_and_bf16_recovers_bitwise(
+    tmp_path: Path,
+) -> None:
+    """A script in the public examples' shape (``lightning_datamodule.py``: a DataModule whose train
+    set jitters its samples in a DataLoader worker process, ModelCheckpoint top-2 and last,
+    EarlyStopping, LearningRateMonitor, CSVLogger, bf16-mixed, validation twice an epoch, warm-up
+    and cosine over ``estimated_stepping_batches``): a kill of rank 0 (the logger's) and then an
+    exception end where the fault-free run does, state and everything registered (the callbacks'
+    state among it), with the same checkpoints written. Before: ``estimated_stepping_batches`` in
+    ``configure_optimizers`` made Lightning load the train data before the session existed, and it
+    kept that DataLoader: every rank read the whole set (48 steps, not 24), and a replacement read
+    from step 0 (the iterator was made before it received its step)."""
+    out = tmp_path / "out"
+
+    def run(*faults: str, spares: int):  # type: ignore[no-untyped-def]
+        shutil.rmtree(out, ignore_errors=True)
+        job = run_job(workers=2, spares=spares, steps=24, command=[sys.executable, DATAMODULE, str(out)],
+                      faults=list(faults), timeout_s=400)  # fmt: skip
+        assert job.ok, f"{job.error}\n{logs_of(job)}"
+        ckpts = sorted(p.name for p in (out / "csv" / "version_0" / "checkpoints").iterdir())
+        return job, ckpts
+
+    reference, reference_ckpts = run(spares=0)
+    assert reference.report["steps_completed"] == 24  # 128 samples, 8 per rank, 2 ranks, 3 epochs
+    faulted, ckpts = run("kill:rank=0@step=5", "exception:rank=1@step=13", spares=1)
+    assert faulted.digest == reference.digest
+    assert faulted.report["final_registered_sha256"] == reference.report["final_registered_sha256"]
+    assert ckpts == reference_ckpts and "last.ckpt" in ckpts and len(ckpts) == 3, ckpts
+
+
+@pytest.mark.timeout(300)
+def test_the_datamodule_script_runs_alone_on_one_process(tmp_path: Path) -> None:
+    """128 samples in batches of 8 on one process: 16 steps an epoch (the train loader loaded early by
+    ``estimated_stepping_batches``, before the session, is read as a function of the step too)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CHECKPOINTLESS_")}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    run = subprocess.run([sys.executable, DATAMODULE, str(tmp_path), "--epochs", "1"], capture_output=True,
+                         text=True, timeout=240, env=env)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "trained 16 steps" in run.stdout, run.stdout

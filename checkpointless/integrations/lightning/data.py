@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from checkpointless.data.from_dataloader import loader_settings
+from checkpointless.data.from_dataloader import loader_settings, make_loader
 from checkpointless.session import step_seed
 
 if TYPE_CHECKING:
@@ -23,13 +23,19 @@ class _TrainBatches:
     """The train ``DataLoader`` as the Trainer iterates it: an epoch's batches from the one the
     Trainer is at, each read by the session's ``StepLoader`` as a function of its position."""
 
-    def __init__(self, strategy: CheckpointlessStrategy, dataloader: DataLoader[Any]) -> None:
-        session = strategy._require_session()
+    def __init__(self, strategy: CheckpointlessStrategy, dataloader: DataLoader[Any], ranks: int) -> None:
+        """``ranks``: the data-parallel ranks (the session's; the job's workers when Lightning asks for
+        the loader's length before the session exists, as ``estimated_stepping_batches`` does in
+        ``configure_optimizers``). The rank is read from the session when a step is."""
         self._strategy = strategy
         self.dataset = dataloader.dataset
         # its settings as session.loader(dataloader) reads them (the shuffle seed: the strategy's)
-        settings = loader_settings(dataloader, session.dp_size, strategy.seed)
-        self._loader = session.loader(settings.pop("dataset"), **settings)
+        settings = loader_settings(dataloader, ranks, strategy.seed)
+        self._loader = make_loader(
+            settings.pop("dataset"), settings.pop("global_batch_size"), default_seed=strategy.seed,
+            rank=lambda: strategy._require_session().dp_rank, size=lambda: strategy._require_session().dp_size,
+            **settings,
+        )  # fmt: skip
 
     def __len__(self) -> int:
         return len(self._loader)  # a TypeError for a stream without __len__: Lightning's "no length"

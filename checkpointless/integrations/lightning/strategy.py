@@ -31,6 +31,16 @@ from checkpointless.session_base import Attempt
 log = logging.getLogger(__name__)
 
 
+def _job_workers() -> int:
+    """The job's data-parallel ranks before this process's session exists (1 without a launcher)."""
+    if not under_launcher():
+        return 1
+    from checkpointless.config import JobConfig
+    from checkpointless.control.env import ENV_CONFIG
+
+    return JobConfig.from_json(os.environ[ENV_CONFIG]).workers
+
+
 def under_launcher() -> bool:
     """Whether this process was started by ``checkpointless launch`` (or ``run``, ``cluster``)."""
     return ENV_STORE in os.environ
@@ -205,19 +215,30 @@ class CheckpointlessStrategy(ParallelStrategy):
             self._finish(total=session.step)
             raise SystemExit(0)
         self._progress.restore(trainer)
+        # Lightning may have made the train iterator already, at step 0: ``estimated_stepping_batches``
+        # in ``configure_optimizers`` loads the train data (and prefetches a batch) before this
+        # process had a rank. Made again at fit's start, it starts at the step received.
+        trainer.fit_loop._combined_loader = None
         self._joining = True
         log.info("[rank %d] joined at step %d (epoch %d)", session.rank, session.step, trainer.current_epoch)
 
     def process_dataloader(self, dataloader: object) -> object:
+        """The train loader, read as a function of the step (``_TrainBatches``); others as they are.
+        Lightning may ask for the train loader before the session exists (``estimated_stepping_batches``
+        in ``configure_optimizers``, stage not set yet) and keep what it got for the whole ``fit``: it
+        is wrapped then too, its length that of the job's ranks, as a ``DistributedSampler`` gives DDP."""
         trainer = self._trainer
-        if self._session is None or trainer is None or trainer.state.stage != RunningStage.TRAINING:
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING:
             return dataloader
-        refused = refused_loader(dataloader, self.world_size, trainer.max_steps)
+        if trainer.state.stage not in (None, RunningStage.TRAINING):
+            return dataloader  # validation (or its sanity check) during fit
+        ranks = self._session.dp_size if self._session is not None else _job_workers()
+        refused = refused_loader(dataloader, ranks, trainer.max_steps)
         self._refuse([refused] if refused else [])
         assert isinstance(dataloader, DataLoader)
         if self._batches is not None:
             self._batches.close()
-        self._batches = _TrainBatches(self, dataloader)
+        self._batches = _TrainBatches(self, dataloader, ranks)
         return self._batches
 
     def on_train_start(self) -> None:
