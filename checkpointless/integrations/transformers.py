@@ -38,7 +38,8 @@ a ``Session``'s step loop:
 
 Refused in one line (``ValueError``) under the launcher: DeepSpeed, FSDP, ``n_gpu > 1``
 (``DataParallel``), ``auto_find_batch_size``, tensor, sequence or context parallelism
-(``parallelism_config``), an ``IterableDataset`` train set read by more than one worker process
+(``parallelism_config``), a ``train_sampling_strategy`` other than ``"random"`` (the default) and
+``"sequential"`` (the dataset's order), an ``IterableDataset`` train set read by more than one worker process
 (``dataloader_num_workers > 1``) or without ``__len__`` and without ``max_steps``. Tested with the
 ``transformers`` and ``accelerate`` versions pinned in ``pyproject.toml``'s ``transformers`` extra.
 
@@ -113,6 +114,10 @@ def _refusals(trainer: _HFTrainer) -> list[str]:
         out.append("auto_find_batch_size")
     if getattr(args, "parallelism_config", None) is not None:
         out.append("parallelism_config (tensor, sequence or context parallelism)")
+    sampling = getattr(args, "train_sampling_strategy", "random")
+    if sampling not in ("random", "sequential"):
+        out.append(f"train_sampling_strategy={sampling!r} (the train order is a function of the step: "
+                   "'random' or 'sequential')")  # fmt: skip
     if isinstance(trainer.train_dataset, torch.utils.data.IterableDataset):
         workers = args.dataloader_num_workers
         if workers > 1:
@@ -318,8 +323,9 @@ class Trainer(_HFTrainer):
         session = self._session = Session(self.model, optimizer, state=state, seed=args.seed)
         stream = isinstance(dataset, torch.utils.data.IterableDataset)  # its order is its own
         seed = args.data_seed if args.data_seed is not None else args.seed
+        shuffle = not stream and getattr(args, "train_sampling_strategy", "random") == "random"
         loader = session.loader(
-            dataset, micro_global, shuffle=not stream, seed=None if stream else seed, collate_fn=collator,
+            dataset, micro_global, shuffle=shuffle, seed=None if stream else seed, collate_fn=collator,
             num_workers=args.dataloader_num_workers, drop_last=True, pin_memory=args.dataloader_pin_memory,
         )  # fmt: skip
         self.callback_handler.train_dataloader = loader

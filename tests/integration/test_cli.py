@@ -211,12 +211,12 @@ def test_help_lists_the_commands_and_launch_help_needs_no_command(capsys: pytest
 
 
 def test_work_after_training_runs_to_its_end_and_a_failure_there_fails_the_run(tmp_path: Path) -> None:
-    """After ``session.finish()`` a script goes on (rank 0 saves for 7 s): the launcher waits for it
+    """After ``session.finish()`` a script goes on (rank 0 saves for 3 s): the launcher waits for it
     (up to ``--exit-timeout``), and a rank that then exits with a code, or is still at work at the
     timeout and killed, fails the run (exit 1) with a line naming it: its work may be incomplete."""
     saved = tmp_path / "saved"
     r = cli("launch", "--workers", "2", "--spares", "0", "--quiet", "--out", str(tmp_path / "a"), "--",
-            "python", str(SCRIPTS / "after_finish.py"), str(saved), "7", "3")  # fmt: skip
+            "python", str(SCRIPTS / "after_finish.py"), str(saved), "3", "3")  # fmt: skip
     assert saved.read_text() == "saved", r.stderr  # rank 0's work after training was not cut short
     assert r.returncode == 1, r.stderr
     (line,) = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
