@@ -208,3 +208,20 @@ def test_the_ranks_share_the_loss_over_every_ranks_tokens_as_under_torchrun(tmp_
               for d in ("one", "two")]  # fmt: skip
     logged = [[h["loss"] for h in history if "loss" in h] for history in losses]
     assert len(logged[0]) == STEPS // 2 and logged[0] == pytest.approx(logged[1], rel=1e-4)
+
+
+MLM = str(ROOT / "tests" / "scripts" / "hf_mlm.py")
+
+
+def test_a_masked_lm_script_with_random_masking_in_worker_processes_recovers_bitwise(tmp_path: Path) -> None:
+    """``hf_mlm.py``: ``DataCollatorForLanguageModeling`` masks at random in 2 DataLoader worker
+    processes over a ``datasets.Dataset`` (read a batch at a time, ``__getitems__``), with dynamic
+    padding: a kill and then an exception end where the fault-free run does."""
+    command = [sys.executable, MLM, str(tmp_path / "ref"), str(STEPS), "2"]
+    reference = run_job(workers=2, spares=0, steps=STEPS, command=command, timeout_s=400)
+    assert reference.ok, f"{reference.error}\n{logs_of(reference)}"
+    command[2] = str(tmp_path / "faulted")
+    faulted = run_job(workers=2, spares=1, steps=STEPS, command=command, timeout_s=400,
+                      faults=["kill:rank=1@step=5", "exception:rank=0@step=8"])  # fmt: skip
+    assert faulted.ok, f"{faulted.error}\n{logs_of(faulted)}"
+    assert faulted.digest == reference.digest
