@@ -225,3 +225,19 @@ def test_a_masked_lm_script_with_random_masking_in_worker_processes_recovers_bit
                       faults=["kill:rank=1@step=5", "exception:rank=0@step=8"])  # fmt: skip
     assert faulted.ok, f"{faulted.error}\n{logs_of(faulted)}"
     assert faulted.digest == reference.digest
+
+
+def test_a_peft_lora_trainer_recovers_bitwise_moving_only_the_adapters(tmp_path: Path) -> None:
+    """``get_peft_model(model, LoraConfig(...))`` handed to the ``Trainer``: a kill and then an
+    exception end where the fault-free run does, and the replacement receives the adapters and
+    their optimizer state only (the frozen base it already holds alike stays)."""
+    reference = run_job(
+        workers=2, spares=0, steps=STEPS, command=_command(tmp_path / "ref", "--lora"), timeout_s=400
+    )
+    assert reference.ok, f"{reference.error}\n{logs_of(reference)}"
+    faulted = run_job(workers=2, spares=1, steps=STEPS, command=_command(tmp_path / "faulted", "--lora"),
+                      faults=["kill:rank=1@step=5", "exception:rank=0@step=8"], timeout_s=400)  # fmt: skip
+    assert faulted.ok, f"{faulted.error}\n{logs_of(faulted)}"
+    assert faulted.digest == reference.digest
+    (moved,) = [e for e in faulted.events if e["kind"] == "transfer_ended"]
+    assert 0 < moved["bytes"] < moved["kept_bytes"], moved

@@ -3,12 +3,12 @@ for its import line): a small causal LM built from a config, a map-style dataset
 accumulation, clipping, a cosine schedule with warm-up, logging, evaluation and checkpoints.
 
 Usage: hf_trainer.py OUTPUT_DIR STEPS [--bf16] [--resume CHECKPOINT] [--iterable] [--workers N]
-                     [--raise-at STEP:MICRO:RANK] [--padded] [--per-device N]
+                     [--raise-at STEP:MICRO:RANK] [--padded] [--per-device N] [--lora]
 (``--iterable``: the train set as an endless stream, an ``IterableDataset`` without ``__len__``
 whose passes are shuffled from its own seed; ``--workers``: ``dataloader_num_workers``;
 ``--raise-at``: the model's forward raises once, on that rank, at that micro-batch of that step;
 ``--padded``: each sample's tail is left out of the loss, a random length per sample;
-``--per-device``: per_device_train_batch_size, 2 by default)
+``--per-device``: per_device_train_batch_size, 2 by default; ``--lora``: a peft LoRA model)
 """
 
 from __future__ import annotations
@@ -87,6 +87,7 @@ def main() -> None:
     p.add_argument("--raise-at", default=None, metavar="STEP:MICRO:RANK")
     p.add_argument("--padded", action="store_true")
     p.add_argument("--per-device", type=int, default=2)
+    p.add_argument("--lora", action="store_true")
     a = p.parse_args()
     torch.manual_seed(0)
     config = LlamaConfig(
@@ -99,6 +100,12 @@ def main() -> None:
         max_position_embeddings=64,
     )
     model = LlamaForCausalLM(config)
+    if a.lora:  # peft's LoRA on the attention projections: the base frozen, the adapters trained
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(
+            model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=["q_proj", "v_proj"])
+        )
     args = TrainingArguments(
         output_dir=a.output_dir,
         max_steps=a.steps,
