@@ -444,12 +444,16 @@ class Session(Member):
         if global_batch_size is None:
             raise TypeError("session.loader(dataset, global_batch_size): global_batch_size is missing")
         from checkpointless.data.from_dataloader import make_loader
+        from checkpointless.data.loader import StepLoader
 
-        return make_loader(
+        loader = make_loader(
             dataset, global_batch_size, rank=lambda: self.dp_rank, size=lambda: self.dp_size,
             default_seed=self.seed, shuffle=shuffle, seed=seed, collate_fn=collate_fn, num_workers=num_workers,
             drop_last=drop_last, pin_memory=pin_memory, worker_init_fn=worker_init_fn,
         )  # fmt: skip
+        if isinstance(loader, StepLoader):
+            loader.check_split(self.dp_size)
+        return loader
 
     def _leave_if_stopped(self) -> None:
         """At a step boundary: if the job was stopped (Ctrl-C, SIGTERM to the launcher), exit now

@@ -140,6 +140,19 @@ class StepLoader:
         self._next = -1  # the step the kept iterator yields next
         self._shape = (-1, -1)  # (rank, size) the kept iterator was made for
 
+    def check_split(self, size: int) -> None:
+        """A ``ValueError`` now, rather than at the first step that ``size`` ranks cannot share: the
+        global batch, and the epoch's short last batch without ``drop_last``, must split evenly."""
+        tail = 0 if self.drop_last else self.n % self.global_batch_size
+        for what, samples in (("the global batch", self.global_batch_size), ("an epoch's last batch", tail)):
+            if samples % size:
+                raise ValueError(
+                    f"{what} has {samples} samples, which {size} data-parallel ranks cannot share evenly "
+                    "(make global_batch_size a multiple of the ranks"
+                    + ("" if what == "the global batch" else ", or set drop_last=True")
+                    + ")"
+                )
+
     def epoch(self, step: int) -> int:
         return step // self.steps_per_epoch
 

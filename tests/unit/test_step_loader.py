@@ -84,6 +84,13 @@ def test_a_short_last_batch_without_drop_last_and_bad_input() -> None:
     assert len(loader) == 3 and loader.global_indices(2) == [8, 9]
     with pytest.raises(ValueError, match="cannot share evenly"):
         _loader(ds, 4, 0, 3).indices(0)
+    # told when the loader is made (session.loader), not at the first step that cannot be shared
+    with pytest.raises(ValueError, match=r"^the global batch has 4 samples, which 3 data-parallel ranks"):
+        _loader(ds, 4).check_split(3)
+    with pytest.raises(ValueError, match=r"^an epoch's last batch has 2 samples, which 4 .*drop_last=True"):
+        _loader(ds, 4, drop_last=False).check_split(4)
+    _loader(ds, 4, drop_last=False).check_split(2)  # 4 and 2 both split in two
+    _loader(ds, 4).check_split(4)  # the short tail is dropped
 
     class Stream(IterableDataset[int]):
         def __iter__(self) -> Any:
