@@ -468,9 +468,11 @@ def test_forgeries_of_a_stranger_are_rejected_through_a_recovery(tmp_path: Path)
     assert sorted(result.pids) == ["s0", "s1", "w0", "w1"]  # s1: the refill
     # 2. the job's store listens on the loopback interface only
     assert watch.listeners and set(watch.listeners) <= LOOPBACK, watch.listeners
-    # the rejections are in the events (and on disk), naming the keys
+    # the rejections are in the events (and on disk), naming the keys. Not events/w1/: the launcher
+    # reads a process's next chunk only while it lives, and whether the stranger forged w1's before
+    # it was killed at step 4 is a race (a loaded fresh-clone run lost it); w0's and s0's live on
     _check_rejected(result, attack, {"gen/0/plan", "gen/latest", "hb/w0", "hb/s0", "fatal/w0", "events/w0/",
-                                     "events/w1/", "events/s0/"})  # fmt: skip
+                                     "events/s0/"})  # fmt: skip
     on_disk = _events(tmp_path / "run" / "events.jsonl")
     assert "hb/w0" in {e.get("key") for e in on_disk if e["kind"] == "message_rejected"}
     # the guessable rendezvous prefixes lead nowhere: the real one is derived from the job's secret
