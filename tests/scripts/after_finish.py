@@ -1,7 +1,7 @@
-"""A few steps, ``session.finish()``, then work after training: rank 0 sleeps SECONDS and writes FILE
-(a model saved at the end); rank 1 exits with CODE.
+"""A few steps, ``session.finish()``, then work after training: rank r sleeps SECONDS_r, writes
+FILE.r (a model saved at the end) and exits with CODE_r.
 
-Usage: after_finish.py FILE SECONDS CODE
+Usage: after_finish.py FILE SECONDS_0 CODE_0 SECONDS_1 CODE_1
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import checkpointless as cl
 
 
 def main() -> None:
-    path, seconds, code = Path(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
+    path, plan = Path(sys.argv[1]), sys.argv[2:]
     torch.set_num_threads(1)
     model = torch.nn.Linear(4, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -29,11 +29,10 @@ def main() -> None:
             opt.step()
             opt.zero_grad()
     session.finish()
-    if session.rank == 0:
-        time.sleep(seconds)
-        path.write_text("saved")
-    elif code:
-        raise SystemExit(code)
+    seconds, code = float(plan[2 * session.rank]), int(plan[2 * session.rank + 1])
+    time.sleep(seconds)
+    path.with_name(f"{path.name}.{session.rank}").write_text("saved")
+    raise SystemExit(code)
 
 
 if __name__ == "__main__":
