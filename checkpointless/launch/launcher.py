@@ -520,7 +520,7 @@ class Launcher:
             if now > deadline:
                 raise JobFailed(f"job did not finish within {self.timeout_s:.0f}s")
             self._wakeups.wait(min(coord.next_tick_s(), 0.2) if self._wakeups.complete else 0.01)
-        self._after_finish = self._wait_workers(coord, self.job.recovery.exit_timeout_s)
+        self._wait_workers(coord, self.job.recovery.exit_timeout_s)
 
     def _write_outputs(self, events: list[dict[str, Any]], report: dict[str, Any]) -> str | None:
         """Rewrite events.jsonl in time order and write report.json, atomically; the error if that failed."""
@@ -538,11 +538,12 @@ class Launcher:
             return f"could not write {self.out_dir}: {e.strerror or e}"
         return self._stream_error
 
-    def _wait_workers(self, coord: Coordinator, timeout_s: float) -> dict[str, str]:
+    def _wait_workers(self, coord: Coordinator, timeout_s: float) -> None:
         """Let the ranks exit (a script's work after training runs meanwhile, ``exit_timeout_s``);
-        ``job/stop`` is re-asserted meanwhile (a stranger may overwrite it). Returns what went wrong
-        after the end, by process: an exit code other than 0, or a kill at the timeout."""
-        failed: dict[str, str] = {}
+        ``job/stop`` is re-asserted meanwhile (a stranger may overwrite it). What went wrong after
+        the end goes into ``_after_finish``, by process: an exit code other than 0, a kill at the
+        timeout, or a signal that stopped the work."""
+        failed = self._after_finish
         children = self.children
         try:
             self._wait_each(coord, children, timeout_s, failed)
@@ -551,9 +552,7 @@ class Launcher:
             for name in coord.members.values():
                 if name not in failed and children[name].alive():
                     failed[name] = f"stopped by {what} after the job finished"
-            self._after_finish = failed
             raise
-        return failed
 
     def _wait_each(self, coord: Coordinator, children: dict[str, Any], timeout_s: float,
                    failed: dict[str, str]) -> None:  # fmt: skip
