@@ -10,10 +10,12 @@ from checkpointless.devices import local_device
 from checkpointless.errors import CheckpointlessError, FatalError
 from checkpointless.faults import FaultSpec, parse_fault
 from checkpointless.session import Attempt, Session
+from checkpointless.session_base import Between
 from checkpointless.state import Stateful
 
 __all__ = [
     "Attempt",
+    "Between",
     "CheckpointlessError",
     "FatalError",
     "FaultSpec",

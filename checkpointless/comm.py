@@ -1,10 +1,12 @@
 """Process-group lifecycle, one group per generation.
 
 A group is built on its generation's store prefix (``keys.pg_prefix``), so a new
-generation never meets the keys of an old one. Groups are plain ``ProcessGroup`` objects, not the
-``torch.distributed`` default group: several generations may exist over the life
-of a process, and a broken one is aborted and dropped without touching global
-state.
+generation never meets the keys of an old one. A replicated session's data-plane group is also the
+process's ``torch.distributed`` default group for its generation (``default=True``: a script's
+``dist.get_rank()``, ``DistributedSampler(dataset)`` and own collectives use it), formed with
+``init_process_group`` on that prefix and destroyed by ``abort``, so that the next generation can
+form its own; other groups (an NCCL group's control group, tools') are plain ``ProcessGroup``
+objects that touch no global state.
 
 Failure semantics: any collective that fails (a peer died, the group was
 aborted, a timeout) raises ``CollectiveError``. ``abort`` *destroys* this
@@ -39,6 +41,7 @@ transfer's): a timed wait on a gloo send ends the send, and torch does not expos
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from datetime import timedelta
 from typing import Any
@@ -110,25 +113,49 @@ class Group:
         backend: str = "gloo",
         timeout: timedelta = timedelta(seconds=60),
         device: torch.device | None = None,
+        default: bool = False,
     ) -> None:
         """Collective over all members of generation ``gen``: every member must call it.
 
         ``prefix`` is the store prefix of the rendezvous (the session passes the
         generation's unguessable one, ``keys.pg_prefix``); tools and tests may omit it.
         ``device``: NCCL's CUDA device (default: the current one); gloo's is the CPU.
+        ``default``: the group is also the process's ``torch.distributed`` default group (what
+        ``dist.get_rank()``, ``DistributedSampler(dataset)`` and a script's own ``dist.all_reduce``
+        use) until ``abort`` destroys it; none may exist yet.
         """
         self.gen, self.rank, self.world_size = gen, rank, world_size
         self.backend = backend
         self.control: Group = self
         self._pending: dict[int, tuple[Any, bool]] = {}  # works not yet waited for: (work, p2p), by id
+        self._default = default
         _sweep()
         prefix = prefix or f"pg/{gen}/"
         prefixed = dist.PrefixStore(prefix, store)
+        if default and dist.is_initialized():
+            raise RuntimeError("a torch.distributed default group already exists in this process")
         before = sockets()
         try:
-            if backend == "gloo":
+            if backend not in ("gloo", "nccl"):
+                raise ValueError(f"unknown backend {backend!r} (expected gloo or nccl)")
+            if default:
+                # as fsdp.Generation: a formation that failed before its default group existed
+                # leaves torch's group counter advanced, and the ranks' group names would differ
+                from checkpointless._compat import reset_group_count
+
+                reset_group_count()
+                dist.init_process_group(
+                    backend, store=prefixed, rank=rank, world_size=world_size, timeout=timeout
+                )
+                self.pg: Any = dist.group.WORLD
+                self.device = (
+                    torch.device("cpu")
+                    if backend == "gloo"
+                    else device or torch.device("cuda", torch.cuda.current_device())
+                )
+            elif backend == "gloo":
                 self.device = torch.device("cpu")
-                self.pg: Any = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+                self.pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
             elif backend == "nccl":
                 self.device = device or torch.device("cuda", torch.cuda.current_device())
                 opts = dist.ProcessGroupNCCL.Options()
@@ -136,8 +163,6 @@ class Group:
 
                 set_nccl_timeout(opts, timeout)  # a private name, behind the version gate
                 self.pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
-            else:
-                raise ValueError(f"unknown backend {backend!r} (expected gloo or nccl)")
             # this group's connections (``release``): those its listeners accepted, and those to
             # the peers' listeners, which every member publishes on the rendezvous prefix
             new = sockets_since(before)
@@ -146,6 +171,11 @@ class Group:
         except ValueError:
             raise
         except RuntimeError as e:  # gloo and NCCL errors (torch.distributed.DistError is one)
+            if default and dist.is_initialized():  # formed, then the listeners' exchange failed
+                self._fds = group_connections(sockets_since(before))
+                shutdown_sockets(self._fds)
+                with contextlib.suppress(Exception):
+                    dist.destroy_process_group()
             raise CollectiveError(f"gen {gen}: group formation failed: {e}") from None
         self._owned = True
         self._released = False
@@ -176,7 +206,7 @@ class Group:
                 else torch.device("cpu")
             )
         self.device = device
-        self._owned = False
+        self._owned = self._default = False
         self._fds = {}
         self._released = False
         self._pending = {}
@@ -366,5 +396,10 @@ class Group:
             _graveyard.append((pg, running))
             log.debug("gen %d rank %d: aborted with %d collectives running, %d connections shut down",
                       self.gen, self.rank, len(running), n)  # fmt: skip
+        if (
+            self._default and dist.is_initialized() and dist.group.WORLD is pg
+        ):  # (not destroyed by the script)
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
         del pg  # the last reference (unless kept aside): ~ProcessGroupGloo closes the sockets
         _sweep()

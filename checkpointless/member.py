@@ -74,6 +74,14 @@ def _layout_difference(rank_a: int, a: list[list[Any]], rank_b: int, b: list[lis
     return f"parameters are registered in a different order on rank {rank_a} and rank {rank_b}"
 
 
+def _drop_formed(result: dict[str, Any]) -> None:
+    """Tear down what an abandoned formation built (its groups hold the process's default group)."""
+    if "generation" in result:
+        result["generation"].close()
+    if "group" in result:
+        result["group"].abort()
+
+
 def _holders_can_disagree(plan: Plan) -> bool:
     """Whether some replica group that receives state in ``plan`` keeps two holders or more (the
     members that keep their state, not receiving): only then can their comparison change a source.
@@ -165,14 +173,13 @@ class Member(ReplicaConsistency):
         prefix = keys.pg_prefix(plan.gen, pg_token(self._secret, plan.gen))
 
         if self._forming is not None:
-            # a sharded formation abandoned by an abort: the default group is global, so it must
+            # a formation abandoned by an abort: the default group is global, so it must
             # end (it fails at the latest at the collective timeout) before the next one starts
             stale, stale_result = self._forming
             stale.join(timeout.total_seconds() + 5)
             if stale.is_alive():
                 self._fatal(f"a group formation abandoned before generation {plan.gen} did not end")
-            if "generation" in stale_result:
-                stale_result["generation"].close()
+            _drop_formed(stale_result)
             self._forming = None
 
         def form() -> None:
@@ -192,7 +199,7 @@ class Member(ReplicaConsistency):
                 else:
                     result["group"] = Group(
                         store, plan.gen, self.rank, plan.world_size, prefix=prefix,
-                        backend=self.job.backend, timeout=timeout,
+                        backend=self.job.backend, timeout=timeout, default=True,
                     )  # fmt: skip
             except (RuntimeError, OSError, TimeoutError) as e:  # the store or a peer failed
                 result["error"] = f"{type(e).__name__}: {e}"
@@ -208,15 +215,15 @@ class Member(ReplicaConsistency):
                 # The helper waits on a peer that will never come (up to the collective timeout).
                 # Shut down the connections it opened (its store connection, those its group's
                 # listener accepted; not what other threads opened meanwhile): its
-                # wait fails now, and a sharded formation, which holds the process's one default
+                # wait fails now, and the formation, which holds the process's one default
                 # group, ends before the next one starts (a fresh spare in the next generation
                 # would otherwise wait for this rank in vain, and time out in turn)
                 release_formation(before, client.addr)
                 t.join(timeout=5.0)
-                if self.sharded and t.is_alive():
+                if t.is_alive():
                     self._forming = (t, result)
-                elif "generation" in result:  # formed just as the abort came
-                    result["generation"].close()
+                else:  # ended, or formed just as the abort came
+                    _drop_formed(result)
                 raise CollectiveError(f"gen {plan.gen}: aborted by the coordinator during group formation")
         if "fatal" in result:
             self._fatal(f"forming generation {plan.gen}'s process group failed: {result['fatal']}")

@@ -94,7 +94,7 @@ from checkpointless.fsdp import (
     Generation,
 )
 from checkpointless.member import Member, _release_frames
-from checkpointless.session_base import Attempt
+from checkpointless.session_base import Attempt, Between
 from checkpointless.state import (
     IntegrityError,
     Stateful,
@@ -238,6 +238,10 @@ class Session(Member):
                 )  # fmt: skip
                 self._group = self._generation_state.group
                 self._build_generation()
+            elif not dist.is_initialized():
+                # a group of one, so that what a DDP script reads (dist.get_rank(),
+                # DistributedSampler(dataset), its own all_reduce) runs alone too
+                dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
             return
         die_with_parent()
         self.job = JobConfig.from_json(os.environ[ENV_CONFIG])
@@ -514,6 +518,41 @@ class Session(Member):
             )
         self._commit(step, time.perf_counter() - t0)
         current.committed = True
+
+    @contextlib.contextmanager
+    def between_steps(self) -> Iterator[Between]:
+        """Work with collectives of its own that every rank does between two steps (an evaluation
+        that all-reduces its metrics, a gather for a log line), over the default group
+        (``torch.distributed``'s, which the session forms for every generation) or ``process_group``.
+
+        A peer that fails while the block runs (a collective in it fails, or the coordinator
+        aborts the generation: a peer died, hung or was cut off) is recovered as in a step: the
+        block ends there, ``completed`` stays False, and the loop goes on at the next step in the
+        new generation, with a replacement that never runs this block (so nothing in it may be
+        training state). An exception of the block's own is raised as usual. Inside the step,
+        collectives need no block: a failed attempt is executed again.
+        """
+        if self._current is not None:
+            self._fatal("session.between_steps() used inside `with session.attempt():`")
+        block = Between(self._committed)
+        try:
+            yield block
+        except FatalError:
+            raise
+        except Exception as exc:
+            if self._client is None or not self._caused_by_peers(exc):
+                raise
+            _release_frames(exc)
+            log.warning("[gen %d rank %d] a collective between steps %d and %d failed: %s",
+                        self.generation, self.rank, self._committed, self._next_step, exc)  # fmt: skip
+            self._client.emit(
+                Event.FAULT_DETECTED, sync=True, rank=self.rank, gen=self.generation, step=self._next_step,
+                reason=Reason.COLLECTIVE_ERROR, error=str(exc)[:300], between_steps=True,
+            )  # fmt: skip
+            del exc
+            self._recover(Reason.COLLECTIVE_ERROR)
+            return
+        block.completed = True
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

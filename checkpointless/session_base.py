@@ -56,6 +56,19 @@ class Attempt:
     committed: bool = False
 
 
+@dataclass
+class Between:
+    """A block of work between two steps, as ``Session.between_steps`` yields it.
+
+    ``after``: the last committed step when it began. ``completed`` becomes True when the block
+    ran to its end; it stays False when a peer failed during it (the session recovered and the
+    loop goes on at the next step).
+    """
+
+    after: int
+    completed: bool = False
+
+
 class _Progress:
     """The session's own transferable state: step counter, data position, RNG states."""
 

@@ -9,6 +9,7 @@ capability at more world sizes, more fault kinds and moments, slower scenarios) 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -40,3 +41,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     ]
     if collected_all and stale:
         raise pytest.UsageError(f"tests/e2e.txt names tests that do not exist: {stale}")
+
+
+@pytest.fixture(autouse=True)
+def _no_default_group_left() -> Iterator[None]:
+    """A session alone forms a default process group of one and leaves it (as under the launcher,
+    where a script may still use it after ``finish``): end it after each in-process test."""
+    yield
+    import sys
+
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -41,9 +41,11 @@ def _hint(tail: str) -> str:
     """What a script's last error line usually means under the launcher ("" when nothing is known)."""
     if "process group has not been initialized" in tail or "init_process_group" in tail:
         return (" (a torch.distributed call that needs the default process group, such as DistributedSampler(dataset) "
-                "or dist.get_rank(): a replicated job has none; the rank is known once checkpointless.Session() "
-                "returns: session.dp_rank, session.dp_size, DistributedSampler(dataset, num_replicas=session.dp_size, "
-                "rank=session.dp_rank), or read the data with session.loader(...))")  # fmt: skip
+                "or dist.get_rank(), made before checkpointless.Session() returned: the session forms the group "
+                "once the rank is known; make the call after it, or read the data with session.loader(...))")  # fmt: skip
+    if any(m in tail for m in ("Connection closed by peer", "Connection reset by peer", "gloo/transport")):
+        return (" (a collective outside the step failed, most likely because a peer failed: run the script's "
+                "collectives between steps in `with session.between_steps():`, or inside the step)")  # fmt: skip
     return ""
 
 

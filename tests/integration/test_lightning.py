@@ -54,9 +54,9 @@ def reference(lightning_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     assert job.ok, f"{job.error}\n{logs_of(job)}"
     assert job.digest is not None
     assert job.report["steps_completed"] == STEPS
-    # rank 0's last line: 2 ranks, and no env:// process group of Lightning's own
+    # rank 0's last line: 2 ranks, and the default process group is the session's (none of Lightning's)
     last = job.logs["w0"].read_text()
-    assert f"trained {STEPS} steps" in last and "ranks 2, process group: False" in last, last[-2000:]
+    assert f"trained {STEPS} steps" in last and "ranks 2, process group: the session's" in last, last[-2000:]
     return job.digest, job.report["final_registered_sha256"]
 
 
@@ -191,9 +191,7 @@ def test_the_script_runs_alone_on_one_process(tmp_path: Path, extra: tuple[str, 
     run = subprocess.run([sys.executable, SCRIPT, str(tmp_path), "--epochs", "1", *extra], capture_output=True,
                          text=True, timeout=240, env=env)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
-    assert f"trained {steps} steps" in run.stdout and "ranks 1, process group: False" in run.stdout, (
-        run.stdout
-    )
+    assert f"trained {steps} steps" in run.stdout and "ranks 1, process group: of 1" in run.stdout, run.stdout
 
 
 DATAMODULE = str(ROOT / "tests" / "scripts" / "lightning_datamodule.py")

@@ -127,9 +127,16 @@ def main() -> None:
     )
     trainer.fit(model, train, val)
     if trainer.is_global_zero:
+        # the default process group: the session's own (no env:// group of Lightning's), or one of
+        # a single rank alone
+        group = strategy.session.process_group if strategy.session is not None else None
+        if group is not None and group.pg is dist.group.WORLD:
+            owner = "the session's"
+        else:
+            owner = f"of {dist.get_world_size()}" if dist.is_initialized() else "none"
         print(
             f"trained {trainer.global_step} steps, val_loss {float(trainer.callback_metrics['val_loss']):.4f}, "
-            f"ranks {trainer.world_size}, process group: {dist.is_initialized()}, state {strategy.digest}",
+            f"ranks {trainer.world_size}, process group: {owner}, state {strategy.digest}",
             flush=True,
         )
 

@@ -1075,12 +1075,17 @@ def test_a_member_that_may_be_in_a_collective_until_its_timeout_is_waited_for() 
 
 
 def test_a_sampler_built_before_the_session_is_named_in_the_error() -> None:
-    """``DistributedSampler(dataset)`` (before or after ``Session()``: a replicated job has no default
-    process group): torch's line, then what it means here and what to write instead."""
+    """``DistributedSampler(dataset)`` before ``Session()`` returned (the default process group is
+    formed with the rank): torch's line, then what it means here and what to write instead; a
+    collective that failed outside the step is pointed to ``session.between_steps()``."""
     from checkpointless.control.detection import _hint
 
     line = "ValueError: Default process group has not been initialized, please make sure to call init_process_group."
     hint = _hint(line)
-    assert "DistributedSampler(dataset)" in hint and "a replicated job has none" in hint
-    assert "num_replicas=session.dp_size, rank=session.dp_rank" in hint
+    assert "DistributedSampler(dataset)" in hint and "before checkpointless.Session() returned" in hint
+    assert "session.loader(...)" in hint
+    closed = (
+        "RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer"
+    )
+    assert "session.between_steps()" in _hint(closed)
     assert _hint("ZeroDivisionError: division by zero") == ""

@@ -189,6 +189,12 @@ class CheckpointlessStrategy(ParallelStrategy):
         )
         # Lightning's rank-zero-only output: set at import from LOCAL_RANK (the slot), now the rank
         rank_zero_only.rank = self._session.rank  # type: ignore[attr-defined]
+        # Before each batch Lightning broadcasts a SIGTERM flag over the default group, which the
+        # session's generation is: outside the step, where a replacement entering the loop would
+        # pair it with its peers' next collective. The launcher stops a job itself (Ctrl-C, SIGTERM).
+        epoch_loop = trainer.fit_loop.epoch_loop
+        if hasattr(epoch_loop, "_broadcast_sigterm_tensor"):
+            epoch_loop._broadcast_sigterm_tensor = lambda: None
         if self._progress.received and self._progress.snapshot["step"] >= 0:
             self._join(trainer)
             return
