@@ -266,3 +266,17 @@ def test_the_pinned_versions_are_the_ones_installed_and_supported() -> None:
     low, high = integration.SUPPORTED
     assert req.name == "lightning" and str(req.specifier) == f"<{high},>={low}"
     assert low <= Version(L.__version__) < high
+
+
+def test_lightnings_sigterm_broadcasts_over_the_default_group_are_off(tmp_path: Path) -> None:
+    """The session's generation is the default group: Lightning's per-batch SIGTERM broadcast and
+    its handler's broadcast would run outside the step (where a replacement pairs them with its
+    peers' next collective). The handler only notes the signal."""
+    from checkpointless.integrations.lightning.strategy import _SigtermNoted
+
+    trainer = _fit(tmp_path)._trainer
+    assert trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor() is None
+    noted = trainer._signal_connector._sigterm_notifier_fn
+    assert isinstance(noted, _SigtermNoted)
+    noted(15, None)
+    assert trainer._signal_connector.received_sigterm

@@ -41,6 +41,17 @@ def _job_workers() -> int:
     return JobConfig.from_json(os.environ[ENV_CONFIG]).workers
 
 
+class _SigtermNoted:
+    """Lightning's SIGTERM notifier without its broadcast over the default group."""
+
+    def __init__(self, connector: Any) -> None:
+        self.connector = connector
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        log.info("received signal %d: Lightning stops at the next batch", signum)
+        self.connector.received_sigterm = True
+
+
 def under_launcher() -> bool:
     """Whether this process was started by ``checkpointless launch`` (or ``run``, ``cluster``)."""
     return ENV_STORE in os.environ
@@ -192,9 +203,14 @@ class CheckpointlessStrategy(ParallelStrategy):
         # Before each batch Lightning broadcasts a SIGTERM flag over the default group, which the
         # session's generation is: outside the step, where a replacement entering the loop would
         # pair it with its peers' next collective. The launcher stops a job itself (Ctrl-C, SIGTERM).
+        # Its SIGTERM handler (registered after this) broadcasts too, from wherever the signal
+        # lands: it notes the signal only (Lightning then stops at the next batch).
         epoch_loop = trainer.fit_loop.epoch_loop
         if hasattr(epoch_loop, "_broadcast_sigterm_tensor"):
             epoch_loop._broadcast_sigterm_tensor = lambda: None
+        connector = getattr(trainer, "_signal_connector", None)
+        if connector is not None and hasattr(connector, "_sigterm_notifier_fn"):
+            connector._sigterm_notifier_fn = _SigtermNoted(connector)
         if self._progress.received and self._progress.snapshot["step"] >= 0:
             self._join(trainer)
             return
