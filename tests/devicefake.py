@@ -168,9 +168,10 @@ class PlaneGroup(Group):
         backend: str = "gloo",
         timeout: timedelta = timedelta(seconds=60),
         device: torch.device | None = None,
+        default: bool = False,
     ) -> None:
         prefix = prefix or f"pg/{gen}/"
-        super().__init__(store, gen, rank, world_size, prefix=prefix, timeout=timeout)
+        super().__init__(store, gen, rank, world_size, prefix=prefix, timeout=timeout, default=default)
         self.backend = "pretend"
         self.device = device or PRETEND
         self.control = ControlGroup(store, gen, rank, world_size, prefix=prefix + "ctl/", timeout=timeout)
