@@ -98,8 +98,6 @@ def main() -> None:
         Path(a.output_dir).mkdir(parents=True, exist_ok=True)
         (Path(a.output_dir) / "times.json").write_text(json.dumps({"params": params, "times": timer.times}))
     print(f"trained {out.global_step} steps, loss {out.training_loss:.4f}", flush=True)
-    if torch.distributed.is_initialized():  # as a torchrun script ends (gloo's threads at exit
-        torch.distributed.destroy_process_group()  # otherwise abort a rank now and then)
 
 
 if __name__ == "__main__":
