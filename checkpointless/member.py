@@ -109,9 +109,12 @@ class Member(ReplicaConsistency):
         rc = self.job.recovery
         return self._poll_abort(rc.hang_timeout_s + 4 * rc.heartbeat_interval_s) is True
 
-    def _on_failure(self, exc: Exception, step: int) -> None:
+    def _on_failure(self, exc: Exception, step: int, *, peers: bool | None = None, **fields: Any) -> None:
+        """Report a failed attempt (or block: ``fields`` go into the event) and recover; ``peers``:
+        whether peers caused it, when the caller already knows."""
         _release_frames(exc)
-        reason = Reason.COLLECTIVE_ERROR if self._caused_by_peers(exc) else Reason.EXCEPTION
+        caused = self._caused_by_peers(exc) if peers is None else peers
+        reason = Reason.COLLECTIVE_ERROR if caused else Reason.EXCEPTION
         if reason == Reason.EXCEPTION:
             self._local_failures += 1
             if self._local_failures > self.job.recovery.max_retries_per_step:
@@ -122,7 +125,7 @@ class Member(ReplicaConsistency):
         assert self._client is not None
         self._client.emit(
             Event.FAULT_DETECTED, sync=True, rank=self.rank, gen=self.generation, step=step,
-            reason=reason, error=str(exc)[:300],
+            reason=reason, error=str(exc)[:300], **fields,
         )  # fmt: skip
         del exc
         self._recover(reason)

@@ -542,15 +542,7 @@ class Session(Member):
         except Exception as exc:
             if self._client is None or not self._caused_by_peers(exc):
                 raise
-            _release_frames(exc)
-            log.warning("[gen %d rank %d] a collective between steps %d and %d failed: %s",
-                        self.generation, self.rank, self._committed, self._next_step, exc)  # fmt: skip
-            self._client.emit(
-                Event.FAULT_DETECTED, sync=True, rank=self.rank, gen=self.generation, step=self._next_step,
-                reason=Reason.COLLECTIVE_ERROR, error=str(exc)[:300], between_steps=True,
-            )  # fmt: skip
-            del exc
-            self._recover(Reason.COLLECTIVE_ERROR)
+            self._on_failure(exc, self._next_step, peers=True, between_steps=True)
             return
         block.completed = True
 
