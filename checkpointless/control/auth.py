@@ -180,6 +180,12 @@ class SignedStore:
     def set(self, key: str, value: str) -> None:
         self.raw.set(self.name(key), self.seal(key, value))
 
+    def multi_set(self, values: dict[str, str]) -> None:
+        """Set every key of ``values`` in one round trip."""
+        if values:
+            names = [self.name(k) for k in values]
+            self.raw.multi_set(names, [self.seal(k, v).decode() for k, v in values.items()])
+
     def get_sealed(self, key: str) -> bytes | None:
         """The raw (still sealed) bytes of ``key``, or None if absent; ``open`` verifies them."""
         name = self.name(key)

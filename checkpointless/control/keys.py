@@ -141,6 +141,13 @@ def node_events(host: str, chunk: int) -> str:
     return f"node/{host}/events/{chunk}"
 
 
+def node_read(host: str) -> str:
+    """How many of ``host``'s relayed event chunks the coordinator has read: its relay deletes those
+    (the coordinator deletes none: one ``multi_set`` of every host's count per pass, where a delete
+    per chunk cost it a round trip each)."""
+    return f"node/{host}/read"
+
+
 def relayed(proc: str) -> str:
     """In a host agent's relay store: how many of ``proc``'s event chunks reached the coordinator."""
     return f"relayed/{proc}"

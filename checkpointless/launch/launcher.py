@@ -41,11 +41,11 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from types import FrameType
+from types import FrameType, MappingProxyType
 from typing import IO, Any
 
 from torch.distributed import TCPStore
@@ -88,6 +88,8 @@ class JobResult:
 
 RELAYED_CHUNKS_PER_PASS = 256
 """Hosts' event chunks one collection reads at most while the job runs (a few hundred KB of events)."""
+USAGE_HOSTS_PER_S = 100.0
+"""``host_usage`` samples a second at most, across the job's hosts (each host's every 2 s below 200)."""
 
 
 def open_store(host: str, port: int) -> TCPStore:
@@ -191,12 +193,13 @@ class Launcher:
 
     # -- processes ------------------------------------------------------------------
     @property
-    def children(self) -> dict[str, Any]:
+    def children(self) -> Mapping[str, Any]:
         """Every process started so far, by name: a ``ProcessHandle`` each (``_Child`` here, a
-        ``RemoteProcess`` on another host)."""
+        ``RemoteProcess`` on another host). A read-only view, not a copy (16,000 entries at 2,000
+        hosts): not to be iterated across a call that starts a process."""
         if self.remote is not None:
-            return dict(self.remote.children)
-        return dict(self.agent.children) if self.agent is not None else {}
+            return MappingProxyType(self.remote.children)
+        return MappingProxyType(self.agent.children) if self.agent is not None else {}
 
     # -- events ---------------------------------------------------------------------
     def _record(self, ev: dict[str, Any]) -> None:
@@ -292,20 +295,26 @@ class Launcher:
             known.sort(key=lambda hi: (hi[1] - self._chunks_read.get(f"@{hi[0]}", 0), hi[0]))
             known = sorted(known[:RELAYED_CHUNKS_PER_PASS])
         raws = self.store.get_sealed_present([keys.node_events(h, i) for h, i in known])
+        advanced: dict[str, str] = {}
+        forged: set[str] = set()
         for (host, i), raw in zip(known, raws, strict=True):
-            self._record_chunk(host, keys.node_events(host, i), raw, relay=True)
+            if host in forged or not self._record_chunk(host, keys.node_events(host, i), raw, relay=True):
+                forged.add(host)  # the real chunk overwrites it: read from there at the next pass
+                continue
             self._chunks_read[f"@{host}"] = i + 1
-        if not final:
-            return
-        for host in self.remote.hosts:
-            seen = self._chunks_read.get(f"@{host}", 0)
-            while True:
-                key = keys.node_events(host, seen)
-                sealed = self.store.get_sealed(key)
-                if sealed is None or not self._record_chunk(host, key, sealed, relay=True):
-                    break
-                seen += 1
-            self._chunks_read[f"@{host}"] = seen
+            advanced[keys.node_read(host)] = str(i + 1)
+        if final:
+            for host in self.remote.hosts:
+                seen = self._chunks_read.get(f"@{host}", 0)
+                while True:
+                    key = keys.node_events(host, seen)
+                    sealed = self.store.get_sealed(key)
+                    if sealed is None or not self._record_chunk(host, key, sealed, relay=True):
+                        break
+                    seen += 1
+                self._chunks_read[f"@{host}"] = seen
+        else:  # the relays delete what was read (one write for every host, not a delete per chunk)
+            self.store.multi_set(advanced)
 
     def _record_chunk(self, name: str, key: str, raw: bytes, *, relay: bool = False) -> bool:
         """Record the events of one sealed chunk of process ``name`` (``relay``: of host ``name``'s
@@ -325,7 +334,8 @@ class Launcher:
                     self._sent_at.append((ev, clock, float(ev["t"])))
                     ev["t"] = self._coord.clocks.to_coordinator(clock, float(ev["t"]))
                 self._record(ev)
-        self.store.delete(key)
+        if not relay:  # a relay deletes its own, once told they were read (``keys.node_read``)
+            self.store.delete(key)
         return True
 
     @property
@@ -358,6 +368,9 @@ class Launcher:
                 emit=lambda kind, **f: self._record(event(
                     kind, proc="coordinator", gen=self._coord.plan.gen if self._coord and self._coord.plan else 0, **f)),
             )  # fmt: skip
+            # a host's usage every 2 s, at most 100 hosts' a second: at 2,000 hosts one sample of
+            # each every 20 s (a Prometheus scrape's usual interval), not 1,000 events a second
+            self._usage.every_s = max(self._usage.every_s, (c.nodes + c.spare_nodes) / USAGE_HOSTS_PER_S)
         spawn_spare: Callable[[], Any] = (
             self.remote.spawn_spare if self.remote is not None else self.agent.spawn_spare  # type: ignore[union-attr]
         )
@@ -446,24 +459,28 @@ class Launcher:
         """One ``host_usage`` event per host: its CPU, memory and accelerators (its agent's last
         sample, or this host's own), and each of its ranks' CPU share."""
         hosts: dict[str, dict[str, Any]] = {}
+        ranks = {name: rank for rank, name in coord.members.items()}
         if self.remote is not None:
-            for h in self.remote.hosts.values():
-                if not h.lost and isinstance(h.status.get("usage"), dict):
-                    hosts[h.name] = dict(h.status["usage"])
+            for h in self.remote.hosts.values():  # each host's ranks from its own status: no scan
+                if h.lost or not isinstance(h.status.get("usage"), dict):  # of every process
+                    continue
+                usage = hosts[h.name] = dict(h.status["usage"])
+                procs = h.status.get("procs")
+                for name in procs if isinstance(procs, dict) else ():
+                    if name in ranks:
+                        self._rank_share(usage, now, ranks[name], name, self.remote.children.get(name))
         else:
-            hosts[socket.gethostname()] = self._usage.local()
-        children = self.children  # a copy per call: once, not once per rank
-        for rank, name in coord.members.items():
-            handle = children.get(name)
-            host = getattr(handle, "host", "")
-            if handle is None or host not in hosts:
-                continue
-            share = self._usage.rank_cpu(now, rank, name, handle.cpu_seconds())
-            if share is not None:
-                hosts[host].setdefault("ranks", {})[str(rank)] = share
+            usage = hosts[socket.gethostname()] = self._usage.local()
+            for name, rank in ranks.items():
+                self._rank_share(usage, now, rank, name, self.children.get(name))
         for host, usage in hosts.items():
             self._record(event(Event.HOST_USAGE, proc="launcher", gen=coord.plan.gen if coord.plan else 0,
                                host=host, **usage))  # fmt: skip
+
+    def _rank_share(self, usage: dict[str, Any], now: float, rank: int, name: str, handle: Any) -> None:
+        share = self._usage.rank_cpu(now, rank, name, handle.cpu_seconds() if handle is not None else None)
+        if share is not None:
+            usage.setdefault("ranks", {})[str(rank)] = share
 
     def _log_paths(self) -> dict[str, Path]:
         if self.agent is not None:
@@ -554,7 +571,7 @@ class Launcher:
                     failed[name] = f"stopped by {what} after the job finished"
             raise
 
-    def _wait_each(self, coord: Coordinator, children: dict[str, Any], timeout_s: float,
+    def _wait_each(self, coord: Coordinator, children: Mapping[str, Any], timeout_s: float,
                    failed: dict[str, str]) -> None:  # fmt: skip
         start = time.monotonic()
         deadline, told = start + timeout_s, False
@@ -645,8 +662,8 @@ class Launcher:
             self.agent.stop()
         if self.remote is not None:
             self.remote.stop()
-        try:
-            self._collect_events()
+        try:  # the relays' last counts first: a backlog is read in bulk, then probed to its end
+            self._collect_events(relayed=self._coord.relay_chunks() if self._coord is not None else None)
         except (RuntimeError, OSError) as e:
             log.warning("could not collect the processes' last events (%s); the event log may miss them", e)
         # after every child is gone, so that none can create the directory again

@@ -17,6 +17,8 @@ against it (``ControlClient(relay=...)``), and every heartbeat interval the rela
    second, one more asks whether the job was stopped, which the ranks ask at every step boundary.
 
 The coordinator thus reads one key per host per tick and one chunk per host per tick with events.
+It deletes none: after each pass it writes every host's count of chunks read in one ``multi_set``
+(``keys.node_read``), and once a second the relay deletes its chunks below its count.
 Plans, failure reports, final digests and waits still go from each process to the coordinator's
 store: they come once per generation, not per tick.
 
@@ -83,6 +85,7 @@ class Relay:
         self._hb: dict[str, dict[str, Any]] = {}  # process -> its latest heartbeat
         self._chunks_read: dict[str, int] = {}  # process -> event chunks taken from the local store
         self._chunks = 0  # the host's event chunks written to the coordinator
+        self._deleted = 0  # of those, deleted once the coordinator had read them
         self._unacked: list[tuple[str, str]] = []  # chunks written since the last round trip
         self._lines: list[str] = []  # events read from the local store, not yet in a chunk
         self._acked: dict[str, int] = {}  # process -> its chunks known to have reached the coordinator
@@ -172,6 +175,8 @@ class Relay:
         del self._aborted[:-8]  # a process watches its current generation only
         if not self._stopped and self._seq % _STOP_EVERY == 1:  # the ranks look at every step boundary
             self._stopped = bool(up.raw.check([up.name(keys.JOB_STOP)]))
+        if self._seq % _STOP_EVERY == _STOP_EVERY // 2 and self._deleted < self._chunks:
+            self._delete_read(up)
         self._unacked.clear()
         self._last_ok = sent
         lease = {"acked": sent, "aborted": self._aborted, "stopped": self._stopped}
@@ -180,6 +185,15 @@ class Relay:
             if self._acked.get(name) != n:
                 self._local.set(keys.relayed(name), str(n))
                 self._acked[name] = n
+
+    def _delete_read(self, up: SignedStore) -> None:
+        """Delete the host's event chunks the coordinator has read (``keys.node_read``): a count it
+        sealed, so nobody else can make the relay drop unread events."""
+        text = up.get(keys.node_read(self.host))
+        upto = min(int(text), self._chunks) if text is not None and text.isdigit() else 0
+        for i in range(self._deleted, upto):
+            up.raw.delete_key(up.name(keys.node_events(self.host, i)))
+        self._deleted = max(self._deleted, upto)
 
     def _connect(self) -> SignedStore:
         left = self._lease - (time.monotonic() - self._last_ok)

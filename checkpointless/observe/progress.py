@@ -43,7 +43,8 @@ class StepStats:
 
     def __init__(self) -> None:
         self._by_rank: dict[int, list[_Commit]] = defaultdict(list)
-        self._gaps: list[float] = []  # sorted: the median is one index away
+        self._gaps: list[float] = []  # sorted when asked (``_sorted``): a commit in order appends
+        self._sorted = True
         self._max_step: dict[int, int] = {}
         self._start: float | None = None  # when the earliest-started committed step started
         self._last_t: float | None = None
@@ -63,10 +64,11 @@ class StepStats:
         left = history[i - 1] if i > 0 else None
         right = history[i] if i < len(history) else None
         if left is not None and right is not None and (g := _gap(left, right)) is not None:
-            del self._gaps[bisect.bisect_left(self._gaps, g)]  # no longer neighbours
+            self._gaps.remove(g)  # no longer neighbours (a commit out of order: rare)
         for a, b in ((left, commit), (commit, right)):
             if a is not None and b is not None and (g := _gap(a, b)) is not None:
-                bisect.insort(self._gaps, g)
+                self._gaps.append(g)  # sorted when asked: an insort per commit is quadratic in a
+                self._sorted = False  # long job's millions
         history.insert(i, commit)
         if step >= self._max_step.get(rank, -1):
             self._max_step[rank] = step
@@ -91,6 +93,9 @@ class StepStats:
 
     @property
     def step_time_s(self) -> float:
+        if not self._sorted:  # a sorted run and a short tail: timsort merges them in linear time
+            self._gaps.sort()
+            self._sorted = True
         g, n = self._gaps, len(self._gaps)
         if not n:
             return 0.0

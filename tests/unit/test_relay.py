@@ -91,6 +91,31 @@ def test_a_hosts_heartbeats_and_events_reach_the_coordinator_as_one_value_and_on
             c.close()
 
 
+def test_the_relay_deletes_the_chunks_the_coordinator_says_it_read_and_no_others(
+    coordinator: tuple[Any, SignedStore], relay: Relay
+) -> None:
+    """The coordinator deletes no chunk (a round trip each): it writes how many it read, sealed,
+    and the relay deletes those; a count a stranger wrote deletes nothing."""
+    server, view = coordinator
+    client = _client(relay, server, "w0")
+    present = lambda i: view.raw.check([view.name(keys.node_events("h1", i))])  # noqa: E731
+    try:
+        client.update(rank=0, gen=0, committed=0)
+        for step in range(3):
+            client.emit(Event.STEP_COMMITTED, sync=True, step=step)
+            assert client.drain(5.0)  # forwarded: one chunk per step here
+        chunks = int(_relay_value(view)["chunks"])
+        assert chunks >= 2 and all(present(i) for i in range(chunks))
+        view.raw.set(view.name(keys.node_read("h1")), str(chunks))  # not sealed: ignored
+        time.sleep(1.5)  # the relay looks once a second
+        assert all(present(i) for i in range(chunks))
+        view.multi_set({keys.node_read("h1"): str(chunks - 1)})
+        _until(lambda: not present(chunks - 2), timeout=5.0)
+        assert all(not present(i) for i in range(chunks - 1)) and present(chunks - 1)
+    finally:
+        client.close()
+
+
 def test_an_abort_reaches_the_ranks_that_watch_their_generation(
     coordinator: tuple[Any, SignedStore], relay: Relay
 ) -> None:
