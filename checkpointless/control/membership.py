@@ -9,7 +9,7 @@ import json
 import logging
 import statistics
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -113,7 +113,7 @@ class Membership:
         self._failure: _Failure | None = None
         self._recovering: tuple[float, Plan] | None = None
         self._retries: Counter[int] = Counter()
-        self._step_times: list[float] = []
+        self._step_times: deque[float] = deque(maxlen=50)  # the latest, from any rank
         self._refills = 0  # spares to start once the current recovery is done
         self._spares_due: list[float] = []  # when to start the next spares (backoff after start deaths)
         self._spare_failures = 0  # spares in a row that died before they were ready
@@ -190,7 +190,7 @@ class Membership:
         ]  # fmt: skip
 
     def median_step_time(self) -> float:
-        return statistics.median(self._step_times[-50:]) if self._step_times else 0.0
+        return statistics.median(self._step_times) if self._step_times else 0.0
 
     def _read_heartbeats(self, now: float) -> None:
         began = self._clock()

@@ -291,7 +291,9 @@ def _run_launcher(
 
     callbacks: list[Callable[[Coordinator], None]] = []
     if not args.quiet:
-        callbacks.append(LiveProgress(steps, launcher.events, console))
+        progress = LiveProgress(steps, launcher.events, console)
+        launcher.listen(progress.add)
+        callbacks.append(progress)
     metrics = None
     if metrics_port is not None:
         if not 0 <= metrics_port < 65536:
@@ -305,7 +307,9 @@ def _run_launcher(
         except (OSError, ValueError) as e:
             raise UsageError(f"--metrics-port {metrics_port}: {e}") from e
         console.print(f"metrics: http://127.0.0.1:{metrics.port}/metrics", highlight=False)
-        callbacks.append(MetricsFeed(metrics, launcher.events))
+        feed = MetricsFeed(metrics, launcher.events)
+        launcher.listen(feed.add)
+        callbacks.append(feed)
     launcher.on_tick = callbacks
     try:
         return launcher.run()

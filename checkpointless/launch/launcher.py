@@ -17,7 +17,8 @@ What the launcher guarantees around a job:
 - events reach ``<out>/events.jsonl`` while the job runs (appended and flushed
   every tick), so a crash of the launcher keeps what happened up to it; at the
   end the file is rewritten in time order and ``report.json`` is written, both
-  atomically (temporary file, then rename);
+  atomically (temporary file, then rename). Memory holds a bounded share of a
+  long job's events (``observe/event_log.py``); the file then stays in arrival order;
 - SIGINT and SIGTERM stop the job: ``job/stop`` is set at once (the ranks stop at
   their next step boundary), children are ended after a grace period, a partial
   report with the reason is written, and ``JobResult.interrupted`` holds the signal
@@ -46,7 +47,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from types import FrameType, MappingProxyType
-from typing import IO, Any
+from typing import Any
 
 from torch.distributed import TCPStore
 
@@ -61,8 +62,9 @@ from checkpointless.faults import unfired
 from checkpointless.launch.agent import NodeAgent, _Wakeups
 from checkpointless.launch.outputs import _write_atomic, set_aside_previous_run
 from checkpointless.launch.remote import ClusterSpec, RemoteNodes
+from checkpointless.observe.event_log import EventLog
 from checkpointless.observe.report import build_report
-from checkpointless.observe.usage import UsageRecorder, summarize
+from checkpointless.observe.usage import UsageRecorder
 
 log = logging.getLogger(__name__)
 
@@ -178,15 +180,12 @@ class Launcher:
         self._bell: ReportBell | None = None
         self._wakeups = _Wakeups()
         self._usage = UsageRecorder()
-        self._events: list[dict[str, Any]] = []
+        self._log = EventLog()
         self._after_finish: dict[str, str] = {}  # a rank's process that failed after the job's end
         self._rejections = 0  # messages rejected (every one); the first of each key is in the events
         self._rejected_keys: set[str] = set()
         self._chunks_read: dict[str, int] = {}
-        self._sent_at: list[tuple[dict[str, Any], str, float]] = []  # (event, process, its own time)
         self._drained: set[str] = set()  # exited processes whose every chunk was read
-        self._stream: IO[str] | None = None
-        self._stream_error: str | None = None
         self._secret = secret or new_secret()
         self._own_logdir = out_dir is None
         self._logdir = Path(out_dir / "logs") if out_dir else Path(tempfile.gettempdir())  # see run()
@@ -205,23 +204,7 @@ class Launcher:
     def _record(self, ev: dict[str, Any]) -> None:
         if ev.get("kind") == Event.MESSAGE_REJECTED and not self._first_rejection(str(ev.get("key"))):
             return
-        self._events.append(ev)
-        if self._stream is not None:
-            try:
-                self._stream.write(json.dumps(ev) + "\n")
-            except OSError as e:
-                self._stream_failed(e)
-
-    def _stream_failed(self, e: OSError) -> None:
-        """The disk filled up (or went away): keep the events in memory, say so at the end."""
-        log.error("cannot append to %s/events.jsonl (%s); events are kept in memory", self.out_dir, e)
-        self._stream_error = (
-            f"could not write {self.out_dir}/events.jsonl while the job ran: {e.strerror or e}"
-        )
-        stream, self._stream = self._stream, None
-        with contextlib.suppress(OSError):
-            assert stream is not None
-            stream.close()
+        self._log.record(ev)
 
     def _first_rejection(self, key: str) -> bool:
         """Count one rejected message on ``key``; whether it is the first of its key to be kept (at
@@ -277,11 +260,7 @@ class Launcher:
             self._chunks_read[name] = seen
             if gone:  # read to its end once after its exit: never probed again (a long job's
                 self._drained.add(name)  # dead processes would cost a round trip each, 5 times a second)
-        if self._stream is not None:
-            try:
-                self._stream.flush()
-            except OSError as e:
-                self._stream_failed(e)
+        self._log.flush()
 
     def _collect_relayed(self, relayed: dict[str, int], *, final: bool) -> None:
         """The hosts' relayed event chunks: those announced in one round trip; at the end (no
@@ -327,21 +306,27 @@ class Launcher:
                 ev = json.loads(line)
                 if not relay:
                     ev["proc"] = name  # a chunk speaks for the process whose key it is under
+                clock: str | None = None
+                sent: float | None = None
                 if self._coord is not None and isinstance(ev.get("t"), (int, float)):
                     # on the coordinator's clock (control/clock.py); again at the end, when the
                     # estimate is at its best. A relayed process keeps its host's clock
-                    clock = name if relay else self._coord.clock_of(name)
-                    self._sent_at.append((ev, clock, float(ev["t"])))
-                    ev["t"] = self._coord.clocks.to_coordinator(clock, float(ev["t"]))
-                self._record(ev)
+                    clock, sent = name if relay else self._coord.clock_of(name), float(ev["t"])
+                    ev["t"] = self._coord.clocks.to_coordinator(clock, sent)
+                self._log.record(ev, clock, sent)
         if not relay:  # a relay deletes its own, once told they were read (``keys.node_read``)
             self.store.delete(key)
         return True
 
     @property
     def events(self) -> list[dict[str, Any]]:
-        """Every event collected so far (launcher, coordinator and processes), in arrival order."""
-        return self._events
+        """The events collected so far (launcher, coordinator and processes), in arrival order:
+        every one, or, in a long job of many ranks, those ``observe/event_log.py`` keeps."""
+        return self._log.events
+
+    def listen(self, listener: Callable[[dict[str, Any]], None]) -> None:
+        """Call ``listener`` with every event as it is recorded (the live console, the metrics)."""
+        self._log.listeners.append(listener)
 
     # -- the job ----------------------------------------------------------------------
     def run(self) -> JobResult:
@@ -377,7 +362,7 @@ class Launcher:
         if self.out_dir is not None:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             set_aside_previous_run(self.out_dir)
-            self._stream = open(self.out_dir / "events.jsonl", "w")  # noqa: SIM115 (closed below)
+            self._log.open(self.out_dir / "events.jsonl")
         self._record(
             event(Event.JOB_STARTED, proc="launcher", gen=0, job_id=self.job_id, workers=self.job.workers,
                   spares=self.job.spares, steps=self.total_steps, faults=[str(f) for f in self.job.faults])
@@ -432,17 +417,21 @@ class Launcher:
             error = error or f"interrupted by {signal.Signals(e.signum).name}"
         if error is not None:
             self._record(event(Event.JOB_FINISHED, proc="launcher", gen=0, ok=False, error=error))
-        for ev, name, sent in self._sent_at:
-            ev["t"] = coord.clocks.to_coordinator(name, sent)
-        events = sorted(self._events, key=lambda e: e["t"])
+        self._log.finish()
+        self._log.retimed(coord.clocks.to_coordinator)
+        events = sorted(self._log.events, key=lambda e: e["t"])
         self.total_steps = coord.total_steps  # the scripts' own, where --steps was not given
-        report = build_report(events, total_steps=self.total_steps, digest=coord.digest)
+        report = build_report(
+            events, total_steps=self.total_steps, digest=coord.digest, stats=self._log.stats
+        )
         report["error"] = error
         report["job_id"] = self.job_id
         report["unfired_faults"] = unfired(self.job.faults, events)  # the CLI fails a run that has any
         report["after_finish"] = self._after_finish  # and one whose script failed after training
         report["rejected_messages"] = {"count": self._rejections, "keys": sorted(self._rejected_keys)}
-        report["hosts"] = summarize(events)
+        report["hosts"] = self._log.usage.result()
+        if self._log.thinned:
+            report["events_not_in_memory"] = self._log.thinned  # in events.jsonl (arrival order) only
         report["clock_offsets"] = coord.clocks.shown()
         write_error = self._write_outputs(events, report)
         if error is None and self._own_logdir:
@@ -541,19 +530,17 @@ class Launcher:
 
     def _write_outputs(self, events: list[dict[str, Any]], report: dict[str, Any]) -> str | None:
         """Rewrite events.jsonl in time order and write report.json, atomically; the error if that failed."""
-        if self._stream is not None:
-            with contextlib.suppress(OSError):
-                self._stream.close()
-            self._stream = None
+        self._log.close()
         if self.out_dir is None:
             return None
         try:
-            _write_atomic(self.out_dir / "events.jsonl", "".join(json.dumps(ev) + "\n" for ev in events))
+            if self._log.in_memory():  # else the file the log streamed stays, in arrival order
+                _write_atomic(self.out_dir / "events.jsonl", "".join(json.dumps(ev) + "\n" for ev in events))
             _write_atomic(self.out_dir / "report.json", json.dumps(report, indent=2) + "\n")
         except OSError as e:
             log.error("could not write the run's files to %s: %s", self.out_dir, e)
             return f"could not write {self.out_dir}: {e.strerror or e}"
-        return self._stream_error
+        return self._log.stream_error
 
     def _wait_workers(self, coord: Coordinator, timeout_s: float) -> None:
         """Let the ranks exit (a script's work after training runs meanwhile, ``exit_timeout_s``);

@@ -12,7 +12,7 @@ from rich.table import Table
 from checkpointless.control.coordinator import Coordinator
 from checkpointless.control.vocab import Role
 from checkpointless.observe import fault_list
-from checkpointless.observe.progress import StepStats
+from checkpointless.observe.progress import STEP_WINDOW, StepStats
 
 _NOT_A_TERMINAL_WIDTH = 1000
 """Columns of the console when stderr is not a terminal (a pipe, a CI log): rich would assume 80
@@ -29,7 +29,8 @@ def stderr_console() -> Console:
 
 
 class LiveProgress:
-    """A progress line, refreshed from the launcher's event list (``Launcher.events``) as it grows.
+    """A progress line, from the events the launcher records (``add``, a ``Launcher.listen``
+    listener); faults are counted over the events it keeps (``Launcher.events``).
 
     Shows steps completed, the loss of the lowest rank's latest commit, tokens/s since the last
     line, goodput, faults so far, the generation and the ready spares. Steps and goodput are
@@ -48,22 +49,22 @@ class LiveProgress:
         self.events = events
         self.console = console or stderr_console()
         self.every_s = every_s
-        self.stats = StepStats()
-        self._seen = 0
+        self.stats = StepStats(window=STEP_WINDOW)
         self._faults = 0
+        self._faults_changed = False
         self._last = 0.0
         self._rate_from: tuple[float, int] | None = None  # (time, tokens) of the last line
         self._tokens_per_s = 0.0
 
+    def add(self, ev: dict[str, Any]) -> None:
+        """One event as it is recorded (``Launcher.listen``)."""
+        self.stats.add(ev)
+        self._faults_changed |= ev.get("kind") in fault_list.FAULT_EVENT_KINDS
+
     def line(self, coord: Coordinator, now: float) -> str:
-        """Feed the events that arrived since the last call; the progress line as of ``now``."""
-        new = self.events[self._seen :]
-        self._seen += len(new)
-        faults_changed = False
-        for ev in new:
-            self.stats.add(ev)
-            faults_changed |= ev.get("kind") in fault_list.FAULT_EVENT_KINDS
-        if faults_changed:
+        """The progress line as of ``now``, from the events added so far."""
+        if self._faults_changed:
+            self._faults_changed = False
             self._faults = count_faults(self.events)
         stats = self.stats
         if self._rate_from is not None and now > self._rate_from[0]:

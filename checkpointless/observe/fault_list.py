@@ -384,8 +384,9 @@ def _recovery_windows(timed: list[tuple[float, dict[str, Any]]]) -> list[tuple[f
     return [(t0, next((t for h, t in ends if h >= g), math.inf)) for g, t0 in started.items()]
 
 
-def derive_faults(events: list[dict[str, Any]]) -> list[Fault]:
+def derive_faults(events: list[dict[str, Any]], step_time: float | None = None) -> list[Fault]:
     """Every fault in ``events`` (any order; launcher, coordinator and worker events), in time order.
+    ``step_time``: the job's normal step time, where ``events`` holds only some of its commits.
 
     The one derivation behind ``report.json``, the console's fault count and the
     ``checkpointless_faults_total`` metric. Works on a partial list too (while a job
@@ -432,7 +433,8 @@ def derive_faults(events: list[dict[str, Any]]) -> list[Fault]:
     raw.sort(key=lambda r: r[0])
 
     stats = StepStats.of(events)
-    commits, step_time = stats.commits, stats.step_time_s
+    commits = stats.commits
+    step_time = stats.step_time_s if step_time is None else step_time
     windows = _recovery_windows(timed)
     used_assignments: set[int] = set()
     faults: list[Fault] = []
@@ -590,9 +592,9 @@ def _replacement(
     return ",".join(spares), recovered
 
 
-def fault_entries(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def fault_entries(events: list[dict[str, Any]], step_time: float | None = None) -> list[dict[str, Any]]:
     """``report.json``'s ``faults``: :func:`derive_faults` as plain dicts."""
-    return [f.entry() for f in derive_faults(events)]
+    return [f.entry() for f in derive_faults(events, step_time)]
 
 
 def count_faults(events: list[dict[str, Any]]) -> int:

@@ -1,4 +1,5 @@
-"""Feeds the Prometheus endpoint from the launcher's event list, once per launcher tick."""
+"""Feeds the Prometheus endpoint from the launcher's events: each as it is recorded, the derived
+figures once per launcher tick."""
 
 from __future__ import annotations
 
@@ -8,13 +9,14 @@ from checkpointless.control.coordinator import Coordinator
 from checkpointless.control.vocab import Event
 from checkpointless.observe.fault_list import FAULT_EVENT_KINDS, derive_faults
 from checkpointless.observe.metrics import JobMetrics
-from checkpointless.observe.progress import StepStats
+from checkpointless.observe.progress import STEP_WINDOW, StepStats
 
 
 class MetricsFeed:
-    """Call it with the coordinator after every tick (``Launcher(on_tick=...)``).
+    """``add`` every event as it is recorded (``Launcher.listen``); call it with the coordinator
+    after every tick (``Launcher(on_tick=...)``).
 
-    Everything it sets comes from the launcher's event list, through the derivations behind
+    Everything it sets comes from the launcher's events, through the derivations behind
     ``report.json``: commits and goodput from :class:`~checkpointless.observe.progress.StepStats`,
     faults from :func:`~checkpointless.observe.fault_list.derive_faults` (each fault counted once, when
     first detected, labelled by what was detected, ``kind``, and the detection reason, ``cause``).
@@ -23,8 +25,9 @@ class MetricsFeed:
 
     def __init__(self, metrics: JobMetrics, events: list[dict[str, Any]]) -> None:
         self.metrics, self._events = metrics, events
-        self.stats = StepStats()
-        self._seen_events = 0
+        self.stats = StepStats(window=STEP_WINDOW)
+        self._committed = False
+        self._faults_changed = False
         self._counted: set[str] = set()  # identities of the faults already counted
 
     def __call__(self, coord: Coordinator) -> None:
@@ -32,29 +35,32 @@ class MetricsFeed:
         if coord.plan is not None:
             self.metrics.generation(coord.plan.gen)
 
+    def add(self, ev: dict[str, Any]) -> None:
+        """One event as it is recorded (``Launcher.listen``): commits, recoveries and usage counted."""
+        if self.stats.add(ev):
+            self._committed = True
+            step_time = ev.get("step_time_s")
+            self.metrics.step_committed(
+                int(ev["rank"]),
+                int(ev["step"]),
+                float(step_time) if isinstance(step_time, int | float) else 0.0,
+                int(ev.get("tokens") or 0),
+            )
+        elif ev.get("kind") == Event.RECOVERY_DONE:
+            self.metrics.recovery(float(ev["seconds"]))
+        elif ev.get("kind") == Event.HOST_USAGE:
+            self.metrics.host_usage(ev)
+        self._faults_changed |= ev.get("kind") in FAULT_EVENT_KINDS
+
     def feed_events(self) -> None:
-        """Count the commits, recoveries and faults in the events that arrived since the last call."""
-        new = self._events[self._seen_events :]
-        self._seen_events += len(new)
-        committed = False
-        for ev in new:
-            if self.stats.add(ev):
-                committed = True
-                step_time = ev.get("step_time_s")
-                self.metrics.step_committed(
-                    int(ev["rank"]),
-                    int(ev["step"]),
-                    float(step_time) if isinstance(step_time, int | float) else 0.0,
-                    int(ev.get("tokens") or 0),
-                )
-            elif ev.get("kind") == Event.RECOVERY_DONE:
-                self.metrics.recovery(float(ev["seconds"]))
-            elif ev.get("kind") == Event.HOST_USAGE:
-                self.metrics.host_usage(ev)
-        if committed:
+        """The goodput after new commits; the faults (over the events the launcher keeps) after new
+        fault events."""
+        if self._committed:
+            self._committed = False
             self.metrics.goodput(self.stats.goodput)
-        if not any(ev.get("kind") in FAULT_EVENT_KINDS for ev in new):
+        if not self._faults_changed:
             return
+        self._faults_changed = False
         for fault in derive_faults(self._events):
             kind = fault.detected_kind
             if kind is None or fault.cause is None or self._counted.intersection(fault.keys):

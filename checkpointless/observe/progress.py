@@ -4,8 +4,12 @@ One :class:`StepStats` is fed ``step_committed`` events in any order and answers
 any moment what ``report.json`` would say for the events fed so far. The report
 feeds it the whole log; the live console and the Prometheus feed feed it the
 events as the launcher collects them, so the three cannot disagree. Each event
-costs O(log n + gaps) to add; every figure is O(1) to read, so a long job's live
-view does not rescan its history.
+costs O(log n) to add (a commit in time order: O(1)); the median is sorted when read
+after new commits (a sorted run and a short tail: linear), so a long job's live view
+does not rescan its history. ``StepStats(window=k)`` keeps each rank's last ``k``
+commits and the step-time intervals counted to 10 µs: its memory is bounded by the
+ranks and the spread of step times, not the job's length (the launcher's, fed every
+commit of a job of any size; ``commits`` then holds only the last ``k`` of each rank).
 
 Definitions (``report.json``'s contract):
 
@@ -22,13 +26,17 @@ Definitions (``report.json``'s contract):
 from __future__ import annotations
 
 import bisect
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import Any
 
 from checkpointless.control.vocab import Event
 from checkpointless.observe.fields import integer, number
 
-__all__ = ["StepStats"]
+__all__ = ["STEP_WINDOW", "StepStats"]
+
+STEP_WINDOW = 4
+"""Commits of each rank a live view keeps (``StepStats(window=STEP_WINDOW)``): the launcher's log,
+the console, the metrics."""
 
 _Commit = tuple[float, int, int]  # (t, step, gen), ordered as a rank's history
 
@@ -41,10 +49,12 @@ def _gap(a: _Commit, b: _Commit) -> float | None:
 class StepStats:
     """The step figures of the ``step_committed`` events fed to :meth:`add` so far."""
 
-    def __init__(self) -> None:
+    def __init__(self, window: int | None = None) -> None:
+        self._window = window
         self._by_rank: dict[int, list[_Commit]] = defaultdict(list)
-        self._gaps: list[float] = []  # sorted when asked (``_sorted``): a commit in order appends
-        self._sorted = True
+        self._gaps: Counter[float] = Counter()  # interval -> how many (rounded to 10 µs with a window)
+        self._ngaps = 0
+        self._median: float | None = 0.0  # None: to be computed again
         self._max_step: dict[int, int] = {}
         self._start: float | None = None  # when the earliest-started committed step started
         self._last_t: float | None = None
@@ -61,15 +71,17 @@ class StepStats:
         commit: _Commit = (t, step, integer(ev.get("gen")) or 0)
         history = self._by_rank[rank]
         i = bisect.bisect_right(history, commit)
-        left = history[i - 1] if i > 0 else None
-        right = history[i] if i < len(history) else None
-        if left is not None and right is not None and (g := _gap(left, right)) is not None:
-            self._gaps.remove(g)  # no longer neighbours (a commit out of order: rare)
-        for a, b in ((left, commit), (commit, right)):
-            if a is not None and b is not None and (g := _gap(a, b)) is not None:
-                self._gaps.append(g)  # sorted when asked: an insort per commit is quadratic in a
-                self._sorted = False  # long job's millions
-        history.insert(i, commit)
+        if self._window is None or i > 0 or not history:  # (with a window: older than it, no gaps)
+            left = history[i - 1] if i > 0 else None
+            right = history[i] if i < len(history) else None
+            if left is not None and right is not None and (g := _gap(left, right)) is not None:
+                self._count(g, -1)  # no longer neighbours (a commit out of order: rare)
+            for a, b in ((left, commit), (commit, right)):
+                if a is not None and b is not None and (g := _gap(a, b)) is not None:
+                    self._count(g, 1)
+            history.insert(i, commit)
+            if self._window is not None and len(history) > self._window:
+                del history[0]
         if step >= self._max_step.get(rank, -1):
             self._max_step[rank] = step
             self.latest[rank] = ev
@@ -78,6 +90,14 @@ class StepStats:
         self._last_t = t if self._last_t is None else max(self._last_t, t)
         self.tokens += integer(ev.get("tokens")) or 0
         return True
+
+    def _count(self, gap: float, n: int) -> None:
+        key = round(gap, 5) if self._window is not None else gap
+        self._gaps[key] += n
+        if not self._gaps[key]:
+            del self._gaps[key]
+        self._ngaps += n
+        self._median = None
 
     @classmethod
     def of(cls, events: list[dict[str, Any]]) -> StepStats:
@@ -93,13 +113,24 @@ class StepStats:
 
     @property
     def step_time_s(self) -> float:
-        if not self._sorted:  # a sorted run and a short tail: timsort merges them in linear time
-            self._gaps.sort()
-            self._sorted = True
-        g, n = self._gaps, len(self._gaps)
+        if self._median is None:
+            self._median = self._middle()
+        return self._median
+
+    def _middle(self) -> float:
+        n = self._ngaps
         if not n:
             return 0.0
-        return g[n // 2] if n % 2 else (g[n // 2 - 1] + g[n // 2]) / 2
+        want = (n // 2,) if n % 2 else (n // 2 - 1, n // 2)  # the middle index (or two)
+        found: list[float] = []
+        seen = 0
+        for gap in sorted(self._gaps):
+            seen += self._gaps[gap]
+            while len(found) < len(want) and want[len(found)] < seen:
+                found.append(gap)
+            if len(found) == len(want):
+                break
+        return sum(found) / len(found)
 
     @property
     def steps_completed(self) -> int:

@@ -57,10 +57,15 @@ def durable_summary(events: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 def build_report(
-    events: list[dict[str, Any]], *, total_steps: int | None, digest: str | None
+    events: list[dict[str, Any]],
+    *,
+    total_steps: int | None,
+    digest: str | None,
+    stats: StepStats | None = None,
 ) -> dict[str, Any]:
-    """``report.json`` from a time-sorted event list."""
-    stats = StepStats.of(events)
+    """``report.json`` from a time-sorted event list; ``stats``: the step figures of every commit,
+    where ``events`` holds only some of them (``observe/event_log.py``)."""
+    stats = stats if stats is not None else StepStats.of(events)
     recoveries = [float(e["seconds"]) for e in events if e["kind"] == Event.RECOVERY_DONE]
     evals = [(int(e["step"]), float(e["heldout_loss"])) for e in events if e["kind"] == Event.EVAL]
     finished = [e for e in events if e["kind"] == Event.JOB_FINISHED]
@@ -76,6 +81,6 @@ def build_report(
         "generations": max((int(e.get("gen") or 0) for e in events), default=0),
         "recovery_s": recoveries,
         "heldout_loss": evals,
-        "faults": fault_entries(events),
+        "faults": fault_entries(events, step_time=stats.step_time_s),
         "durable": durable_summary(events),
     }

@@ -78,32 +78,65 @@ class UsageSampler:
 def summarize(events: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """``report.json``'s ``hosts``: per host, the mean and peak CPU share, the peak memory, and
     each accelerator's mean utilisation and peak memory, over its ``host_usage`` events."""
-    by_host: dict[str, list[dict[str, Any]]] = {}
+    summary = UsageSummary()
     for e in events:
-        if e.get("kind") == Event.HOST_USAGE and isinstance(e.get("host"), str):
-            by_host.setdefault(e["host"], []).append(e)
-    out: dict[str, dict[str, Any]] = {}
-    for host, samples in sorted(by_host.items()):
-        cpu = [float(s["cpu_percent"]) for s in samples if isinstance(s.get("cpu_percent"), int | float)]
-        mem = [int(s["mem_used_bytes"]) for s in samples if isinstance(s.get("mem_used_bytes"), int)]
-        entry: dict[str, Any] = {
-            "samples": len(samples),
-            "cpu_percent_mean": round(sum(cpu) / len(cpu), 1) if cpu else None,
-            "cpu_percent_max": max(cpu) if cpu else None,
-            "mem_used_bytes_max": max(mem) if mem else None,
-        }
-        gpus: dict[int, list[dict[str, Any]]] = {}
-        for s in samples:
-            for g in s.get("gpus") or []:
-                gpus.setdefault(int(g["index"]), []).append(g)
-        if gpus:
-            entry["gpus"] = [
-                {"index": i, "util_percent_mean": round(sum(g["util_percent"] for g in gs) / len(gs), 1),
-                 "mem_used_bytes_max": max(int(g["mem_used_bytes"]) for g in gs)}
-                for i, gs in sorted(gpus.items())
-            ]  # fmt: skip
-        out[host] = entry
-    return out
+        summary.add(e)
+    return summary.result()
+
+
+class _Mean:
+    __slots__ = ("n", "peak", "total")
+
+    def __init__(self) -> None:
+        self.n, self.total = 0, 0.0
+        self.peak: float | None = None
+
+    def add(self, x: float) -> None:
+        self.n, self.total = self.n + 1, self.total + x
+        self.peak = x if self.peak is None else max(self.peak, x)
+
+    def mean(self) -> float | None:
+        return round(self.total / self.n, 1) if self.n else None
+
+
+class UsageSummary:
+    """:func:`summarize`, fed one event at a time: its memory grows with hosts and accelerators, not
+    with samples (the launcher's, fed every ``host_usage`` event of a job of any length)."""
+
+    def __init__(self) -> None:
+        self._hosts: dict[str, dict[str, Any]] = {}
+
+    def add(self, e: dict[str, Any]) -> None:
+        if e.get("kind") != Event.HOST_USAGE or not isinstance(e.get("host"), str):
+            return
+        h = self._hosts.setdefault(e["host"], {"samples": 0, "cpu": _Mean(), "mem": _Mean(), "gpus": {}})
+        h["samples"] += 1
+        if isinstance(cpu := e.get("cpu_percent"), int | float):
+            h["cpu"].add(float(cpu))
+        if isinstance(mem := e.get("mem_used_bytes"), int):
+            h["mem"].add(mem)
+        for g in e.get("gpus") or []:
+            util, gmem = h["gpus"].setdefault(int(g["index"]), (_Mean(), _Mean()))
+            util.add(float(g["util_percent"]))
+            gmem.add(int(g["mem_used_bytes"]))
+
+    def result(self) -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = {}
+        for host, h in sorted(self._hosts.items()):
+            mem_peak = h["mem"].peak
+            entry: dict[str, Any] = {
+                "samples": h["samples"],
+                "cpu_percent_mean": h["cpu"].mean(),
+                "cpu_percent_max": h["cpu"].peak,
+                "mem_used_bytes_max": int(mem_peak) if mem_peak is not None else None,
+            }
+            if h["gpus"]:
+                entry["gpus"] = [
+                    {"index": i, "util_percent_mean": util.mean(), "mem_used_bytes_max": int(gmem.peak)}
+                    for i, (util, gmem) in sorted(h["gpus"].items())
+                ]
+            out[host] = entry
+        return out
 
 
 class UsageRecorder:

@@ -110,6 +110,8 @@ def test_console_metrics_and_report_agree_on_every_prefix() -> None:
     coord = SimpleNamespace(plan=SimpleNamespace(gen=0), ready_spares=lambda: [])
     for i, ev in enumerate(events):
         live.append(ev)
+        feed.add(ev)
+        progress.add(ev)
         feed(coord)  # type: ignore[arg-type]
         line = progress.line(coord, now=float(i))  # type: ignore[arg-type]
         report = build_report(sorted(live, key=lambda e: e["t"]), total_steps=12, digest=None)

@@ -425,6 +425,7 @@ def test_console_report_and_metrics_agree() -> None:
     feed = MetricsFeed(metrics, live)
     for e in events:
         live.append(e)
+        feed.add(e)
         feed.feed_events()
         detected = [f for f in derive_faults(live) if f.cause is not None]
         assert sum(_fault_samples(metrics).values()) == len(detected)
@@ -442,6 +443,8 @@ def test_live_view_counts_the_same_faults() -> None:
     assert count_faults(live) == count_faults(events) == 5
     metrics = JobMetrics(port=0)
     feed = MetricsFeed(metrics, live)
+    for e in live:
+        feed.add(e)
     feed.feed_events()
     feed.feed_events()  # nothing new: nothing counted twice
     assert sum(_fault_samples(metrics).values()) == 5
