@@ -46,6 +46,10 @@ class FakeStore:
     def multi_get(self, keys: list[str]) -> list[bytes]:
         return [self.get(k) for k in keys]
 
+    def multi_set(self, keys: list[str], values: list[str]) -> None:
+        for k, v in zip(keys, values, strict=True):
+            self.set(k, v)
+
     def check(self, keys: list[str]) -> bool:
         return all(k in self.data for k in keys)
 

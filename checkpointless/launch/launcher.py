@@ -185,6 +185,7 @@ class Launcher:
         self._rejections = 0  # messages rejected (every one); the first of each key is in the events
         self._rejected_keys: set[str] = set()
         self._chunks_read: dict[str, int] = {}
+        self._next_host = 0  # where the next collection pass starts when hosts' chunks wait
         self._drained: set[str] = set()  # exited processes whose every chunk was read
         self._secret = secret or new_secret()
         self._own_logdir = out_dir is None
@@ -266,13 +267,17 @@ class Launcher:
         """The hosts' relayed event chunks: those announced in one round trip; at the end (no
         announcement) each live host's probed until a gap."""
         assert self.remote is not None
-        known = [(h, i) for h, n in relayed.items() for i in range(self._chunks_read.get(f"@{h}", 0), n)]
-        if not final and len(known) > RELAYED_CHUNKS_PER_PASS:
-            # an overloaded coordinator lets its event log fall behind, not its decisions: each
-            # host's oldest unread chunks first, in turn (a host's chunks stay in order), the rest
-            # at the next pass
-            known.sort(key=lambda hi: (hi[1] - self._chunks_read.get(f"@{hi[0]}", 0), hi[0]))
-            known = sorted(known[:RELAYED_CHUNKS_PER_PASS])
+        unread = [(h, self._chunks_read.get(f"@{h}", 0), n) for h, n in sorted(relayed.items())]
+        unread = [(h, first, n) for h, first, n in unread if n > first]
+        each = max(1, RELAYED_CHUNKS_PER_PASS // max(1, len(unread))) if not final else 1 << 62
+        if not final and len(unread) > RELAYED_CHUNKS_PER_PASS:
+            # an overloaded coordinator lets its event log fall behind, not its decisions: a
+            # host's oldest unread chunk, from each host in turn (a host's chunks stay in order),
+            # the next hosts at the next pass
+            start = self._next_host % len(unread)
+            unread = (unread[start:] + unread[:start])[:RELAYED_CHUNKS_PER_PASS]
+            self._next_host = start + RELAYED_CHUNKS_PER_PASS
+        known = [(h, i) for h, first, n in unread for i in range(first, min(n, first + each))]
         raws = self.store.get_sealed_present([keys.node_events(h, i) for h, i in known])
         advanced: dict[str, str] = {}
         forged: set[str] = set()

@@ -401,9 +401,11 @@ class RemoteNodes:
                 h.asked = None  # answered
             if h.lost and status.get("reset") == h.reset:
                 self._rejoin(h, now)
-        heard: dict[str, float] = {}  # the latest heartbeat of any process of each host
-        for n, p in self.children.items():
-            heard[p.host] = max(heard.get(p.host, float("-inf")), self.heard_from(n))
+        quiet = {h.name for h in live if now - h.heard > self._timeout}  # agents silent too long
+        heard: dict[str, float] = {}  # the latest heartbeat of any process of each of those hosts
+        for n, p in self.children.items() if quiet else ():
+            if p.host in quiet:
+                heard[p.host] = max(heard.get(p.host, float("-inf")), self.heard_from(n))
         for h in live:
             silent = now - max(h.heard, heard.get(h.name, float("-inf")))
             if h.asked is not None and now - h.asked > self._answer_s:

@@ -71,3 +71,49 @@ def test_an_exited_process_is_read_to_its_end_once_then_never_probed_again() -> 
     _chunk(writer, "w1", 0, 3)  # a live process is still read
     launcher._collect_events()
     assert ("w1", 3) in [(e["proc"], e["step"]) for e in launcher.events]
+
+
+def test_relayed_chunks_are_read_in_bounded_passes_fairly_in_order_and_the_counts_written_in_one_call() -> (
+    None
+):
+    """Several hosts: a pass reads at most ``RELAYED_CHUNKS_PER_PASS`` chunks, the oldest unread
+    one of each host in turn (no host waits behind another's backlog), each host's in order; the
+    counts read go back in one ``multi_set`` (the relays delete those chunks), none deleted here."""
+    from types import SimpleNamespace
+
+    from checkpointless.launch.launcher import RELAYED_CHUNKS_PER_PASS
+
+    class _Multi(FakeStore):
+        multi_sets = 0
+
+        def multi_set(self, keys_: list[str], values: list[str]) -> None:
+            self.multi_sets += 1
+            super().multi_set(keys_, values)
+
+    raw = _Multi()
+    writer = SignedStore(raw, SECRET)
+    launcher = Launcher(JobConfig(workers=2, spares=0), ["true"])
+    launcher.store = SignedStore(raw, SECRET)
+    hosts = [f"h{i:03d}" for i in range(RELAYED_CHUNKS_PER_PASS + 44)]
+    launcher.remote = SimpleNamespace(hosts={h: None for h in hosts}, children={})  # type: ignore[assignment]
+    per_host = 3
+    for h in hosts:
+        for i in range(per_host):
+            line = json.dumps({"kind": "step_committed", "proc": f"{h}-w0", "t": float(i), "step": i})
+            writer.set(keys.node_events(h, i), line)
+    relayed = {h: per_host for h in hosts}
+    passes = 0
+    while len(launcher.events) < len(hosts) * per_host:
+        before = len(launcher.events)
+        launcher._collect_events({}, relayed)
+        passes += 1
+        assert 0 < len(launcher.events) - before <= RELAYED_CHUNKS_PER_PASS
+        if passes == 2:  # two passes reach every host before any host's second chunk is read
+            firsts = {e["proc"] for e in launcher.events if e["step"] == 0}
+            assert len(firsts) == len(hosts) and not any(e["step"] == 2 for e in launcher.events)
+        assert passes < 20
+    assert raw.multi_sets == passes
+    for h in hosts:
+        assert [e["step"] for e in launcher.events if e["proc"] == f"{h}-w0"] == [0, 1, 2]
+        assert launcher.store.get(keys.node_read(h)) == str(per_host)
+        assert raw.check([keys.node_events(h, per_host - 1)])  # not deleted by the coordinator
