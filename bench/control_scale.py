@@ -1006,20 +1006,22 @@ def _findings_common(res: dict[str, Any], first: int) -> list[str]:
     rows, f = res["rows"], common.fmt
     series = [r for r in rows if r.get("hang_timeout_s") == SERIES_HANG_S]
     lines, n = [], first
-    slow = [r for r in rows if r["hosts"] == 100 and _g(r, "failure", "first_fault_s") is not None]
+    slow = [r for r in rows if _g(r, "failure", "first_fault_s") is not None]
     if slow:
         lines.append(
-            f"{n}. **A busy coordinator postpones its own detections.** `Membership._forgive_own_stall` credits each "
-            "of the coordinator's stalls to every process's silence clock, the dead host's too: at 100 hosts the "
+            f"{n}. **A busy coordinator postpones its own detections.** `Membership._forgive_own_stall` credits "
+            "each of the coordinator's stalls to the silence clocks (a loaded machine must not kill every rank "
+            "for the coordinator's own pause); when the read after a stall brings most processes' heartbeats, "
+            "a silent one gets at most one hang timeout of credit (2026-12-04: it used to get every stall, and "
+            "a coordinator slower than its reads found a dead host's processes only the sum of its stalls late). The "
             "first `fault_detected` came "
-            + " and ".join(
-                f"{f(_g(r, 'failure', 'first_fault_s'), 1)} s after the power loss with a hang timeout of "
-                f"{r['hang_timeout_s']:g} s (the coordinator logged {_g(r, 'coordinator_log', 'stall_warnings')} "
-                f"stalls in that run, up to {f(_g(r, 'coordinator_log', 'worst_stall_s'), 1)} s)"
+            + ", ".join(
+                f"{f(_g(r, 'failure', 'first_fault_s'), 1)} s after the power loss at {r['hosts']:,} hosts, "
+                f"hang timeout {r['hang_timeout_s']:g} s ({_g(r, 'coordinator_log', 'stall_warnings')} stall "
+                f"warnings, up to {f(_g(r, 'coordinator_log', 'worst_stall_s'), 1)} s)"
                 for r in slow
             )
-            + ". Right for a stall of the coordinator alone; under sustained load it delays every detection by "
-            "the sum of the stalls."
+            + "."
         )
         n += 1
     lines.append(

@@ -171,6 +171,29 @@ def test_the_coordinators_own_stall_is_not_the_processes_silence() -> None:
     assert job.clock.now >= last_w3 + hang + 1.5 * hang  # its silence minus the stall reached the timeout
 
 
+def test_a_stall_the_processes_beat_through_credits_a_silent_one_one_hang_timeout_at_most() -> None:
+    """The coordinator stalls again and again (each loop slower than its reads: many hosts on few
+    cores) while its processes keep beating: each read brings news from most of them, so a dead one
+    is found within one hang timeout of credit, not never; one just late (its beat right after the
+    read) is spared."""
+    job = Job(workers=4)
+    job.steady()
+    hang = job.config.recovery.hang_timeout_s
+    job.beating.discard("w3")  # w3 dies
+    last_w3 = job.clock.now
+    late = "w2"
+    for i in range(40):
+        job.clock.advance(0.6 * hang)  # a stall: the coordinator did not run, the processes did
+        for name in sorted(job.beating):
+            if name != late or i % 2:  # w2's beat lands just after every other read
+                job[name].heartbeat()
+        job.coord.tick()
+        if job.faults():
+            break
+    assert job.faults() == [("heartbeat_timeout", "w3")] and job.kills() == {"w3": 1}
+    assert job.clock.now <= last_w3 + 2 * hang + 0.6 * hang  # its silence, one timeout of credit, a stall
+
+
 @pytest.mark.parametrize("cpu_per_tick", [0.0, 0.02])
 def test_silent_and_idle_is_hung_at_the_timeout(cpu_per_tick: float) -> None:
     """A process the coordinator can see: silent and not using CPU (stopped; blocked, with a
