@@ -33,9 +33,11 @@ chunks; a new one each beat), then one round trip (a ``check`` of the abort key 
 generation, ``gen/latest`` while it has none). The processes' own traffic with their agent's store
 (heartbeats, event chunks, lease checks on the host's loopback) is not simulated: it never reaches
 the coordinator. Once every 10 beats the relay also checks the job's stop key for its ranks (which
-ask their relay at each step boundary, ``Session._leave_if_stopped``). What each rank still sends to
+ask their relay at each step boundary, ``Session._leave_if_stopped``), and reads how many of its
+chunks the coordinator has read (``node/<host>/read``, which the coordinator writes for every host in
+one ``multi_set`` a pass) and deletes those (``Relay._delete_read``). What each rank still sends to
 the coordinator's store itself is, per generation, its failure report and its reads of the plan.
-The round trips (the relays' lease and stop checks) come from
+The round trips (the relays' lease and stop checks, their reads of that count and deletes) come from
 separate processes ("ackers"), one per simulator. A power loss: the bench stops one worker host (its
 status, its relay, its ranks' round trips, its order reads) at a recorded time. When the coordinator
 aborts the generation, every surviving rank reports as a member does (a ``fault_detected`` event,

@@ -91,6 +91,10 @@ def protocol_rates(hosts: int, hang: float, step_s: float, protocol: str = RELAY
             "relay": (hosts + SPARE_NODES) / hb_s,  # node/<host>/relay
             "ack": (hosts + SPARE_NODES) / hb_s,  # the relay's round trip
             "events": hosts / step_s,  # a worker host's step_committed events, one chunk
+            # the relay reads how many of its chunks the coordinator read (a check and a get once a
+            # second) and deletes those (Relay._delete_read): a chunk a step
+            "read": 2 * hosts / (STOP_EVERY * hb_s),
+            "delete": hosts / step_s,
         }
     both["stop"] = ranks / step_s  # per-rank: a check of job/stop per rank and step
     return {
@@ -949,13 +953,16 @@ class AckLoad:
             names = [
                 f"w{h * NPROC + k}" if h < a.hosts else f"s{(h - a.hosts) * NPROC + k}" for k in range(NPROC)
             ]
-            if self.relayed:  # the relay: the lease every beat, the job's stop every STOP_EVERY beats
-                self.checks.append((h, "lease", host_name(h), hb_s))
-                self.checks.append((h, "stop", host_name(h), hb_s * STOP_EVERY))
+            if self.relayed:  # the relay: the lease every beat, the job's stop every STOP_EVERY beats,
+                self.checks.append((h, "lease", host_name(h), hb_s))  # and as often, the chunks the
+                self.checks.append((h, "stop", host_name(h), hb_s * STOP_EVERY))  # coordinator read
+                if h < a.hosts:
+                    self.checks.append((h, "read", host_name(h), hb_s * STOP_EVERY))
             else:
                 self.checks += [(h, "lease", name, ack_s) for name in names]
                 self.checks += [(h, "stop", name, a.step_s) for name in names]
         self.dead: set[int] = set()
+        self.deleted: dict[int, int] = {}  # relay: per host, its chunks deleted so far
         self.gen = 0
         self.stopped = threading.Event()
         self.lag = {"n": 0, "sum_s": 0.0, "max_s": 0.0, "late_0.5s": 0}
@@ -987,6 +994,10 @@ class AckLoad:
             if host in self.dead:
                 continue  # a host without power sends nothing
             lag = now - due
+            if what == "read":
+                self._delete_read(conn, host, name)
+                heapq.heappush(heap, (due + period if lag < period else time.monotonic() + period, i))
+                continue
             key = self._key(host, what, name)
             if key is not None:
                 if what == "lease":
@@ -1003,6 +1014,20 @@ class AckLoad:
                     if self.stopped.wait(0.05):
                         return
             heapq.heappush(heap, (due + period if lag < period else time.monotonic() + period, i))
+
+    def _delete_read(self, conn: Conn, host: int, name: str) -> None:
+        """``Relay._delete_read``: the count of chunks the coordinator read (a check, a get), then a
+        delete per chunk below it."""
+        key = self.sealer.name(keys.node_read(name))
+        try:
+            if not conn.check("read", key):
+                return
+            upto = int(conn.get("read", key).partition(b".")[2] or b"0")  # sealed: tag, then the value
+            for i in range(self.deleted.get(host, 0), upto):
+                conn.delete("delete", self.sealer.name(keys.node_events(name, i)))
+            self.deleted[host] = max(self.deleted.get(host, 0), upto)
+        except (RuntimeError, OSError, ValueError) as e:
+            self.stats.errors[f"read {type(e).__name__}"] += 1
 
     def _follow(self) -> None:
         try:
