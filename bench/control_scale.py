@@ -794,7 +794,8 @@ def f_(x: Any, digits: int = 3) -> str:
 
 #: what each purpose of the simulators' calls is, in the tables' words
 _PURPOSE = {"status": "agent statuses", "relay": "relay values", "events": "event chunks",
-            "ack": "lease round trips", "stop": "stop checks", "hb": "heartbeats", "commit": "commits"}  # fmt: skip
+            "ack": "lease round trips", "stop": "stop checks", "hb": "heartbeats", "commit": "commits",
+            "read": "reads of the count of chunks read", "delete": "deletes of chunks read"}  # fmt: skip
 #: the purposes the steady table's "offered" column shows, per protocol
 _OFFERED = {RELAY: ("relay", "ack", "events", "stop"), PER_RANK: ("hb", "ack", "commit", "stop")}
 
