@@ -447,12 +447,14 @@ def statistics_mean(xs: list[float]) -> float:
 
 def _failure(
     hosts: int, victim: int, owner: SimHandle, sims: list[SimHandle], tail: EventTail,
-    alive: Callable[[], None], timeout: float,
+    alive: Callable[[], None], timeout: float, ctl: Path,
 ) -> dict[str, Any]:  # fmt: skip
-    """Power off host ``victim``; time the coordinator's detection, its plan, the recovery."""
+    """Power off host ``victim``; time the coordinator's detection, its plan, the recovery; sample the
+    coordinator's stack from the loss to the plan (``profile_failure.json``)."""
     victim_host = host_name(victim)
     procs = {f"w{victim * NPROC + k}" for k in range(NPROC)}
     tail.read()
+    (ctl / "profile_on").write_text("profile_failure.json")
     t_kill = float(owner.request({"cmd": "kill", "host": victim_host})["t"])
 
     def seen(pred: Callable[[dict[str, Any]], bool]) -> Callable[[], bool]:
@@ -466,6 +468,7 @@ def _failure(
     plan = seen(lambda e: e.get("kind") == Event.GENERATION_STARTED and e.get("gen") == 1)
     try:
         _wait_until("plan of generation 1 after the host's loss", plan, timeout, alive)
+        (ctl / "profile_off").touch()
         _wait_until("recovery_done of generation 1",
                     seen(lambda e: e.get("kind") == Event.RECOVERY_DONE and e.get("gen") == 1), timeout, alive)  # fmt: skip
     except (TimeoutError, RuntimeError) as e:  # the coordinator may end while it is waited for
@@ -610,7 +613,8 @@ def measure(hosts: int, dest: Path, params: Params) -> dict[str, Any]:
         k = next(k for k, (first, count) in enumerate(_split(hosts + SPARE_NODES, n_sims))
                  if first <= victim < first + count)  # fmt: skip
         ackers[k].request({"cmd": "kill", "host": host_name(victim)})
-        res["failure"] = _failure(hosts, victim, sims[k], sims, tail, alive, timeout)
+        res["failure"] = _failure(hosts, victim, sims[k], sims, tail, alive, timeout, ctl)
+        res["profile_failure"] = _read_json(ctl / "profile_failure.json")
         time.sleep(AFTER_S)
         res["events_counts"] = dict(tail.counts)
         res["ok"] = "error" not in res["failure"]

@@ -4,7 +4,7 @@
 (``OpCounter``, ``CountingStore``), its loop timed (``TickHook``) and its main thread's stack sampled
 (``StackSampler``). It talks to the bench through files in ``<out>/ctl``: ``addr`` (its store),
 ``stats.json`` (twice a second), ``profile_on`` / ``profile_off`` / ``profile.json`` (the profile
-window), ``profile_all.json`` (the whole run), ``result.json`` (how it ended).
+window; ``profile_on`` may name another file: ``profile_failure.json``, from a host's loss to the plan), ``profile_all.json`` (the whole run), ``result.json`` (how it ended).
 """
 
 from __future__ import annotations
@@ -186,20 +186,19 @@ class StackSampler:
 
     def _loop(self) -> None:
         on, off = self.ctl / "profile_on", self.ctl / "profile_off"
-        window_start, last_dump = 0.0, time.monotonic()
+        window_start, last_dump, dest = 0.0, time.monotonic(), "profile.json"
         while True:
             time.sleep(SAMPLE_S)
             with contextlib.suppress(Exception):  # a sample lost is no harm
                 self._sample()
             now = time.monotonic()
             if self.window is None and on.exists():
+                dest = on.read_text().strip() or "profile.json"  # the file the window goes to
                 on.unlink()
                 self.window, window_start = [Counter(), Counter(), Counter()], now
             elif self.window is not None and off.exists():
                 off.unlink()
-                _write_atomic(
-                    self.ctl / "profile.json", json.dumps(summary_of(self.window, now - window_start))
-                )
+                _write_atomic(self.ctl / dest, json.dumps(summary_of(self.window, now - window_start)))
                 self.window = None
             if now - last_dump > 2.0:  # the whole run's, kept current: a coordinator may not end cleanly
                 last_dump = now

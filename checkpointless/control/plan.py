@@ -16,6 +16,7 @@ plan.
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import dataclass, field
 
 from checkpointless.errors import PlanError
@@ -118,8 +119,8 @@ def shared_hosts(members: dict[int, str], hosts: dict[str, str], shards: int) ->
     layout = ReplicaMap(len(members), shards)
     out: dict[int, list[str]] = {}
     for shard in range(shards):
-        on = [hosts.get(members[r], "") for r in layout.replica_group(shard)]
-        crowded = sorted({h for h in on if on.count(h) > 1})
+        on = Counter(hosts.get(members[r], "") for r in layout.replica_group(shard))
+        crowded = sorted(h for h, n in on.items() if n > 1)
         if crowded:
             out[shard] = crowded
     return out
