@@ -265,6 +265,7 @@ class SimProc:
     step_time: float = 0.0  # the last step's time and loss, as Session's metrics
     loss: float = 0.0
     hb: str = ""  # relay: its latest heartbeat, as its relay forwards it
+    report: str = ""  # relay: its failure report, in its heartbeats until it joins another generation
 
     def cpu(self, now: float) -> float | None:
         """The CPU seconds its agent reports: a worker trains (a core's worth), a spare idles."""
@@ -755,11 +756,13 @@ class Simulator:
         if p.rank is None:
             return self._hb_bare % (p.seq, p.phase, time.time(), p.chunks)
         if not p.attempt:
-            return self._hb_joined % (p.seq, p.phase, p.rank, p.gen, p.committed, TOTAL_STEPS, time.time(),
+            text = self._hb_joined % (p.seq, p.phase, p.rank, p.gen, p.committed, TOTAL_STEPS, time.time(),
                                       p.chunks)  # fmt: skip
-        step = p.committed + 1 if p.phase == Phase.COMPUTE else p.committed
-        return self._hb_stepping % (p.seq, p.phase, p.rank, p.gen, p.committed, TOTAL_STEPS, step, p.attempt,
-                                    p.step_time, p.loss, time.time(), p.chunks)  # fmt: skip
+        else:
+            step = p.committed + 1 if p.phase == Phase.COMPUTE else p.committed
+            text = self._hb_stepping % (p.seq, p.phase, p.rank, p.gen, p.committed, TOTAL_STEPS, step, p.attempt,
+                                        p.step_time, p.loss, time.time(), p.chunks)  # fmt: skip
+        return text[:-1] + ',"report":' + p.report + "}" if p.report else text
 
     def _heartbeat(self, ag: SimAgent, p: SimProc, purpose: str) -> None:
         """``per-rank``: ``ControlClient._flush``'s heartbeat, on the coordinator's store. Relayed, a
@@ -857,8 +860,9 @@ class Simulator:
 
     def _report(self, ag: SimAgent, p: SimProc, gen: int) -> None:
         """A member released by the abort: ``fault_detected`` (collective error, a sync flush; relayed:
-        into its agent's store), then ``ControlClient.report_failure`` on the coordinator's store (the
-        sealed report, the counter, the bell), in both protocols."""
+        into its agent's store), then ``ControlClient.report_failure``: relayed, in its heartbeat (its
+        relay's next value carries it); per-rank, on the coordinator's store (the sealed report, the
+        list, the counter, the bell)."""
         if ag.dead or not p.alive or p.gen != gen or p.reported == gen:
             return
         assert ag.conn is not None
@@ -868,6 +872,11 @@ class Simulator:
                                  error="Connection closed by peer [10.0.0.1]:12345"), "report")  # fmt: skip
         self._heartbeat(ag, p, "report")
         p.phase = Phase.RECOVERING
+        if self.relayed:
+            p.report = json.dumps({"gen": gen, "rank": p.rank, "committed": p.committed,
+                                   "reason": Reason.COLLECTIVE_ERROR, "has_state": True}, separators=(",", ":"))  # fmt: skip
+            self._size("report", len(p.report))
+            return
         report = json.dumps({"committed": p.committed, "reason": Reason.COLLECTIVE_ERROR, "proc": p.name,
                              "has_state": True})  # fmt: skip
         self._size("report", self._set(ag.conn, "report", keys.fail(gen, p.rank or 0), report))
@@ -917,7 +926,7 @@ class Simulator:
             if not self.relayed:
                 p.next_hb = time.monotonic() + self.hb_s
                 self._push(self.lo, p.next_hb, "hb", p)
-        p.rank, p.gen, p.phase = rank, gen, Phase.IDLE
+        p.rank, p.gen, p.phase, p.report = rank, gen, Phase.IDLE, ""
         p.committed = plan.resume_step - 1
         self._heartbeat(ag, p, "join")
 

@@ -103,8 +103,8 @@ class Coordinator(Detection):
         if self._failure is None and poll:
             self._check_progress(now)
             self._check_early_finish()
-        if sweep:
-            self._check_reports()
+        if sweep or self.relayed_reports:
+            self._check_reports(direct=sweep)
         if self._failure is not None:
             self._try_recover(now)
         elif self._recovering is not None:
@@ -120,10 +120,20 @@ class Coordinator(Detection):
             self.procs[n].hb.get("phase") == Phase.DONE for n in self.members.values() if n in self.procs
         )
 
-    def _check_reports(self) -> None:
+    def _check_reports(self, direct: bool = True) -> None:
+        """The members' failure reports: those that came in relayed heartbeats since the last call,
+        then (``direct``) those written to the store by processes that beat into it themselves."""
         assert self.plan is not None
         gen = self.plan.gen
-        if self.store.add(keys.fail_count(gen), 0) == 0:
+        relayed, self.relayed_reports = self.relayed_reports, []
+        for name, d in relayed:
+            rank = d.get("rank")
+            if d.get("gen") != gen or not isinstance(rank, int) or self.members.get(rank) != name:
+                continue  # an older generation's (or not this member's: its relay vouches for it only)
+            failure = self._failure
+            if failure is None or (rank not in failure.reported and rank not in failure.dead):
+                self._reported(gen, rank, d)
+        if not direct or self.store.add(keys.fail_count(gen), 0) == 0:
             return  # the counter is only a hint (anyone can bump it): the sealed reports decide
         failure = self._failure
         known = set() if failure is None else set(failure.reported) | failure.dead
@@ -133,14 +143,14 @@ class Coordinator(Detection):
         for rank in ranks:
             text = texts.get(rank)
             if text is not None:
-                failure = self._fail(self._clock())
-                d = json.loads(text)
-                failure.reported[rank] = int(d["committed"])
-                if d.get("has_state", True):
-                    failure.holders.add(rank)
-                self._emit(
-                    Event.FAILURE_REPORTED, rank=rank, gen=gen, reason=d["reason"], committed=d["committed"]
-                )
+                self._reported(gen, rank, json.loads(text))
+
+    def _reported(self, gen: int, rank: int, d: dict[str, Any]) -> None:
+        failure = self._fail(self._clock())
+        failure.reported[rank] = int(d["committed"])
+        if d.get("has_state", True):
+            failure.holders.add(rank)
+        self._emit(Event.FAILURE_REPORTED, rank=rank, gen=gen, reason=d["reason"], committed=d["committed"])
 
     def _reported_ranks(self, gen: int) -> list[int]:
         """The members whose failure reports the list ``keys.fail_ranks`` names (each member appends

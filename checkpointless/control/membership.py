@@ -136,6 +136,9 @@ class Membership:
         self._crash_lines: dict[int, str] = {}  # rank -> last log line of its process that raised
         self._ranks_of: tuple[Plan | None, dict[str, int]] = (None, {})  # (plan, process -> rank)
         self.clocks = ClockOffsets()  # each process's clock against this one (control/clock.py)
+        # failure reports that came in heartbeats (relayed processes: ``ControlClient.report_failure``),
+        # not read yet: (process, report)
+        self.relayed_reports: list[tuple[str, dict[str, Any]]] = []
         # host -> (raw relay value, its parsed value, when the coordinator last read it)
         self._relays: dict[str, tuple[bytes, dict[str, Any], float]] = {}
         # asks the hosts of processes the coordinator waits for for a sign of life (several hosts:
@@ -323,6 +326,9 @@ class Membership:
             p.phase_since = now
         if p.role == Role.WORKER and hb.get("total") is not None and hb.get("total") != p.hb.get("total"):
             self._script_total(name, int(hb["total"]))
+        report = hb.get("report")
+        if isinstance(report, dict) and report != p.hb.get("report"):
+            self.relayed_reports.append((name, report))  # ``Coordinator._check_reports`` judges it
         p.hb = hb
 
     def _script_total(self, name: str, total: int) -> None:

@@ -16,6 +16,7 @@ from checkpointless.config import JobConfig
 from checkpointless.control import keys
 from checkpointless.control.auth import SignedStore, job_namespace
 from checkpointless.control.client import ControlClient
+from checkpointless.control.coordinator import Coordinator
 from checkpointless.control.membership import Membership
 from checkpointless.control.vocab import Event
 from checkpointless.launch.launcher import open_store
@@ -217,3 +218,43 @@ def test_the_coordinator_reads_a_key_per_host_and_ignores_replays_and_forgeries(
     members._read_heartbeats_from_store(time.monotonic())
     assert members.member_status()[0]["committed"] == 7
     assert members.clock_of("w1") == "h1"
+
+
+def test_a_relayed_failure_report_reaches_the_coordinator_in_its_hosts_value_and_no_key_of_its_own(
+    coordinator: tuple[Any, SignedStore], relay: Relay
+) -> None:
+    """Several hosts: a member's failure report rides in its heartbeat (``ControlClient.report_failure``),
+    the coordinator takes it from the host's relay value; one naming another process's rank, or an
+    older generation, counts for nothing; the report leaves the heartbeat in the next generation."""
+    server, view = coordinator
+    job = JobConfig(workers=2)
+    seen: list[dict[str, Any]] = []
+    coord = Coordinator(view, job, 10, spawn_spare=lambda: None, emit=seen.append)
+    coord.start([_Handle("w0", "h1"), _Handle("w1", "h1")], [])
+    clients = [_client(relay, server, n) for n in ("w0", "w1")]
+    try:
+        for rank, c in enumerate(clients):
+            c.update(rank=rank, gen=0, committed=3, phase="idle")
+        clients[0].report_failure(0, 0, 3, "collective_error", True)
+        clients[1].update(report={"gen": 0, "rank": 0, "committed": 9, "reason": "x", "has_state": True})
+
+        def reported() -> dict[int, int]:
+            coord._read_heartbeats_from_store(time.monotonic())
+            coord._check_reports(direct=False)
+            return dict(coord._failure.reported) if coord._failure is not None else {}
+
+        _until(lambda: reported() == {0: 3})
+        assert not view.raw.check([view.name(keys.fail(0, 0))])  # nothing per rank on the coordinator's store
+        assert not view.raw.check([view.name(keys.fail_ranks(0))])
+        assert [
+            (e["kind"], e["rank"], e["committed"]) for e in seen if e["kind"] == Event.FAILURE_REPORTED
+        ] == [(Event.FAILURE_REPORTED, 0, 3)]
+        assert coord.store.get(keys.abort(0)) == "1"  # the generation is aborted
+        clients[1].report_failure(0, 1, 3, "collective_error", False)
+        _until(lambda: reported() == {0: 3, 1: 3})
+        assert coord._failure is not None and coord._failure.holders == {0}
+        clients[0].update(gen=1)
+        assert "report" not in clients[0]._status
+    finally:
+        for c in clients:
+            c.close()
