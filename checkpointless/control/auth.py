@@ -111,7 +111,9 @@ _SECRET: bytes | None = None
 
 
 def mac(secret: bytes, *parts: bytes) -> bytes:
-    return hmac.new(secret, b"\0".join(parts), hashlib.sha256).digest()
+    # the one-shot C path: ``hmac.new(...).digest()`` built a Python object per value, 5% of the
+    # coordinator's loop at 2,000 hosts (a value per host per read)
+    return hmac.digest(secret, b"\0".join(parts), "sha256")
 
 
 MULTI_GET_KEYS = 8192

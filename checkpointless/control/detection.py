@@ -77,8 +77,17 @@ class Detection(Membership):
                     "%s (rank %s): no heartbeat for %.1fs%s, killing it", name, rank, silent,
                     " (using CPU all along: a thread holding the GIL, or stuck in native code)" if p.busy else "",
                 )  # fmt: skip
-                p.killed = True
-                p.handle.kill()
+                self._kill_member(p, rank, now)
+
+    def _kill_member(self, p: _Proc, rank: int | None, now: float) -> None:
+        """Kill a process judged hung. A member's generation is aborted at once: its peers leave
+        it and report while the kill is confirmed (on another host, by its agent's next status, or
+        by the host's loss when the host is gone: seconds at 2,000 hosts), so the plan can follow
+        the confirmation at once. The rank counts as dead once its exit is seen."""
+        p.killed = True
+        p.handle.kill()
+        if rank is not None and p.role == Role.WORKER and not self.finished:
+            self._fail(now)
 
     def _hung(self, p: _Proc, now: float) -> bool:
         """Whether a joined process's heartbeat has been silent too long.
@@ -197,8 +206,7 @@ class Detection(Membership):
                            step=hb.get("step"), silent_s=round(now - p.phase_since, 3))  # fmt: skip
                 log.warning("%s (rank %s): no progress in step %s for %.1fs, killing it",
                             p.handle.name, rank, hb.get("step"), now - p.phase_since)  # fmt: skip
-                p.killed = True
-                p.handle.kill()
+                self._kill_member(p, rank, now)
 
     def _check_early_finish(self) -> None:
         """A rank that finished its loop while a peer of its generation still attempts (or finished

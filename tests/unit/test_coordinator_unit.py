@@ -147,10 +147,16 @@ def test_silent_heartbeat_is_killed_exactly_once(silent: str, rank: int | None, 
     assert (fault["reason"], fault["target"], fault["rank"]) == ("heartbeat_timeout", silent, rank)
     assert fault["silent_s"] == hang + DT
     assert job.kills() == {silent: 1}
+    if rank is not None:
+        # a member: its generation is aborted at once, and its peer leaves it and reports
+        assert job.store.get(keys.abort(0)) == "1"
+        job["w0"].recover()
     job.tick(ticks_after)  # the SIGKILL is pending: the process is still alive
     assert job.faults() == [("heartbeat_timeout", silent)] and job.kills() == {silent: 1}
-    # nothing is decided until it is seen dead
-    assert job.store.get(keys.abort(0)) is None and job.plan(1) is None
+    # a member's generation is aborted at once (its peers report while the kill is confirmed); no
+    # plan until it is seen dead. A spare is no member: nothing is aborted
+    assert job.store.get(keys.abort(0)) == ("1" if rank is not None else None)
+    assert job.plan(1) is None
 
 
 def test_the_coordinators_own_stall_is_not_the_processes_silence() -> None:
