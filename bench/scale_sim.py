@@ -115,7 +115,14 @@ _HB_STEPPING = (
 # a relay forwards its processes' heartbeats inside one value it writes with separators=(",", ":")
 _HB_TEMPLATES = {
     PER_RANK: (_HB_BARE, _HB_JOINED, _HB_STEPPING),
-    RELAY: tuple(t.replace(", ", ",").replace(": ", ":") for t in (_HB_BARE, _HB_JOINED, _HB_STEPPING)),
+    # forwarded by a relay: only the fields the coordinator reads (``relay.FORWARDED``; ``%.0s`` takes
+    # an argument and writes nothing)
+    RELAY: (
+        '{"seq":%d,"phase":"%s"%.0s%.0s}',
+        '{"seq":%d,"phase":"%s","rank":%d,"gen":%d,"committed":%d,"total":%d%.0s%.0s}',
+        '{"seq":%d,"phase":"%s","rank":%d,"gen":%d,"committed":%d,"total":%d,"step":%d,"attempt":%d,'
+        '"step_time_s":%r%.0s%.0s%.0s}',
+    ),
 }
 _RELAY_VALUE = '{"seq":%d,"t":%r,"chunks":%d,"procs":{%s}}'  # launch/relay.py's, its heartbeats inside
 

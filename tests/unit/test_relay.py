@@ -74,6 +74,8 @@ def test_a_hosts_heartbeats_and_events_reach_the_coordinator_as_one_value_and_on
         clients[1].emit(Event.STEP_COMMITTED, sync=True, step=4)
         _until(lambda: set(_relay_value(view).get("procs", {})) == {"w0", "w1"})
         _until(lambda: _relay_value(view).get("procs", {})["w1"].get("committed") == 3)
+        # the fields the coordinator reads, no more: its clock, chunk count and metrics stay on the host
+        assert set(_relay_value(view)["procs"]["w0"]) == {"seq", "phase", "rank", "gen", "committed"}
         assert all(c.drain(5.0) for c in clients)  # every event forwarded and acknowledged
         value = _relay_value(view)
         lines = []
