@@ -79,6 +79,16 @@ class Detection(Membership):
                 )  # fmt: skip
                 self._kill_member(p, rank, now)
 
+    def _check_exits(self, now: float) -> bool:
+        """The exits alone (``_check_processes`` without the hang rules, which need the heartbeats
+        read first): whether there were any."""
+        seen = False
+        for name, p in list(self.procs.items()):
+            if p.role != Role.GONE and not p.handle.alive():
+                self._on_exit(name, p, self._rank_of(name) if p.role == Role.WORKER else None, now)
+                seen = True
+        return seen
+
     def _kill_member(self, p: _Proc, rank: int | None, now: float) -> None:
         """Kill a process judged hung. A member's generation is aborted at once: its peers leave
         it and report while the kill is confirmed (on another host, by its agent's next status, or

@@ -1118,3 +1118,32 @@ def test_a_sampler_built_before_the_session_is_named_in_the_error() -> None:
     )
     assert "session.between_steps()" in _hint(closed)
     assert _hint("ZeroDivisionError: division by zero") == ""
+
+
+def test_a_failure_waiting_for_a_killed_members_exit_plans_as_the_exit_is_seen_before_reading_heartbeats() -> (
+    None
+):
+    """A hung member's generation is aborted at its kill; its peer reports; the plan waits for the
+    exit. On the tick that sees the exit the plan comes before that tick's heartbeat read (at 2,000
+    hosts that read is most of a tick)."""
+    job = Job(workers=2, spares=1)
+    job.steady(committed=4)
+    job.beating.discard("w1")  # stopped
+    job.tick_until(job.clock.now + job.config.recovery.hang_timeout_s + 2 * DT)
+    assert job.kills() == {"w1": 1} and job.store.get(keys.abort(0)) == "1"
+    job["w0"].recover()
+    job.tick(3)  # the SIGKILL is pending: no plan
+    assert job.plan(1) is None
+    planned_before_read: list[bool] = []
+    read = job.coord._read_heartbeats
+
+    def spy(now: float) -> None:
+        planned_before_read.append(job.plan(1) is not None)
+        read(now)
+
+    job.coord._read_heartbeats = spy  # type: ignore[method-assign]
+    job.exit("w1", -9)
+    job.tick()
+    assert planned_before_read == [True]
+    plan = job.plan(1)
+    assert plan is not None and plan.members[1] == "s0" and plan.resume_step == 5
