@@ -69,8 +69,10 @@ def test_kill_exception_and_hang_end_bitwise_equal_to_the_fault_free_run() -> No
     assert r.ok, logs_of(r)
     assert r.digest == _reference()
     by_spec = {f["spec"]: f for f in r.report["faults"] if f.get("injected")}
-    assert by_spec[faults[0]]["replaced_by"] == "s0" and by_spec[faults[0]]["lost_steps"] == 0
-    assert by_spec[faults[2]]["replaced_by"] == "s1" and by_spec[faults[2]]["lost_steps"] == 0
+    # each replaced by one of the two spares: whichever was ready when the plan was made (a fresh-clone
+    # CI run on a loaded machine had s1 ready before s0 at the first fault)
+    assert {by_spec[faults[0]]["replaced_by"], by_spec[faults[2]]["replaced_by"]} == {"s0", "s1"}
+    assert by_spec[faults[0]]["lost_steps"] == 0 and by_spec[faults[2]]["lost_steps"] == 0
     transfers = _transfers(r)
     assert sorted(int(e["rank"]) for e in transfers) == [0, 1]  # the two replacements, nobody else ...
     assert all(int(e["src"]) % 2 == int(e["rank"]) % 2 for e in transfers)  # ... from a copy of their shard
