@@ -134,6 +134,12 @@ class Coordinator(Detection):
             rank = d.get("rank")
             if d.get("gen") != gen or not isinstance(rank, int) or self.members.get(rank) != name:
                 continue  # an older generation's (or not this member's: its relay vouches for it only)
+            p = self.procs[name]
+            if p.killed or p.role == Role.GONE:
+                # fenced: a process judged hung (a host cut off) that reported while cut off; its
+                # relay forwards the report once the link is back, and it must count for nothing:
+                # the plan waits for its exit instead
+                continue
             failure = self._failure
             if failure is None or (rank not in failure.reported and rank not in failure.dead):
                 self._reported(gen, rank, d)

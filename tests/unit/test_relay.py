@@ -260,3 +260,41 @@ def test_a_relayed_failure_report_reaches_the_coordinator_in_its_hosts_value_and
     finally:
         for c in clients:
             c.close()
+
+
+def test_a_report_forwarded_after_its_process_was_killed_counts_for_nothing(
+    coordinator: tuple[Any, SignedStore],
+) -> None:
+    """Fencing: a host cut off; its rank, judged hung and killed, reported a failure of its own
+    while cut off, and its relay forwards it once the link is back. The report must not make it a
+    survivor of the plan: the plan waits for its exit."""
+    _server, view = coordinator
+    seen: list[dict[str, Any]] = []
+    coord = Coordinator(view, JobConfig(workers=2), 10, spawn_spare=lambda: None, emit=seen.append)
+    coord.start([_Handle("w0", "h0"), _Handle("w1", "h1")], [])
+
+    def beat(host: str, seq: int, name: str, rank: int, report: bool) -> None:
+        hb: dict[str, Any] = {"seq": seq, "rank": rank, "gen": 0, "committed": 3, "phase": "recovering"}
+        if report:
+            hb["report"] = {
+                "gen": 0,
+                "rank": rank,
+                "committed": 3,
+                "reason": "collective_error",
+                "has_state": True,
+            }
+        view.set(
+            keys.node_relay(host),
+            json.dumps({"seq": seq, "t": time.time(), "chunks": 0, "procs": {name: hb}}),
+        )
+
+    beat("h0", 1, "w0", 0, False)
+    beat("h1", 1, "w1", 1, False)
+    coord._read_heartbeats_from_store(time.monotonic())
+    coord._kill_member(coord.procs["w1"], 1, time.monotonic())  # judged hung: its generation aborted
+    beat("h0", 2, "w0", 0, True)
+    beat("h1", 2, "w1", 1, True)  # the link is back: the cut-off rank's own report arrives
+    coord._read_heartbeats_from_store(time.monotonic())
+    coord._check_reports(direct=False)
+    assert coord._failure is not None and coord._failure.reported == {0: 3}
+    assert [e["rank"] for e in seen if e["kind"] == Event.FAILURE_REPORTED] == [0]
