@@ -485,7 +485,11 @@ class Session(Member):
         self._current, self._metrics, self._reduced = current, {}, False
         if self.reseed_rng:
             s = step_seed(self.seed, step, self.rank)
-            torch.manual_seed(s)
+            # the CPU generator and CUDA's (torch.manual_seed also looks for other accelerators'
+            # at 100x the cost, every step)
+            torch.default_generator.manual_seed(s)
+            if torch.cuda.is_available():
+                torch.cuda.manual_seed_all(s)
             np.random.seed(s % 2**32)
             random.seed(s)
         self._attempts += 1

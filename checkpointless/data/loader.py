@@ -172,7 +172,7 @@ class StepLoader:
             raise ValueError(f"step must be >= 0, got {step}")
         order = self._epoch_order(self.epoch(step))
         at = (step % self.steps_per_epoch) * self.global_batch_size
-        return [int(i) for i in order[at : at + self.global_batch_size]]
+        return order[at : at + self.global_batch_size].tolist()
 
     def indices(self, step: int, rank: int | None = None, size: int | None = None) -> list[int]:
         """Data-parallel rank ``rank``'s part (of ``size``) of step ``step``'s global batch."""

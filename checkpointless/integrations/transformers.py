@@ -376,10 +376,17 @@ class Trainer(_HFTrainer):
                 finally:
                     self._items_ranks = 1
                 step_loss = torch.stack(losses).sum()
-                if group is not None:  # the logged loss: the ranks' mean, as HF's gather makes it
-                    group.allreduce_([step_loss])
+                # the logged loss: the ranks' mean, as HF's gather makes it, summed behind the
+                # gradients' reduction (no sync point of its own)
+                works = [] if group is None else [group.allreduce_start(step_loss)]
+                try:
+                    session.reduce_gradients()
+                except BaseException:
+                    works.clear()  # a live Work would keep the failed group's sockets open
+                    raise
+                if group is not None:
+                    group.wait_all(works)
                     step_loss /= group.world_size
-                session.reduce_gradients()
                 if args.max_grad_norm > 0:
                     grad_norm = self._clip_grad_norm(model)
                 grad_norm = self._get_grad_norm(model, grad_norm=grad_norm)

@@ -220,3 +220,49 @@ def test_a_samples_random_transform_depends_on_its_place_in_the_job_not_on_who_r
         for h in halves:
             h.close()
     assert not torch.equal(_loader(ds, 8, seed=6).batch(0)[:, 1:5], straight[0][:, 1:5])  # another seed
+
+
+class RarelyDrawn(Dataset[torch.Tensor]):
+    """Sample ``i``; only sample ``DRAWS_AT`` draws, and from one generator (``source``). Counts reads."""
+
+    DRAWS_AT = 29
+
+    def __init__(self, source: str) -> None:
+        self.source, self.reads = source, 0
+
+    def __len__(self) -> int:
+        return 48
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        import random
+
+        import numpy as np
+
+        self.reads += 1
+        noise = 0.0
+        if i == self.DRAWS_AT:
+            draw = {"torch": lambda: torch.rand(1).item(), "random": random.random, "numpy": np.random.rand}
+            noise = float(draw[self.source]())
+        return torch.tensor([float(i), noise], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("source", ["torch", "random", "numpy"])
+def test_a_sample_that_draws_from_one_generator_alone_is_still_seeded_by_its_place(source: str) -> None:
+    """Parts are read under one seeding and looked at afterwards: a part where a single sample drew
+    from a single generator is read again under per-sample seeds, so the sample's draw depends on
+    its place in the job, not on which rank's part holds it (1 rank or 2, with its draw first or last
+    in the part); a dataset that draws nothing is read once per sample."""
+    steps = range(0, 6)  # 8 samples a step, 48 in all: sample DRAWS_AT is in one of them
+    whole = RarelyDrawn(source)
+    straight = torch.cat([_loader(whole, 8, seed=5, shuffle=False).batch(s) for s in steps])
+    drawn = straight[straight[:, 0] == RarelyDrawn.DRAWS_AT, 1]
+    assert drawn.numel() == 1 and drawn.item() != 0.0
+    for size in (2, 4):
+        halves = [_loader(RarelyDrawn(source), 8, r, size, seed=5, shuffle=False) for r in range(size)]
+        split = torch.cat([torch.cat([h.batch(s) for h in halves]) for s in steps])
+        assert torch.equal(split, straight), size
+    quiet = Counted(48)
+    loader = _loader(quiet, 8, seed=5)
+    for s in steps:
+        loader.batch(s)
+    assert quiet.reads == 48
