@@ -71,13 +71,17 @@ def test_a_hung_rank_of_a_bf16_trainer_is_replaced_bitwise(tmp_path: Path) -> No
 def test_resuming_from_the_trainers_checkpoint_ends_where_the_whole_run_does(
     tmp_path: Path, reference: tuple[str, Path]
 ) -> None:
+    """``resume_from_checkpoint`` at step 6, with a kill at step 8: the replacement (which loads the
+    checkpoint too, before it waits) keeps the state it receives, and the job ends where the whole
+    run does."""
     digest, out = reference
-    job = run_job(workers=2, spares=0, steps=STEPS, timeout_s=400,
+    job = run_job(workers=2, spares=1, steps=STEPS, timeout_s=400, faults=["kill:rank=1@step=8"],
                   command=_command(tmp_path, "--resume", str(out / "checkpoint-6")))  # fmt: skip
     assert job.ok, f"{job.error}\n{logs_of(job)}"
     assert job.digest == digest
     committed = sorted({e["step"] for e in job.events if e["kind"] == "step_committed"})
-    assert committed == list(range(6, STEPS))  # started at step 6, no step done twice
+    assert committed == list(range(6, STEPS))  # started at step 6
+    assert [f["lost_steps"] for f in job.report["faults"]] == [0]
 
 
 def test_an_exception_at_the_first_of_a_steps_micro_batches_recovers_bitwise(

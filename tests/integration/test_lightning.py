@@ -237,3 +237,27 @@ def test_the_datamodule_script_runs_alone_on_one_process(tmp_path: Path) -> None
                          text=True, timeout=240, env=env)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     assert "trained 16 steps" in run.stdout, run.stdout
+
+
+def test_resuming_from_a_lightning_checkpoint_ends_where_the_whole_run_does(
+    lightning_dir: Path, tmp_path: Path
+) -> None:
+    """``fit(ckpt_path=...)`` from a checkpoint saved mid-epoch at step 5 (``every_n_train_steps``):
+    the resumed job starts at step 5, and with a kill of rank 0 at that first step (the replacement
+    enters Lightning's loop where its peers, resumed from the file, did), a kill of rank 1 later (its
+    replacement keeps the state it received, not the file's step-5 one) and an exception, it ends
+    where the uninterrupted run does: state, and everything registered (the callbacks' among it).
+    Before: ``ckpt_path`` was refused."""
+    every = ("--save-every", "5")
+    whole = _job(lightning_dir, spares=0, extra=every, out=tmp_path / "whole")
+    assert whole.ok, f"{whole.error}\n{logs_of(whole)}"
+    ckpt = tmp_path / "step=5.ckpt"
+    shutil.copy(lightning_dir / "every" / "step=5.ckpt", ckpt)
+    faults = ("kill:rank=0@step=5", "kill:rank=1@step=9", "exception:rank=0@step=13")
+    resumed = _job(lightning_dir, *faults, extra=(*every, "--resume", str(ckpt)), out=tmp_path / "resumed")
+    assert resumed.ok, f"{resumed.error}\n{logs_of(resumed)}"
+    assert resumed.digest == whole.digest
+    assert resumed.report["final_registered_sha256"] == whole.report["final_registered_sha256"]
+    committed = sorted({e["step"] for e in resumed.events if e["kind"] == "step_committed"})
+    assert committed == list(range(5, STEPS))  # started at step 5
+    assert [f["lost_steps"] for f in resumed.report["faults"]] == [0, 0, 0]

@@ -4,11 +4,13 @@ over a map-style dataset, an LR scheduler stepped every step, ``self.log(..., sy
 training and validation, gradient clipping, validation every epoch.
 
 Usage: lightning_train.py OUTPUT_DIR [--epochs N] [--manual] [--accumulate N] [--stream STEPS]
-                          [--raise-at STEP:MICRO:RANK]
+                          [--raise-at STEP:MICRO:RANK] [--save-every N] [--resume CKPT]
 (``--manual``: manual optimization, refused; ``--accumulate N``: ``accumulate_grad_batches=N``;
 ``--raise-at``: ``training_step`` raises once, on that rank, at that micro-batch of that step;
 ``--stream STEPS``: the train set an endless stream, an ``IterableDataset`` without ``__len__``
-shuffled by its own seed, read for ``max_steps=STEPS`` in epochs of 6 batches)
+shuffled by its own seed, read for ``max_steps=STEPS`` in epochs of 6 batches; ``--save-every N``:
+a ``ModelCheckpoint`` more, every N steps into ``OUTPUT_DIR/every``, keeping them all;
+``--resume CKPT``: ``fit(ckpt_path=CKPT)``)
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import argparse
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
@@ -101,6 +104,8 @@ def main() -> None:
     p.add_argument("--accumulate", type=int, default=1)
     p.add_argument("--stream", type=int, default=0, metavar="STEPS")
     p.add_argument("--raise-at", default=None, metavar="STEP:MICRO:RANK")
+    p.add_argument("--save-every", type=int, default=0, metavar="N")
+    p.add_argument("--resume", default=None, metavar="CKPT")
     a = p.parse_args()
     torch.set_num_threads(1)
     L.seed_everything(7, verbose=False)
@@ -113,6 +118,10 @@ def main() -> None:
         stream = {"max_steps": a.stream, "limit_train_batches": 6}
     val = DataLoader(Points(32, 2), batch_size=16)
     strategy = CheckpointlessStrategy()
+    every = []
+    if a.save_every:
+        every = [ModelCheckpoint(dirpath=f"{a.output_dir}/every", filename="{step}",
+                                 every_n_train_steps=a.save_every, save_top_k=-1)]  # fmt: skip
     trainer = L.Trainer(
         strategy=strategy,
         accelerator="cpu",
@@ -123,9 +132,10 @@ def main() -> None:
         default_root_dir=a.output_dir,
         enable_progress_bar=False,
         enable_model_summary=False,
+        callbacks=every,
         **stream,  # type: ignore[arg-type]
     )
-    trainer.fit(model, train, val)
+    trainer.fit(model, train, val, ckpt_path=a.resume)
     if trainer.is_global_zero:
         # the default process group: the session's own (no env:// group of Lightning's), or one of
         # a single rank alone

@@ -68,6 +68,11 @@ What the strategy does (automatic optimization only):
   forms, as under DDP. ``broadcast`` carries a ``str``, number, bool or None (nothing received is
   unpickled); other objects stay each rank's own (they are equal on replicas). No ``env://``
   process group is started: ``torch.distributed`` stays uninitialised.
+- ``fit(ckpt_path=...)`` resumes from a Lightning checkpoint (every rank reads the same file, as
+  under DDP): the job starts at its step, the train data at that step's batch. A replacement takes
+  its peers' state, not the file's (what Lightning would load after the session's setup is not
+  loaded), and one that joins at the first step after the checkpoint enters the loop as its peers
+  did.
 - validation, test and predict loops run on every rank over the whole dataset (no
   ``DistributedSampler``): the replicas are equal, so are their metrics.
 
@@ -75,8 +80,7 @@ Refused in one line (``ValueError``; the Trainer's settings before a spare waits
 dataloader when Lightning asks for it, validation inside an accumulated step when training
 starts): manual optimization, ``GradientAccumulationScheduler``, a ``LightningModule.optimizer_step``
 of its own with ``accumulate_grad_batches > 1``, more than one device per process or
-``num_nodes > 1``, ``overfit_batches``, resuming from a Lightning checkpoint (``ckpt_path``),
-training with no end (``max_epochs=-1`` without ``max_steps``), a train dataloader that is not one
+``num_nodes > 1``, ``overfit_batches``, training with no end (``max_epochs=-1`` without ``max_steps``), a train dataloader that is not one
 ``DataLoader`` with a ``batch_size`` over a map-style dataset with a plain sequential or random
 sampler, or over an ``IterableDataset`` (``checkpointless.data.iterable_loader``'s contract) read by
 at most one worker process and, without ``__len__``, with ``max_steps`` (one endless epoch, or the

@@ -25,6 +25,13 @@ class _Progress:
 
         self.callback = _BatchEnd(self)
 
+    def resumed(self, loops: dict[str, Any] | None) -> None:
+        """The fit loop's state in the checkpoint ``fit(ckpt_path=...)`` resumes from: what a
+        replacement joining at the first step after it loads, as this process did (a replacement's
+        own, received from its peer, takes its place)."""
+        if not self.received and loops is not None:
+            self._loops = copy.deepcopy(loops)
+
     def capture(self, trainer: Any) -> None:
         """At the start of step ``trainer.global_step`` (the strategy's ``on_train_batch_start`` of
         the step's first micro-batch)."""

@@ -38,8 +38,6 @@ def refused_settings(strategy: Any, trainer: Any, *, launched: bool) -> list[str
         )
     if trainer.overfit_batches > 0:
         out.append("overfit_batches")
-    if trainer.ckpt_path is not None:
-        out.append("resuming from a Lightning checkpoint (ckpt_path)")
     if trainer.max_steps == -1 and trainer.max_epochs in (None, -1):
         out.append("training without an end (max_epochs=-1 and no max_steps)")
     accelerator = type(trainer.accelerator).__name__

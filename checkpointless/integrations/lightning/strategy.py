@@ -109,6 +109,7 @@ class CheckpointlessStrategy(ParallelStrategy):
         self._comm = _Collectives(lambda: self._session)
         self._steps: Iterator[int] | None = None
         self._total = -1  # the job's steps (the Trainer's estimated_stepping_batches)
+        self._start = 0  # the step the job starts at: a checkpoint's that fit(ckpt_path=...) resumes from
         self._window: _Window | None = None  # the step under way, from its first micro-batch
         self._batches: _TrainBatches | None = None
         self._finished = False
@@ -237,12 +238,25 @@ class CheckpointlessStrategy(ParallelStrategy):
             self._finish(total=session.step)
             raise SystemExit(0)
         self._progress.restore(trainer)
+        # Started with fit(ckpt_path=...), the Trainer would now load the checkpoint's optimizer,
+        # schedulers, scaler and loop counters over the state just received: it loaded the model
+        # and the callbacks (before setup), the state received replaced them, and nothing is left
+        # to load.
+        trainer._checkpoint_connector._loaded_checkpoint = {}
         # Lightning may have made the train iterator already, at step 0: ``estimated_stepping_batches``
         # in ``configure_optimizers`` loads the train data (and prefetches a batch) before this
         # process had a rank. Made again at fit's start, it starts at the step received.
         trainer.fit_loop._combined_loader = None
         self._joining = True
         log.info("[rank %d] joined at step %d (epoch %d)", session.rank, session.step, trainer.current_epoch)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Lightning's, keeping the fit loop's state for a replacement that joins at the first step
+        after the checkpoint (``_Progress.resumed``)."""
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self._start = int(checkpoint.get("global_step", 0))
+        self._progress.resumed(checkpoint.get("loops", {}).get("fit_loop"))
+        return checkpoint
 
     def process_dataloader(self, dataloader: object) -> object:
         """The train loader, read as a function of the step (``_TrainBatches``); others as they are.
@@ -289,7 +303,9 @@ class CheckpointlessStrategy(ParallelStrategy):
         model = model or self.lightning_module
         if self._steps is None:
             self._total = int(trainer.estimated_stepping_batches)
-            self._steps = session.steps(self._total)
+            # a fit(ckpt_path=...) starts at the checkpoint's step, on every rank (a replacement
+            # passes it too, and holds its own later position)
+            self._steps = session.steps(self._total, start=self._start)
         last = not trainer.fit_loop._should_accumulate()  # Lightning's own test
         # a failed attempt's first closure ran zero_grad: its count stays what one attempt makes it
         zero_grad = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.zero_grad
