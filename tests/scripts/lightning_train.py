@@ -19,8 +19,8 @@ import argparse
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
 import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
