@@ -9,7 +9,7 @@
   gloo; ``ddp_find_unused_parameters=False`` on both sides, see the script). The step time of a
   run is the median gap between consecutive ``on_step_end`` callbacks of rank 0
   (``time.perf_counter()`` inside the script: start-up, model building and the end of the process
-  do not count), the first ``WARMUP`` steps left out.
+  do not count).
 - **Lightning**: ``bench/baselines/lightning_trainer.py`` (the shape of
   ``tests/scripts/lightning_train.py``: a ``LightningModule`` MLP classifier with batch norm and
   dropout, a shuffled ``DataLoader`` of 64 samples per rank x 2 accumulated micro-batches per
@@ -19,12 +19,20 @@
   ``torchrun --standalone --nproc-per-node 2 lightning_trainer.py --plain`` with Lightning's
   ``DDPStrategy(process_group_backend="gloo")``. The step time of a run is the median gap between
   the ``on_train_batch_end`` callbacks of rank 0 that end an optimizer step (``time.perf_counter()``
-  inside the script), the first ``WARMUP`` steps left out.
+  inside the script).
 
-The two sides run as pairs, A/B alternating (``plain, checkpointless`` then ``checkpointless,
-plain``, ...) to spread the machine's drifting load; the ratio checkpointless / plain is taken
-within a pair, and the pairs' ratios give a geometric mean with a 95% t interval on their logs
-(``common.paired_interval``). Goal: within 3% (interval at or below 1.03).
+The two sides run at once and take turns (``baselines/turns.py``): every ``TURN_S`` seconds the
+benchmark gives the machine to the other job, whose ranks wait at their next optimizer step's end
+while the turn is not theirs. Sequential runs compared the machine's moments as much as the
+systems (its speed drifts by several percent within a minute: pairs of runs one after the other
+gave ratios from 0.78 to 1.39 in one benchmark); turns a few seconds apart see the same machine. A
+step counts when it lies inside its job's turn (no turn change between its start and its end),
+the first ``WARMUP`` steps of each job left out. A round is a turn of the plain job and the
+checkpointless job's next one: its ratio is the medians' ratio, and the rounds' ratios give a
+geometric mean with a 95% t interval on their logs (``common.paired_interval``). Goal: within 3%
+(interval at or below 1.03). While the plain job has its turn the checkpointless launcher's
+coordinator and its waiting ranks' heartbeat threads still run (about 1% of a core,
+``control_load.py``): a cost of checkpointless that lands on the plain side's steps, not its own.
 
 Usage: ``python bench/integrations.py [--quick]`` -> ``bench/out/integrations.json``.
 """
@@ -32,9 +40,12 @@ Usage: ``python bench/integrations.py [--quick]`` -> ``bench/out/integrations.js
 from __future__ import annotations
 
 import argparse
+import bisect
+import contextlib
 import importlib.util
 import itertools
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -50,15 +61,17 @@ SCRIPTS = {
     "lightning": common.BENCH_DIR / "baselines" / "lightning_trainer.py",
 }
 WORKERS = 2
-STEPS, QUICK_STEPS = 100, 40
+SYSTEMS = ("plain", "checkpointless")
+STEPS, QUICK_STEPS = 600, 160
 WARMUP = 10
-PAIRS, QUICK_PAIRS = 5, 3
+TURN_S = 2.0  # each job's turn; a step is ~45 ms: some 40 steps a turn
+MIN_STEPS_PER_TURN = 5
 GOAL = 1.03
-RUN_TIMEOUT_S = 600.0
+RUN_TIMEOUT_S = 900.0
 
 
-def _command(kind: str, system: str, out: Path, steps: int) -> list[str]:
-    script = [str(SCRIPTS[kind]), str(out), str(steps)]
+def _command(kind: str, system: str, out: Path, steps: int, turns: Path) -> list[str]:
+    script = [str(SCRIPTS[kind]), str(out), str(steps), "--turns", str(turns)]
     if system == "plain":
         return [common.PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORKERS}",
                 *script, "--plain"]  # fmt: skip
@@ -66,69 +79,120 @@ def _command(kind: str, system: str, out: Path, steps: int) -> list[str]:
             "--quiet", "--out", str(out / "launch"), "--", common.PYTHON, *script]  # fmt: skip
 
 
-def one_run(kind: str, system: str, out: Path, steps: int) -> dict[str, Any]:
-    """One run of the ``kind`` script (``hf``, ``lightning``); its per-step times (rank 0) after the warm-up."""
-    out.mkdir(parents=True, exist_ok=True)
-    log = out / "run.log"
-    proc = start(_command(kind, system, out, steps), log, child_env())
+def _give_turn(turns: Path, who: str) -> None:
+    tmp = turns.with_suffix(".tmp")
+    tmp.write_text(who)
+    os.replace(tmp, turns)  # a reader sees the old turn or the new one, never half of it
+
+
+def _take_turns(turns: Path, procs: dict[str, subprocess.Popen[bytes]]) -> list[tuple[float, str]]:
+    """Alternate the turn between the jobs until both have ended; the turn changes, as
+    ``(time.perf_counter(), whose)``. The turns start once both jobs are built and past their first step."""
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while not all(list(turns.parent.glob(f"{turns.name}.{s}.ready.*")) for s in SYSTEMS):
+        if any(p.poll() is not None for p in procs.values()) or time.monotonic() > deadline:
+            return []
+        time.sleep(0.05)
+
+    def done(s: str) -> bool:
+        return procs[s].poll() is not None or bool(list(turns.parent.glob(f"{turns.name}.{s}.done.*")))
+
+    flips: list[tuple[float, str]] = []
+    for who in itertools.cycle(SYSTEMS):
+        if any(done(s) for s in SYSTEMS) or time.monotonic() > deadline:
+            break
+        flips.append((time.perf_counter(), who))  # before the write: a step seeing the new turn ends after it
+        _give_turn(turns, who)
+        until = time.monotonic() + TURN_S
+        while time.monotonic() < until and not done(who):
+            time.sleep(0.01)
+    # One job has run its last step: no more measured turns. It ends alone, then the other runs on.
+    flips.append((time.perf_counter(), ""))
+    first = next((s for s in SYSTEMS if done(s)), None)
+    if first is not None:
+        _give_turn(turns, first)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            procs[first].wait(timeout=max(1.0, deadline - time.monotonic()))
+    for s in SYSTEMS:
+        _give_turn(turns, s)
+        while not done(s) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            procs[s].wait(timeout=max(1.0, deadline - time.monotonic()))
+    return flips
+
+
+def _turn_steps(times: list[float], flips: list[tuple[float, str]], system: str) -> dict[int, list[float]]:
+    """``system``'s step times (rank 0) by turn: a step counts when it lies within one of its own turns
+    (no turn change between its start and its end), past the job's first ``WARMUP`` steps."""
+    starts = [t for t, _ in flips]
+    out: dict[int, list[float]] = {}
+    for a, b in itertools.pairwise(times[WARMUP:]):
+        k = bisect.bisect_right(starts, a) - 1
+        if k < 0 or flips[k][1] != system or (k + 1 < len(starts) and starts[k + 1] < b):
+            continue
+        out.setdefault(k, []).append(b - a)
+    return out
+
+
+def taking_turns(kind: str, quick: bool, dest: Path) -> dict[str, Any]:
+    """Both sides of the ``kind`` script (``hf``, ``lightning``) at once, taking turns (``baselines/turns.py``)."""
+    steps = QUICK_STEPS if quick else STEPS
+    out = common.fresh_dir(dest / kind)
+    turns = out / "turn"
+    _give_turn(turns, "")  # nobody's until both are built
+    procs = {
+        s: start(_command(kind, s, out / s, steps, turns), out / s / "run.log", child_env()) for s in SYSTEMS
+    }
     t0 = time.monotonic()
     try:
-        rc = proc.wait(timeout=RUN_TIMEOUT_S)
+        flips = _take_turns(turns, procs)
+        codes = {
+            s: p.wait(timeout=max(1.0, RUN_TIMEOUT_S - (time.monotonic() - t0))) for s, p in procs.items()
+        }
     except subprocess.TimeoutExpired:
-        rc = None
+        codes = {s: p.poll() for s, p in procs.items()}
     finally:
-        end_group(proc)
-    wall = time.monotonic() - t0
-    times_path = out / "times.json"
-    # rank 0 writes its times once training is over: a rank aborted at exit after that (plain gloo
-    # under torchrun does now and then: "terminate called without an active exception") leaves
-    # them whole; the exit code is kept beside them
-    if not times_path.is_file():
-        tail = log.read_text(errors="replace")[-2000:] if log.is_file() else ""
-        return {"system": system, "ok": False, "rc": rc, "wall_s": wall, "error": tail}
-    data = json.loads(times_path.read_text())
-    gaps = [b - a for a, b in itertools.pairwise(data["times"][WARMUP:])]
-    return {
-        "system": system,
-        "ok": len(gaps) > 0,
-        "rc": rc,
-        "wall_s": wall,
-        "params": data["params"],
-        "steps": len(data["times"]),
-        "step_s": statistics.median(gaps) if gaps else None,
-        "steps_s": common.summary(gaps),
-    }
-
-
-def paired(kind: str, quick: bool, dest: Path) -> dict[str, Any]:
-    """The ``kind`` script's alternating pairs (module docstring)."""
-    steps = QUICK_STEPS if quick else STEPS
-    pairs: list[dict[str, Any]] = []
-    for rep in range(QUICK_PAIRS if quick else PAIRS):
-        order = ["plain", "checkpointless"] if rep % 2 == 0 else ["checkpointless", "plain"]
-        runs = {system: one_run(kind, system, dest / f"{kind}-{rep}-{system}", steps) for system in order}
-        pair: dict[str, Any] = {"order": order, **{s: runs[s]["step_s"] for s in order}, "runs": runs}
-        if runs["plain"]["ok"] and runs["checkpointless"]["ok"]:
-            pair["ratio"] = runs["checkpointless"]["step_s"] / runs["plain"]["step_s"]
-        pairs.append(pair)
-        print(
-            f"   {kind} pair {rep}: plain {common.fmt(pair['plain'])} s, checkpointless "
-            f"{common.fmt(pair['checkpointless'])} s, ratio {common.fmt(pair.get('ratio'))}",
-            flush=True,
-        )
-    ratios = [p["ratio"] for p in pairs if "ratio" in p]
-    params = next((r["params"] for p in pairs for r in p["runs"].values() if r["ok"]), None)
+        for p in procs.values():
+            end_group(p)
+    runs: dict[str, Any] = {}
+    for s in SYSTEMS:
+        path = out / s / "times.json"
+        if not path.is_file():
+            log = out / s / "run.log"
+            runs[s] = {
+                "ok": False,
+                "rc": codes[s],
+                "error": log.read_text(errors="replace")[-2000:] if log.is_file() else "",
+            }
+            continue
+        data = json.loads(path.read_text())
+        by_turn = _turn_steps(data["times"], flips, s)
+        counted = [x for xs in by_turn.values() for x in xs]
+        runs[s] = {"ok": bool(counted), "rc": codes[s], "params": data["params"], "steps": len(data["times"]),
+                   "by_turn": by_turn, "steps_s": common.summary(counted)}  # fmt: skip
+    rounds: list[dict[str, Any]] = []
+    if all(runs[s]["ok"] for s in SYSTEMS):
+        # turn k (plain) and turn k + 1 (checkpointless) make a round: the machine a few seconds apart
+        for k in range(0, len(flips) - 1, 2):
+            a, b = runs["plain"]["by_turn"].get(k, []), runs["checkpointless"]["by_turn"].get(k + 1, [])
+            if len(a) >= MIN_STEPS_PER_TURN and len(b) >= MIN_STEPS_PER_TURN:
+                pm, cm = statistics.median(a), statistics.median(b)
+                rounds.append({"plain": pm, "checkpointless": cm, "ratio": cm / pm, "n": [len(a), len(b)]})
+    ratios = [r["ratio"] for r in rounds]
+    params = next((runs[s]["params"] for s in SYSTEMS if runs[s].get("params")), None)
     return {
         "measured": True,
         "steps": steps,
         "warmup": WARMUP,
+        "turn_s": TURN_S,
         "params": params,
-        "pairs": pairs,
-        "plain_s": common.summary([p["plain"] for p in pairs]),
-        "checkpointless_s": common.summary([p["checkpointless"] for p in pairs]),
+        "runs": {s: {k: v for k, v in r.items() if k != "by_turn"} for s, r in runs.items()},
+        "turns": len(flips),
+        "rounds": rounds,
         "ratio": common.summary(ratios),
         "interval": common.paired_interval(ratios),
-        "failed": sum(1 for p in pairs for r in p["runs"].values() if not r["ok"]),
+        "failed": sum(1 for r in runs.values() if not r["ok"]),
     }
 
 
@@ -140,7 +204,7 @@ def run(quick: bool, out: Path) -> dict[str, Any]:
         if importlib.util.find_spec(package) is None:
             parts[key] = {"measured": False, "reason": f"not measured: {package} is not installed"}
         else:
-            parts[key] = paired(kind, quick, dest)
+            parts[key] = taking_turns(kind, quick, dest)
     return {"quick": quick, "goal": GOAL, **parts, "machine": common.machine_info()}
 
 
@@ -173,35 +237,44 @@ def _section(title: str, part: dict[str, Any], baseline: str, res: dict[str, Any
     parts = [f"**{title}**" + (" (quick run)" if res.get("quick") else "") + "\n"]
     if not part.get("measured"):
         return [*parts, f"{part['reason']}.\n"]
-    rows = []
-    for i, p in enumerate(part["pairs"]):
-        cells: list[str] = []
-        for system in ("plain", "checkpointless"):
-            s = p["runs"][system]["steps_s"] if p["runs"][system]["ok"] else {}
-            cells += [f"{s['median'] * 1e3:.1f}", f"{s['p95'] * 1e3:.1f}"] if s.get("n") else ["FAILED", ""]
-        rows.append([i, " then ".join(p["order"]), *cells, common.fmt(p.get("ratio"))])
+    rows = [
+        [
+            i,
+            f"{r['plain'] * 1e3:.1f}",
+            r["n"][0],
+            f"{r['checkpointless'] * 1e3:.1f}",
+            r["n"][1],
+            f"{r['ratio']:.3f}",
+        ]
+        for i, r in enumerate(part["rounds"])
+    ]
     table = common.md_table(
-        ["pair", "order", f"{baseline} median ms", "p95 ms", "checkpointless median ms", "p95 ms", "ratio"],
-        rows,
+        ["round", f"{baseline} median ms", "steps", "checkpointless median ms", "steps", "ratio"], rows
     )
     params = f"{part['params'] / 1e6:.2f}M parameters, " if part.get("params") else ""
+    overall = []
+    for s, name in (("plain", baseline), ("checkpointless", "checkpointless")):
+        st = part["runs"][s].get("steps_s") or {}
+        if st.get("n"):
+            overall.append(f"{name} {st['median'] * 1e3:.1f} ms (p95 {st['p95'] * 1e3:.1f}, {st['n']} steps)")
     parts.append(
-        f"{params}{part['steps']} optimizer steps per run, the first {part['warmup']} not counted, "
-        f"{len(part['pairs'])} alternating pair(s); per run the median and p95 of its step times "
-        f"(rank 0, measured inside the script).\n\n{table}\n"
+        f"{params}{part['steps']} optimizer steps per job, the first {part['warmup']} not counted; both jobs "
+        f"at once, taking turns of {part['turn_s']:g} s ({part['turns']} turns); per round the median step "
+        f"time (rank 0, measured inside the script) of the steps that lay inside the job's turn.\n\n{table}\n"
+        + (f"\nAll counted steps: {'; '.join(overall)}.\n" if overall else "")
     )
     r = part["ratio"]
     if part.get("interval"):
         g, lo, hi = part["interval"]
         parts.append(
-            f"checkpointless / {baseline}, per pair: geometric mean **{g:.3f}**, 95% interval "
-            f"[{lo:.3f}, {hi:.3f}] (pairs' ratios {_range(r)}); goal ≤ {res['goal']:g}: "
+            f"checkpointless / {baseline}, per round: geometric mean **{g:.3f}**, 95% interval "
+            f"[{lo:.3f}, {hi:.3f}] (rounds' ratios {_range(r)}); goal ≤ {res['goal']:g}: "
             f"{common.interval_verdict(lo, hi, res['goal'])}.\n"
         )
     elif r.get("n"):
-        parts.append(f"checkpointless / {baseline}: {r['median']:.3f} (one pair: no interval).\n")
+        parts.append(f"checkpointless / {baseline}: {r['median']:.3f} (one round: no interval).\n")
     if part.get("failed"):
-        parts.append(f"**{part['failed']} run(s) failed** (logs in `bench/out/integrations/`).\n")
+        parts.append(f"**{part['failed']} job(s) failed** (logs in `bench/out/integrations/`).\n")
     return parts
 
 

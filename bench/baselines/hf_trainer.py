@@ -15,19 +15,19 @@ baseline's configuration, not of checkpointless. The checkpointless side ignores
 Rank 0 writes ``OUT/times.json``: ``time.perf_counter()`` at every ``on_step_end`` (after each
 optimizer step), which the benchmark turns into per-step times.
 
-Usage: hf_trainer.py OUTPUT_DIR STEPS [--plain]
+Usage: hf_trainer.py OUTPUT_DIR STEPS [--plain] [--turns FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback, TrainingArguments
+from turns import Turns
 
 VOCAB, LENGTH = 256, 64
 MODEL = {"hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -49,13 +49,13 @@ class Tokens(torch.utils.data.Dataset):
 
 
 class StepTimes(TrainerCallback):
-    """``time.perf_counter()`` at the end of every optimizer step."""
+    """``time.perf_counter()`` at the end of every optimizer step, then this job's turn (``turns.py``)."""
 
-    def __init__(self) -> None:
-        self.times: list[float] = []
+    def __init__(self, turns: Turns) -> None:
+        self.turns = turns
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.times.append(time.perf_counter())
+        self.turns.step_end()
 
 
 def main() -> None:
@@ -63,6 +63,7 @@ def main() -> None:
     p.add_argument("output_dir")
     p.add_argument("steps", type=int)
     p.add_argument("--plain", action="store_true", help="transformers.Trainer (for torchrun)")
+    p.add_argument("--turns", default=None, help="take turns with another job (turns.py)")
     a = p.parse_args()
     if a.plain:
         from transformers import Trainer
@@ -90,13 +91,15 @@ def main() -> None:
         disable_tqdm=True,
         ddp_find_unused_parameters=False,
     )
-    timer = StepTimes()
+    timer = StepTimes(Turns(a.turns, "plain" if a.plain else "checkpointless", a.steps))
     trainer = Trainer(model=model, args=args, train_dataset=Tokens(512, LENGTH, VOCAB, 1), callbacks=[timer])
     out = trainer.train()
     if trainer.is_world_process_zero():
         params = sum(t.numel() for t in model.parameters())
         Path(a.output_dir).mkdir(parents=True, exist_ok=True)
-        (Path(a.output_dir) / "times.json").write_text(json.dumps({"params": params, "times": timer.times}))
+        (Path(a.output_dir) / "times.json").write_text(
+            json.dumps({"params": params, "times": timer.turns.times})
+        )
     print(f"trained {out.global_step} steps, loss {out.training_loss:.4f}", flush=True)
 
 

@@ -14,14 +14,13 @@ validation, checkpoints or logger (they are not steady state):
 Rank 0 writes ``OUT/times.json``: ``time.perf_counter()`` at the ``on_train_batch_end`` that ends
 each optimizer step (``global_step`` moved), which the benchmark turns into per-step times.
 
-Usage: lightning_trainer.py OUTPUT_DIR STEPS [--plain]
+Usage: lightning_trainer.py OUTPUT_DIR STEPS [--plain] [--turns FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +29,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
+from turns import Turns
 
 FEATURES, HIDDEN, CLASSES = 256, 1024, 10
 PER_RANK, ACCUMULATE, WORKERS = 64, 2, 2
@@ -71,16 +71,17 @@ class Classifier(L.LightningModule):
 
 
 class StepTimes(Callback):
-    """``time.perf_counter()`` at the end of every optimizer step (the batch that moved ``global_step``)."""
+    """``time.perf_counter()`` at the end of every optimizer step (the batch that moved
+    ``global_step``), then this job's turn (``turns.py``)."""
 
-    def __init__(self) -> None:
-        self.times: list[float] = []
+    def __init__(self, turns: Turns) -> None:
+        self.turns = turns
         self._step = 0
 
     def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
         if trainer.global_step != self._step:
             self._step = trainer.global_step
-            self.times.append(time.perf_counter())
+            self.turns.step_end()
 
 
 def main() -> None:
@@ -88,6 +89,7 @@ def main() -> None:
     p.add_argument("output_dir")
     p.add_argument("steps", type=int)
     p.add_argument("--plain", action="store_true", help="Lightning's DDP strategy (for torchrun)")
+    p.add_argument("--turns", default=None, help="take turns with another job (turns.py)")
     a = p.parse_args()
     torch.set_num_threads(1)
     L.seed_everything(7, verbose=False)
@@ -101,7 +103,7 @@ def main() -> None:
 
         strategy, devices = CheckpointlessStrategy(), "auto"
     model = Classifier()
-    timer = StepTimes()
+    timer = StepTimes(Turns(a.turns, "plain" if a.plain else "checkpointless", a.steps))
     trainer = L.Trainer(
         strategy=strategy,
         accelerator="cpu",
@@ -122,7 +124,9 @@ def main() -> None:
     if trainer.is_global_zero:
         params = sum(t.numel() for t in model.parameters())
         Path(a.output_dir).mkdir(parents=True, exist_ok=True)
-        (Path(a.output_dir) / "times.json").write_text(json.dumps({"params": params, "times": timer.times}))
+        (Path(a.output_dir) / "times.json").write_text(
+            json.dumps({"params": params, "times": timer.turns.times})
+        )
         print(f"trained {trainer.global_step} steps", flush=True)
 
 
