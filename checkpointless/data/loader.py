@@ -11,8 +11,8 @@ What a ``DataLoader`` with a ``DistributedSampler`` gives a DDP script, made re-
 - the position is a function of the step, never state of the rank: a replacement, or a step
   re-executed after a failure, reads exactly what the failed attempt read;
 - the iterator is kept from step to step (the ``DataLoader``'s worker processes keep prefetching
-  the next steps); it is rebuilt, starting at the step asked for, only when a step other than the
-  next one is asked for (after a recovery, or at a resumed start);
+  the next steps); it starts again at the step asked for only when a step other than the next one
+  is asked for (after a recovery, or at a resumed start), with the same worker processes;
 - a sample's random transforms (what the dataset's ``__getitem__`` draws from ``torch``,
   ``random`` or NumPy) are seeded from its place in the job, ``(seed, step, position)``
   (``sample_seeds.py``): the same in a recovered run, with any number of worker processes;
@@ -137,6 +137,8 @@ class StepLoader:
         self.steps_per_epoch = n // global_batch_size if drop_last else -(-n // global_batch_size)
         self._order: tuple[int, torch.Tensor] | None = None  # (epoch, its sample order)
         self._iter: Iterator[Any] | None = None
+        self._loader: DataLoader[Any] | None = None  # kept with worker processes (``_restart``)
+        self._batches: _StepBatches | None = None
         self._next = -1  # the step the kept iterator yields next
         self._shape = (-1, -1)  # (rank, size) the kept iterator was made for
 
@@ -207,21 +209,38 @@ class StepLoader:
         return out
 
     def _restart(self, step: int, shape: tuple[int, int]) -> None:
-        self.close()
-        loader = DataLoader(
-            SeededSamples(self.dataset, self.seed),
-            batch_sampler=_StepBatches(self, step),  # type: ignore[arg-type]  # Parts: SeededSamples reads them
-            collate_fn=self.collate_fn,
-            num_workers=self.num_workers,
-            pin_memory=self.pin_memory,
-            generator=own_generator(step),
-            **worker_processes(self.num_workers, self.worker_init_fn),
-        )
-        self._iter, self._next, self._shape = iter(loader), step, shape
+        """Read on from ``step``. Worker processes are kept (``persistent_workers``): a step read
+        again after a recovery resets them to it (what they prefetched is dropped) instead of
+        starting new ones, which took a second of the recovery."""
+        self._iter = None
+        if self._loader is not None and self._batches is not None and shape == self._shape:
+            self._batches.start = step
+            try:
+                self._iter = iter(self._loader)  # the persistent workers' iterator, reset
+            except Exception:  # a worker died, say: start afresh
+                self.close()
+        if self._iter is None:
+            self.close()
+            self._batches = _StepBatches(self, step)
+            workers = worker_processes(self.num_workers, self.worker_init_fn)
+            loader = DataLoader(
+                SeededSamples(self.dataset, self.seed),
+                batch_sampler=self._batches,  # type: ignore[arg-type]  # Parts: SeededSamples reads them
+                collate_fn=self.collate_fn,
+                num_workers=self.num_workers,
+                pin_memory=self.pin_memory,
+                generator=own_generator(step),
+                **{**workers, "persistent_workers": True} if workers else {},
+            )
+            self._iter = iter(loader)
+            if workers:
+                self._loader = loader
+        self._next, self._shape = step, shape
 
     def close(self) -> None:
-        """Drop the kept iterator: its worker processes end with it (the DataLoader's own cleanup)."""
-        self._iter = None
+        """Drop the kept iterator and loader: their worker processes end with them (the DataLoader's
+        own cleanup)."""
+        self._iter = self._loader = self._batches = None
 
     def __len__(self) -> int:
         """Steps per epoch."""

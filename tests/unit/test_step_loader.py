@@ -266,3 +266,43 @@ def test_a_sample_that_draws_from_one_generator_alone_is_still_seeded_by_its_pla
     for s in steps:
         loader.batch(s)
     assert quiet.reads == 48
+
+
+class WorkerPids(Dataset[torch.Tensor]):
+    """Sample ``i`` and the pid of the process that read it."""
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([i, os.getpid()])
+
+
+def test_a_step_read_again_keeps_the_worker_processes() -> None:
+    """A step asked again (a recovery's re-execution) or an earlier one resets the loader's worker
+    processes to it (what they prefetched is dropped) rather than starting new ones; the batches are
+    the ones the uninterrupted reading gave; ``close`` ends the workers."""
+    loader = _loader(WorkerPids(), 8, seed=3, num_workers=2)
+    try:
+        first = [loader.batch(s) for s in range(4)]
+        pids = {int(p) for b in first for p in b[:, 1]}
+        assert len(pids) == 2 and os.getpid() not in pids
+        for s in (3, 1, 2, 3):  # 3 again, then back to 1 (a resumed start)
+            again = loader.batch(s)
+            assert torch.equal(again[:, 0], first[s][:, 0]), s
+            assert {int(p) for p in again[:, 1]} <= pids, s  # the same processes
+    finally:
+        loader.close()
+    deadline = time.monotonic() + 30
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in pids)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    status = Path(f"/proc/{pid}/status")
+    return status.exists() and "zombie" not in status.read_text()
