@@ -332,9 +332,9 @@ class Session(Member):
         the step the job is at. ``start``: the step a fresh job begins at, for a script that
         resumes from a snapshot of its own (every rank loads it before the loop, and every rank, a
         replacement too, passes the same ``start``: the first consistency check ends the job naming
-        two that differ, and the checks' schedule counts from it). Only a process's first ``steps`` call reads it (a script may call ``steps`` once per epoch), and
-        a process that already holds a later position (a replacement that received the state)
-        keeps that position.
+        two that differ, and the checks' schedule counts from it). Only a process's first
+        ``steps`` call reads it (a script may call ``steps`` once per epoch), and a process that
+        already holds a later position (a replacement that received the state) keeps that position.
         """
         if not 0 <= start <= total:
             raise ValueError(f"session.steps({total}, start={start}): start must be between 0 and {total}")
