@@ -250,10 +250,11 @@ class CheckpointlessStrategy(ParallelStrategy):
         self._joining = True
         log.info("[rank %d] joined at step %d (epoch %d)", session.rank, session.step, trainer.current_epoch)
 
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Lightning's, keeping the fit loop's state for a replacement that joins at the first step
-        after the checkpoint (``_Progress.resumed``)."""
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Lightning's (its arguments differ between the versions covered), keeping the step to
+        start at and the fit loop's state for a replacement that joins at the first step after the
+        checkpoint (``_Progress.resumed``)."""
+        checkpoint: dict[str, Any] = super().load_checkpoint(checkpoint_path, *args, **kwargs)
         self._start = int(checkpoint.get("global_step", 0))
         self._progress.resumed(checkpoint.get("loops", {}).get("fit_loop"))
         return checkpoint
