@@ -125,8 +125,19 @@ def _queue_end_of_backward_2_13(callback: Callable[[], None]) -> None:
     _attr(torch.autograd.Variable, "_execution_engine.queue_callback")(callback)
 
 
+def _reshard_failed_2_13(module: Any) -> None:
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    state = _attr(module, "_get_fsdp_state")()
+    for group in _attr(state, "_fsdp_param_groups", list):
+        _attr(group, "_training_state", TrainingState)
+        group._training_state = TrainingState.IDLE
+    module.reshard()
+
+
 _IMPLEMENTATIONS: dict[tuple[int, int], dict[str, Callable[..., Any]]] = {
     (2, 13): {
+        "reshard_failed": _reshard_failed_2_13,
         "reset_group_count": _reset_group_count_2_13,
         "process_groups": _process_groups_2_13,
         "clear_dtensor_caches": _clear_dtensor_caches_2_13,
@@ -169,3 +180,13 @@ def queue_end_of_backward(callback: Callable[[], None]) -> None:
     """Run ``callback`` when the current backward pass ends, as ``DistributedDataParallel`` does
     (``Variable._execution_engine.queue_callback``)."""
     _impl("queue_end_of_backward")(callback)
+
+
+def reshard_failed(module: Any) -> None:
+    """Reshard an FSDP2 module whose forward or backward failed: ``reshard()`` alone keeps the
+    parameters gathered when its group is still in the forward state and does not reshard after
+    forward (the root's, by default), and this rank's state would then be saved at full size
+    (``FSDPParamGroup._training_state`` set back to idle first). Not ``reset_iter_state()``: it
+    waits for the failed iteration's collectives, which a released gloo group may hold for its
+    timeout."""
+    _impl("reshard_failed")(module)

@@ -9,6 +9,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from checkpointless._compat import reshard_failed
 from checkpointless.ddp import BufferSync, GradientReducer, Trainable
 from checkpointless.errors import CollectiveError
 from checkpointless.fsdp import (
@@ -152,7 +153,7 @@ class ModelLifecycle(SessionBase):
             self._generation_state.release()
         if self.model is not None:
             for m in fsdp_modules(self.model):
-                m.reshard()  # a failed forward or backward may have left parameters gathered
+                reshard_failed(m)  # a failed forward or backward may have left parameters gathered
             self._buffers.restore()
             if self._has_state:
                 self._saved = self._registry.state_dict()

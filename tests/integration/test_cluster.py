@@ -210,10 +210,15 @@ def test_a_spare_per_node_keeps_a_process_fault_on_its_host(tmp_path: Path) -> N
     # spare host's, which was ready, then takes it)
     plan_t = next(e["t"] for e in events if e["kind"] == "generation_started" and e.get("gen") == 1)
     ready = {e["proc"]: e["t"] for e in events if e["kind"] == "spare_ready"}
-    own_ready = any(host_of.get(p) == "host1" and t < plan_t - 0.5 for p, t in ready.items())
-    if own_ready:
+    # (the readiness event is stamped by the spare, the coordinator learns it from a heartbeat: a
+    # spare ready less than 0.5 s before the plan may or may not have been seen, either is right)
+    own = [t for p, t in ready.items() if host_of.get(p) == "host1"]
+    if any(t < plan_t - 0.5 for t in own):
         assert host_of[assigned[0][1]] == "host1", (assigned, ready, plan_t)
         assert host_of[assigned[1][1]] == "host2"  # host 0 lost whole: the spare host
+    elif any(t < plan_t for t in own):
+        assert host_of[assigned[0][1]] in ("host1", "host2"), (assigned, ready, plan_t)
+        assert host_of[assigned[1][1]] in ("host1", "host2")
     else:  # the spare host's spare went to rank 1; host 0's rank then goes to any live host's spare
         assert host_of[assigned[0][1]] == "host2", (assigned, ready, plan_t)
         assert host_of[assigned[1][1]] in ("host1", "host2")

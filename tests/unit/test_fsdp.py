@@ -321,3 +321,35 @@ def test_a_closed_generation_leaves_no_gloo_thread_behind() -> None:
     assert out.returncode == 0, out.stderr[-2000:]
     live, left = (int(x) for x in out.stdout.split())
     assert live >= 1 and left == 0, f"gloo event loops: {live} while the model lived, {left} after close"
+
+
+class _Fails(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("a collective failed here")
+
+
+def test_a_forward_failed_after_the_roots_gather_is_resharded() -> None:
+    """A forward that fails inside a child, after the root gathered its parameters (the root does
+    not reshard after forward): ``reshard()`` alone left the root's parameters gathered, and a
+    leaving rank saved its state at full size, which the next generation's shards could not take
+    (a fresh-clone CI run: "The size of tensor a (16) must match the size of tensor b (32)").
+    ``reshard_failed`` puts the sharded parameters back."""
+    from torch.distributed.tensor import DTensor
+
+    from checkpointless._compat import reshard_failed
+
+    gen = Generation(dist.HashStore(), gen=0, prefix="t9/", rank=0, world=1, shards=1)
+    try:
+        for reshard in (lambda m: m.reshard(), reshard_failed):
+            model, _ = _build(gen.mesh)
+            model.append(_Fails())
+            with pytest.raises(RuntimeError, match="a collective failed here"):
+                model(torch.randn(4, 6))
+            gathered = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+            assert gathered == ["1.weight", "1.bias", "2.weight", "2.bias"]  # the root's own
+            reshard(model)
+            left = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+            assert left == ([] if reshard is reshard_failed else gathered)
+            del model
+    finally:
+        gen.close()
