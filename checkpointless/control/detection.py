@@ -133,7 +133,9 @@ class Detection(Membership):
         role, p.role = p.role, Role.GONE
         if self.finished:
             return
-        self._check_fatal()  # a worker that reported a fatal mistake exits right after
+        if self._fatal_checked != now:  # a worker that reported a fatal mistake exits right after;
+            self._fatal_checked = now  # once for the exits of one tick (a lost host's 8 at once: a
+            self._check_fatal()  # round trip each, on a loaded store, before the plan)
         code = p.handle.exitcode()
         tail = p.handle.log_tail()
         self._emit(Event.PROCESS_EXITED, rank=rank, target=name, role=role, exitcode=code, joined=p.joined)

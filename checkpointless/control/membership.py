@@ -125,6 +125,7 @@ class Membership:
         self._fresh = 0  # processes whose heartbeat the current read brought
         self._last_sweep = float("-inf")
         self._last_intruder_check = float("-inf")
+        self._fatal_checked = float("-inf")  # the tick whose exits were looked at for a fatal report
         self._intruder_cursor = 0  # where the next intruder check starts in its list of names
         self._intruded: set[str] = set()  # plain key names a stranger wrote (a bounded list of names)
         self._published: dict[str, str] = {}  # sealed values to re-publish if a stranger overwrites them

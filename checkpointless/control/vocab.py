@@ -45,6 +45,7 @@ class Event(StrEnum):
     HOST_JOINED = "host_joined"  # a host's agent joined a multi-host job (host, node, addr, spare)
     HOST_USAGE = "host_usage"  # a host's CPU, memory and accelerators, every few seconds (observe/usage.py)
     HOST_LOST = "host_lost"  # a host's agent went silent: every process on it is dead to the job
+    EVENTS_DROPPED = "events_dropped"  # a host's relay dropped step commits the coordinator could not take in
     HOST_REJOINED = "host_rejoined"  # a lost host's agent came back, its processes gone: a spare host now
     MESSAGE_REJECTED = "message_rejected"
     FATAL = "fatal"

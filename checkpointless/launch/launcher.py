@@ -31,6 +31,7 @@ What the launcher guarantees around a job:
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -90,8 +91,38 @@ class JobResult:
 
 RELAYED_CHUNKS_PER_PASS = 256
 """Hosts' event chunks one collection reads at most while the job runs (a few hundred KB of events)."""
+RELAYED_BYTES_PER_PASS = 1 << 20
+"""...and their bytes, as estimated from the chunks read so far: a relay the coordinator falls behind
+merges its events into larger chunks (``launch/relay.py``), up to 32 KB each."""
 USAGE_HOSTS_PER_S = 100.0
 """``host_usage`` samples a second at most, across the job's hosts (each host's every 2 s below 200)."""
+
+
+FULL_GC_EVERY = 1000
+"""Collections of the middle generation between two full ones while the job runs (Python's: 10)."""
+
+
+@contextlib.contextmanager
+def _steady_gc() -> Iterator[None]:
+    """The launcher's loop with Python's garbage collector kept off its long-lived objects.
+
+    A full collection scans every object the collector tracks. At 2,000 hosts x 8 ranks the launcher
+    holds a few hundred thousand (the process table, the hosts' statuses, the events kept), and
+    Python's default schedule ran a full collection about every second, 0.2-0.6 s each on this
+    machine's loaded cores, none of which found garbage (``gc.callbacks`` in the
+    ``bench/control_scale.py`` coordinator): a third of the loop's time, and a plan 0.7 s late when
+    one fell between a host's loss and its plan. So what exists when the loop starts (the process
+    table, the modules) is frozen out of every collection (``gc.freeze``: freed as usual when its
+    count drops, never scanned), and a full collection comes after ``FULL_GC_EVERY`` collections of
+    the middle generation. Restored at the end: the launcher may run in a test's process."""
+    old = gc.get_threshold()
+    gc.freeze()
+    gc.set_threshold(old[0], old[1], max(old[2], FULL_GC_EVERY))
+    try:
+        yield
+    finally:
+        gc.set_threshold(*old)
+        gc.unfreeze()
 
 
 def open_store(host: str, port: int) -> TCPStore:
@@ -186,6 +217,7 @@ class Launcher:
         self._rejected_keys: set[str] = set()
         self._chunks_read: dict[str, int] = {}
         self._next_host = 0  # where the next collection pass starts when hosts' chunks wait
+        self._chunk_bytes = 4096.0  # the relayed chunks' mean size (a moving average), for a pass's budget
         self._drained: set[str] = set()  # exited processes whose every chunk was read
         self._secret = secret or new_secret()
         self._own_logdir = out_dir is None
@@ -269,18 +301,21 @@ class Launcher:
         assert self.remote is not None
         unread = [(h, self._chunks_read.get(f"@{h}", 0), n) for h, n in sorted(relayed.items())]
         unread = [(h, first, n) for h, first, n in unread if n > first]
-        each = max(1, RELAYED_CHUNKS_PER_PASS // max(1, len(unread))) if not final else 1 << 62
-        if not final and len(unread) > RELAYED_CHUNKS_PER_PASS:
+        cap = max(1, min(RELAYED_CHUNKS_PER_PASS, int(RELAYED_BYTES_PER_PASS / self._chunk_bytes)))
+        each = max(1, cap // max(1, len(unread))) if not final else 1 << 62
+        if not final and len(unread) > cap:
             # an overloaded coordinator lets its event log fall behind, not its decisions: a
             # host's oldest unread chunk, from each host in turn (a host's chunks stay in order),
             # the next hosts at the next pass
             start = self._next_host % len(unread)
-            unread = (unread[start:] + unread[:start])[:RELAYED_CHUNKS_PER_PASS]
-            self._next_host = start + RELAYED_CHUNKS_PER_PASS
+            unread = (unread[start:] + unread[:start])[:cap]
+            self._next_host = start + cap
         known = [(h, i) for h, first, n in unread for i in range(first, min(n, first + each))]
         raws = self.store.get_sealed_present([keys.node_events(h, i) for h, i in known])
         advanced: dict[str, str] = {}
         forged: set[str] = set()
+        if raws:
+            self._chunk_bytes = 0.8 * self._chunk_bytes + 0.2 * sum(map(len, raws)) / len(raws)
         for (host, i), raw in zip(known, raws, strict=True):
             if host in forged or not self._record_chunk(host, keys.node_events(host, i), raw, relay=True):
                 forged.add(host)  # the real chunk overwrites it: read from there at the next pass
@@ -306,19 +341,22 @@ class Launcher:
         text = self.store.open(key, raw)
         if text is None:
             return False
-        for line in text.splitlines():
-            if line.strip():
-                ev = json.loads(line)
-                if not relay:
-                    ev["proc"] = name  # a chunk speaks for the process whose key it is under
-                clock: str | None = None
-                sent: float | None = None
-                if self._coord is not None and isinstance(ev.get("t"), (int, float)):
-                    # on the coordinator's clock (control/clock.py); again at the end, when the
-                    # estimate is at its best. A relayed process keeps its host's clock
-                    clock, sent = name if relay else self._coord.clock_of(name), float(ev["t"])
-                    ev["t"] = self._coord.clocks.to_coordinator(clock, sent)
-                self._log.record(ev, clock, sent)
+        lines = [line for line in text.splitlines() if line.strip()]
+        try:  # one decode a chunk: its events share their keys' strings (a third less memory kept)
+            evs = json.loads("[" + ",".join(lines) + "]")
+        except ValueError:
+            evs = [json.loads(line) for line in lines]  # says which line is wrong
+        for ev in evs:
+            if not relay:
+                ev["proc"] = name  # a chunk speaks for the process whose key it is under
+            clock: str | None = None
+            sent: float | None = None
+            if self._coord is not None and isinstance(ev.get("t"), (int, float)):
+                # on the coordinator's clock (control/clock.py); again at the end, when the
+                # estimate is at its best. A relayed process keeps its host's clock
+                clock, sent = name if relay else self._coord.clock_of(name), float(ev["t"])
+                ev["t"] = self._coord.clocks.to_coordinator(clock, sent)
+            self._log.record(ev, clock, sent)
         if not relay:  # a relay deletes its own, once told they were read (``keys.node_read``)
             self.store.delete(key)
         return True
@@ -437,6 +475,8 @@ class Launcher:
         report["hosts"] = self._log.usage.result()
         if self._log.thinned:
             report["events_not_in_memory"] = self._log.thinned  # in events.jsonl (arrival order) only
+        if self._log.dropped:  # never reached the log: the figures lack them
+            report["step_commits_dropped"] = self._log.dropped
         report["clock_offsets"] = coord.clocks.shown()
         write_error = self._write_outputs(events, report)
         if error is None and self._own_logdir:
@@ -509,6 +549,10 @@ class Launcher:
 
     def _run(self, coord: Coordinator) -> None:
         self._start(coord)
+        with _steady_gc():
+            self._loop(coord)
+
+    def _loop(self, coord: Coordinator) -> None:
         deadline = time.monotonic() + self.timeout_s
         last_collect = 0.0
         while not coord.finished:

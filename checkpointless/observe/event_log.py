@@ -8,7 +8,8 @@ console, the Prometheus feed), folds it into figures of bounded size (:class:`St
 window, :class:`UsageSummary`), and keeps in memory (``events``: the report's fault list, the
 listeners' fault counts, ``JobResult.events``):
 
-- every event, until ``keep_commits`` step commits or ``keep_usage`` usage samples are held;
+- every event, until ``keep_commits`` step commits or ``keep_usage`` usage samples are held
+  (``KEEP_COMMITS``, ``KEEP_USAGE``);
 - beyond that, every event other than those two kinds; of the commits, the first of each rank in
   each generation (and process) and each rank's last ``HELD`` commits before any fault or recovery
   event (what the fault list measures a stall and lost steps from); no more usage samples.
@@ -39,11 +40,14 @@ __all__ = ["KEEP_COMMITS", "KEEP_USAGE", "EventLog"]
 
 log = logging.getLogger(__name__)
 
-KEEP_COMMITS = 200_000
-"""Step commits kept in memory before only some are (about 200 MB of events; a job of 8 ranks keeps
-every commit of 25,000 steps)."""
-KEEP_USAGE = 20_000
-"""``host_usage`` samples kept in memory, likewise (11 hours of one host's every 2 s)."""
+KEEP_COMMITS = 50_000
+"""Step commits kept in memory before only some are (about 30 MB of events, 600 bytes each; a job of 8
+ranks keeps every commit of 6,250 steps). It was 200,000: at 2,000 hosts x 8 ranks the launcher's
+memory levelled off at 810 MB with that budget and 590 MB with this one and ``KEEP_USAGE``'s
+(``bench/control_scale.py --hosts 2000 --soak``), and a recovery there adds 150-270 MB."""
+KEEP_USAGE = 5_000
+"""``host_usage`` samples kept in memory, likewise (3 hours of one host's every 2 s)."""
+
 HELD = 4
 """Each rank's latest commits held back, beyond the budget, until a fault or recovery event keeps
 them: the commits just before a detection (a hang is detected seconds after the rank's last one)."""
@@ -59,14 +63,20 @@ class EventLog:
         self.stats = StepStats(window=STEP_WINDOW)
         self.usage = UsageSummary()
         self.listeners: list[Callable[[dict[str, Any]], None]] = []
+        self.recorded = 0  #: events recorded (kept in memory or not)
         self.thinned = 0  #: events written to the file but not kept in memory
+        self.dropped = 0  #: step commits the hosts' relays dropped (``Event.EVENTS_DROPPED``)
         self.stream_error: str | None = None
         self._keep_commits, self._keep_usage = keep_commits, keep_usage
         self._commits = self._usages = 0  # kept in memory
         self._firsts: set[tuple[Any, Any, Any]] = set()  # (rank, gen, proc) whose first commit is kept
-        self._held: dict[Any, deque[tuple[dict[str, Any], str | None, float | None]]] = {}  # rank -> its
-        # latest commits not kept yet
-        self._retime: list[tuple[dict[str, Any], str, float]] = []  # (event, clock, its own time)
+        # rank -> its latest commits not kept yet, and beside them (clock, sent) of each
+        self._held: dict[Any, tuple[deque[dict[str, Any]], deque[tuple[str | None, float | None]]]] = {}
+        # the kept events to time again at the end, and beside them the clock and their own time of each.
+        # Not a tuple per event: a tuple holding a dict stays tracked by Python's garbage collector,
+        # and 200,000 of them made each full collection of a 2,000-host launcher 0.2 s longer
+        self._retime: list[dict[str, Any]] = []
+        self._retime_from: list[tuple[str, float]] = []  # (clock, sent): atomic, not tracked
         self._stream: IO[str] | None = None
         self._path: Path | None = None
 
@@ -99,6 +109,7 @@ class EventLog:
     def record(self, ev: dict[str, Any], clock: str | None = None, sent: float | None = None) -> None:
         """One event: to the file, the listeners, the figures, and memory as the budget says.
         ``clock``/``sent``: the clock its ``t`` was converted from, and its own time then."""
+        self.recorded += 1
         if self._stream is not None:
             try:
                 self._stream.write(json.dumps(ev) + "\n")
@@ -118,6 +129,8 @@ class EventLog:
             keep = self._usages < self._keep_usage
             self._usages += keep
         else:
+            if kind == Event.EVENTS_DROPPED:
+                self.dropped += max(0, integer(ev.get("dropped")) or 0)
             if kind in _MARKS:
                 self._release()
             keep = True
@@ -129,7 +142,8 @@ class EventLog:
     def _keep(self, ev: dict[str, Any], clock: str | None, sent: float | None) -> None:
         self.events.append(ev)
         if clock is not None and sent is not None:
-            self._retime.append((ev, clock, sent))
+            self._retime.append(ev)
+            self._retime_from.append((clock, sent))
 
     def _keep_commit(self, ev: dict[str, Any]) -> bool:
         first = (integer(ev.get("rank")), integer(ev.get("gen")), ev.get("proc"))
@@ -143,18 +157,22 @@ class EventLog:
         return False
 
     def _hold(self, ev: dict[str, Any], clock: str | None, sent: float | None) -> None:
-        held = self._held.setdefault(integer(ev.get("rank")), deque(maxlen=HELD))
-        if len(held) == HELD:
+        rank = integer(ev.get("rank"))
+        held = self._held.get(rank)
+        if held is None:
+            held = self._held[rank] = (deque(maxlen=HELD), deque(maxlen=HELD))
+        if len(held[0]) == HELD:
             self.thinned += 1  # the oldest held commit falls out: on disk only
-        held.append((ev, clock, sent))
+        held[0].append(ev)
+        held[1].append((clock, sent))
 
     def _release(self) -> None:
         """Keep every held commit (a fault or a recovery: the fault list reads the commits around it).
         The map is emptied, so it holds only ranks with commits held: a recovery of 16,000 ranks
         brings 16,000 reports, each a release, and a scan of every rank's (empty) deque for each
         was quadratic."""
-        for held in self._held.values():
-            for ev, clock, sent in held:
+        for events, times in self._held.values():
+            for ev, (clock, sent) in zip(events, times, strict=True):
                 self._keep(ev, clock, sent)
         self._held.clear()
 
@@ -164,9 +182,9 @@ class EventLog:
 
     def retimed(self, to_coordinator: Callable[[str, float], float]) -> None:
         """Every kept event's time, converted again with the final clock estimates."""
-        for ev, clock, sent in self._retime:
+        for ev, (clock, sent) in zip(self._retime, self._retime_from, strict=True):
             ev["t"] = to_coordinator(clock, sent)
 
     def in_memory(self) -> bool:
         """Whether every event is in ``events`` (the file can be rewritten from memory)."""
-        return self.thinned == 0 and not any(self._held.values())
+        return self.thinned == 0 and not any(events for events, _ in self._held.values())
