@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import sys
 import threading
@@ -118,6 +119,27 @@ class CountingStore:
         return call
 
 
+class GcTimer:
+    """This process's full garbage collections (``gc.callbacks``): how many, and their time."""
+
+    def __init__(self) -> None:
+        self.n, self.total_s, self.longest_s = 0, 0.0, 0.0
+        self._t0 = 0.0
+        gc.callbacks.append(self._seen)
+
+    def _seen(self, phase: str, info: dict[str, Any]) -> None:
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            self._t0 = time.perf_counter()
+            return
+        d = time.perf_counter() - self._t0
+        self.n, self.total_s, self.longest_s = self.n + 1, self.total_s + d, max(self.longest_s, d)
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"full": self.n, "full_s": round(self.total_s, 3), "longest_s": round(self.longest_s, 3)}
+
+
 class TickHook:
     """An ``on_tick`` callback of the launcher (its main thread, once per loop): times the loop; a
     thread of its own writes the counters to ``ctl/stats.json`` twice a second."""
@@ -131,6 +153,7 @@ class TickHook:
         self._last: float | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._stats_loop, name="bench-stats", daemon=True)
+        self.gc = GcTimer()
 
     def start(self) -> None:
         self._thread.start()
@@ -148,9 +171,10 @@ class TickHook:
             cutoff = time.time() - 90.0
             recent = [(round(t, 4), round(d, 5)) for t, d in self._recent if t >= cutoff]
             iters = self.iters
-        events = len(self.launcher.events) if self.launcher is not None else 0
+        events = self.launcher._log.recorded if self.launcher is not None else 0  # every one, kept or not
         _write_atomic(self.ctl / "stats.json", json.dumps(
-            {"t": time.time(), "iters": iters, "recent": recent, "ops": self.counter.snapshot(), "events": events}
+            {"t": time.time(), "iters": iters, "recent": recent, "ops": self.counter.snapshot(), "events": events,
+             "gc": self.gc.snapshot()}
         ))  # fmt: skip
 
     def _stats_loop(self) -> None:

@@ -18,6 +18,7 @@ import heapq
 import itertools
 import json
 import math
+import mmap
 import os
 import pstats
 import queue
@@ -42,6 +43,7 @@ from checkpointless.control.auth import SignedStore, job_namespace, read_secret_
 from checkpointless.control.plan import Plan
 from checkpointless.control.vocab import Event, Phase, Reason, Role, event
 from checkpointless.launch.relay import _STOP_EVERY as STOP_EVERY
+from checkpointless.launch.relay import CHUNK_BYTES, HOLD_BYTES, WINDOW_BYTES
 
 NPROC = 8  # ranks per host
 SPARE_NODES = 1
@@ -299,12 +301,30 @@ class SimAgent:
     exited_unreported: bool = False
     relay_seq: int = 0  # relay: the values written, the event chunks written, the lines not yet in one
     chunks: int = 0
-    lines: list[str] = field(default_factory=list)
+    lines: deque[str] = field(default_factory=deque)
+    held_bytes: int = 0  # the lines' bytes
+    sizes: deque[int] = field(default_factory=deque)  # the chunks written and not known read: bytes
+    unread: int = 0  # their sum
+    known_read: int = 0  # chunks known read (the acker's count, ``read_counts``)
+    dropped: int = 0  # step commits dropped past HOLD_BYTES
     next_relay: float = 0.0
 
 
 def host_name(index: int) -> str:
     return f"h{index:04d}"
+
+
+def read_counts(secret_file: str, first: int, count: int) -> memoryview:
+    """Per host of a simulator's share, the count of its event chunks the coordinator read, as its
+    acker last saw it (``Relay._delete_read``): shared memory between the two processes, so that the
+    simulator keeps the relay's window (``launch/relay.py``) with the acker's look at the count."""
+    path = Path(secret_file).parent / f"read-{first}.bin"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.ftruncate(fd, 8 * count)
+        return memoryview(mmap.mmap(fd, 8 * count)).cast("q")
+    finally:
+        os.close(fd)
 
 
 def _usage(seq: int) -> dict[str, Any]:
@@ -336,6 +356,8 @@ class Simulator:
             SimAgent(i, host_name(i), i >= a.hosts, PID_BASE + i) for i in range(a.first, a.first + a.count)
         ]
         self.by_host = {ag.host: ag for ag in self.agents}
+        self.first = a.first
+        self.read = read_counts(a.secret_file, a.first, a.count)
         self.by_index = {ag.index: ag for ag in self.agents}
         self.protocol = a.protocol
         self.relayed = a.protocol == RELAY
@@ -566,6 +588,9 @@ class Simulator:
             "lag": lag, "late_steps": self.late_steps, "timing": dict(self.timing),
             "plan_read_s": {str(g): s for g, s in self.plan_read_s.items()},
             "work": len(self.work), "lo_queue": len(self.lo),
+            "held_bytes": sum(ag.held_bytes for ag in self.agents),
+            "unread_bytes": sum(ag.unread for ag in self.agents),
+            "dropped_commits": sum(ag.dropped for ag in self.agents),
         }  # fmt: skip
 
     # -- the driver --------------------------------------------------------------------
@@ -786,8 +811,12 @@ class Simulator:
 
     def _chunk(self, ag: SimAgent, p: SimProc, text: str, purpose: str) -> None:
         p.chunks += 1
-        if self.relayed:
-            ag.lines.append(text)  # each line names its process (``proc``), as the relay's do
+        if self.relayed:  # each line names its process (``proc``), as the relay's do
+            if ag.held_bytes + len(text) > HOLD_BYTES and purpose == "commit":
+                ag.dropped += 1  # ``Relay._hold``
+                return
+            ag.lines.append(text)
+            ag.held_bytes += len(text)
             return
         assert ag.conn is not None
         self._size("chunk", self._set(ag.conn, purpose, keys.events(p.name, p.chunks - 1), text))
@@ -798,10 +827,23 @@ class Simulator:
         both ``set``s; its round trip is ``AckLoad``'s. Its processes beat every heartbeat interval
         too: each forwarded heartbeat is a new one."""
         assert ag.conn is not None
-        if ag.lines:
-            text, ag.lines = "".join(ag.lines), []
-            self._size("chunk", self._set(ag.conn, "events", keys.node_events(ag.host, ag.chunks), text))
+        read = self.read[ag.index - self.first]
+        while ag.known_read < read and ag.sizes:
+            ag.unread -= ag.sizes.popleft()
+            ag.known_read += 1
+        while ag.lines and ag.unread < WINDOW_BYTES:  # ``Relay._write_chunks``
+            parts: list[str] = []
+            size = 0
+            while ag.lines and (not parts or size + len(ag.lines[0]) <= CHUNK_BYTES):
+                parts.append(ag.lines.popleft())
+                size += len(parts[-1])
+            ag.held_bytes -= size
+            self._size(
+                "chunk", self._set(ag.conn, "events", keys.node_events(ag.host, ag.chunks), "".join(parts))
+            )
             ag.chunks += 1
+            ag.sizes.append(size)
+            ag.unread += size
         beats = []
         for p in ag.procs.values():
             if p.alive:
@@ -979,6 +1021,8 @@ class AckLoad:
                 self.checks += [(h, "stop", name, a.step_s) for name in names]
         self.dead: set[int] = set()
         self.deleted: dict[int, int] = {}  # relay: per host, its chunks deleted so far
+        self.first = a.first
+        self.read = read_counts(a.secret_file, a.first, a.count)  # the same, for the simulator
         self.gen = 0
         self.stopped = threading.Event()
         self.lag = {"n": 0, "sum_s": 0.0, "max_s": 0.0, "late_0.5s": 0}
@@ -1042,6 +1086,7 @@ class AckLoad:
             for i in range(self.deleted.get(host, 0), upto):
                 conn.delete("delete", self.sealer.name(keys.node_events(name, i)))
             self.deleted[host] = max(self.deleted.get(host, 0), upto)
+            self.read[host - self.first] = self.deleted[host]
         except (RuntimeError, OSError, ValueError) as e:
             self.stats.errors[f"read {type(e).__name__}"] += 1
 
