@@ -31,7 +31,9 @@ a ``Session``'s step loop:
   group of its own (the gradients are reduced by the session, over the job's generation). So
   ``Trainer.evaluate`` runs on each rank over the whole evaluation set (the replicas are equal, so are
   their metrics; no collective outside a step), and only rank 0 writes checkpoints and the model
-  (``save_steps``, ``save_model``). What accelerate's gathers gave the step under ``torchrun`` the
+  (``save_steps``, ``save_model``). A checkpoint rank 0 was writing when it died (after the step's
+  commit: nobody executes that again) is written whole by the replacement that takes rank 0
+  (``Trainer._complete_checkpoint``). What accelerate's gathers gave the step under ``torchrun`` the
   step does over the session's group instead: ``num_items_in_batch`` summed over the ranks (with
   ``average_tokens_across_devices``; the loss then scaled by the ranks, ``compute_loss``) and the
   logged loss averaged over them.
@@ -145,6 +147,7 @@ class _TrainerProgress:
 
     def __init__(self, trainer: Trainer) -> None:
         self._trainer = trainer
+        self.received = False  # loaded from a peer (this process replaces a rank) or a snapshot
 
     def _exportable(self) -> list[tuple[str, Any]]:
         t = self._trainer
@@ -167,6 +170,7 @@ class _TrainerProgress:
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         t = self._trainer
+        self.received = True
         t.state.best_metric, t.state.best_global_step = saved["best_metric"], saved["best_global_step"]
         t.state.best_model_checkpoint = t._best_checkpoint_dir()
         for name, cb in self._exportable():
@@ -247,6 +251,41 @@ class Trainer(_HFTrainer):
         run_dir = self._get_output_dir(trial=trial)
         return os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}") if step else None
 
+    def _complete_checkpoint(self, step: int, per_epoch: int, max_steps: int, model: Any, trial: Any) -> None:
+        """Rank 0 taken over after the commit of the step before ``step``: the checkpoint of
+        ``step`` that the old rank 0 may have been writing when it died (after that commit, outside
+        any step: nobody executes that work again) is written now if it is due and not whole.
+
+        A checkpoint is whole once its ``trainer_state.json`` is there (``Trainer._save_checkpoint``
+        writes it after the model, optimizer, scheduler and RNG states). Due: a directory begun for
+        it, the save schedule (``DefaultFlowCallback``: ``save_steps``, an epoch's end, the last
+        step) or the best step so far. The model, optimizer and scheduler written are those the
+        rank received, equal to the old rank 0's; the per-process parts (RNG state, ``log_history``,
+        the FLOs counted) are this process's."""
+        from transformers.trainer_callback import DefaultFlowCallback, TrainerControl
+        from transformers.trainer_utils import SaveStrategy
+
+        if step <= 0 or self.args.save_strategy == SaveStrategy.NO:
+            return
+        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{step}")
+        if os.path.exists(os.path.join(folder, "trainer_state.json")):
+            return  # written whole before the rank was lost
+        # as of that step (the loop's start stays the job's: every rank passes the same)
+        kept = self.state.global_step, self.state.epoch
+        self.state.global_step, self.state.epoch = step, step / per_epoch
+        try:
+            flow, control = DefaultFlowCallback(), TrainerControl()
+            control = flow.on_step_end(self.args, self.state, control)
+            if step % per_epoch == 0 or step >= max_steps:
+                control = flow.on_epoch_end(self.args, self.state, control)
+            if os.path.isdir(folder) or control.should_save or self.state.best_global_step == step:
+                log.warning(
+                    "[rank 0] writing %s again: the rank's last process died before it was whole", folder
+                )
+                self._save_checkpoint(model, trial)
+        finally:
+            self.state.global_step, self.state.epoch = kept
+
     def _finalize_training(self, trial: Any, num_train_samples: int, start_time: float) -> Any:
         """As ``transformers.Trainer``'s, but rank 0 alone deletes checkpoints (``save_total_limit``
         1 with the best model kept): every rank deleting the same directories would race."""
@@ -317,10 +356,13 @@ class Trainer(_HFTrainer):
         self._init_training_state(max_steps, per_epoch, epochs, resume_from_checkpoint, trial)
         model, _ = self._prepare_for_training(max_steps, None, resume_from_checkpoint)
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper
-        state: dict[str, Any] = {"lr_scheduler": self.lr_scheduler, "trainer": _TrainerProgress(self)}
+        progress = _TrainerProgress(self)
+        state: dict[str, Any] = {"lr_scheduler": self.lr_scheduler, "trainer": progress}
         if getattr(self.accelerator, "scaler", None) is not None:
             state["grad_scaler"] = self.accelerator.scaler
         session = self._session = Session(self.model, optimizer, state=state, seed=args.seed)
+        if progress.received and session.rank == 0:
+            self._complete_checkpoint(session.step, per_epoch, max_steps, model, trial)
         stream = isinstance(dataset, torch.utils.data.IterableDataset)  # its order is its own
         seed = args.data_seed if args.data_seed is not None else args.seed
         shuffle = not stream and getattr(args, "train_sampling_strategy", "random") == "random"

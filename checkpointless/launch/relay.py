@@ -29,7 +29,10 @@ the coordinator's passes are bounded in chunks, so they carry more events). Whil
 at the count read every ``_READ_FAST`` beats, and every ``_STOP_EVERY`` once the coordinator stops
 reading it. What it holds is bounded too (``HOLD_BYTES``): past that, its ranks' ``step_committed``
 events are dropped, counted, and said in an ``events_dropped`` event (the report's figures then
-lack them); no other event is dropped. The coordinator's store thus holds at most 64 KB per host
+lack them); no other event is dropped. The last flush, once the host's processes have exited,
+writes what it holds up to ``FINAL_BYTES`` beyond the window, and every event other than a commit
+in any case: 2,000 hosts writing their backlogs at once at the job's end would have piled them into
+the coordinator's store. The coordinator's store thus holds at most 64 KB per host
 (128 MB at 2,000 hosts), whatever the rate.
 Plans, failure reports, final digests and waits still go from each process to the coordinator's
 store: they come once per generation, not per tick.
@@ -87,6 +90,16 @@ read (``_READ_FAST`` beats), 320 KB/s: 900 events a second."""
 HOLD_BYTES = 32 * 2**20
 """The events a relay holds while the window is full, before it drops step commits (hours of a
 host of 8 ranks at a step a second)."""
+FINAL_BYTES = 64 * 1024
+"""What the last flush (the host's processes have exited) may write beyond the window: the events
+held past it are the step commits of a coordinator that fell behind, which every host writing at
+once at the job's end would pile into its store (32 MB a host: 64 GB at 2,000 hosts); the
+commits that do not fit are dropped and counted, every other event is written."""
+
+
+def _is_commit(line: str) -> bool:
+    """Whether an event line (``json.dumps`` of the event) is a ``step_committed`` event."""
+    return f'"kind": "{Event.STEP_COMMITTED}"' in line
 
 
 class Relay:
@@ -187,16 +200,35 @@ class Relay:
         """Events taken from the local store: kept until written up (commits dropped past
         ``HOLD_BYTES``: the module docstring)."""
         for name, line in lines:
-            if self._held_bytes + len(line) > HOLD_BYTES and f'"kind": "{Event.STEP_COMMITTED}"' in line:
+            if self._held_bytes + len(line) > HOLD_BYTES and _is_commit(line):
                 self._dropped += 1
                 continue
             self._held.append((name, line))
             self._held_bytes += len(line) + 1
             self._held_by[name] += 1
 
+    def _fit_final(self, up: SignedStore) -> None:
+        """Before the last flush: what the coordinator read since the last look is deleted, then
+        the held step commits that do not fit ``FINAL_BYTES`` beyond the window are dropped."""
+        if self._deleted < self._chunks:
+            self._delete_read(up)
+        room = WINDOW_BYTES + FINAL_BYTES - self._unread
+        kept: deque[tuple[str, str]] = deque()
+        for name, line in self._held:
+            if room >= len(line) + 1 or not _is_commit(line):
+                kept.append((name, line))
+                room -= len(line) + 1
+                continue
+            self._dropped += 1
+            self._held_bytes -= len(line) + 1
+            self._held_by[name] -= 1
+        self._held = kept
+
     def _write_chunks(self, up: SignedStore, *, final: bool) -> None:
         """The held events, in chunks, while the coordinator's unread share is under the window
-        (``final``: all of them)."""
+        (``final``: all of them, after ``_fit_final``)."""
+        if final and self._held:
+            self._fit_final(up)
         if self._dropped and (final or self._unread < WINDOW_BYTES):
             note = {"kind": Event.EVENTS_DROPPED, "t": time.time() + self._skew, "host": self.host,
                     "proc": f"agent {self.host}", "dropped": self._dropped,

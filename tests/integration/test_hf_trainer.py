@@ -57,6 +57,33 @@ def test_a_trainer_script_recovers_bitwise(
     ]
 
 
+def test_a_checkpoint_whose_writer_died_is_written_whole_by_its_replacement(
+    tmp_path: Path, reference: tuple[str, Path]
+) -> None:
+    """Rank 0 writes checkpoint-6 after the commit of step 6, outside any step: SIGKILLed after the
+    model's weights and before the optimizer's, the directory is left without its optimizer and
+    trainer_state.json. The replacement that takes rank 0 writes it whole, with the same model,
+    optimizer and scheduler as the fault-free run's."""
+    import torch
+    from safetensors.torch import load_file
+
+    job = run_job(workers=2, spares=1, steps=STEPS, command=_command(tmp_path, "--die-in-save", "6"),
+                  timeout_s=400)  # fmt: skip
+    assert job.ok, f"{job.error}\n{logs_of(job)}"
+    assert (tmp_path / ".died-in-save").exists()  # the writer did die in the middle
+    assert job.digest == reference[0]
+    ours, ref = tmp_path / "checkpoint-6", reference[1] / "checkpoint-6"
+    assert json.loads((ours / "trainer_state.json").read_text())["global_step"] == 6
+    a, b = load_file(str(ours / "model.safetensors")), load_file(str(ref / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    opt_a = torch.load(ours / "optimizer.pt", weights_only=True)["state"]
+    opt_b = torch.load(ref / "optimizer.pt", weights_only=True)["state"]
+    assert opt_a.keys() == opt_b.keys()
+    assert all(torch.equal(opt_a[i][k], opt_b[i][k]) for i in opt_a for k in opt_a[i])
+    sched = [torch.load(d / "scheduler.pt", weights_only=True)["last_epoch"] for d in (ours, ref)]
+    assert sched[0] == sched[1] == 6
+
+
 def test_a_hung_rank_of_a_bf16_trainer_is_replaced_bitwise(tmp_path: Path) -> None:
     ref = run_job(
         workers=2, spares=0, steps=STEPS, command=_command(tmp_path / "ref", "--bf16"), timeout_s=400

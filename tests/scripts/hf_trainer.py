@@ -4,17 +4,21 @@ accumulation, clipping, a cosine schedule with warm-up, logging, evaluation and 
 
 Usage: hf_trainer.py OUTPUT_DIR STEPS [--bf16] [--resume CHECKPOINT] [--iterable] [--workers N]
                      [--raise-at STEP:MICRO:RANK] [--padded] [--per-device N] [--lora]
+                     [--die-in-save STEP]
 (``--iterable``: the train set as an endless stream, an ``IterableDataset`` without ``__len__``
 whose passes are shuffled from its own seed; ``--workers``: ``dataloader_num_workers``;
 ``--raise-at``: the model's forward raises once, on that rank, at that micro-batch of that step;
 ``--padded``: each sample's tail is left out of the loss, a random length per sample;
-``--per-device``: per_device_train_batch_size, 2 by default; ``--lora``: a peft LoRA model)
+``--per-device``: per_device_train_batch_size, 2 by default; ``--lora``: a peft LoRA model;
+``--die-in-save``: the process writing the checkpoint of that step is SIGKILLed once, after the
+model's weights and before the optimizer's, as a power loss would stop it)
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback, TrainingArguments
@@ -76,6 +80,20 @@ class RaiseOnce(TrainerCallback):
             raise RuntimeError(f"a fault of the script's own at micro-batch {micro} of step {self.step}")
 
 
+def die_in_save(trainer: Trainer, step: int, marker: str) -> None:
+    """SIGKILL the process writing checkpoint ``step``, once (``marker``: the job already lost one),
+    between the model's weights and the optimizer's."""
+    real = trainer._save_optimizer_and_scheduler
+
+    def dying(output_dir: str) -> None:
+        if trainer.state.global_step == step and not os.path.exists(marker):
+            open(marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        real(output_dir)
+
+    trainer._save_optimizer_and_scheduler = dying  # type: ignore[method-assign]
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("output_dir")
@@ -88,6 +106,7 @@ def main() -> None:
     p.add_argument("--padded", action="store_true")
     p.add_argument("--per-device", type=int, default=2)
     p.add_argument("--lora", action="store_true")
+    p.add_argument("--die-in-save", type=int, default=None, metavar="STEP")
     a = p.parse_args()
     torch.manual_seed(0)
     config = LlamaConfig(
@@ -137,6 +156,8 @@ def main() -> None:
         callbacks.append(RaiseOnce(model, step, micro, rank))
     trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=Tokens(8, 16, 128, 2),
                       callbacks=callbacks)  # fmt: skip
+    if a.die_in_save is not None:
+        die_in_save(trainer, a.die_in_save, os.path.join(a.output_dir, ".died-in-save"))
     out = trainer.train(resume_from_checkpoint=a.resume)
     print(f"trained {out.global_step} steps, loss {out.training_loss:.4f}", flush=True)
 

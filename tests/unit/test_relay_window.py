@@ -153,3 +153,35 @@ def test_the_last_flush_writes_every_held_event_whatever_the_window(
         assert [e["step"] for e in events if e["kind"] == Event.STEP_COMMITTED] == list(range(20))
     finally:
         client.close()
+
+
+def test_the_last_flush_of_a_host_far_behind_writes_its_other_events_and_counts_the_commits_left(
+    coordinator: tuple[Any, SignedStore], relay: Relay, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At the job's end every host writes what it holds at once: beyond ``FINAL_BYTES`` past the
+    window, the commits are dropped (counted), the other events written."""
+    monkeypatch.setattr(relay_mod, "WINDOW_BYTES", 1000)
+    monkeypatch.setattr(relay_mod, "CHUNK_BYTES", 1000)
+    monkeypatch.setattr(relay_mod, "FINAL_BYTES", 1000)
+    server, view = coordinator
+    client = _client(relay, server, "w0")
+    try:
+        client.update(rank=0, gen=0, committed=0)
+        for step in range(30):
+            client.emit(Event.STEP_COMMITTED, sync=True, step=step, pad=PAD)
+        client.emit(Event.FAULT_DETECTED, sync=True, step=30, pad=PAD)
+        _until(
+            lambda: relay._held_bytes > 5000 and any('"fault_detected"' in line for _, line in relay._held)
+        )
+        relay.flush()
+        events, _, _ = _read(view, 0)
+        commits = [e["step"] for e in events if e["kind"] == Event.STEP_COMMITTED]
+        dropped = sum(e["dropped"] for e in events if e["kind"] == Event.EVENTS_DROPPED)
+        assert [e["step"] for e in events if e["kind"] == Event.FAULT_DETECTED] == [30]
+        assert dropped > 0 and len(commits) + dropped == 30
+        assert commits == list(range(len(commits)))  # the oldest written, in order
+        assert (
+            sum(len(json.dumps(e)) for e in events) < 1000 + 1000 + 1000 + 2000
+        )  # window, final, chunk, the rest
+    finally:
+        client.close()
