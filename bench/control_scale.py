@@ -904,7 +904,7 @@ def _memory_goal(r: dict[str, Any], peak: float | None, growth: float | None) ->
     soak = r.get("rss_before_loss")
     if soak:
         at, grow = soak["mb_at_loss"], soak["growth_mb_per_min"]
-        text = (f"{f(peak, 0)} MB at its peak (after the loss: the recovery's events); before the loss "
+        text = (f"{f(peak, 0)} MB at its peak (the whole run: the loss, the recovery and the job's stop, when every host writes its last events); before the loss "
                 f"{f(at, 0)} MB, growing {f(grow, 1)} MB/min over the last {f(soak['to_s'] - soak['from_s'], 0)} s of "
                 f"a {f(soak['to_s'], 0)} s run")  # fmt: skip
         lasting = at + max(0.0, grow) * 60
