@@ -192,7 +192,7 @@ class Relay:
 
     def beat(self, final: bool = False) -> None:
         """Forward once (see the module docstring); raises for the coordinator's store. ``final``:
-        every event held, whatever the window (the processes have exited)."""
+        the last flush (the processes have exited): what is held, past the window (``_fit_final``)."""
         with self._lock:  # the relay's thread, or the agent's last flush
             self._beat(final)
 

@@ -44,7 +44,7 @@ KEEP_COMMITS = 50_000
 """Step commits kept in memory before only some are (about 30 MB of events, 600 bytes each; a job of 8
 ranks keeps every commit of 6,250 steps). It was 200,000: at 2,000 hosts x 8 ranks the launcher's
 memory levelled off at 810 MB with that budget and 590 MB with this one and ``KEEP_USAGE``'s
-(``bench/control_scale.py --hosts 2000 --soak``), and a recovery there adds 150-270 MB."""
+(``bench/control_scale.py --hosts 2000 --soak``)."""
 KEEP_USAGE = 5_000
 """``host_usage`` samples kept in memory, likewise (3 hours of one host's every 2 s)."""
 
