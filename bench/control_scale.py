@@ -112,6 +112,7 @@ from checkpointless.control.auth import new_secret, write_secret_file
 from checkpointless.control.membership import INTRUDER_KEYS
 from checkpointless.control.vocab import Event
 from checkpointless.launch.launcher import FULL_GC_EVERY, RELAYED_BYTES_PER_PASS, RELAYED_CHUNKS_PER_PASS
+from checkpointless.observe.event_log import KEEP_COMMITS, KEEP_USAGE
 
 SERIES_HANG_S = 2.0  # see the module docstring: the job default, 0.5 s, is the extra case
 #: (worker hosts, hang_timeout_s) measured; 300 hosts locates the knee between 100 and 1,000
@@ -120,10 +121,13 @@ CASES = ((10, SERIES_HANG_S), (100, SERIES_HANG_S), (300, SERIES_HANG_S), (1000,
 QUICK_CASES = ((10, SERIES_HANG_S), (100, SERIES_HANG_S))
 HANG_TIMEOUT_S = 0.5  # RecoveryConfig's default, as `checkpointless coordinator` uses it
 WARMUP_S, WINDOW_S, PROFILE_S, AFTER_S = 8.0, 20.0, 10.0, 3.0
-SOAK_S, SOAK_FROM_HOSTS, SOAK_TAIL_S = 180.0, 1000, 120.0
+SOAK_S, SOAK_FROM_HOSTS, SOAK_TAIL_S = 300.0, 1000, 120.0
 """From 1,000 hosts the job runs ``SOAK_S`` more before the loss, so that the coordinator's memory
-is seen after its bounded buffers filled (the event log's budget, the relays' windows): its growth
-is fitted over the last ``SOAK_TAIL_S`` before the loss."""
+is seen after its bounded buffers filled (the event log's budget, the relays' windows) and after the
+log caught up with the start's backlog: its growth is fitted over the last ``SOAK_TAIL_S`` before the
+loss. At 2,000 hosts the log reads the hosts' unread events of the start until about 250 s into the
+run (``ctl/census.jsonl``: the store's keys fall from 65,000 to 14,000 meanwhile, and the
+coordinator's heap grows); a soak of 180 s fitted that catch-up (25-35 MB/min), not a leak."""
 QUICK_WARMUP_S, QUICK_WINDOW_S, QUICK_PROFILE_S = 5.0, 10.0, 6.0
 _TICK = os.sysconf("SC_CLK_TCK")
 _SELF = Path(__file__).resolve()
@@ -663,6 +667,7 @@ def measure(hosts: int, dest: Path, params: Params) -> dict[str, Any]:
                                 "gc": final.get("gc")}  # fmt: skip
     res["profile_whole_run"] = _read_json(ctl / "profile_all.json")
     res["coordinator_log"] = _log_summary(d / "coordinator.log")
+    res["memory_census"] = _census(ctl / "census.jsonl", _g(res, "failure", "t_kill"), t_start)
     res["wall_s"] = round(time.time() - t_start, 1)
     return res
 
@@ -676,6 +681,48 @@ def _rss_tail(samples: list[tuple[float, int]], until: float, t_start: float) ->
         return None
     return {"from_s": round(tail[0][0] - t_start, 1), "to_s": round(tail[-1][0] - t_start, 1),
             "mb_at_loss": round(tail[-1][1], 1), "growth_mb_per_min": round(fit["b_per_host"] * 60, 1)}  # fmt: skip
+
+
+CENSUS_FIELDS = ("t", "rss_mb", "blocks", "heap_used", "heap_free", "keys")
+
+
+def _census(path: Path, killed: Any, t_start: float) -> dict[str, Any]:
+    """The coordinator's ``ctl/census.jsonl`` (``scale_coord.MemoryCensus``, every 10 s; ``t`` from the run's
+    start): the curve of its RSS, Python's allocated blocks, glibc's heap (in use, free) and the store's
+    key count, up to the loss; when the store's backlog drained (its keys within 10% of their least
+    between their peak and the loss, from then on); the growth fitted from then to the loss; the largest containers
+    of the launcher at the loss."""
+    lines: list[dict[str, Any]] = []
+    with contextlib.suppress(OSError):
+        for text in path.read_text().splitlines():
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                ln = json.loads(text)
+                ln["t"] = round(ln.pop("wall") - t_start, 1)
+                lines.append(ln)
+    until = (killed - t_start) if isinstance(killed, float) else float("inf")
+    before = [ln for ln in lines if ln.get("t", 0) <= until and "keys" in ln and "rss_mb" in ln]
+    if not before:
+        return {}
+    out: dict[str, Any] = {
+        "curve": [[ln.get(k) for k in CENSUS_FIELDS] for ln in lines],
+        "fields": CENSUS_FIELDS,
+    }
+    peak = max(before, key=lambda ln: ln["keys"])
+    out["keys_peak"], out["keys_peak_s"] = peak["keys"], peak["t"]
+    start = before.index(peak)
+    least = min(ln["keys"] for ln in before[start:])
+    i = len(before)
+    while i > start and before[i - 1]["keys"] <= 1.1 * least:
+        i -= 1
+    drained = before[i:]
+    out["drained_s"], out["keys_drained"] = drained[0]["t"], least
+    fit = _fit([ln["t"] for ln in drained], [ln["rss_mb"] for ln in drained]) if len(drained) >= 3 else None
+    if fit is not None:
+        out["after_drain"] = {"from_s": drained[0]["t"], "to_s": drained[-1]["t"], "rss_mb_from": drained[0]["rss_mb"],
+                              "rss_mb_to": drained[-1]["rss_mb"], "growth_mb_per_min": round(fit["b_per_host"] * 60, 1)}  # fmt: skip
+    largest = before[-1].get("census") or {}
+    out["largest"] = dict(sorted(largest.items(), key=lambda kv: -kv[1])[:10])
+    return out
 
 
 def _log_summary(path: Path) -> dict[str, Any]:
@@ -915,6 +962,25 @@ def _memory_goal(r: dict[str, Any], peak: float | None, growth: float | None) ->
     return ["coordinator process memory", "< 1 GB", text, verdict]
 
 
+def _census_text(r: dict[str, Any]) -> str:
+    """Where a soaked run's memory went (``_census``), in a sentence or two."""
+    c = r.get("memory_census") or {}
+    after = c.get("after_drain")
+    if not after:
+        return ""
+    f = common.fmt
+    big = ", ".join(
+        f"`{k.removeprefix('launcher.')}` {v:,}" for k, v in list(c.get("largest", {}).items())[:6]
+    )
+    return (
+        f" At {r['hosts']:,} hosts, every 10 s (`ctl/census.jsonl`): the store held up to {c['keys_peak']:,} keys "
+        f"({f(c['keys_peak_s'], 0)} s into the run: the hosts' unread event chunks while the log read the "
+        f"start's backlog), {c['keys_drained']:,} from {f(c['drained_s'], 0)} s on; from then to the loss the "
+        f"coordinator went from {f(after['rss_mb_from'], 0)} to {f(after['rss_mb_to'], 0)} MB "
+        f"({f(after['growth_mb_per_min'], 1)} MB/min fitted). Its largest containers then: {big}."
+    )
+
+
 def markdown(res: dict[str, Any]) -> str:
     rows = res.get("rows", [])
     if not rows:
@@ -1088,8 +1154,8 @@ def _findings_common(res: dict[str, Any], first: int) -> list[str]:
     lines.append(
         f"{n + 1}. **Memory is bounded while the event log falls behind.** Every rank sends an event per step. The "
         "launcher's log (`observe/event_log.py`) writes each to `events.jsonl` and keeps a bounded share in "
-        "memory (every event up to 200,000 commits, then each rank's first commit of a generation and its last "
-        "ones before a fault; the report's figures from every commit). The chunks it has not read wait in the "
+        f"memory (every event up to {KEEP_COMMITS:,} commits and {KEEP_USAGE:,} usage samples, then each rank's first "
+        "commit of a generation and its last ones before a fault; the report's figures from every event). The chunks it has not read wait in the "
         "store, in the same process, but each relay keeps at most 32 KB of them unread there (plus one chunk "
         "of up to 32 KB) and holds the rest on its host, merged into larger chunks (`launch/relay.py`); a pass "
         f"reads at most {RELAYED_CHUNKS_PER_PASS} chunks and about {RELAYED_BYTES_PER_PASS >> 20} MB. Growth in the "
@@ -1117,6 +1183,7 @@ def _findings_common(res: dict[str, Any], first: int) -> list[str]:
         + ". What the log does not take in waits on the hosts, then (past 32 MB a host) its step commits are "
         "dropped and counted (`events_dropped`, the report's `step_commits_dropped`): commits aggregated per "
         "host and step are what would bring the log within reach of 16,000 a second."
+        + "".join(_census_text(r) for r in soaked)
     )
     gcs = [
         (r["hosts"], _g(r, "steady", "coordinator", "gc_full"), _g(r, "coordinator_final", "gc"))

@@ -183,6 +183,84 @@ class TickHook:
                 self.write()
 
 
+def _mallinfo() -> dict[str, int]:
+    """glibc's heap (``mallinfo2``): bytes in use, free inside the heap, and in mmapped blocks."""
+    import ctypes
+
+    class _Info(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                    "fsmblks", "uordblks", "fordblks", "keepcost")]  # fmt: skip
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = _Info
+        m = libc.mallinfo2()
+    except (OSError, AttributeError):
+        return {}
+    return {"heap_used": m.uordblks, "heap_free": m.fordblks, "mmapped": m.hblkhd}
+
+
+def census(root: Any, depth: int = 3, least: int = 50) -> dict[str, int]:
+    """The sizes of the containers reachable from ``root``'s attributes (``depth`` levels of objects),
+    those holding at least ``least`` items: where a long run's memory goes."""
+    out: dict[str, int] = {}
+    seen: set[int] = set()
+
+    def walk(obj: Any, path: str, left: int) -> None:
+        if id(obj) in seen or left < 0:
+            return
+        seen.add(id(obj))
+        attrs = getattr(obj, "__dict__", None)
+        if attrs is None:
+            return
+        for name, value in list(attrs.items()):
+            if isinstance(value, dict | list | set | deque | Counter | bytearray | bytes | str):
+                with contextlib.suppress(TypeError):
+                    if len(value) >= least:
+                        out[f"{path}.{name}"] = len(value)
+                if isinstance(value, dict) and value and left > 0:
+                    first = next(iter(value.values()))
+                    if hasattr(first, "__dict__"):
+                        walk(first, f"{path}.{name}[*]", left - 1)
+            elif hasattr(value, "__dict__") and not isinstance(value, type):
+                walk(value, f"{path}.{name}", left - 1)
+
+    walk(root, "launcher", depth)
+    return out
+
+
+class MemoryCensus:
+    """Every ``every`` seconds, a line in ``ctl/census.jsonl``: the time, the process's RSS, Python's
+    allocated blocks (its small objects), glibc's heap (in use and free: the store's values and
+    Python's larger objects), the store's key count and the launcher's large containers (``census``):
+    where a long run's memory goes. Its own store connection, not counted."""
+
+    def __init__(self, ctl: Path, launcher: Any, every: float = 10.0) -> None:
+        self.ctl, self.launcher, self.every = ctl, launcher, every
+        threading.Thread(target=self._loop, name="bench-census", daemon=True).start()
+
+    def _loop(self) -> None:
+        store = None
+        while True:
+            time.sleep(self.every)
+            line: dict[str, Any] = {"wall": round(time.time(), 2)}
+            with contextlib.suppress(Exception):
+                rss = Path("/proc/self/statm").read_text().split()[1]
+                line["rss_mb"] = round(int(rss) * 4096 / 2**20, 1)
+                line["blocks"] = sys.getallocatedblocks()
+                line.update({k: round(v / 2**20, 1) for k, v in _mallinfo().items()})
+                if store is None and getattr(self.launcher, "store", None) is not None:
+                    from torch.distributed import TCPStore
+
+                    raw = self.launcher.store.raw
+                    store = TCPStore(raw.host, raw.port, is_master=False, wait_for_workers=False)
+                if store is not None:
+                    line["keys"] = store.num_keys()
+                line["census"] = census(self.launcher)
+            with contextlib.suppress(Exception), (self.ctl / "census.jsonl").open("a") as f:
+                f.write(json.dumps(line) + "\n")
+
+
 def _short(file: str, line: int, func: str) -> str:
     for marker in ("checkpointless/", "bench/", "site-packages/", "lib/python3"):
         if marker in file:
@@ -302,6 +380,7 @@ def coordinator_main(a: argparse.Namespace) -> int:
                                      secret=secret, on_tick=[hook], timeout_s=a.timeout)  # fmt: skip
     hook.launcher = launcher
     hook.start()
+    MemoryCensus(ctl, launcher)
     StackSampler(ctl, threading.main_thread().ident or 0)
     try:
         result = launcher.run()

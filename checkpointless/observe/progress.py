@@ -7,8 +7,9 @@ events as the launcher collects them, so the three cannot disagree. Each event
 costs O(log n) to add (a commit in time order: O(1)); the median is sorted when read
 after new commits (a sorted run and a short tail: linear), so a long job's live view
 does not rescan its history. ``StepStats(window=k)`` keeps each rank's last ``k``
-commits and the step-time intervals counted to 10 µs: its memory is bounded by the
-ranks and the spread of step times, not the job's length (the launcher's, fed every
+commits and the step-time intervals counted to 4 significant digits (``_bucket``): its
+memory is bounded by the ranks and the spread of step times (at most about 9,000
+counters a decade), not the job's length (the launcher's, fed every
 commit of a job of any size; ``commits`` then holds only the last ``k`` of each rank).
 
 Definitions (``report.json``'s contract):
@@ -26,6 +27,7 @@ Definitions (``report.json``'s contract):
 from __future__ import annotations
 
 import bisect
+import math
 from collections import Counter, defaultdict
 from typing import Any
 
@@ -41,6 +43,15 @@ the console, the metrics."""
 _Commit = tuple[float, int, int]  # (t, step, gen), ordered as a rank's history
 
 
+def _bucket(gap: float) -> float:
+    """An interval rounded to 4 significant digits (0.05% at most): a windowed ``StepStats`` counts
+    intervals by these. At 10 µs, the 16,000 ranks' intervals of a 2,000-host job spread over 40,000
+    distinct values in 6 minutes, in each of the launcher's three live views."""
+    if gap <= 0.0 or not math.isfinite(gap):
+        return gap
+    return round(gap, 3 - math.floor(math.log10(gap)))
+
+
 def _gap(a: _Commit, b: _Commit) -> float | None:
     """The step time between two neighbouring commits of one rank, if they are consecutive steps."""
     return b[0] - a[0] if a[2] == b[2] and b[1] == a[1] + 1 else None
@@ -52,7 +63,7 @@ class StepStats:
     def __init__(self, window: int | None = None) -> None:
         self._window = window
         self._by_rank: dict[int, list[_Commit]] = defaultdict(list)
-        self._gaps: Counter[float] = Counter()  # interval -> how many (rounded to 10 µs with a window)
+        self._gaps: Counter[float] = Counter()  # interval -> how many (``_bucket``ed with a window)
         self._ngaps = 0
         self._median: float | None = 0.0  # None: to be computed again
         self._max_step: dict[int, int] = {}
@@ -92,7 +103,7 @@ class StepStats:
         return True
 
     def _count(self, gap: float, n: int) -> None:
-        key = round(gap, 5) if self._window is not None else gap
+        key = _bucket(gap) if self._window is not None else gap
         self._gaps[key] += n
         if not self._gaps[key]:
             del self._gaps[key]

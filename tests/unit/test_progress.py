@@ -72,6 +72,25 @@ def test_fed_in_any_order_the_figures_match_their_definitions(
     assert stats.tokens == sum(e["tokens"] for e in events)
 
 
+def test_a_window_keeps_few_interval_counters_and_the_median_to_four_digits() -> None:
+    """A live view (``window=``) fed a long job whose step times never repeat exactly: its counters
+    stay bounded by the spread of the intervals, and its median is the exact one to 0.05%."""
+    rnd = random.Random(7)
+    ranks, steps = 50, 400
+    events = [
+        {"kind": "step_committed", "t": s * 1.0 + r * 1e-3 + rnd.uniform(0.0, 0.5), "rank": r, "step": s, "gen": 0,
+         "step_time_s": 1.0}
+        for r in range(ranks) for s in range(steps)
+    ]  # fmt: skip
+    live, whole = StepStats(window=4), StepStats.of(events)
+    for ev in events:
+        live.add(ev)
+    assert len(live._gaps) <= 5_001 + 501  # intervals 0.5 to 1.5 s at 4 digits: 0.5000-0.9999, 1.000-1.500
+    assert len(whole._gaps) > 3 * len(live._gaps)  # without a window every distinct interval is counted
+    assert live.step_time_s == pytest.approx(whole.step_time_s, rel=5e-4)
+    assert live.steps_completed == whole.steps_completed == steps
+
+
 def test_malformed_commits_and_other_events_are_ignored() -> None:
     stats = StepStats()
     assert not stats.add({"kind": "step_committed", "t": "soon", "rank": 0, "step": 0})
