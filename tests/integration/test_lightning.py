@@ -261,3 +261,51 @@ def test_resuming_from_a_lightning_checkpoint_ends_where_the_whole_run_does(
     committed = sorted({e["step"] for e in resumed.events if e["kind"] == "step_committed"})
     assert committed == list(range(5, STEPS))  # started at step 5
     assert [f["lost_steps"] for f in resumed.report["faults"]] == [0, 0, 0]
+
+
+def _same(a: object, b: object, where: str = "") -> None:
+    """``a`` and ``b`` equal, tensors bit for bit (a checkpoint loaded with ``torch.load``)."""
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and list(a) == list(b), (where, list(a), list(b))
+        for k in a:
+            _same(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, list | tuple):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _same(x, y, f"{where}/{i}")
+    else:
+        assert a == b, (where, a, b)
+
+
+def test_a_checkpoint_whose_writer_died_is_written_whole_by_its_replacement(
+    lightning_dir: Path, tmp_path: Path
+) -> None:
+    """Rank 0 is SIGKILLed while it saves ``every_n_train_steps``' checkpoint of step 4 (before the
+    file is written). Its peers' ModelCheckpoint names that file, as the fault-free run's does; the
+    replacement writes it before its first step, and every checkpoint of the run (that one among
+    them) holds what the fault-free run's does, tensors bit for bit, counters and callbacks' state
+    alike, and the job ends equal to it. Before: the file was missing (a later ``fit(ckpt_path=...)``
+    from the callback's own path failed)."""
+    import torch
+
+    every = ("--save-every", "2")
+    whole = _job(lightning_dir, spares=0, extra=every, out=tmp_path / "whole")
+    assert whole.ok, f"{whole.error}\n{logs_of(whole)}"
+    kept = tmp_path / "whole-every"
+    shutil.copytree(lightning_dir / "every", kept)
+    died = _job(lightning_dir, extra=(*every, "--die-in-save", "4"), out=tmp_path / "died")
+    assert died.ok, f"{died.error}\n{logs_of(died)}"
+    assert (lightning_dir / ".died-in-save").exists()  # the writer did die
+    assert [f["kind"] for f in died.report["faults"]] and died.report["faults"][0]["lost_steps"] == 0
+    assert died.digest == whole.digest
+    assert died.report["final_registered_sha256"] == whole.report["final_registered_sha256"]
+    names = sorted(p.name for p in kept.iterdir())
+    assert "step=4.ckpt" in names and sorted(p.name for p in (lightning_dir / "every").iterdir()) == names
+    for name in names:
+        a = torch.load(kept / name, map_location="cpu", weights_only=False)
+        b = torch.load(lightning_dir / "every" / name, map_location="cpu", weights_only=False)
+        _same(a, b, name)

@@ -68,6 +68,13 @@ What the strategy does (automatic optimization only):
   forms, as under DDP. ``broadcast`` carries a ``str``, number, bool or None (nothing received is
   unpickled); other objects stay each rank's own (they are equal on replicas). No ``env://``
   process group is started: ``torch.distributed`` stays uninitialised.
+- checkpoints (``ModelCheckpoint``, ``Trainer.save_checkpoint``): rank 0 writes, every rank notes
+  what it saved (its path, counters and callbacks' state). A checkpoint rank 0 died writing
+  (Lightning's write is atomic: the file is whole or absent) is named by its peers' callback state;
+  the replacement that takes rank 0 writes it before its first step, from the model and optimizer
+  as they are (no update since the save) and the noted counters and state: the file the fault-free
+  run writes. Not yet: an outdated top-k file rank 0 would have removed after that save stays, and
+  a replacement that joins after the last step writes nothing.
 - ``fit(ckpt_path=...)`` resumes from a Lightning checkpoint (every rank reads the same file, as
   under DDP): the job starts at its step, the train data at that step's batch. A replacement takes
   its peers' state, not the file's (what Lightning would load after the session's setup is not

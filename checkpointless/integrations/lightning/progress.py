@@ -22,6 +22,7 @@ class _Progress:
         self.snapshot: dict[str, Any] = {"step": -1}
         self.received = False  # loaded from a peer: this process is a replacement
         self._loops: dict[str, Any] | None = None  # at the last on_train_batch_end
+        self._saves: list[dict[str, Any]] = []  # the checkpoints saved since the last capture (``saved``)
 
         self.callback = _BatchEnd(self)
 
@@ -31,6 +32,16 @@ class _Progress:
         own, received from its peer, takes its place)."""
         if not self.received and loops is not None:
             self._loops = copy.deepcopy(loops)
+
+    def saved(self, checkpoint: dict[str, Any], path: str) -> None:
+        """A checkpoint Lightning saves (every rank calls the strategy's ``save_checkpoint``; rank 0
+        writes): its path and what it holds besides the tensors, which are the model's and the
+        optimizer's at the next step's start (``SAVED_KEYS``). The next ``capture`` takes these
+        into the snapshot, so that a replacement of rank 0 can write again a file its predecessor
+        died writing (``CheckpointlessStrategy._complete_saves``)."""
+        rest = {k: checkpoint[k] for k in SAVED_KEYS if k in checkpoint}
+        self._saves.append({"path": path, "weights_only": "optimizer_states" not in checkpoint,
+                            "rest": copy.deepcopy(rest)})  # fmt: skip
 
     def capture(self, trainer: Any) -> None:
         """At the start of step ``trainer.global_step`` (the strategy's ``on_train_batch_start`` of
@@ -46,12 +57,15 @@ class _Progress:
             "at_start": copy.deepcopy(trainer.fit_loop.state_dict()),
             "callbacks": callbacks,
             "loggers": [_logger_version(logger) for logger in trainer.loggers],
+            "saves": self._saves,
         }
+        self._saves = []
 
     def restore(self, trainer: Any) -> None:
         """Put the Trainer where the snapshot was taken, as Lightning resumes from a checkpoint saved
         at the previous batch's end (``align`` finishes it at the step's start)."""
         self._loops = self.snapshot["loops"]  # this step's snapshot holds it again, as its source's
+        self._saves = list(self.snapshot.get("saves", []))  # and its saves
         if self._loops is not None:  # None: the first step, nothing to resume
             trainer.fit_loop.load_state_dict(copy.deepcopy(self._loops))
         callbacks = self.snapshot["callbacks"]
@@ -85,6 +99,12 @@ class _Progress:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.snapshot = state
         self.received = True
+
+
+SAVED_KEYS = ("epoch", "global_step", "loops", "callbacks", "lr_schedulers")
+"""What ``_Progress.saved`` keeps of a checkpoint Lightning saves: its counters, the callbacks' and
+the LR schedulers' state as they were then. The rest (the model's and the optimizer's tensors, the
+precision plugin's state, the hyperparameters) is what a dump at the next step's start holds."""
 
 
 def _logger_version(logger: Any) -> Any:

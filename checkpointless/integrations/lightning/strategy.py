@@ -3,6 +3,7 @@ its accumulated micro-batches) and the end of the job (the package docstring say
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from collections.abc import Callable, Iterator
@@ -10,6 +11,7 @@ from contextlib import ExitStack
 from typing import Any
 
 import torch
+from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning_utilities.core.rank_zero import rank_zero_only  # Lightning's, re-exported
@@ -278,6 +280,29 @@ class CheckpointlessStrategy(ParallelStrategy):
         self._batches = _TrainBatches(self, dataloader, ranks)
         return self._batches
 
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """Lightning's (rank 0 writes), noted on every rank first (``_Progress.saved``)."""
+        self._progress.saved(checkpoint, str(filepath))
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def _complete_saves(self) -> None:
+        """A replacement of rank 0, before its first step: a checkpoint saved since the previous
+        step began that is not on disk was being written when its writer died (Lightning's write
+        is atomic: all of it or nothing), and the callbacks' state its peers sent names it. It is
+        written now, from the model and optimizer as they are (those of the save: no update since)
+        and the counters and callbacks' state noted at the save."""
+        if self.global_rank != 0:
+            return
+        trainer = self._trainer
+        for save in self._progress.snapshot.get("saves", []):
+            path = save["path"]
+            if get_filesystem(path).exists(path):
+                continue
+            checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=save["weights_only"])
+            checkpoint.update(copy.deepcopy(save["rest"]))
+            self.checkpoint_io.save_checkpoint(checkpoint, path)
+            log.warning("[rank 0] wrote %s: rank 0 before it died writing it", path)
+
     def on_train_start(self) -> None:
         refused = validation_inside_a_step(self._trainer)
         self._refuse([refused] if refused else [])
@@ -288,6 +313,7 @@ class CheckpointlessStrategy(ParallelStrategy):
             return  # a later micro-batch of the step under way
         if self._joining:
             self._joining = False
+            self._complete_saves()
             self._progress.align(self._trainer)
         self._progress.capture(self._trainer)
 
