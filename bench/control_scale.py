@@ -689,8 +689,8 @@ CENSUS_FIELDS = ("t", "rss_mb", "blocks", "heap_used", "heap_free", "keys")
 def _census(path: Path, killed: Any, t_start: float) -> dict[str, Any]:
     """The coordinator's ``ctl/census.jsonl`` (``scale_coord.MemoryCensus``, every 10 s; ``t`` from the run's
     start): the curve of its RSS, Python's allocated blocks, glibc's heap (in use, free) and the store's
-    key count, up to the loss; when the store's backlog drained (its keys within 10% of their least
-    between their peak and the loss, from then on); the growth fitted from then to the loss; the largest containers
+    key count, up to the loss; when the store's backlog drained (its keys within 20% of their level
+    before the loss, their median over its last 60 s, from then on); the growth fitted from then to the loss; the largest containers
     of the launcher at the loss."""
     lines: list[dict[str, Any]] = []
     with contextlib.suppress(OSError):
@@ -710,14 +710,15 @@ def _census(path: Path, killed: Any, t_start: float) -> dict[str, Any]:
     peak = max(before, key=lambda ln: ln["keys"])
     out["keys_peak"], out["keys_peak_s"] = peak["keys"], peak["t"]
     start = before.index(peak)
-    least = min(ln["keys"] for ln in before[start:])
+    last = sorted(ln["keys"] for ln in before[start:] if ln["t"] >= before[-1]["t"] - 60)
+    level = last[len(last) // 2]  # the keys' level before the loss: their median over its last 60 s
     i = len(before)
-    while i > start and before[i - 1]["keys"] <= 1.1 * least:
+    while i > start and before[i - 1]["keys"] <= 1.2 * level:
         i -= 1
     drained = before[i:]
-    out["drained_s"], out["keys_drained"] = drained[0]["t"], least
     fit = _fit([ln["t"] for ln in drained], [ln["rss_mb"] for ln in drained]) if len(drained) >= 3 else None
     if fit is not None:
+        out["drained_s"], out["keys_drained"] = drained[0]["t"], level
         out["after_drain"] = {"from_s": drained[0]["t"], "to_s": drained[-1]["t"], "rss_mb_from": drained[0]["rss_mb"],
                               "rss_mb_to": drained[-1]["rss_mb"], "growth_mb_per_min": round(fit["b_per_host"] * 60, 1)}  # fmt: skip
     largest = before[-1].get("census") or {}

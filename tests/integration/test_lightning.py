@@ -281,31 +281,49 @@ def _same(a: object, b: object, where: str = "") -> None:
         assert a == b, (where, a, b)
 
 
+CKPTS = "lightning_logs/version_0/checkpoints"  # the default ModelCheckpoint's: top 1, at epochs' ends
+
+
+@pytest.mark.parametrize(
+    ("every", "die", "written", "removed"),
+    [("2", "4", "every/step=4.ckpt", None),
+     (None, "12:epoch=", f"{CKPTS}/epoch=1-step=12.ckpt", f"{CKPTS}/epoch=0-step=6.ckpt"),
+     (None, "18:epoch=", f"{CKPTS}/epoch=2-step=18.ckpt", f"{CKPTS}/epoch=1-step=12.ckpt")],
+    ids=["every-n-steps", "epoch-end-top-1", "after-the-last-step"],
+)  # fmt: skip
 def test_a_checkpoint_whose_writer_died_is_written_whole_by_its_replacement(
-    lightning_dir: Path, tmp_path: Path
+    lightning_dir: Path, tmp_path: Path, every: str | None, die: str, written: str, removed: str | None
 ) -> None:
-    """Rank 0 is SIGKILLed while it saves ``every_n_train_steps``' checkpoint of step 4 (before the
-    file is written). Its peers' ModelCheckpoint names that file, as the fault-free run's does; the
-    replacement writes it before its first step, and every checkpoint of the run (that one among
-    them) holds what the fault-free run's does, tensors bit for bit, counters and callbacks' state
-    alike, and the job ends equal to it. Before: the file was missing (a later ``fit(ckpt_path=...)``
-    from the callback's own path failed)."""
+    """Rank 0 is SIGKILLed while it saves a checkpoint (before the file is written): the one
+    ``every_n_train_steps=2`` saves at step 4, or the default ``ModelCheckpoint``'s (top 1) at the
+    end of epoch 1, which outdates epoch 0's, or its last one, after the last step (the replacement
+    joins after it, and only finishes). Its peers' callback state names the new file, as the
+    fault-free run's does; the replacement writes it before its first step (and removes the
+    outdated one), the run's checkpoints at its end are those of the fault-free run, each holding
+    what that run's does, tensors bit for bit, counters and callbacks' state alike (every one of
+    ``every``'s, step 4's among them; epoch 1's top-1 file is outdated by epoch 2's at the end, as
+    in the fault-free run), and the job ends equal to it. Before: the file was missing (a later
+    ``fit(ckpt_path=...)`` from the callback's own path failed) and the outdated one stayed."""
     import torch
 
-    every = ("--save-every", "2")
-    whole = _job(lightning_dir, spares=0, extra=every, out=tmp_path / "whole")
+    extra = ("--save-every", every) if every else ()
+    d = written.rsplit("/", 1)[0]
+    whole = _job(lightning_dir, spares=0, extra=extra, out=tmp_path / "whole")
     assert whole.ok, f"{whole.error}\n{logs_of(whole)}"
-    kept = tmp_path / "whole-every"
-    shutil.copytree(lightning_dir / "every", kept)
-    died = _job(lightning_dir, extra=(*every, "--die-in-save", "4"), out=tmp_path / "died")
+    kept = tmp_path / "whole-out"
+    shutil.copytree(lightning_dir / d, kept)
+    died = _job(lightning_dir, extra=(*extra, "--die-in-save", die), out=tmp_path / "died")
     assert died.ok, f"{died.error}\n{logs_of(died)}"
     assert (lightning_dir / ".died-in-save").exists()  # the writer did die
-    assert [f["kind"] for f in died.report["faults"]] and died.report["faults"][0]["lost_steps"] == 0
+    said = logs_of(died)
+    assert f"wrote {lightning_dir / written}: rank 0 before it died" in said, said[-3000:]
+    assert removed is None or f"removed {lightning_dir / removed}: rank 0 died before" in said, said[-3000:]
+    assert len(died.report["faults"]) == 1 and died.report["faults"][0]["lost_steps"] == 0
     assert died.digest == whole.digest
     assert died.report["final_registered_sha256"] == whole.report["final_registered_sha256"]
     names = sorted(p.name for p in kept.iterdir())
-    assert "step=4.ckpt" in names and sorted(p.name for p in (lightning_dir / "every").iterdir()) == names
+    assert sorted(p.name for p in (lightning_dir / d).iterdir()) == names
     for name in names:
         a = torch.load(kept / name, map_location="cpu", weights_only=False)
-        b = torch.load(lightning_dir / "every" / name, map_location="cpu", weights_only=False)
-        _same(a, b, name)
+        b = torch.load(lightning_dir / d / name, map_location="cpu", weights_only=False)
+        _same(a, b, f"{d}/{name}")

@@ -5,15 +5,15 @@ training and validation, gradient clipping, validation every epoch.
 
 Usage: lightning_train.py OUTPUT_DIR [--epochs N] [--manual] [--accumulate N] [--stream STEPS]
                           [--raise-at STEP:MICRO:RANK] [--save-every N] [--resume CKPT]
-                          [--die-in-save STEP]
+                          [--die-in-save STEP[:MATCH]]
 (``--manual``: manual optimization, refused; ``--accumulate N``: ``accumulate_grad_batches=N``;
 ``--raise-at``: ``training_step`` raises once, on that rank, at that micro-batch of that step;
 ``--stream STEPS``: the train set an endless stream, an ``IterableDataset`` without ``__len__``
 shuffled by its own seed, read for ``max_steps=STEPS`` in epochs of 6 batches; ``--save-every N``:
 a ``ModelCheckpoint`` more, every N steps into ``OUTPUT_DIR/every``, keeping them all;
-``--resume CKPT``: ``fit(ckpt_path=CKPT)``; ``--die-in-save STEP``: the process writing
-``--save-every``'s checkpoint of that step is SIGKILLed once, before the file is written, as a
-power loss would stop it)
+``--resume CKPT``: ``fit(ckpt_path=CKPT)``; ``--die-in-save STEP[:MATCH]``: the process writing
+the checkpoint of that step whose path contains MATCH (``every``: ``--save-every``'s) is SIGKILLed
+once, before the file is written, as a power loss would stop it)
 """
 
 from __future__ import annotations
@@ -102,14 +102,14 @@ class Classifier(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-def die_in_save(strategy: CheckpointlessStrategy, step: int, marker: str) -> None:
-    """SIGKILL the process writing ``every``'s checkpoint of ``step``, once (``marker``: the job
-    already lost one), before the file is written."""
+def die_in_save(strategy: CheckpointlessStrategy, step: int, match: str, marker: str) -> None:
+    """SIGKILL the process writing the checkpoint of ``step`` whose path contains ``match``, once
+    (``marker``: the job already lost one), before the file is written."""
     io = strategy.checkpoint_io
     real = io.save_checkpoint
 
     def dying(checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
-        if checkpoint["global_step"] == step and "every" in str(path) and not os.path.exists(marker):
+        if checkpoint["global_step"] == step and match in str(path) and not os.path.exists(marker):
             open(marker, "w").close()
             os.kill(os.getpid(), signal.SIGKILL)
         real(checkpoint, path, storage_options=storage_options)
@@ -127,7 +127,7 @@ def main() -> None:
     p.add_argument("--raise-at", default=None, metavar="STEP:MICRO:RANK")
     p.add_argument("--save-every", type=int, default=0, metavar="N")
     p.add_argument("--resume", default=None, metavar="CKPT")
-    p.add_argument("--die-in-save", type=int, default=None, metavar="STEP")
+    p.add_argument("--die-in-save", default=None, metavar="STEP[:MATCH]")
     a = p.parse_args()
     torch.set_num_threads(1)
     L.seed_everything(7, verbose=False)
@@ -158,7 +158,8 @@ def main() -> None:
         **stream,  # type: ignore[arg-type]
     )
     if a.die_in_save is not None:
-        die_in_save(strategy, a.die_in_save, os.path.join(a.output_dir, ".died-in-save"))
+        step, _, match = a.die_in_save.partition(":")
+        die_in_save(strategy, int(step), match or "every", os.path.join(a.output_dir, ".died-in-save"))
     trainer.fit(model, train, val, ckpt_path=a.resume)
     if trainer.is_global_zero:
         # the default process group: the session's own (no env:// group of Lightning's), or one of

@@ -37,11 +37,30 @@ class _Progress:
         """A checkpoint Lightning saves (every rank calls the strategy's ``save_checkpoint``; rank 0
         writes): its path and what it holds besides the tensors, which are the model's and the
         optimizer's at the next step's start (``SAVED_KEYS``). The next ``capture`` takes these
-        into the snapshot, so that a replacement of rank 0 can write again a file its predecessor
-        died writing (``CheckpointlessStrategy._complete_saves``)."""
+        (and the removals, ``removed``) into the snapshot, in their order, so that a replacement of
+        rank 0 can finish what its predecessor died doing (``CheckpointlessStrategy._complete_saves``)."""
         rest = {k: checkpoint[k] for k in SAVED_KEYS if k in checkpoint}
         self._saves.append({"path": path, "weights_only": "optimizer_states" not in checkpoint,
                             "rest": copy.deepcopy(rest)})  # fmt: skip
+
+    def closing(self) -> None:
+        """After the last step (every rank, before ``Session.finish``): the saves and removals since
+        the last step began (the last epoch's checkpoint) join the snapshot, which is the state a
+        replacement joining after the last step receives."""
+        self.snapshot["saves"] = [*self.snapshot.get("saves", []), *self._saves]
+        self._saves = []
+
+    def removed(self, path: str) -> None:
+        """A checkpoint Lightning removes (an outdated top-k one: every rank asks, rank 0 removes)."""
+        self._saves.append({"path": path, "removed": True})
+
+    def files(self) -> dict[str, dict[str, Any] | None]:
+        """What the saves and removals of the snapshot leave on disk: per path, its last save (or
+        None where the last thing done to it was its removal)."""
+        last: dict[str, dict[str, Any] | None] = {}
+        for op in self.snapshot.get("saves", []):
+            last[op["path"]] = None if op.get("removed") else op
+        return last
 
     def capture(self, trainer: Any) -> None:
         """At the start of step ``trainer.global_step`` (the strategy's ``on_train_batch_start`` of

@@ -237,6 +237,7 @@ class CheckpointlessStrategy(ParallelStrategy):
             log.info(
                 "[rank %d] joined after the last step %d: finishing", session.rank, session.committed_step
             )
+            self._complete_saves()  # the last epoch's checkpoint, if rank 0 died writing it
             self._finish(total=session.step)
             raise SystemExit(0)
         self._progress.restore(trainer)
@@ -285,23 +286,32 @@ class CheckpointlessStrategy(ParallelStrategy):
         self._progress.saved(checkpoint, str(filepath))
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Lightning's (rank 0 removes), noted on every rank first (``_Progress.removed``)."""
+        self._progress.removed(str(filepath))
+        super().remove_checkpoint(filepath)
+
     def _complete_saves(self) -> None:
-        """A replacement of rank 0, before its first step: a checkpoint saved since the previous
-        step began that is not on disk was being written when its writer died (Lightning's write
-        is atomic: all of it or nothing), and the callbacks' state its peers sent names it. It is
-        written now, from the model and optimizer as they are (those of the save: no update since)
-        and the counters and callbacks' state noted at the save."""
+        """A replacement of rank 0, before its first step: finish the checkpoint writes and removals
+        its predecessor died doing since the previous step began. A checkpoint saved then and not on
+        disk was being written when its writer died (Lightning's write is atomic: all of it or
+        nothing), and the callbacks' state its peers sent names it: it is written now, from the
+        model and optimizer as they are (those of the save: no update since) and the counters and
+        callbacks' state noted at the save. An outdated one removed then and still on disk (the
+        removal comes after the save that outdates it) is removed."""
         if self.global_rank != 0:
             return
         trainer = self._trainer
-        for save in self._progress.snapshot.get("saves", []):
-            path = save["path"]
-            if get_filesystem(path).exists(path):
-                continue
-            checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=save["weights_only"])
-            checkpoint.update(copy.deepcopy(save["rest"]))
-            self.checkpoint_io.save_checkpoint(checkpoint, path)
-            log.warning("[rank 0] wrote %s: rank 0 before it died writing it", path)
+        for path, save in self._progress.files().items():
+            there = get_filesystem(path).exists(path)
+            if save is None and there:
+                self.checkpoint_io.remove_checkpoint(path)
+                log.warning("[rank 0] removed %s: rank 0 died before it could", path)
+            elif save is not None and not there:
+                checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=save["weights_only"])
+                checkpoint.update(copy.deepcopy(save["rest"]))
+                self.checkpoint_io.save_checkpoint(checkpoint, path)
+                log.warning("[rank 0] wrote %s: rank 0 before it died writing it", path)
 
     def on_train_start(self) -> None:
         refused = validation_inside_a_step(self._trainer)
@@ -398,6 +408,7 @@ class CheckpointlessStrategy(ParallelStrategy):
         if session is None or self._finished:
             return
         self._finished = True
+        self._progress.closing()  # the saves after the last step's start go with the final state
         steps = self._steps if self._steps is not None and total == self._total else session.steps(total)
         for step in steps:
             raise RuntimeError(f"the Trainer ended before step {step}")
