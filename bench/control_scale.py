@@ -973,6 +973,11 @@ def _census_text(r: dict[str, Any]) -> str:
     big = ", ".join(
         f"`{k.removeprefix('launcher.')}` {v:,}" for k, v in list(c.get("largest", {}).items())[:6]
     )
+    if c["keys_peak"] < 2 * c["keys_drained"]:  # no backlog of the start to read: the log kept up
+        return (
+            f" At {r['hosts']:,} hosts (`ctl/census.jsonl`, every 10 s) the store held at most {c['keys_peak']:,} "
+            f"keys (no backlog of the start); the coordinator's largest containers at the loss: {big}."
+        )
     return (
         f" At {r['hosts']:,} hosts, every 10 s (`ctl/census.jsonl`): the store held up to {c['keys_peak']:,} keys "
         f"({f(c['keys_peak_s'], 0)} s into the run: the hosts' unread event chunks while the log read the "
