@@ -614,8 +614,13 @@ def test_interrupted_run_stops_reports_and_cleans_up(signum: int, how: str, tmp_
     with _launcher_tree(proc) as seen:
         # streaming: committed steps reach the file while the job runs
         ranks = 4 if how == "ctrl-c-sharded" else 2  # every rank two steps in: the report's steps_completed
-        _poll(lambda: _commits(out / "events.jsonl") >= 4 and _steps_done(out / "events.jsonl", ranks) >= 2,
-              60, "committed steps in events.jsonl", proc, seen)  # fmt: skip
+        _poll(
+            lambda: _steps_done(out / "events.jsonl", ranks) >= 2,
+            60,
+            "committed steps in events.jsonl",
+            proc,
+            seen,
+        )
         job_id = _job_id(_events(out / "events.jsonl"))
         if how == "kill":
             assert _shm_dir(job_id).is_dir(), "the script should have cached batches in /dev/shm"

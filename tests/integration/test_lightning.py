@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.jobs import logs_of, run_job
+from tests.unit.test_state import assert_same
 
 pytest.importorskip("lightning")
 
@@ -263,24 +264,6 @@ def test_resuming_from_a_lightning_checkpoint_ends_where_the_whole_run_does(
     assert [f["lost_steps"] for f in resumed.report["faults"]] == [0, 0, 0]
 
 
-def _same(a: object, b: object, where: str = "") -> None:
-    """``a`` and ``b`` equal, tensors bit for bit (a checkpoint loaded with ``torch.load``)."""
-    import torch
-
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and list(a) == list(b), (where, list(a), list(b))
-        for k in a:
-            _same(a[k], b[k], f"{where}/{k}")
-    elif isinstance(a, list | tuple):
-        assert type(a) is type(b) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _same(x, y, f"{where}/{i}")
-    else:
-        assert a == b, (where, a, b)
-
-
 CKPTS = "lightning_logs/version_0/checkpoints"  # the default ModelCheckpoint's: top 1, at epochs' ends
 
 
@@ -326,4 +309,4 @@ def test_a_checkpoint_whose_writer_died_is_written_whole_by_its_replacement(
     for name in names:
         a = torch.load(kept / name, map_location="cpu", weights_only=False)
         b = torch.load(lightning_dir / d / name, map_location="cpu", weights_only=False)
-        _same(a, b, f"{d}/{name}")
+        assert_same(a, b, f"{d}/{name}")
