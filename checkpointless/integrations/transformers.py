@@ -28,9 +28,12 @@ a ``Session``'s step loop:
   or ``seed``): a function of the step, so a replacement and a re-executed step read what the failed
   attempt read, and a resumed run (``resume_from_checkpoint``) starts at its step with no skipping.
 - ``accelerate`` runs in its single-process mode on every rank: it never starts an ``env://`` process
-  group of its own (the gradients are reduced by the session, over the job's generation). So
-  ``Trainer.evaluate`` runs on each rank over the whole evaluation set (the replicas are equal, so are
-  their metrics; no collective outside a step), and only rank 0 writes checkpoints and the model
+  group of its own (the gradients are reduced by the session, over the job's generation). The
+  evaluations of the evaluation strategy (and ``eval_on_start``) are shared between the ranks:
+  each computes its contiguous share of the batches and every rank then runs HF's evaluation loop
+  over all of their outputs, so the metrics are the whole set's as one process computes them, at
+  1/ranks of the work; a peer lost in the middle changes nothing (``hf_eval``). ``evaluate``
+  before or after ``train`` runs on each rank over the whole set. Only rank 0 writes checkpoints and the model
   (``save_steps``, ``save_model``). A checkpoint rank 0 was writing when it died (after the step's
   commit: nobody executes that again) is written whole by the replacement that takes rank 0
   (``Trainer._complete_checkpoint``). What accelerate's gathers gave the step under ``torchrun`` the
@@ -66,6 +69,7 @@ import torch
 
 from checkpointless.config import JobConfig
 from checkpointless.control.env import ENV_CONFIG, ENV_STORE
+from checkpointless.integrations import hf_eval
 
 log = logging.getLogger(__name__)
 
@@ -197,6 +201,8 @@ class Trainer(_HFTrainer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._session: Any = None
         self._items_ranks = 1  # the ranks whose items the step's num_items_in_batch counts
+        self._eval_aligned = False  # every rank evaluates at this point (hf_eval.py)
+        self._eval_count = 0  # evaluations since the last commit (hf_eval.py)
         super().__init__(*args, **kwargs)
         if not under_launcher():
             return
@@ -234,6 +240,24 @@ class Trainer(_HFTrainer):
         ):
             return out
         return (out[0] * ranks, *out[1:]) if return_outputs else out * ranks
+
+    def evaluation_loop(
+        self,
+        dataloader: Any,
+        description: str,
+        prediction_loss_only: bool | None = None,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "eval",
+    ) -> Any:
+        """``transformers.Trainer``'s, its batches shared between the ranks during training
+        (``checkpointless.integrations.hf_eval``)."""
+        loss_only = (
+            prediction_loss_only if prediction_loss_only is not None else self.args.prediction_loss_only
+        )
+        with hf_eval.sharded(self, dataloader, loss_only, ignore_keys) as loader:
+            return super().evaluation_loop(
+                loader, description, prediction_loss_only, ignore_keys, metric_key_prefix
+            )
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         """Rank 0 alone writes a checkpoint (the replicas are equal; accelerate's single-process
@@ -380,8 +404,10 @@ class Trainer(_HFTrainer):
         self._globalstep_last_logged = self.state.global_step
         model.zero_grad()
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
-        if args.eval_on_start:
+        if args.eval_on_start and not progress.received:  # (a replacement's peers did)
+            self._eval_aligned, self._eval_count = True, 0  # every rank is here, before the first step
             self._evaluate(trial, ignore_keys_for_eval, skip_scheduler=True)
+            self._eval_aligned = False
         plateau = isinstance(self.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
         assert self.optimizer is not None and self.lr_scheduler is not None  # made by _prepare_for_training
         warned_epoch_stop = False
@@ -448,6 +474,7 @@ class Trainer(_HFTrainer):
             self.state.global_step = step + 1
             self.state.epoch = (step + 1) / per_epoch  # type: ignore[assignment]
             self.control = self.callback_handler.on_step_end(args, self.state, self.control)
+            self._eval_aligned, self._eval_count = True, 0  # every rank is here, after the commit
             self._maybe_log_save_evaluate(
                 self._tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time,
                 learning_rate=learning_rate,
@@ -463,6 +490,7 @@ class Trainer(_HFTrainer):
                     self._tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time,
                     learning_rate=learning_rate,
                 )  # fmt: skip
+            self._eval_aligned = False
             if self.control.should_training_stop:
                 break
         loader.close()

@@ -147,6 +147,61 @@ def test_an_unsupported_setting_is_refused_in_one_line(tmp_path: Path) -> None:
     assert "Traceback" not in (job.error or "")
 
 
+def _eval_checks(job: Any) -> dict[str, list[dict[str, Any]]]:
+    """Each process's ``EVALCHECK`` lines (``tests/scripts/evalcheck.py``), by log name."""
+    found: dict[str, list[dict[str, Any]]] = {}
+    for name, path in sorted(job.logs.items()):
+        for line in path.read_text().splitlines():
+            if line.startswith("EVALCHECK "):
+                fields = dict(f.split("=", 1) for f in line.split(" metrics=")[0].split()[1:])
+                found.setdefault(name, []).append(fields)
+    return found
+
+
+@pytest.mark.parametrize("fault", [None, "kill:5:1", "hang:10:0"], ids=["fault-free", "kill", "hang"])
+def test_the_evaluation_is_shared_between_the_ranks_and_a_peer_lost_in_it_changes_nothing(
+    tmp_path: Path, reference: tuple[str, Path], fault: str | None
+) -> None:
+    """``eval_strategy="steps"`` over 6 batches at 2 ranks: each rank computes 3 of them and the
+    metrics equal those of the whole set evaluated by one process (HF's own loop, run beside it).
+    A peer SIGKILLed or stopped after its first batch of an evaluation (after the step's commit,
+    outside any step): the survivor computes the lost shard itself (6 batches, the same metrics),
+    the next step recovers, and the job ends bitwise where the fault-free run does."""
+    extra = ["--eval-check"] + ([f"--eval-fault={fault}"] if fault else [])
+    job = run_job(workers=2, spares=1, steps=STEPS, command=_command(tmp_path, *extra), hang_timeout_s=3.0,
+                  out=tmp_path / "run", timeout_s=400)  # fmt: skip
+    assert job.ok, f"{job.error}\n{logs_of(job)}"
+    assert job.digest == reference[0]
+    checks = _eval_checks(job)
+    assert all(c["equal"] == "True" for lines in checks.values() for c in lines), checks
+    if fault is None:
+        assert {name: [(c["step"], c["batches"]) for c in lines] for name, lines in checks.items()} == {
+            w: [("5", "3"), ("10", "3"), ("12", "3")] for w in ("w0", "w1")
+        }
+        return
+    _, step, lost = fault.split(":")
+    assert (tmp_path / ".eval-fault").exists()
+    survivor = checks[f"w{1 - int(lost)}"]
+    want = [(s, "6" if s == step else "3") for s in ("5", "10", "12")]
+    assert [(c["step"], c["batches"]) for c in survivor] == want, survivor
+    assert [f["lost_steps"] for f in job.report["faults"]] == [0]
+
+
+def test_the_evaluation_is_shared_by_four_ranks(tmp_path: Path) -> None:
+    """6 batches at 4 ranks: 1, 2, 1 and 2 of them (contiguous shares), the metrics the whole set's."""
+    job = run_job(workers=4, spares=0, steps=STEPS, command=_command(tmp_path, "--eval-check"), timeout_s=400,
+                  out=tmp_path / "run")  # fmt: skip
+    assert job.ok, f"{job.error}\n{logs_of(job)}"
+    checks = _eval_checks(job)
+    assert {name: {c["batches"] for c in lines} for name, lines in checks.items()} == {
+        "w0": {"1"},
+        "w1": {"2"},
+        "w2": {"1"},
+        "w3": {"2"},
+    }
+    assert all(c["equal"] == "True" for lines in checks.values() for c in lines) and len(checks["w0"]) == 3
+
+
 @pytest.mark.timeout(300)
 def test_the_trainer_script_runs_alone_as_a_plain_trainer(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -188,12 +243,13 @@ def test_an_epoch_trainer_with_best_model_and_early_stopping_recovers_bitwise(
     stopping), each rank starting from weights of its own: a kill (the replacement enters mid-epoch
     with the Trainer's best metric and the callbacks' state) and an exception (the step executed
     again, its dropout drawn as before) end bitwise where the fault-free run does, and every rank
-    evaluates, keeps and loads the same best checkpoint."""
+    evaluates (its share of the batches: the metrics are the whole set's), keeps and loads the same
+    best checkpoint."""
     pytest.importorskip("datasets")
     steps = EPOCHS * STEPS_PER_EPOCH
 
     def command(out: Path) -> list[str]:
-        return [sys.executable, CLASSIFIER, str(out), str(EPOCHS)]
+        return [sys.executable, CLASSIFIER, str(out), str(EPOCHS), "--eval-check"]
 
     ref = run_job(workers=2, spares=0, steps=steps, command=command(tmp_path / "ref"), out=tmp_path / "ref-run",
                   timeout_s=400)  # fmt: skip
@@ -206,6 +262,12 @@ def test_an_epoch_trainer_with_best_model_and_early_stopping_recovers_bitwise(
     assert len(want) == 2 and want[0] == want[1], want  # the replicas agree
     got = [line.replace(str(tmp_path / "f"), "OUT") for line in _classifier_lines(job)]
     assert got == want, (got, want)  # a killed rank's own line never came: its replacement's did
+    for run in (ref, job):  # the metrics the whole set's
+        checks = _eval_checks(run)
+        assert all(c["equal"] == "True" for lines in checks.values() for c in lines), checks
+    checks = _eval_checks(ref)  # each epoch's 3 batches shared: 1 and 2
+    shares = [c["batches"] for c in checks["w0"][:EPOCHS] + checks["w1"][:EPOCHS]]
+    assert sorted(shares) == ["1"] * EPOCHS + ["2"] * EPOCHS, shares
     epochs = [p.name for p in (tmp_path / "ref").iterdir() if p.name.startswith("checkpoint-")]
     assert sorted(p.name for p in (tmp_path / "f").iterdir() if p.name.startswith("checkpoint-")) == sorted(
         epochs

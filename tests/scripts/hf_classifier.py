@@ -4,8 +4,9 @@ and saved at every epoch's end with ``compute_metrics``, the best checkpoint loa
 stopping, then ``evaluate``, ``predict`` and ``save_model`` after training (the integration tests run
 it unchanged but for its import line).
 
-Usage: hf_classifier.py OUTPUT_DIR EPOCHS [--workers N] [--raise-at STEP:RANK]
-(``--raise-at``: the model's forward raises once, on that rank, in that step)
+Usage: hf_classifier.py OUTPUT_DIR EPOCHS [--workers N] [--raise-at STEP:RANK] [--eval-check]
+(``--raise-at``: the model's forward raises once, on that rank, in that step; ``--eval-check``:
+``evalcheck.py``)
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import os
 import datasets
 import numpy as np
 import torch
+from evalcheck import EvalCheck
 from transformers import (
     BertConfig,
     BertForSequenceClassification,
@@ -75,6 +77,7 @@ def main() -> None:
     p.add_argument("epochs", type=float)
     p.add_argument("--workers", type=int, default=0)
     p.add_argument("--raise-at", default=None, metavar="STEP:RANK")
+    p.add_argument("--eval-check", action="store_true")
     a = p.parse_args()
     config = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                         intermediate_size=64, max_position_embeddings=16, num_labels=2, pad_token_id=PAD)  # fmt: skip
@@ -108,6 +111,8 @@ def main() -> None:
         callbacks.append(RaiseOnce(model, step, rank))
     trainer = Trainer(model=model, args=args, train_dataset=rows(256, 1), eval_dataset=rows(24, 2),
                       data_collator=pad, compute_metrics=accuracy, callbacks=callbacks)  # fmt: skip
+    if a.eval_check:
+        trainer.add_callback(EvalCheck(trainer))
     out = trainer.train()
     metrics = trainer.evaluate()
     pred = trainer.predict(rows(8, 3))

@@ -4,14 +4,15 @@ accumulation, clipping, a cosine schedule with warm-up, logging, evaluation and 
 
 Usage: hf_trainer.py OUTPUT_DIR STEPS [--bf16] [--resume CHECKPOINT] [--iterable] [--workers N]
                      [--raise-at STEP:MICRO:RANK] [--padded] [--per-device N] [--lora]
-                     [--die-in-save STEP]
+                     [--die-in-save STEP] [--eval-check] [--eval-fault KIND:STEP:RANK]
 (``--iterable``: the train set as an endless stream, an ``IterableDataset`` without ``__len__``
 whose passes are shuffled from its own seed; ``--workers``: ``dataloader_num_workers``;
 ``--raise-at``: the model's forward raises once, on that rank, at that micro-batch of that step;
 ``--padded``: each sample's tail is left out of the loss, a random length per sample;
 ``--per-device``: per_device_train_batch_size, 2 by default; ``--lora``: a peft LoRA model;
 ``--die-in-save``: the process writing the checkpoint of that step is SIGKILLed once, after the
-model's weights and before the optimizer's, as a power loss would stop it)
+model's weights and before the optimizer's, as a power loss would stop it; ``--eval-check``,
+``--eval-fault``: ``evalcheck.py``)
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import os
 import signal
 
 import torch
+from evalcheck import EvalCheck, EvalFault
 from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback, TrainingArguments
 
 from checkpointless.integrations.transformers import Trainer
@@ -107,6 +109,8 @@ def main() -> None:
     p.add_argument("--per-device", type=int, default=2)
     p.add_argument("--lora", action="store_true")
     p.add_argument("--die-in-save", type=int, default=None, metavar="STEP")
+    p.add_argument("--eval-check", action="store_true")
+    p.add_argument("--eval-fault", default=None, metavar="KIND:STEP:RANK")
     a = p.parse_args()
     torch.manual_seed(0)
     config = LlamaConfig(
@@ -154,8 +158,12 @@ def main() -> None:
     if a.raise_at:
         step, micro, rank = (int(v) for v in a.raise_at.split(":"))
         callbacks.append(RaiseOnce(model, step, micro, rank))
-    trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=Tokens(8, 16, 128, 2),
+    trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=Tokens(22, 16, 128, 2),
                       callbacks=callbacks)  # fmt: skip
+    if a.eval_check:
+        trainer.add_callback(EvalCheck(trainer))
+    if a.eval_fault:
+        trainer.add_callback(EvalFault(trainer, a.eval_fault, os.path.join(a.output_dir, ".eval-fault")))
     if a.die_in_save is not None:
         die_in_save(trainer, a.die_in_save, os.path.join(a.output_dir, ".died-in-save"))
     out = trainer.train(resume_from_checkpoint=a.resume)
