@@ -193,11 +193,15 @@ def sharded(trainer: Trainer, dataloader: Any, loss_only: bool, ignore_keys: Any
         return
     assert group is not None
     replay = _Replay(trainer, dataloader, batches, loss_only, ignore_keys)
+    own = trainer.__dict__.get("prediction_step")  # a script's own wrapper, if any (replay.real_step)
     trainer.prediction_step = replay.prediction_step  # type: ignore[method-assign]
     trainer.preprocess_logits_for_metrics = None
     try:
         yield replay
     finally:
-        del trainer.prediction_step
+        if own is None:
+            del trainer.prediction_step
+        else:
+            trainer.prediction_step = own  # type: ignore[method-assign]
         trainer.preprocess_logits_for_metrics = replay.preprocess
         log.info("[rank %d] evaluated %d of %d batches", group.rank, replay.computed, len(batches))

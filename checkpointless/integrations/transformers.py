@@ -3,6 +3,7 @@
 ::
 
     from checkpointless.integrations.transformers import Trainer   # was: from transformers import Trainer
+    # (or Seq2SeqTrainer, for transformers.Seq2SeqTrainer)
 
     trainer = Trainer(model=model, args=TrainingArguments(...), train_dataset=ds, ...)
     trainer.train()
@@ -62,7 +63,6 @@ import logging
 import math
 import os
 import time
-from collections import Counter
 from typing import Any
 
 import torch
@@ -94,9 +94,16 @@ if under_launcher():
     if _local_device().type == "cuda":
         torch.cuda.set_device(_local_device())
 
-from transformers import Trainer as _HFTrainer  # noqa: E402  (after the variables are hidden)
-from transformers.trainer_callback import ExportableState  # noqa: E402
+from transformers import Seq2SeqTrainer as _HFSeq2SeqTrainer  # noqa: E402  (after the variables are hidden)
+from transformers import Trainer as _HFTrainer  # noqa: E402
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR  # noqa: E402
+
+from checkpointless.integrations.hf_parts import (  # noqa: E402
+    _length,
+    _refusals,
+    _tokens,
+    _TrainerProgress,
+)
 
 if not hasattr(_HFTrainer, "_prepare_for_training"):  # the 5.x loop's pieces this class is built of
     import transformers as _transformers
@@ -105,94 +112,6 @@ if not hasattr(_HFTrainer, "_prepare_for_training"):  # the 5.x loop's pieces th
         f"checkpointless.integrations.transformers needs transformers 5.x (found {_transformers.__version__}): "
         "pip install 'checkpointless[transformers]'"
     )
-
-
-def _refusals(trainer: _HFTrainer) -> list[str]:
-    args = trainer.args
-    out = []
-    if getattr(args, "deepspeed", None):
-        out.append("DeepSpeed (TrainingArguments.deepspeed)")
-    if getattr(args, "fsdp", None):
-        out.append("FSDP (TrainingArguments.fsdp; use checkpointless's sharded Session)")
-    if getattr(args, "n_gpu", 1) > 1:
-        out.append(f"DataParallel over {args.n_gpu} GPUs in one process (n_gpu > 1)")
-    if getattr(args, "auto_find_batch_size", False):
-        out.append("auto_find_batch_size")
-    if getattr(args, "parallelism_config", None) is not None:
-        out.append("parallelism_config (tensor, sequence or context parallelism)")
-    sampling = getattr(args, "train_sampling_strategy", "random")
-    if sampling not in ("random", "sequential"):
-        out.append(f"train_sampling_strategy={sampling!r} (the train order is a function of the step: "
-                   "'random' or 'sequential')")  # fmt: skip
-    if isinstance(trainer.train_dataset, torch.utils.data.IterableDataset):
-        workers = args.dataloader_num_workers
-        if workers > 1:
-            out.append(f"dataloader_num_workers={workers} with an IterableDataset as train_dataset (each "
-                       "worker would read its own copy of the stream: use 0 or 1)")  # fmt: skip
-        if _length(trainer.train_dataset) is None and args.max_steps <= 0:
-            out.append("an IterableDataset without __len__ as train_dataset without max_steps (set "
-                       "TrainingArguments.max_steps)")  # fmt: skip
-    return out
-
-
-def _tokens(micro: list[Any], model: Any) -> int:
-    """The tokens (elements of the model's main input) in one step's micro-batches on this rank."""
-    name = getattr(model, "main_input_name", "input_ids")
-    return sum(int(b[name].numel()) for b in micro if isinstance(b, dict) and torch.is_tensor(b.get(name)))
-
-
-class _TrainerProgress:
-    """The ``Trainer``'s own state that steers training, moved to a replacement with the model (the
-    ``Trainer``'s mid-training resume restores the same from ``trainer_state.json``): the best metric
-    and its step (``load_best_model_at_end``, ``metric_for_best_model``) and the callbacks' exportable
-    state (``EarlyStoppingCallback``'s patience, ``TrainerControl``), as at the start of the step under
-    way. Equal on every replica (they evaluate alike), so the replicas' digests cover it; per-rank
-    counters (timings, tokens seen) and ``log_history`` (timings in it) stay each rank's own."""
-
-    def __init__(self, trainer: Trainer) -> None:
-        self._trainer = trainer
-        self.received = False  # loaded from a peer (this process replaces a rank) or a snapshot
-
-    def _exportable(self) -> list[tuple[str, Any]]:
-        t = self._trainer
-        found = [cb for cb in [*t.callback_handler.callbacks, t.control] if isinstance(cb, ExportableState)]
-        named, seen = [], Counter[str]()
-        for cb in found:
-            name = type(cb).__name__
-            named.append((f"{name}.{seen[name]}", cb))
-            seen[name] += 1
-        return named
-
-    def state_dict(self) -> dict[str, Any]:
-        state = self._trainer.state
-        callbacks = {name: cb.state() for name, cb in self._exportable()}
-        return {
-            "best_metric": state.best_metric,
-            "best_global_step": state.best_global_step,
-            "callbacks": callbacks,
-        }
-
-    def load_state_dict(self, saved: dict[str, Any]) -> None:
-        t = self._trainer
-        self.received = True
-        t.state.best_metric, t.state.best_global_step = saved["best_metric"], saved["best_global_step"]
-        t.state.best_model_checkpoint = t._best_checkpoint_dir()
-        for name, cb in self._exportable():
-            if name in saved["callbacks"]:
-                kept = saved["callbacks"][name]
-                for attr, value in {
-                    **kept["attributes"],
-                    **(kept["args"] if cb is t.control else {}),
-                }.items():
-                    setattr(cb, attr, value)
-
-
-def _length(dataset: Any) -> int | None:
-    """``len(dataset)``, None for a stream without one."""
-    try:
-        return len(dataset)
-    except TypeError:
-        return None
 
 
 class Trainer(_HFTrainer):
@@ -496,3 +415,9 @@ class Trainer(_HFTrainer):
         loader.close()
         session.finish()
         return self._finalize_training(trial, max_steps * micro_global * accumulation, start_time)
+
+
+class Seq2SeqTrainer(Trainer, _HFSeq2SeqTrainer):
+    """``transformers.Seq2SeqTrainer`` (``predict_with_generate``: the evaluation generates),
+    checkpointless under ``checkpointless launch`` as ``Trainer`` is: one changed import line. The
+    tokens its evaluation generates are shared between the ranks as any outputs (``hf_eval``)."""

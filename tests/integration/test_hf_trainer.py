@@ -202,6 +202,41 @@ def test_the_evaluation_is_shared_by_four_ranks(tmp_path: Path) -> None:
     assert all(c["equal"] == "True" for lines in checks.values() for c in lines) and len(checks["w0"]) == 3
 
 
+SEQ2SEQ = str(ROOT / "tests" / "scripts" / "hf_seq2seq.py")
+
+
+def test_a_seq2seq_trainer_generating_in_its_evaluations_recovers_bitwise(tmp_path: Path) -> None:
+    """``hf_seq2seq.py`` (``Seq2SeqTrainer``, ``predict_with_generate``, ``compute_metrics`` over the
+    generated tokens): the evaluations' 5 batches shared 2 and 3, their metrics the whole set's; an
+    exception in step 5 and a SIGKILL in the evaluation after step 8 end bitwise where the
+    fault-free run does, with the same predictions after training; alone, the plain
+    ``Seq2SeqTrainer``."""
+
+    def command(out: Path, *extra: str) -> list[str]:
+        return [sys.executable, SEQ2SEQ, str(out), str(STEPS), "--eval-check", *extra]
+
+    ref = run_job(workers=2, spares=0, steps=STEPS, command=command(tmp_path / "ref"), out=tmp_path / "ref-run",
+                  timeout_s=400)  # fmt: skip
+    assert ref.ok, f"{ref.error}\n{logs_of(ref)}"
+    job = run_job(workers=2, spares=1, steps=STEPS, command=command(tmp_path / "f", "--eval-fault=kill:8:0"),
+                  faults=["exception:rank=1@step=5"], out=tmp_path / "f-run", timeout_s=400)  # fmt: skip
+    assert job.ok, f"{job.error}\n{logs_of(job)}"
+    assert job.digest == ref.digest
+    assert (tmp_path / "f" / ".eval-fault").exists()
+    for run in (ref, job):
+        checks = _eval_checks(run)
+        assert all(c["equal"] == "True" for lines in checks.values() for c in lines), checks
+    shares = {name: {c["batches"] for c in lines} for name, lines in _eval_checks(ref).items()}
+    assert shares == {"w0": {"2"}, "w1": {"3"}}, shares
+    closing = [line for run in (ref, job) for _, path in sorted(run.logs.items())
+               for line in path.read_text().splitlines() if line.startswith("trained ")]  # fmt: skip
+    assert len(closing) == 4 and len(set(closing)) == 1, closing  # w0, w1; s0 (rank 0's), w1
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CHECKPOINTLESS_")}
+    alone = subprocess.run([sys.executable, SEQ2SEQ, str(tmp_path / "alone"), "4"], capture_output=True,
+                           text=True, timeout=240, env={**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)})  # fmt: skip
+    assert alone.returncode == 0 and "trained 4 steps" in alone.stdout, alone.stderr[-3000:]
+
+
 @pytest.mark.timeout(300)
 def test_the_trainer_script_runs_alone_as_a_plain_trainer(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}

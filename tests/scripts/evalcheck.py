@@ -19,19 +19,23 @@ def rank() -> int:
 
 class EvalCheck(TrainerCallback):
     """At every evaluation, prints ``EVALCHECK step=S rank=R batches=N equal=B metrics=...``:
-    the batches this process's model computed in it, and whether its metrics equal the whole
-    set's evaluated here alone."""
+    the batches this process computed in it (its ``prediction_step`` calls), and whether its
+    metrics equal the whole set's evaluated here alone."""
 
     def __init__(self, trainer: transformers.Trainer) -> None:
         self.trainer, self.batches = trainer, 0
-        trainer.model.register_forward_pre_hook(self._forward)
+        real = trainer.prediction_step
 
-    def _forward(self, module: torch.nn.Module, inputs: object) -> None:
-        if not module.training:
+        def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
             self.batches += 1
+            return real(*args, **kwargs)
+
+        trainer.prediction_step = counted  # type: ignore[method-assign]
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):  # type: ignore[no-untyped-def]
         t, computed = self.trainer, self.batches
+        if isinstance(t, transformers.Seq2SeqTrainer):
+            t.gather_function = t.accelerator.gather  # as its evaluate() sets it
         whole = transformers.Trainer.evaluation_loop(
             t,
             t.get_eval_dataloader(),

@@ -1,0 +1,102 @@
+"""Pieces of ``checkpointless.integrations.transformers.Trainer``: the ``TrainingArguments`` it
+refuses under the launcher, the ``Trainer``'s own state a replacement receives, and counts it
+takes of the data. Imported by that module once it has hidden torchrun's variables."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers.trainer_callback import ExportableState
+
+if TYPE_CHECKING:
+    from checkpointless.integrations.transformers import Trainer
+
+
+def _refusals(trainer: Trainer) -> list[str]:
+    args = trainer.args
+    out = []
+    if getattr(args, "deepspeed", None):
+        out.append("DeepSpeed (TrainingArguments.deepspeed)")
+    if getattr(args, "fsdp", None):
+        out.append("FSDP (TrainingArguments.fsdp; use checkpointless's sharded Session)")
+    if getattr(args, "n_gpu", 1) > 1:
+        out.append(f"DataParallel over {args.n_gpu} GPUs in one process (n_gpu > 1)")
+    if getattr(args, "auto_find_batch_size", False):
+        out.append("auto_find_batch_size")
+    if getattr(args, "parallelism_config", None) is not None:
+        out.append("parallelism_config (tensor, sequence or context parallelism)")
+    sampling = getattr(args, "train_sampling_strategy", "random")
+    if sampling not in ("random", "sequential"):
+        out.append(f"train_sampling_strategy={sampling!r} (the train order is a function of the step: "
+                   "'random' or 'sequential')")  # fmt: skip
+    if isinstance(trainer.train_dataset, torch.utils.data.IterableDataset):
+        workers = args.dataloader_num_workers
+        if workers > 1:
+            out.append(f"dataloader_num_workers={workers} with an IterableDataset as train_dataset (each "
+                       "worker would read its own copy of the stream: use 0 or 1)")  # fmt: skip
+        if _length(trainer.train_dataset) is None and args.max_steps <= 0:
+            out.append("an IterableDataset without __len__ as train_dataset without max_steps (set "
+                       "TrainingArguments.max_steps)")  # fmt: skip
+    return out
+
+
+def _tokens(micro: list[Any], model: Any) -> int:
+    """The tokens (elements of the model's main input) in one step's micro-batches on this rank."""
+    name = getattr(model, "main_input_name", "input_ids")
+    return sum(int(b[name].numel()) for b in micro if isinstance(b, dict) and torch.is_tensor(b.get(name)))
+
+
+class _TrainerProgress:
+    """The ``Trainer``'s own state that steers training, moved to a replacement with the model (the
+    ``Trainer``'s mid-training resume restores the same from ``trainer_state.json``): the best metric
+    and its step (``load_best_model_at_end``, ``metric_for_best_model``) and the callbacks' exportable
+    state (``EarlyStoppingCallback``'s patience, ``TrainerControl``), as at the start of the step under
+    way. Equal on every replica (they evaluate alike), so the replicas' digests cover it; per-rank
+    counters (timings, tokens seen) and ``log_history`` (timings in it) stay each rank's own."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self._trainer = trainer
+        self.received = False  # loaded from a peer (this process replaces a rank) or a snapshot
+
+    def _exportable(self) -> list[tuple[str, Any]]:
+        t = self._trainer
+        found = [cb for cb in [*t.callback_handler.callbacks, t.control] if isinstance(cb, ExportableState)]
+        named, seen = [], Counter[str]()
+        for cb in found:
+            name = type(cb).__name__
+            named.append((f"{name}.{seen[name]}", cb))
+            seen[name] += 1
+        return named
+
+    def state_dict(self) -> dict[str, Any]:
+        state = self._trainer.state
+        callbacks = {name: cb.state() for name, cb in self._exportable()}
+        return {
+            "best_metric": state.best_metric,
+            "best_global_step": state.best_global_step,
+            "callbacks": callbacks,
+        }
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        t = self._trainer
+        self.received = True
+        t.state.best_metric, t.state.best_global_step = saved["best_metric"], saved["best_global_step"]
+        t.state.best_model_checkpoint = t._best_checkpoint_dir()
+        for name, cb in self._exportable():
+            if name in saved["callbacks"]:
+                kept = saved["callbacks"][name]
+                for attr, value in {
+                    **kept["attributes"],
+                    **(kept["args"] if cb is t.control else {}),
+                }.items():
+                    setattr(cb, attr, value)
+
+
+def _length(dataset: Any) -> int | None:
+    """``len(dataset)``, None for a stream without one."""
+    try:
+        return len(dataset)
+    except TypeError:
+        return None
