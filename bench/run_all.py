@@ -32,6 +32,8 @@ Benchmarks (each also runs alone: ``python bench/NAME.py [--quick]``):
 - ``integrations``: the Hugging Face ``Trainer`` under ``checkpointless launch`` against
   ``transformers.Trainer`` under ``torchrun`` (same script), paired step times; Lightning once its
   strategy exists;
+- ``hf_eval``: the Hugging Face ``Trainer``'s evaluation during training, its batches shared by the
+  ranks, against ``torchrun``'s distributed evaluation and one process evaluating the whole set;
 - ``control_load``: the launcher's, heartbeats' and idle spare's CPU and wake-ups on HSDP 2x2, the
   workers' per-step wake-ups against plain FSDP2, and plain FSDP2 with a session per rank vs one;
 - ``control_scale``: the real coordinator (store and loop) driven by simulated host agents at 10 to
@@ -62,6 +64,7 @@ import consistency
 import control_load
 import control_scale
 import hang_compare
+import hf_eval
 import hsdp
 import integrations
 import kill_cost
@@ -89,6 +92,7 @@ BENCHES: list[tuple[str, str, Any]] = [
     ("hsdp", "Sharded (FSDP2 HSDP): kill stall, bytes per recovery, steady state vs plain FSDP2", hsdp),
     ("steady_compare", "Steady state side by side, two model sizes", steady_compare),
     ("integrations", "Integrations against the same script without checkpointless", integrations),
+    ("hf_eval", "Hugging Face Trainer: evaluation time during training, shared by the ranks", hf_eval),
     (
         "control_load",
         "What the control plane takes from the training cores (counted from /proc)",
