@@ -83,7 +83,11 @@ What the strategy does (automatic optimization only):
   loaded), and one that joins at the first step after the checkpoint enters the loop as its peers
   did.
 - validation, test and predict loops run on every rank over the whole dataset (no
-  ``DistributedSampler``): the replicas are equal, so are their metrics.
+  ``DistributedSampler``): the replicas are equal, so are their metrics, and no failure between
+  steps can make them differ. (The Hugging Face ``Trainer`` shares its evaluation's batches,
+  ``integrations/hf_eval.py``, replaying outputs computed elsewhere through HF's own loop; a
+  ``validation_step`` has effects of its own, ``self.log`` calls, outputs kept on the module,
+  torchmetrics states, that outputs computed elsewhere cannot replay.)
 
 Refused in one line (``ValueError``; the Trainer's settings before a spare waits, the train
 dataloader when Lightning asks for it, validation inside an accumulated step when training
