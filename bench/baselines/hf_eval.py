@@ -81,6 +81,8 @@ def main() -> None:
     if trainer.is_world_process_zero():
         Path(a.output_dir).mkdir(parents=True, exist_ok=True)
         (Path(a.output_dir) / "evals.json").write_text(json.dumps(evals.evals))
+    if a.plain:
+        trainer.end()  # torchrun's process group destroyed before exit (gloo may abort in exit otherwise)
 
 
 if __name__ == "__main__":
