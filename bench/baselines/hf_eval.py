@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +84,10 @@ def main() -> None:
         Path(a.output_dir).mkdir(parents=True, exist_ok=True)
         (Path(a.output_dir) / "evals.json").write_text(json.dumps(evals.evals))
     if a.plain:
-        trainer.end()  # torchrun's process group destroyed before exit (gloo may abort in exit otherwise)
+        # gloo's group may abort the process in its teardown at exit ("terminate called without an
+        # active exception"), and Trainer.end()'s destroy_process_group hung once: leave at once
+        sys.stdout.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":
