@@ -16,6 +16,7 @@ peers pairs with a message of this one: the next step's reduction fails and reco
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any
 
@@ -34,6 +35,12 @@ class ExchangeRefused(Exception):
 def shard(n: int, world: int, rank: int) -> range:
     """Rank ``rank``'s contiguous part of ``n`` items cut into ``world`` balanced shards."""
     return range(rank * n // world, (rank + 1) * n // world)
+
+
+def plan_digest(parts: Any) -> int:
+    """A 63-bit digest of ``parts`` (JSON data: how the work is cut), for ``exchange``'s ``plan``."""
+    raw = hashlib.blake2b(json.dumps(parts, separators=(",", ":")).encode(), digest_size=8).digest()
+    return int.from_bytes(raw, "little") >> 1
 
 
 def pack(obj: Any) -> bytes:
@@ -88,24 +95,28 @@ def unpack(data: bytes) -> Any:
     return build(meta["skeleton"])
 
 
-def exchange(group: Group, seq: int, mine: Any) -> list[Any]:
+def exchange(group: Group, seq: int, mine: Any, plan: int = 0) -> list[Any]:
     """Every rank's ``mine``, in rank order (this rank's as it is, the others' unpacked).
 
     Every rank of ``group`` calls it with the same ``seq`` (a count of the exchanges so far); a
-    failure releases the group and raises ``CollectiveError`` (module doc)."""
+    failure releases the group and raises ``CollectiveError`` (module doc). ``plan``: a digest of
+    how the work was cut (which items, in which order); ranks whose plans differ would put together
+    results that do not belong together, so every rank raises ``ExchangeRefused`` instead."""
     try:
         data: bytes | None = pack(mine)
     except TypeError:
         data = None
     ctl = group.control
     try:
-        header = torch.tensor([_MAGIC, seq, -1 if data is None else len(data)], dtype=torch.int64)
+        header = torch.tensor([_MAGIC, seq, -1 if data is None else len(data), plan], dtype=torch.int64)
         headers = torch.stack(ctl.allgather(header))
         if not (bool((headers[:, 0] == _MAGIC).all()) and bool((headers[:, 1] == seq).all())):
             raise CollectiveError(
                 f"gen {group.gen}: the ranks are not in the same exchange ({headers.tolist()})"
             )
         sizes = headers[:, 2].tolist()
+        if not bool((headers[:, 3] == plan).all()):
+            raise ExchangeRefused("the ranks cut the work differently (their batches differ)")
         if min(sizes) < 0:
             raise ExchangeRefused(f"rank {sizes.index(-1)}'s results are not plain data")
         assert data is not None

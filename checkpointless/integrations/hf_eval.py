@@ -15,6 +15,9 @@ replacement receives the state as it is after this evaluation: the best metric, 
 and each rank computes the batches it did not receive itself, so every rank ends with the same
 metrics as without the fault.
 
+Ranks whose evaluation batches differ (a loader with an order of its own per rank) are found in
+the exchange (a digest of the batches' index lists): each then evaluates the whole set as it cut it.
+
 Used only where every rank is at the same point: after a step's commit in the training loop (the
 evaluation and save strategies), and at ``eval_on_start`` of a job that has not begun. Elsewhere
 (``evaluate`` before or after ``train``, ``batch_eval_metrics``, an evaluation set without a
@@ -31,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from checkpointless.errors import CollectiveError
-from checkpointless.shards import ExchangeRefused, exchange, shard
+from checkpointless.shards import ExchangeRefused, exchange, plan_digest, shard
 
 if TYPE_CHECKING:
     from checkpointless.integrations.transformers import Trainer
@@ -156,7 +159,7 @@ class _Replay:
         # the same on every rank, a replacement too: the step and the evaluations since its commit
         seq, t._eval_count = (t._session.committed_step << 20) + t._eval_count, t._eval_count + 1
         try:
-            got = exchange(group, seq, [self.outputs[b] for b in mine])
+            got = exchange(group, seq, [self.outputs[b] for b in mine], plan_digest(self.batches))
         except (CollectiveError, ExchangeRefused) as e:
             if isinstance(e, CollectiveError):
                 t._eval_aligned = False  # until the next step: the group is released

@@ -14,7 +14,7 @@ from torch.distributed import TCPStore
 
 from checkpointless.comm import Group
 from checkpointless.errors import CollectiveError
-from checkpointless.shards import ExchangeRefused, exchange, pack, shard, unpack
+from checkpointless.shards import ExchangeRefused, exchange, pack, plan_digest, shard, unpack
 from tests.unit.test_reducer import run_ranks
 
 pytestmark = pytest.mark.timeout(60)
@@ -104,3 +104,16 @@ def test_ranks_in_different_exchanges_fail_and_release_the_group() -> None:
         return True
 
     assert _ranks(2, fn) == [True, True]
+
+
+def test_ranks_that_cut_the_work_differently_all_fall_back() -> None:
+    """Rank 1's batches are not rank 0's (a sampler of its own order): putting their outputs together
+    would give wrong metrics without a word; every rank refuses, and the group still works."""
+
+    def fn(rank: int, group: Group) -> Any:
+        batches = [[0, 1], [2, 3]] if rank == 0 else [[2, 3], [0, 1]]
+        with pytest.raises(ExchangeRefused):
+            exchange(group, 0, [torch.ones(1)], plan_digest(batches))
+        return exchange(group, 1, rank, plan_digest([[0, 1]]))
+
+    assert _ranks(2, fn) == [[0, 1], [0, 1]]
