@@ -268,14 +268,15 @@ CKPTS = "lightning_logs/version_0/checkpoints"  # the default ModelCheckpoint's:
 
 
 @pytest.mark.parametrize(
-    ("every", "die", "written", "removed"),
-    [("2", "4", "every/step=4.ckpt", None),
-     (None, "12:epoch=", f"{CKPTS}/epoch=1-step=12.ckpt", f"{CKPTS}/epoch=0-step=6.ckpt"),
-     (None, "18:epoch=", f"{CKPTS}/epoch=2-step=18.ckpt", f"{CKPTS}/epoch=1-step=12.ckpt")],
-    ids=["every-n-steps", "epoch-end-top-1", "after-the-last-step"],
+    ("extra", "die", "written", "removed"),
+    [(("--save-every", "2"), "4", "every/step=4.ckpt", None),
+     ((), "12:epoch=", f"{CKPTS}/epoch=1-step=12.ckpt", f"{CKPTS}/epoch=0-step=6.ckpt"),
+     ((), "18:epoch=", f"{CKPTS}/epoch=2-step=18.ckpt", f"{CKPTS}/epoch=1-step=12.ckpt"),
+     (("--save-last-link",), "18:epoch=", f"{CKPTS}/epoch=2-step=18.ckpt", f"{CKPTS}/epoch=1-step=12.ckpt")],
+    ids=["every-n-steps", "epoch-end-top-1", "after-the-last-step", "after-the-last-step-last-link"],
 )  # fmt: skip
 def test_a_checkpoint_whose_writer_died_is_written_whole_by_its_replacement(
-    lightning_dir: Path, tmp_path: Path, every: str | None, die: str, written: str, removed: str | None
+    lightning_dir: Path, tmp_path: Path, extra: tuple[str, ...], die: str, written: str, removed: str | None
 ) -> None:
     """Rank 0 is SIGKILLed while it saves a checkpoint (before the file is written): the one
     ``every_n_train_steps=2`` saves at step 4, or the default ``ModelCheckpoint``'s (top 1) at the
@@ -286,15 +287,16 @@ def test_a_checkpoint_whose_writer_died_is_written_whole_by_its_replacement(
     what that run's does, tensors bit for bit, counters and callbacks' state alike (every one of
     ``every``'s, step 4's among them; epoch 1's top-1 file is outdated by epoch 2's at the end, as
     in the fault-free run), and the job ends equal to it. Before: the file was missing (a later
-    ``fit(ckpt_path=...)`` from the callback's own path failed) and the outdated one stayed."""
+    ``fit(ckpt_path=...)`` from the callback's own path failed) and the outdated one stayed. With
+    ``save_last="link"``, ``last.ckpt`` links to the last file as in the fault-free run (before: it
+    still linked to the removed epoch 1's)."""
     import torch
 
-    extra = ("--save-every", every) if every else ()
     d = written.rsplit("/", 1)[0]
     whole = _job(lightning_dir, spares=0, extra=extra, out=tmp_path / "whole")
     assert whole.ok, f"{whole.error}\n{logs_of(whole)}"
     kept = tmp_path / "whole-out"
-    shutil.copytree(lightning_dir / d, kept)
+    shutil.copytree(lightning_dir / d, kept, symlinks=True)
     died = _job(lightning_dir, extra=(*extra, "--die-in-save", die), out=tmp_path / "died")
     assert died.ok, f"{died.error}\n{logs_of(died)}"
     assert (lightning_dir / ".died-in-save").exists()  # the writer did die
@@ -306,6 +308,11 @@ def test_a_checkpoint_whose_writer_died_is_written_whole_by_its_replacement(
     assert died.report["final_registered_sha256"] == whole.report["final_registered_sha256"]
     names = sorted(p.name for p in kept.iterdir())
     assert sorted(p.name for p in (lightning_dir / d).iterdir()) == names
+    links = {n: os.readlink(kept / n) for n in names if (kept / n).is_symlink()}
+    assert links == {
+        n: os.readlink(lightning_dir / d / n) for n in names if (lightning_dir / d / n).is_symlink()
+    }
+    assert ("last.ckpt" in links) == ("--save-last-link" in extra), links
     for name in names:
         a = torch.load(kept / name, map_location="cpu", weights_only=False)
         b = torch.load(lightning_dir / d / name, map_location="cpu", weights_only=False)

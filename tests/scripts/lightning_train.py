@@ -4,13 +4,14 @@ over a map-style dataset, an LR scheduler stepped every step, ``self.log(..., sy
 training and validation, gradient clipping, validation every epoch.
 
 Usage: lightning_train.py OUTPUT_DIR [--epochs N] [--manual] [--accumulate N] [--stream STEPS]
-                          [--raise-at STEP:MICRO:RANK] [--save-every N] [--resume CKPT]
+                          [--raise-at STEP:MICRO:RANK] [--save-every N] [--save-last-link] [--resume CKPT]
                           [--die-in-save STEP[:MATCH]]
 (``--manual``: manual optimization, refused; ``--accumulate N``: ``accumulate_grad_batches=N``;
 ``--raise-at``: ``training_step`` raises once, on that rank, at that micro-batch of that step;
 ``--stream STEPS``: the train set an endless stream, an ``IterableDataset`` without ``__len__``
 shuffled by its own seed, read for ``max_steps=STEPS`` in epochs of 6 batches; ``--save-every N``:
 a ``ModelCheckpoint`` more, every N steps into ``OUTPUT_DIR/every``, keeping them all;
+``--save-last-link``: the default ``ModelCheckpoint`` with ``save_last="link"``;
 ``--resume CKPT``: ``fit(ckpt_path=CKPT)``; ``--die-in-save STEP[:MATCH]``: the process writing
 the checkpoint of that step whose path contains MATCH (``every``: ``--save-every``'s) is SIGKILLed
 once, before the file is written, as a power loss would stop it)
@@ -126,6 +127,7 @@ def main() -> None:
     p.add_argument("--stream", type=int, default=0, metavar="STEPS")
     p.add_argument("--raise-at", default=None, metavar="STEP:MICRO:RANK")
     p.add_argument("--save-every", type=int, default=0, metavar="N")
+    p.add_argument("--save-last-link", action="store_true")
     p.add_argument("--resume", default=None, metavar="CKPT")
     p.add_argument("--die-in-save", default=None, metavar="STEP[:MATCH]")
     a = p.parse_args()
@@ -144,6 +146,8 @@ def main() -> None:
     if a.save_every:
         every = [ModelCheckpoint(dirpath=f"{a.output_dir}/every", filename="{step}",
                                  every_n_train_steps=a.save_every, save_top_k=-1)]  # fmt: skip
+    if a.save_last_link:  # the default ModelCheckpoint (top 1 at epochs' ends) and a last.ckpt link to it
+        every.append(ModelCheckpoint(save_last="link"))
     trainer = L.Trainer(
         strategy=strategy,
         accelerator="cpu",

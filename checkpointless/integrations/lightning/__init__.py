@@ -73,7 +73,8 @@ What the strategy does (automatic optimization only):
   (Lightning's write is atomic: the file is whole or absent) is named by its peers' callback state;
   the replacement that takes rank 0 writes it before its first step, from the model and optimizer
   as they are (no update since the save) and the noted counters and state: the file the fault-free
-  run writes; and it removes the outdated top-k file rank 0 would have removed after that save. A
+  run writes; and it removes the outdated top-k file rank 0 would have removed after that save, and
+  makes the ``save_last="link"`` link rank 0 would have made. A
   replacement that joins after the last step does the same for the last epoch's checkpoints (the
   saves after the last step's start join the final state, ``_Progress.closing``), then finishes; the
   script's own code after ``fit`` does not run in it (files rank 0 would write there are missing).

@@ -54,9 +54,14 @@ class _Progress:
         """A checkpoint Lightning removes (an outdated top-k one: every rank asks, rank 0 removes)."""
         self._saves.append({"path": path, "removed": True})
 
+    def linked(self, target: str, path: str) -> None:
+        """A link Lightning makes (``ModelCheckpoint(save_last="link")``: ``path``, the last
+        checkpoint, to ``target``, the last one saved; every rank asks, rank 0 links)."""
+        self._saves.append({"path": path, "link": target})
+
     def files(self) -> dict[str, dict[str, Any] | None]:
-        """What the saves and removals of the snapshot leave on disk: per path, its last save (or
-        None where the last thing done to it was its removal)."""
+        """What the saves, removals and links of the snapshot leave on disk: per path, its last save
+        or link (or None where the last thing done to it was its removal)."""
         last: dict[str, dict[str, Any] | None] = {}
         for op in self.snapshot.get("saves", []):
             last[op["path"]] = None if op.get("removed") else op

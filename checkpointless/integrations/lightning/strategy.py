@@ -3,7 +3,6 @@ its accumulated micro-batches) and the end of the job (the package docstring say
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 from collections.abc import Callable, Iterator
@@ -11,7 +10,6 @@ from contextlib import ExitStack
 from typing import Any
 
 import torch
-from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning_utilities.core.rank_zero import rank_zero_only  # Lightning's, re-exported
@@ -19,6 +17,7 @@ from torch.utils.data import DataLoader
 
 from checkpointless.control.env import ENV_STORE
 from checkpointless.devices import local_device
+from checkpointless.integrations.lightning.checkpoints import complete_saves, note_links
 from checkpointless.integrations.lightning.collectives import _Collectives
 from checkpointless.integrations.lightning.data import _TrainBatches
 from checkpointless.integrations.lightning.progress import _logger_version, _Progress, _set_logger_version
@@ -194,6 +193,7 @@ class CheckpointlessStrategy(ParallelStrategy):
         if scaler is not None:
             state["grad_scaler"] = scaler
         state["lightning"] = self._progress
+        note_links(trainer, self._progress)  # save_last="link"'s links, noted as the saves are
         if self._progress.callback not in trainer.callbacks:
             trainer.callbacks.append(self._progress.callback)
         assert self.lightning_module is not None
@@ -292,26 +292,9 @@ class CheckpointlessStrategy(ParallelStrategy):
         super().remove_checkpoint(filepath)
 
     def _complete_saves(self) -> None:
-        """A replacement of rank 0, before its first step: finish the checkpoint writes and removals
-        its predecessor died doing since the previous step began. A checkpoint saved then and not on
-        disk was being written when its writer died (Lightning's write is atomic: all of it or
-        nothing), and the callbacks' state its peers sent names it: it is written now, from the
-        model and optimizer as they are (those of the save: no update since) and the counters and
-        callbacks' state noted at the save. An outdated one removed then and still on disk (the
-        removal comes after the save that outdates it) is removed."""
-        if self.global_rank != 0:
-            return
-        trainer = self._trainer
-        for path, save in self._progress.files().items():
-            there = get_filesystem(path).exists(path)
-            if save is None and there:
-                self.checkpoint_io.remove_checkpoint(path)
-                log.warning("[rank 0] removed %s: rank 0 died before it could", path)
-            elif save is not None and not there:
-                checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=save["weights_only"])
-                checkpoint.update(copy.deepcopy(save["rest"]))
-                self.checkpoint_io.save_checkpoint(checkpoint, path)
-                log.warning("[rank 0] wrote %s: rank 0 before it died writing it", path)
+        """A replacement of rank 0, before its first step (``checkpoints.complete_saves``)."""
+        if self.global_rank == 0:
+            complete_saves(self._trainer, self.checkpoint_io, self._progress)
 
     def on_train_start(self) -> None:
         refused = validation_inside_a_step(self._trainer)
