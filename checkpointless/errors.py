@@ -32,6 +32,12 @@ class CollectiveError(CheckpointlessError, RuntimeError):
     """A collective of the current generation failed."""
 
 
+class ExchangeRefused(CheckpointlessError):
+    """An exchange of results between the ranks (``shards.exchange``) that no rank may use: a
+    rank's results are not plain data, or the ranks cut the work differently. Every rank raises
+    it, after the same messages (the group still works)."""
+
+
 class IntegrityError(CheckpointlessError, RuntimeError):
     """Received state is malformed, or does not match the digest or MAC its source sent."""
 

@@ -23,13 +23,9 @@ from typing import Any
 import torch
 
 from checkpointless.comm import Group
-from checkpointless.errors import CollectiveError
+from checkpointless.errors import CollectiveError, ExchangeRefused
 
 _MAGIC = 0x5348415244  # "SHARD": the first word of every exchange's header
-
-
-class ExchangeRefused(Exception):
-    """A rank's results are not plain data (every rank raises it, after the same exchange)."""
 
 
 def shard(n: int, world: int, rank: int) -> range:

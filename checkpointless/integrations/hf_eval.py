@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from checkpointless.errors import CollectiveError
-from checkpointless.shards import ExchangeRefused, exchange, plan_digest, shard
+from checkpointless.errors import CollectiveError, ExchangeRefused
+from checkpointless.shards import exchange, plan_digest, shard
 
 if TYPE_CHECKING:
     from checkpointless.integrations.transformers import Trainer

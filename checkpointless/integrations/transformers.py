@@ -166,17 +166,16 @@ class Trainer(_HFTrainer):
         description: str,
         prediction_loss_only: bool | None = None,
         ignore_keys: list[str] | None = None,
-        metric_key_prefix: str = "eval",
+        metric_key_prefix: str | None = None,
     ) -> Any:
         """``transformers.Trainer``'s, its batches shared between the ranks during training
-        (``checkpointless.integrations.hf_eval``)."""
+        (``checkpointless.integrations.hf_eval``). ``metric_key_prefix``: HF's default when None."""
         loss_only = (
             prediction_loss_only if prediction_loss_only is not None else self.args.prediction_loss_only
         )
+        prefix = {} if metric_key_prefix is None else {"metric_key_prefix": metric_key_prefix}
         with hf_eval.sharded(self, dataloader, loss_only, ignore_keys) as loader:
-            return super().evaluation_loop(
-                loader, description, prediction_loss_only, ignore_keys, metric_key_prefix
-            )
+            return super().evaluation_loop(loader, description, prediction_loss_only, ignore_keys, **prefix)
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         """Rank 0 alone writes a checkpoint (the replicas are equal; accelerate's single-process

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from torch.distributed import TCPStore
 
 from checkpointless.comm import Group
-from checkpointless.errors import CollectiveError
-from checkpointless.shards import ExchangeRefused, exchange, pack, plan_digest, shard, unpack
+from checkpointless.errors import CollectiveError, ExchangeRefused
+from checkpointless.shards import exchange, pack, plan_digest, shard, unpack
 from tests.unit.test_reducer import run_ranks
 
 pytestmark = pytest.mark.timeout(60)
