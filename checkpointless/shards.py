@@ -117,7 +117,7 @@ def exchange(group: Group, seq: int, mine: Any, plan: int = 0) -> list[Any]:
             raise ExchangeRefused(f"rank {sizes.index(-1)}'s results are not plain data")
         assert data is not None
         buf = torch.zeros(max(sizes), dtype=torch.uint8)
-        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else buf[:0]
+        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)  # never empty: a header
         bufs = ctl.allgather(buf)
     except CollectiveError:
         group.release()

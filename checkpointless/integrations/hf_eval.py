@@ -130,11 +130,11 @@ class _Replay:
         """Batches ``which`` through the real ``prediction_step``, kept as HF's loop adds them."""
         from transformers.trainer_pt_utils import find_batch_size
 
+        if not which:
+            return
         t = self.trainer
         include = t.args.include_for_metrics
         main = getattr(t.model, "main_input_name", "input_ids")
-        if not which:
-            return
         for b, inputs in zip(which, _loader(self.dataloader, [self.batches[b] for b in which]), strict=True):
             loss, logits, labels = self.real_step(model, inputs, self.loss_only, ignore_keys=self.ignore_keys)
             decode = t._prepare_input(inputs[main]) if "inputs" in include else None
@@ -172,9 +172,10 @@ class _Replay:
             if r != group.rank:
                 for b, out in zip(shard(n, world, r), outs, strict=True):
                     self.outputs[b] = send_to_device(out, t.args.device)  # where HF's loop keeps its own
-        for r in range(world):
-            if r != group.rank and not got:
-                self._compute(model, shard(n, world, r))
+        if not got:  # the exchange failed: the other ranks' shares computed here
+            for r in range(world):
+                if r != group.rank:
+                    self._compute(model, shard(n, world, r))
 
 
 @contextlib.contextmanager
