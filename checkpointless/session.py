@@ -640,7 +640,9 @@ class Session(Member):
         """SHA-256 of model, optimizer state and committed step (see ``digest_state``); sharded:
         of this rank's shard (equal on every replica of the shard)."""
         if self.sharded:
-            entries = entry_digests({k: v for k, v in self._registry.state_dict().items() if k != "progress"})
+            entries = entry_digests(
+                {k: v for k, v in self._registry.compared_state_dict().items() if k != "progress"}
+            )
             return hashlib.sha256(
                 combined_digest(entries) + self._committed.to_bytes(8, "little", signed=True)
             ).hexdigest()

@@ -225,9 +225,9 @@ class SessionBase:
 
     def _registered_entries(self) -> list[tuple[str, str]]:
         """Per-entry digests of everything registered (model with buffers, optimizer with its
-        ``param_groups``, user state, step and data position) but the per-rank RNG states:
-        what every replica of a shard must hold alike."""
-        state = self._registry.state_dict()
+        ``param_groups``, user state, step and data position) but the per-rank RNG states and
+        ``per_rank`` objects: what every replica of a shard must hold alike."""
+        state = self._registry.compared_state_dict()
         if "progress" in state:
             state["progress"] = {k: v for k, v in state["progress"].items() if k not in ("rng", "lineage")}
         return entry_digests(state)

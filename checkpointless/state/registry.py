@@ -3,7 +3,9 @@
 Anything registered must follow the ``Stateful`` protocol (``state_dict`` and
 ``load_state_dict``, as ``nn.Module``, ``Optimizer`` and LR schedulers do).
 Registered state is *replicated*: every rank of a replica group holds the same
-bytes, so any of them can serve as the source for a replacement.
+bytes, so any of them can serve as the source for a replacement. An object whose
+``per_rank`` attribute is true is the exception: moved to a replacement with the rest
+(the source's stands in for the lost rank's own), never compared between replicas.
 """
 
 from __future__ import annotations
@@ -36,6 +38,12 @@ class StateRegistry:
 
     def state_dict(self) -> dict[str, Any]:
         return {name: obj.state_dict() for name, obj in self._items.items()}
+
+    def compared_state_dict(self) -> dict[str, Any]:
+        """``state_dict`` without the ``per_rank`` objects: what every replica must hold alike."""
+        return {
+            name: obj.state_dict() for name, obj in self._items.items() if not getattr(obj, "per_rank", False)
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         missing = set(self._items) ^ set(state)

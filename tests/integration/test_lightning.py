@@ -164,14 +164,24 @@ def test_a_hung_rank_is_replaced_bitwise(lightning_dir: Path, reference: tuple[s
     assert (job.digest, job.report["final_registered_sha256"]) == reference
 
 
+def _after_fit(job) -> list[str]:  # type: ignore[no-untyped-def]
+    """The lines rank 0's code after ``fit`` printed, in every process of ``job``."""
+    return [line for log in job.logs.values() for line in log.read_text().splitlines()
+            if line.startswith(f"trained {STEPS} steps")]  # fmt: skip
+
+
+@pytest.mark.parametrize("rank", [0, 1])
 def test_a_rank_killed_at_the_last_check_is_replaced_after_the_last_step(
-    lightning_dir: Path, reference: tuple[str, str]
+    lightning_dir: Path, reference: tuple[str, str], rank: int, tmp_path: Path
 ) -> None:
     """The replicas' check after the last step (``--consistency-every 6``): the replacement receives
-    the final state and only finishes."""
-    job = _job(lightning_dir, f"kill:rank=1@check={STEPS}", consistency_every=6)
+    the final state, finishes, and ``fit`` returns in it with the Trainer as the lost rank's left it:
+    the script's code after ``fit`` runs there (rank 0's prints what the fault-free run's does)."""
+    job = _job(lightning_dir, f"kill:rank={rank}@check={STEPS}", consistency_every=6, out=tmp_path)
     assert job.ok, f"{job.error}\n{logs_of(job)}"
     assert (job.digest, job.report["final_registered_sha256"]) == reference
+    lines = _after_fit(job)
+    assert len(lines) == 1 and f"state {reference[0]}" in lines[0], lines
 
 
 @pytest.mark.timeout(300)
@@ -304,6 +314,9 @@ def test_a_checkpoint_whose_writer_died_is_written_whole_by_its_replacement(
     assert f"wrote {lightning_dir / written}: rank 0 before it died" in said, said[-3000:]
     assert removed is None or f"removed {lightning_dir / removed}: rank 0 died before" in said, said[-3000:]
     assert len(died.report["faults"]) == 1 and died.report["faults"][0]["lost_steps"] == 0
+    # rank 0's code after fit ran once, in its replacement, on the Trainer as the lost rank's fit
+    # left it (steps, epoch, the metrics, the best checkpoint), as in the fault-free run
+    assert _after_fit(died) == _after_fit(whole) and len(_after_fit(whole)) == 1, _after_fit(died)
     assert died.digest == whole.digest
     assert died.report["final_registered_sha256"] == whole.report["final_registered_sha256"]
     names = sorted(p.name for p in kept.iterdir())

@@ -175,9 +175,16 @@ def main() -> None:
             owner = f"of {dist.get_world_size()}" if dist.is_initialized() else "none"
         print(
             f"trained {trainer.global_step} steps, val_loss {float(trainer.callback_metrics['val_loss']):.4f}, "
-            f"ranks {trainer.world_size}, process group: {owner}, state {strategy.digest}",
+            f"epoch {trainer.current_epoch}, best {_best(trainer)}, ranks {trainer.world_size}, "
+            f"process group: {owner}, state {strategy.digest}",
             flush=True,
         )
+
+
+def _best(trainer: L.Trainer) -> str:
+    """The checkpoint callback's best file (as the script would hand it to ``trainer.test``)."""
+    callback = trainer.checkpoint_callback
+    return os.path.basename(callback.best_model_path) if callback is not None else "none"
 
 
 if __name__ == "__main__":

@@ -811,3 +811,33 @@ def test_digest_is_canonical_and_covers_step() -> None:
     with torch.no_grad():
         next(m2.parameters()).view(-1)[0] += 1e-7
     assert digest_state(m1, o1, 5) != digest_state(m2, o2, 5)
+
+
+class _OwnMetrics:
+    """A rank's own state (``per_rank``): moved to a replacement, never compared."""
+
+    per_rank = True
+
+    def __init__(self, value: float) -> None:
+        self.value = value
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"loss": torch.tensor(self.value)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.value = float(state["loss"])
+
+
+def test_per_rank_state_moves_with_the_rest_but_the_replicas_do_not_compare_it() -> None:
+    from checkpointless.session_base import SessionBase
+
+    model = torch.nn.Linear(2, 2)
+    entries = []
+    for value in (1.0, 2.0):  # two replicas, equal but for their own metrics
+        registry = StateRegistry()
+        registry.register("model", model)
+        registry.register("metrics", _OwnMetrics(value))
+        assert set(registry.state_dict()) == {"model", "metrics"}
+        assert set(registry.compared_state_dict()) == {"model"}
+        entries.append(SessionBase._registered_entries(cast(Any, types.SimpleNamespace(_registry=registry))))
+    assert entries[0] == entries[1] and not any(path.startswith("metrics") for path, _ in entries[0])

@@ -46,8 +46,12 @@ What the strategy does (automatic optimization only):
   from a strategy: survivors never leave ``optimizer_step`` during a recovery, and a replacement
   starts that loop afresh from the received progress (so Lightning's ``on_train_epoch_start`` hooks
   do not run for the epoch it joins, as on any mid-epoch resume). A spare that replaces a rank
-  after the last step (a rank lost while the others wait in ``Session.finish``) only finishes and
-  exits 0 from ``fit``'s setup.
+  after the last step (a rank lost while the others wait in ``Session.finish``) receives the
+  Trainer as ``fit`` left it on its source (the loops' counters, the callbacks' and loggers' state
+  after the last epoch's end, whether it stopped early, and the metrics: ``callback_metrics``,
+  ``logged_metrics``, ``progress_bar_metrics``, the source's own, not compared between replicas),
+  finishes, and ``fit`` returns in it at once: the script's code after ``fit`` runs there as it
+  would have in the lost process (rank 0's final save, ``trainer.test``, printed metrics).
 - the data: the train ``DataLoader`` (a map-style dataset, its ``batch_size``, ``shuffle``,
   ``collate_fn``, ``num_workers``, ``drop_last``) is read through ``Session.loader`` as a function
   of the position: Lightning's batch ``b`` of epoch ``e`` is this rank's part of global batch
@@ -76,8 +80,7 @@ What the strategy does (automatic optimization only):
   run writes; and it removes the outdated top-k file rank 0 would have removed after that save, and
   makes the ``save_last="link"`` link rank 0 would have made. A
   replacement that joins after the last step does the same for the last epoch's checkpoints (the
-  saves after the last step's start join the final state, ``_Progress.closing``), then finishes; the
-  script's own code after ``fit`` does not run in it (files rank 0 would write there are missing).
+  saves after the last step's start join the final state, ``_Progress.closing``), then finishes.
 - ``fit(ckpt_path=...)`` resumes from a Lightning checkpoint (every rank reads the same file, as
   under DDP): the job starts at its step, the train data at that step's batch. A replacement takes
   its peers' state, not the file's (what Lightning would load after the session's setup is not

@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import torch
 from lightning.pytorch.callbacks import Callback
 
 
@@ -43,12 +44,38 @@ class _Progress:
         self._saves.append({"path": path, "weights_only": "optimizer_states" not in checkpoint,
                             "rest": copy.deepcopy(rest)})  # fmt: skip
 
-    def closing(self) -> None:
-        """After the last step (every rank, before ``Session.finish``): the saves and removals since
-        the last step began (the last epoch's checkpoint) join the snapshot, which is the state a
-        replacement joining after the last step receives."""
+    def closing(self, trainer: Any) -> None:
+        """After the last step (every rank, before ``Session.finish``; the strategy's
+        ``on_train_end``, after the callbacks'): the saves and removals since the last step began
+        (the last epoch's checkpoint) join the snapshot, with the Trainer as ``fit`` leaves it (its
+        loops' counters, the callbacks' and loggers' state after the last epoch's end, whether it
+        stopped early): the state a replacement joining after the last step receives (``finished``)."""
         self.snapshot["saves"] = [*self.snapshot.get("saves", []), *self._saves]
         self._saves = []
+        self.snapshot["final"] = {
+            "loops": copy.deepcopy(trainer.fit_loop.state_dict()),
+            "callbacks": _callback_states(trainer),
+            "loggers": [_logger_version(logger) for logger in trainer.loggers],
+            "stopped": bool(trainer.should_stop),
+        }
+
+    def finished(self, trainer: Any) -> None:
+        """A replacement joining after the last step: the Trainer as ``fit`` left it on its source
+        (``closing``). Its fit loop is then done, so ``fit`` returns at once, as Lightning's does
+        when resumed from a checkpoint saved at training's end, and the script's code after ``fit``
+        runs in this process as it would have in the lost one."""
+        final = self.snapshot.get("final")
+        if final is None:
+            raise RuntimeError("the state received after the last step lacks the Trainer's final state")
+        self._saves = list(self.snapshot.get("saves", []))
+        trainer.fit_loop.load_state_dict(copy.deepcopy(final["loops"]))
+        _load_callbacks(trainer, final["callbacks"])
+        for logger, version in zip(trainer.loggers, final["loggers"], strict=False):
+            _set_logger_version(logger, version)
+        trainer.should_stop = final["stopped"]
+        # Lightning's loop counts a finished training as no restart, and would run the sanity check's
+        # validation batches before finding its loop done: they ran at fit's start, not now
+        trainer.fit_loop.epoch_loop.val_loop.restarting = True
 
     def removed(self, path: str) -> None:
         """A checkpoint Lightning removes (an outdated top-k one: every rank asks, rank 0 removes)."""
@@ -70,16 +97,11 @@ class _Progress:
     def capture(self, trainer: Any) -> None:
         """At the start of step ``trainer.global_step`` (the strategy's ``on_train_batch_start`` of
         the step's first micro-batch)."""
-        callbacks = {}
-        for cb in trainer.callbacks:
-            state = cb.state_dict()
-            if state:
-                callbacks[cb.state_key] = copy.deepcopy(state)
         self.snapshot = {
             "step": trainer.global_step,
             "loops": self._loops,
             "at_start": copy.deepcopy(trainer.fit_loop.state_dict()),
-            "callbacks": callbacks,
+            "callbacks": _callback_states(trainer),
             "loggers": [_logger_version(logger) for logger in trainer.loggers],
             "saves": self._saves,
         }
@@ -92,13 +114,7 @@ class _Progress:
         self._saves = list(self.snapshot.get("saves", []))  # and its saves
         if self._loops is not None:  # None: the first step, nothing to resume
             trainer.fit_loop.load_state_dict(copy.deepcopy(self._loops))
-        callbacks = self.snapshot["callbacks"]
-        for cb in trainer.callbacks:
-            if cb.state_key in callbacks:
-                state = copy.deepcopy(callbacks[cb.state_key])
-                if isinstance(state.get("dirpath"), str) and hasattr(cb, "dirpath"):
-                    cb.dirpath = state["dirpath"]  # ModelCheckpoint's: its rank 0's, not resolved anew
-                cb.load_state_dict(state)
+        _load_callbacks(trainer, self.snapshot["callbacks"])
         for logger, version in zip(trainer.loggers, self.snapshot["loggers"], strict=False):
             _set_logger_version(logger, version)  # rank 0 logs on in the same directory
 
@@ -129,6 +145,63 @@ SAVED_KEYS = ("epoch", "global_step", "loops", "callbacks", "lr_schedulers")
 """What ``_Progress.saved`` keeps of a checkpoint Lightning saves: its counters, the callbacks' and
 the LR schedulers' state as they were then. The rest (the model's and the optimizer's tensors, the
 precision plugin's state, the hyperparameters) is what a dump at the next step's start holds."""
+
+
+class _Metrics:
+    """The Trainer's metrics as ``fit`` leaves them (``callback_metrics``, ``logged_metrics``,
+    ``progress_bar_metrics``), registered as ``lightning_metrics``: taken after the last step and
+    moved to a replacement that joins after it, whose script reads them after ``fit`` as the lost
+    rank's would. They are a rank's own (``self.log`` without ``sync_dist`` logs each rank's value),
+    so the replicas do not compare them (``per_rank``) and the replacement has its source's."""
+
+    per_rank = True
+
+    def __init__(self) -> None:
+        self.metrics: dict[str, dict[str, Any]] = {}
+
+    def capture(self, trainer: Any) -> None:
+        def plain(metrics: dict[str, Any]) -> dict[str, Any]:
+            return {
+                k: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
+                for k, v in metrics.items()
+            }
+
+        self.metrics = {
+            "callback": plain(trainer.callback_metrics),
+            "logged": plain(trainer.logged_metrics),
+            "progress_bar": plain(trainer.progress_bar_metrics),
+        }
+
+    def restore(self, trainer: Any) -> None:
+        """Into the Trainer's own dictionaries (its properties return them)."""
+        trainer.callback_metrics.update(self.metrics.get("callback", {}))
+        trainer.logged_metrics.update(self.metrics.get("logged", {}))
+        trainer.progress_bar_metrics.update(self.metrics.get("progress_bar", {}))
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.metrics
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.metrics = state
+
+
+def _callback_states(trainer: Any) -> dict[str, Any]:
+    """Each callback's ``state_dict`` (by ``state_key``), the empty ones left out."""
+    callbacks = {}
+    for cb in trainer.callbacks:
+        state = cb.state_dict()
+        if state:
+            callbacks[cb.state_key] = copy.deepcopy(state)
+    return callbacks
+
+
+def _load_callbacks(trainer: Any, callbacks: dict[str, Any]) -> None:
+    for cb in trainer.callbacks:
+        if cb.state_key in callbacks:
+            state = copy.deepcopy(callbacks[cb.state_key])
+            if isinstance(state.get("dirpath"), str) and hasattr(cb, "dirpath"):
+                cb.dirpath = state["dirpath"]  # ModelCheckpoint's: its rank 0's, not resolved anew
+            cb.load_state_dict(state)
 
 
 def _logger_version(logger: Any) -> Any:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack
 from typing import Any
 
 import torch
@@ -20,14 +19,19 @@ from checkpointless.devices import local_device
 from checkpointless.integrations.lightning.checkpoints import complete_saves, note_links
 from checkpointless.integrations.lightning.collectives import _Collectives
 from checkpointless.integrations.lightning.data import _TrainBatches
-from checkpointless.integrations.lightning.progress import _logger_version, _Progress, _set_logger_version
+from checkpointless.integrations.lightning.progress import (
+    _logger_version,
+    _Metrics,
+    _Progress,
+    _set_logger_version,
+)
 from checkpointless.integrations.lightning.refusals import (
     refused_loader,
     refused_settings,
     validation_inside_a_step,
 )
+from checkpointless.integrations.lightning.window import _Window
 from checkpointless.session import Session
-from checkpointless.session_base import Attempt
 
 log = logging.getLogger(__name__)
 
@@ -58,39 +62,6 @@ def under_launcher() -> bool:
     return ENV_STORE in os.environ
 
 
-class _Window:
-    """The attempt of the optimizer step under way, open from its first micro-batch's closure to its
-    update (one micro-batch without accumulation), and the closures run in it so far: after a
-    recovery the next attempt runs them again, in order, before the Trainer's loop goes on."""
-
-    def __init__(self, zero_grad: dict[str, Any]) -> None:
-        self.closures: list[Callable[[], Any]] = []
-        self.zero_grad = zero_grad  # Lightning's zero_grad count before the step: one attempt's counts
-        self._stack: ExitStack | None = None
-        self._attempt: Attempt | None = None
-
-    @property
-    def open(self) -> bool:
-        return self._stack is not None
-
-    def enter(self, session: Session) -> None:
-        self._stack = ExitStack()
-        self._attempt = self._stack.enter_context(session.attempt())
-
-    def fail(self, exc: BaseException) -> bool:
-        """End the attempt with ``exc``: True when the session recovered (the step runs again),
-        False when ``exc`` is to be raised (one process, a fatal error)."""
-        stack, self._stack = self._stack, None
-        assert stack is not None
-        return bool(stack.__exit__(type(exc), exc, exc.__traceback__))
-
-    def commit(self) -> None:
-        stack, self._stack = self._stack, None
-        assert stack is not None and self._attempt is not None
-        stack.close()
-        assert self._attempt.committed
-
-
 class CheckpointlessStrategy(ParallelStrategy):
     """A Lightning strategy that makes ``Trainer.fit`` fault tolerant under ``checkpointless launch``
     (``checkpointless.integrations.lightning``'s docstring). ``seed``: the base of the per-step
@@ -107,6 +78,7 @@ class CheckpointlessStrategy(ParallelStrategy):
         self._session: Session | None = None
         self._trainer: Any = None
         self._progress = _Progress()
+        self._metrics = _Metrics()  # the Trainer's as fit leaves them: for a replacement after the last step
         self._comm = _Collectives(lambda: self._session)
         self._steps: Iterator[int] | None = None
         self._total = -1  # the job's steps (the Trainer's estimated_stepping_batches)
@@ -193,6 +165,7 @@ class CheckpointlessStrategy(ParallelStrategy):
         if scaler is not None:
             state["grad_scaler"] = scaler
         state["lightning"] = self._progress
+        state["lightning_metrics"] = self._metrics
         note_links(trainer, self._progress)  # save_last="link"'s links, noted as the saves are
         if self._progress.callback not in trainer.callbacks:
             trainer.callbacks.append(self._progress.callback)
@@ -232,20 +205,24 @@ class CheckpointlessStrategy(ParallelStrategy):
         """A replacement: enter the Trainer's loop where the state it received was taken."""
         session = self._require_session()
         snapshot_step = int(self._progress.snapshot["step"])
-        if session.step != snapshot_step:
-            # the job had done its last step (a rank died in Session.finish): nothing left to train
-            log.info(
-                "[rank %d] joined after the last step %d: finishing", session.rank, session.committed_step
-            )
-            self._complete_saves()  # the last epoch's checkpoint, if rank 0 died writing it
-            self._finish(total=session.step)
-            raise SystemExit(0)
-        self._progress.restore(trainer)
         # Started with fit(ckpt_path=...), the Trainer would now load the checkpoint's optimizer,
         # schedulers, scaler and loop counters over the state just received: it loaded the model
         # and the callbacks (before setup), the state received replaced them, and nothing is left
         # to load.
         trainer._checkpoint_connector._loaded_checkpoint = {}
+        if session.step != snapshot_step:
+            # the job had done its last step (a rank died in Session.finish): nothing left to train.
+            # The Trainer as fit left it on the source: fit returns at once, and the script's code
+            # after it runs here as it would have in the lost process.
+            log.info(
+                "[rank %d] joined after the last step %d: finishing", session.rank, session.committed_step
+            )
+            self._complete_saves()  # the last epoch's checkpoint, if rank 0 died writing it
+            self._progress.finished(trainer)
+            self._metrics.restore(trainer)
+            self._finish(total=session.step, closing=False)
+            return
+        self._progress.restore(trainer)
         # Lightning may have made the train iterator already, at step 0: ``estimated_stepping_batches``
         # in ``configure_optimizers`` loads the train data (and prefetches a batch) before this
         # process had a rank. Made again at fit's start, it starts at the step received.
@@ -383,15 +360,18 @@ class CheckpointlessStrategy(ParallelStrategy):
     def on_train_end(self) -> None:
         self._finish(total=self._trainer.global_step)
 
-    def _finish(self, total: int) -> None:
+    def _finish(self, total: int, closing: bool = True) -> None:
         """After the last step: the replicas' last check, then ``Session.finish`` (which serves as a
         recovery source until every rank is done). A Trainer that stopped before the job's total
-        (``EarlyStopping``: every rank decides alike) ends the job at its ``global_step``."""
+        (``EarlyStopping``: every rank decides alike) ends the job at its ``global_step``.
+        ``closing``: the Trainer's final state joins the state (a replacement received it)."""
         session = self._session
         if session is None or self._finished:
             return
         self._finished = True
-        self._progress.closing()  # the saves after the last step's start go with the final state
+        if closing:  # the saves after the last step's start and the Trainer as fit leaves it
+            self._progress.closing(self._trainer)
+            self._metrics.capture(self._trainer)
         steps = self._steps if self._steps is not None and total == self._total else session.steps(total)
         for step in steps:
             raise RuntimeError(f"the Trainer ended before step {step}")
