@@ -1417,7 +1417,8 @@ def _on_paper(res: dict[str, Any]) -> str:
     measured here and published figures."""
     rows = res["rows"]
     f = common.fmt
-    ranks = 2000 * NPROC
+    hosts = 2000
+    ranks = hosts * NPROC
     micro = res.get("store_microbench") or {}
     per_key = micro.get("per_key_us")
     plan_get = micro.get("plan_get_s")
@@ -1444,15 +1445,13 @@ def _on_paper(res: dict[str, Any]) -> str:
         "",
         f"- **The plan.** It lists every rank's process and host: {plan_bytes / 1e6:.2f} MB at 16,000 ranks"
         + (f" ({f(big[1] / 1e3, 0)} kB measured at {big[0]:,} hosts)" if big else "")
-        + ". Every rank reads it (`ControlClient.wait_plan`): "
-        f"{plan_bytes * ranks / 1e9:.1f} GB out of the store per recovery"
-        + (
-            f", {ranks * plan_get:.1f} s of the store thread at the rate above (0.6 s if each host read it once "
-            "for its ranks)"
-            if plan_get
-            else ""
-        )
-        + ".",
+        + ". Every rank reads it (`ControlClient.wait_plan`), from its host's relay, which reads it once "
+        "from the coordinator's store for the host's ranks (`Relay._copy_plan`, since 2026-12-05): "
+        f"{plan_bytes * hosts / 1e9:.1f} GB out of the store per recovery"
+        + (f", {hosts * plan_get:.1f} s of the store thread at the rate above" if plan_get else "")
+        + f" (every rank reading it there, as before: {plan_bytes * ranks / 1e9:.1f} GB"
+        + (f", {ranks * plan_get:.1f} s" if plan_get else "")
+        + ").",
         f"- **gloo.** Each rank reads every peer's entry: at least {mesh / 1e6:,.0f} million key reads per full "
         "mesh, twice per generation (gloo's rendezvous, then the listeners)"
         + (
@@ -1479,7 +1478,7 @@ def _on_paper(res: dict[str, Any]) -> str:
         + (
             " (the findings above say how far it does). What it needs still: groups that do not rebuild over "
             "every rank (NCCL's `ncclCommShrink` / `ncclCommGrow` [nccl-api], or a hierarchy: groups within a "
-            "replica set, a small group across), one plan read per host, event chunks deleted in one call, no "
+            "replica set, a small group across), event chunks deleted in one call, no "
             "per-process round trips in the coordinator's loop or per rank and step on its store, and a store "
             "that is not one thread (sharded)."
             if _protocol(res) == RELAY

@@ -34,8 +34,13 @@ writes what it holds up to ``FINAL_BYTES`` beyond the window, and every event ot
 in any case: 2,000 hosts writing their backlogs at once at the job's end would have piled them into
 the coordinator's store. The coordinator's store thus holds at most 64 KB per host
 (128 MB at 2,000 hosts), whatever the rate.
-Plans, failure reports, final digests and waits still go from each process to the coordinator's
-store: they come once per generation, not per tick.
+The plans: a process waiting for generation ``n``'s plan says so in its heartbeat (``awaiting``),
+and a thread of the relay (``relay_plans.PlanCopier``) waits for that plan on the coordinator's store and
+copies it, still sealed by the coordinator, into the host's store, where the host's processes read
+it: one read per host, not per rank (a plan lists every rank: 0.6 MB at 2,000 hosts x 8 ranks,
+10 GB out of the coordinator's one store thread per recovery when every rank read it there).
+Final digests and waits for a spare's assignment still go from each process to the coordinator's
+store: they come once per job or generation, not per tick.
 
 The lease: after each answered round trip the relay writes into its own store when that round trip
 was sent and which generations it saw aborted (``keys.HOST_LEASE``); a relayed process reads it in
@@ -62,6 +67,7 @@ from checkpointless.control import keys
 from checkpointless.control.auth import SignedStore, job_namespace
 from checkpointless.control.client import redial
 from checkpointless.control.vocab import Event, Phase
+from checkpointless.launch.relay_plans import PlanCopier
 
 log = logging.getLogger(__name__)
 
@@ -152,9 +158,11 @@ class Relay:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="agent-relay", daemon=True)
+        self.plans = PlanCopier(self._local, self._connect, interval, self._stop, host)
 
     def start(self) -> None:
         self._thread.start()
+        self.plans.start()
 
     def _rejected(self, key: str) -> None:
         log.warning("relay %s: ignored a value on %r not sealed with this job's secret", self.host, key)
@@ -175,6 +183,11 @@ class Relay:
             if seq <= self._seen.get(name, 0):
                 continue  # nothing new (or a replay)
             self._seen[name], self._hb[name] = seq, {k: hb[k] for k in FORWARDED if k in hb}
+            awaiting = hb.get("awaiting")
+            if type(awaiting) is int and awaiting >= 0:
+                self.plans.awaiting[name] = awaiting
+            else:
+                self.plans.awaiting.pop(name, None)
             first, upto = self._chunks_read.get(name, 0), int(hb.get("chunks", 0))
             for i in range(first, upto):  # written before the heartbeat that counts them
                 chunk_key = keys.events(name, i)
@@ -337,5 +350,6 @@ class Relay:
 
     def close(self) -> None:
         self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=2)
+        for thread in (self._thread, self.plans.thread):
+            if thread.is_alive():
+                thread.join(timeout=2)

@@ -8,6 +8,7 @@ import json
 import threading
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -298,3 +299,47 @@ def test_a_report_forwarded_after_its_process_was_killed_counts_for_nothing(
     coord._check_reports(direct=False)
     assert coord._failure is not None and coord._failure.reported == {0: 3}
     assert [e["rank"] for e in seen if e["kind"] == Event.FAILURE_REPORTED] == [0]
+
+
+def test_the_hosts_processes_read_each_plan_once_from_the_coordinator_through_their_relay(
+    coordinator: tuple[Any, SignedStore], relay: Relay
+) -> None:
+    """Two processes of the host wait for generation 1's plan: the relay reads it once from the
+    coordinator's store and both read it from the host's store, the newer plan when there is one; a
+    forged plan is not copied (the processes wait on for the coordinator's own); a process that
+    waits later still finds it there once the coordinator's copy is gone."""
+    from checkpointless.control.plan import Plan
+
+    server, view = coordinator
+    clients = [_client(relay, server, n) for n in ("w0", "w1")]
+    got: dict[str, Plan] = {}
+
+    def wait(c: ControlClient) -> None:
+        got[c.proc] = c.wait_plan(1, timedelta(seconds=20))
+
+    threads = [threading.Thread(target=wait, args=(c,)) for c in clients]
+    try:
+        for t in threads:
+            t.start()
+        _until(lambda: len(relay.plans.awaiting) == 2)  # their heartbeats say what they wait for
+        server.set(view.name(keys.plan(1)), b"0" * 64 + b".{}")  # a stranger's, unsealed
+        time.sleep(0.3)
+        assert relay.plans.copied == 0 and not got
+        plans = {
+            g: Plan(gen=g, world_size=2, shards=1, members={0: "w0", 1: "w1"}, resume_step=5) for g in (1, 2)
+        }
+        view.set(keys.plan(2), plans[2].to_json())  # generation 2 already replaced 1
+        view.set(keys.LATEST_GEN, "2")
+        view.set(keys.plan(1), plans[1].to_json())
+        for t in threads:
+            t.join(timeout=10)
+        assert got == {"w0": plans[2], "w1": plans[2]}
+        assert relay.plans.copied == 1
+        _until(lambda: not relay.plans.awaiting)  # done waiting: their heartbeats say so
+        view.delete(keys.plan(1))
+        view.delete(keys.plan(2))
+        assert clients[0].wait_plan(1, timedelta(seconds=5)) == plans[2]
+        assert relay.plans.copied == 1
+    finally:
+        for c in clients:
+            c.close()
