@@ -437,7 +437,7 @@ class ControlClient:
         store = self.store
         if self._relayed:
             # read from the host's relay, which copies each plan once for the host's processes
-            # (``Relay._copy_plan``): 16,000 reads of a 0.6 MB plan at 2,000 hosts x 8 ranks were
+            # (``launch/relay_plans.py``): 16,000 reads of a 0.6 MB plan at 2,000 hosts x 8 ranks were
             # 10 GB out of the control store's one thread per recovery; it reads one per host
             if self._plans is None:
                 main = _Redial(self._hb_addr, self.timeout, self._lease)

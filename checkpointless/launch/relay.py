@@ -34,11 +34,8 @@ writes what it holds up to ``FINAL_BYTES`` beyond the window, and every event ot
 in any case: 2,000 hosts writing their backlogs at once at the job's end would have piled them into
 the coordinator's store. The coordinator's store thus holds at most 64 KB per host
 (128 MB at 2,000 hosts), whatever the rate.
-The plans: a process waiting for generation ``n``'s plan says so in its heartbeat (``awaiting``),
-and a thread of the relay (``relay_plans.PlanCopier``) waits for that plan on the coordinator's store and
-copies it, still sealed by the coordinator, into the host's store, where the host's processes read
-it: one read per host, not per rank (a plan lists every rank: 0.6 MB at 2,000 hosts x 8 ranks,
-10 GB out of the coordinator's one store thread per recovery when every rank read it there).
+The plans are read once per host too: the relay copies each one its processes wait for into the
+host's store (``launch/relay_plans.py``).
 Final digests and waits for a spare's assignment still go from each process to the coordinator's
 store: they come once per job or generation, not per tick.
 

@@ -55,7 +55,7 @@ class _Progress:
         self.snapshot["final"] = {
             "loops": copy.deepcopy(trainer.fit_loop.state_dict()),
             "callbacks": _callback_states(trainer),
-            "loggers": [_logger_version(logger) for logger in trainer.loggers],
+            "loggers": _logger_versions(trainer),
             "stopped": bool(trainer.should_stop),
         }
 
@@ -67,11 +67,9 @@ class _Progress:
         final = self.snapshot.get("final")
         if final is None:
             raise RuntimeError("the state received after the last step lacks the Trainer's final state")
-        self._saves = list(self.snapshot.get("saves", []))
         trainer.fit_loop.load_state_dict(copy.deepcopy(final["loops"]))
         _load_callbacks(trainer, final["callbacks"])
-        for logger, version in zip(trainer.loggers, final["loggers"], strict=False):
-            _set_logger_version(logger, version)
+        _set_logger_versions(trainer, final["loggers"])
         trainer.should_stop = final["stopped"]
         # Lightning's loop counts a finished training as no restart, and would run the sanity check's
         # validation batches before finding its loop done: they ran at fit's start, not now
@@ -102,7 +100,7 @@ class _Progress:
             "loops": self._loops,
             "at_start": copy.deepcopy(trainer.fit_loop.state_dict()),
             "callbacks": _callback_states(trainer),
-            "loggers": [_logger_version(logger) for logger in trainer.loggers],
+            "loggers": _logger_versions(trainer),
             "saves": self._saves,
         }
         self._saves = []
@@ -115,8 +113,7 @@ class _Progress:
         if self._loops is not None:  # None: the first step, nothing to resume
             trainer.fit_loop.load_state_dict(copy.deepcopy(self._loops))
         _load_callbacks(trainer, self.snapshot["callbacks"])
-        for logger, version in zip(trainer.loggers, self.snapshot["loggers"], strict=False):
-            _set_logger_version(logger, version)  # rank 0 logs on in the same directory
+        _set_logger_versions(trainer, self.snapshot["loggers"])  # rank 0 logs on in the same directory
 
     def align(self, trainer: Any) -> None:
         """At a replacement's first ``on_train_batch_start``: every counter of the Trainer's loops
@@ -202,6 +199,15 @@ def _load_callbacks(trainer: Any, callbacks: dict[str, Any]) -> None:
             if isinstance(state.get("dirpath"), str) and hasattr(cb, "dirpath"):
                 cb.dirpath = state["dirpath"]  # ModelCheckpoint's: its rank 0's, not resolved anew
             cb.load_state_dict(state)
+
+
+def _logger_versions(trainer: Any) -> list[Any]:
+    return [_logger_version(logger) for logger in trainer.loggers]
+
+
+def _set_logger_versions(trainer: Any, versions: list[Any]) -> None:
+    for logger, version in zip(trainer.loggers, versions, strict=False):
+        _set_logger_version(logger, version)
 
 
 def _logger_version(logger: Any) -> Any:
