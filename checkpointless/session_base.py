@@ -139,7 +139,6 @@ class SessionBase:
         self._lineage = own_lineage(0, 0)  # whose computation this rank's state descends from
         self._lineages: dict[int, int] = {}  # every member's, as last exchanged in a recovery
         self._host_ranks: list[int] = []  # the ranks on this process's host (a host fault hits them all)
-        self._stop_checked = 0.0  # when ``steps`` last looked for the job's stop
         self._buffers = BufferSync(torch.nn.Module())
         self._committed = -1
         self._first_commit = 0  # the first step the job commits (``steps(start=)``)

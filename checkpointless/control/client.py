@@ -194,6 +194,7 @@ class ControlClient:
         self._status: dict[str, Any] = {"seq": 0, "phase": Phase.STARTING}
         # (abort key, what to call once it is set): the generation this process is a member of
         self._watch: tuple[str, Callable[[], None]] | None = None
+        self._job_stopped = False  # ``keys.JOB_STOP`` seen by the lease's round trip (``stop_requested``)
         self._stop = threading.Event()
         self._flush()  # the first heartbeat: this process has joined the job
         self._thread = threading.Thread(
@@ -273,10 +274,19 @@ class ControlClient:
         costs no store traffic; the abort is seen within ``_ack_every``."""
         self._watch = None if gen is None or on_abort is None else (keys.abort(gen), on_abort)
 
+    @property
+    def stop_requested(self) -> bool:
+        """Whether the job was stopped (``keys.JOB_STOP``: Ctrl-C, SIGTERM to the launcher), as the
+        heartbeat thread's lease round trips last saw it (within ``_ack_every``): asked at every
+        step boundary at no cost, where a store round trip of the main thread would wait for the
+        launcher to be scheduled on the cores the ranks train on."""
+        return self._job_stopped
+
     def _ack(self) -> None:
         """One acknowledged round trip on the heartbeat connection: renews the lease, proves that
         every write before it arrived (a ``set`` alone may vanish in a dead connection) and looks
-        for the abort of the watched generation (``watch_abort``)."""
+        for the abort of the watched generation (``watch_abort``) and for the job's stop
+        (``stop_requested``; relayed, both come in the host's lease)."""
         watch = self._watch
         with self._hb_lock:
             if self._broken:
@@ -289,6 +299,9 @@ class ControlClient:
                 else:
                     aborted = self._hb_store.raw.check([self._hb_store.name(key)]) and watch is not None
                     acked = sent
+                    stop = self._hb_store.name(keys.JOB_STOP)
+                    if not self._job_stopped and self._hb_store.raw.check([stop]):
+                        self._job_stopped = self._hb_store.is_set(keys.JOB_STOP)  # sealed by this job
             except (RuntimeError, OSError) as e:
                 self._lost(e)
                 return
@@ -311,6 +324,7 @@ class ControlClient:
         if text is None:
             return False, self._last_ack  # the relay has not reached the control store yet
         lease = json.loads(text)
+        self._job_stopped = self._job_stopped or bool(lease.get("stopped"))
         aborted = watch is not None and any(keys.abort(int(g)) == watch[0] for g in lease.get("aborted", []))
         return aborted, float(lease["acked"])
 

@@ -143,3 +143,23 @@ def test_a_waiting_spare_is_woken_by_the_stop_assignment_at_once(store: _SlowSto
         client.wait_assignment()
     assert time.monotonic() - t0 < 5
     client.close()
+
+
+def test_the_heartbeat_thread_learns_that_the_job_stopped_and_a_strangers_stop_is_not_heeded(
+    store: _SlowStore,
+) -> None:
+    """``stop_requested`` (asked at every step boundary) costs the main thread no store round trip:
+    the lease's round trips look for ``job/stop``, and only a value sealed with the job's secret counts."""
+    client = ControlClient("127.0.0.1:1", "w0", SECRET, heartbeat_interval=0.02, lease_s=5.0)
+    store.data[_writer(store).name(keys.JOB_STOP)] = b"0" * 64 + b".1"  # a stranger's, unsealed
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline:  # some 50 round trips of the heartbeat thread
+        assert not client.stop_requested
+        time.sleep(0.01)
+    assert any(json.loads(t)["kind"] == Event.MESSAGE_REJECTED for t in _event_lines(store, "w0"))
+    _writer(store).set(keys.JOB_STOP, "1")
+    deadline = time.monotonic() + 5.0
+    while not client.stop_requested and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert client.stop_requested
+    client.close()

@@ -134,11 +134,13 @@ def test_an_abort_reaches_the_ranks_that_watch_their_generation(
         assert not aborted.is_set()
         view.set(keys.abort(2), "1")
         assert aborted.wait(5.0)
-        # the job's stop: asked at every step boundary, answered on the host (the relay looks once
-        # every few beats); any other key is asked of the coordinator's store
-        assert not client.is_set(keys.JOB_STOP)
+        # the job's stop: answered on the host (the relay looks once every few beats) and learned
+        # by the heartbeat thread from the host's lease (asked at every step boundary at no
+        # cost); any other key is asked of the coordinator's store
+        assert not client.is_set(keys.JOB_STOP) and not client.stop_requested
         view.set(keys.JOB_STOP, "1")
         _until(lambda: client.is_set(keys.JOB_STOP), timeout=5.0)
+        _until(lambda: client.stop_requested, timeout=5.0)
         view.set("consistency/until", "1")
         assert client.is_set("consistency/until")
     finally:
