@@ -62,7 +62,7 @@ import logging
 import os
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, overload
 
@@ -399,6 +399,7 @@ class Session(Member):
         drop_last: bool = True,
         pin_memory: bool = False,
         worker_init_fn: Callable[[int], None] | None = None,
+        order: Callable[[int], Sequence[int]] | None = None,
     ) -> StepLoader: ...
 
     def loader(
@@ -413,6 +414,7 @@ class Session(Member):
         drop_last: bool = True,
         pin_memory: bool = False,
         worker_init_fn: Callable[[int], None] | None = None,
+        order: Callable[[int], Sequence[int]] | None = None,
     ) -> StepLoader | IterableStepLoader:
         """This rank's part of every step's global batch of ``dataset``, as a function of the step:
         ``batch = loader.batch(step)`` inside the attempt, in place of a ``DataLoader`` with a
@@ -424,7 +426,11 @@ class Session(Member):
         the same after a recovery and with any number of worker processes.
 
         A map-style dataset is read by ``StepLoader`` (``checkpointless.data.loader``): ``shuffle``
-        (default ``True``) draws each epoch's order from ``seed`` (default: the session's). A
+        (default ``True``) draws each epoch's order from ``seed`` (default: the session's);
+        ``order(epoch)``, if given, is the epoch's order instead: a permutation of the dataset's
+        indices computed from the epoch alone, the same in every process (a length-grouped order, a
+        curriculum; a sampler's ``set_epoch`` then ``list(sampler)`` where it draws from a generator
+        seeded by the epoch). A
         ``torch.utils.data.IterableDataset`` is read by ``IterableStepLoader``
         (``checkpointless.data.iterable_loader``, whose docstring is the dataset's contract): its
         order is its own, so ``shuffle=True`` is an error and ``seed`` is ignored (a warning).
@@ -437,8 +443,8 @@ class Session(Member):
 
         if isinstance(dataset, DataLoader):
             given = (global_batch_size, shuffle, seed, collate_fn, num_workers, drop_last, pin_memory,
-                     worker_init_fn)  # fmt: skip
-            if given != (None, None, None, None, 0, True, False, None):
+                     worker_init_fn, order)  # fmt: skip
+            if given != (None, None, None, None, 0, True, False, None, None):
                 raise TypeError("session.loader(dataloader) takes its settings from the DataLoader: "
                                 "pass no other arguments (or pass the dataset and global_batch_size)")  # fmt: skip
             from checkpointless.data.from_dataloader import loader_settings
@@ -453,7 +459,7 @@ class Session(Member):
         loader = make_loader(
             dataset, global_batch_size, rank=lambda: self.dp_rank, size=lambda: self.dp_size,
             default_seed=self.seed, shuffle=shuffle, seed=seed, collate_fn=collate_fn, num_workers=num_workers,
-            drop_last=drop_last, pin_memory=pin_memory, worker_init_fn=worker_init_fn,
+            drop_last=drop_last, pin_memory=pin_memory, worker_init_fn=worker_init_fn, order=order,
         )  # fmt: skip
         if isinstance(loader, StepLoader):
             loader.check_split(self.dp_size)

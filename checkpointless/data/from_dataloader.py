@@ -25,7 +25,7 @@ own) cannot be translated into a function of the step: it is refused in one line
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
@@ -94,6 +94,7 @@ def make_loader(
     drop_last: bool = True,
     pin_memory: bool = False,
     worker_init_fn: Callable[[int], None] | None = None,
+    order: Callable[[int], Sequence[int]] | None = None,
 ) -> StepLoader | IterableStepLoader:
     """``session.loader(dataset, global_batch_size, ...)``'s loader, for the data-parallel rank and
     size that ``rank()`` and ``size()`` give when a step is read (a ``StepLoader`` for a map-style
@@ -102,6 +103,10 @@ def make_loader(
     if isinstance(dataset, IterableDataset):
         from checkpointless.data.iterable_loader import IterableStepLoader
 
+        if order is not None:
+            raise TypeError(
+                "session.loader(order=...) orders a map-style dataset: an iterable one's order is its own"
+            )
         if seed is not None:
             warnings.warn("session.loader(seed=...) is ignored for an iterable dataset: its order "
                           "is its own", stacklevel=3)  # fmt: skip
@@ -114,5 +119,5 @@ def make_loader(
     return StepLoader(
         dataset, global_batch_size, rank=rank, size=size, shuffle=True if shuffle is None else shuffle,
         seed=default_seed if seed is None else seed, collate_fn=collate_fn, num_workers=num_workers,
-        drop_last=drop_last, pin_memory=pin_memory, worker_init_fn=worker_init_fn,
+        drop_last=drop_last, pin_memory=pin_memory, worker_init_fn=worker_init_fn, order=order,
     )  # fmt: skip

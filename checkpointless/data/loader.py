@@ -5,7 +5,9 @@ What a ``DataLoader`` with a ``DistributedSampler`` gives a DDP script, made re-
 
 - step ``s`` reads the global batch ``s``: epoch ``s // steps_per_epoch``, position
   ``s % steps_per_epoch`` in that epoch's order (a permutation drawn from ``(seed, epoch)`` when
-  ``shuffle``; the dataset's order otherwise), ``global_batch_size`` samples;
+  ``shuffle``; the dataset's order otherwise; or ``order(epoch)``, a permutation of the dataset's
+  indices that the caller computes as a function of the epoch alone, the same in every process:
+  a length-grouped order, a curriculum), ``global_batch_size`` samples;
 - the global batch does not depend on how many ranks share it: it is cut into ``dp_size`` equal
   contiguous parts, in order, and data-parallel rank ``r`` reads part ``r``;
 - the position is a function of the step, never state of the rank: a replacement, or a step
@@ -26,7 +28,7 @@ without it the epoch's last batch is shorter (and must still split evenly over t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -109,6 +111,7 @@ class StepLoader:
         drop_last: bool = True,
         pin_memory: bool = False,
         worker_init_fn: Callable[[int], None] | None = None,
+        order: Callable[[int], Sequence[int]] | None = None,
     ) -> None:
         if isinstance(dataset, IterableDataset):
             raise TypeError(
@@ -134,6 +137,7 @@ class StepLoader:
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
         self.collate_fn, self.num_workers, self.pin_memory = collate_fn, num_workers, pin_memory
         self.worker_init_fn = worker_init_fn
+        self.order = order
         self.steps_per_epoch = n // global_batch_size if drop_last else -(-n // global_batch_size)
         self._order: tuple[int, torch.Tensor] | None = None  # (epoch, its sample order)
         self._iter: Iterator[Any] | None = None
@@ -160,7 +164,9 @@ class StepLoader:
 
     def _epoch_order(self, epoch: int) -> torch.Tensor:
         if self._order is None or self._order[0] != epoch:
-            if self.shuffle:
+            if self.order is not None:
+                order = _checked_order(self.order(epoch), self.n, epoch)
+            elif self.shuffle:
                 g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
                 order = torch.randperm(self.n, generator=g)
             else:
@@ -245,3 +251,20 @@ class StepLoader:
     def __len__(self) -> int:
         """Steps per epoch."""
         return self.steps_per_epoch
+
+
+def _checked_order(given: Sequence[int], n: int, epoch: int) -> torch.Tensor:
+    """``order(epoch)``'s value as a tensor; a ``ValueError`` naming the fault if it is not a
+    permutation of the dataset's ``n`` indices."""
+    try:
+        order = torch.as_tensor(list(given), dtype=torch.long)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(
+            f"session.loader(order=...): order({epoch}) must return sample indices ({e})"
+        ) from None
+    if order.dim() != 1 or len(order) != n or not torch.equal(torch.sort(order).values, torch.arange(n)):
+        raise ValueError(
+            f"session.loader(order=...): order({epoch}) must return a permutation of the dataset's "
+            f"{n} indices (each of 0..{n - 1} once), got {len(order)} values"
+        )
+    return order

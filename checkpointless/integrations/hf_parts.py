@@ -1,10 +1,11 @@
 """Pieces of ``checkpointless.integrations.transformers.Trainer``: the ``TrainingArguments`` it
-refuses under the launcher, the ``Trainer``'s own state a replacement receives, and counts it
-takes of the data. Imported by that module once it has hidden torchrun's variables."""
+refuses under the launcher, the ``Trainer``'s own state a replacement receives, counts it
+takes of the data and its length-grouped train order. Imported by that module once it has hidden torchrun's variables."""
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,9 +29,9 @@ def _refusals(trainer: Trainer) -> list[str]:
     if getattr(args, "parallelism_config", None) is not None:
         out.append("parallelism_config (tensor, sequence or context parallelism)")
     sampling = getattr(args, "train_sampling_strategy", "random")
-    if sampling not in ("random", "sequential"):
+    if sampling not in ("random", "sequential", "group_by_length"):
         out.append(f"train_sampling_strategy={sampling!r} (the train order is a function of the step: "
-                   "'random' or 'sequential')")  # fmt: skip
+                   "'random', 'sequential' or 'group_by_length')")  # fmt: skip
     if isinstance(trainer.train_dataset, torch.utils.data.IterableDataset):
         workers = args.dataloader_num_workers
         if workers > 1:
@@ -100,3 +101,32 @@ def _length(dataset: Any) -> int | None:
         return len(dataset)
     except TypeError:
         return None
+
+
+def _length_grouped_order(trainer: Any, dataset: Any, batch: int, seed: int) -> Callable[[int], list[int]]:
+    """``train_sampling_strategy="group_by_length"``: each epoch's order as HF's ``LengthGroupedSampler``
+    makes it (``get_length_grouped_indices``: a permutation cut into mega-batches, each sorted by
+    length, the longest sample first), drawn from ``(seed, epoch)`` and grouped by the global
+    micro-batch (``batch`` samples over every rank): the ranks' parts of a micro-batch are alike in
+    length, and the order is the same in every process and after a recovery. The lengths are HF's:
+    the dataset's ``length_column_name`` column if it has one, else the length of each sample's
+    main input (every sample read once, at the start, as HF's sampler reads them)."""
+    from transformers.trainer_pt_utils import LengthGroupedSampler, get_length_grouped_indices
+
+    lengths = None
+    try:
+        import datasets
+
+        if isinstance(dataset, datasets.Dataset) and trainer.args.length_column_name in dataset.column_names:
+            lengths = dataset[trainer.args.length_column_name]
+    except ImportError:
+        pass
+    processing = trainer.processing_class
+    name = processing.model_input_names[0] if getattr(processing, "model_input_names", None) else None
+    lengths = LengthGroupedSampler(batch, dataset=dataset, lengths=lengths, model_input_name=name).lengths
+
+    def order(epoch: int) -> list[int]:
+        g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+        return list(get_length_grouped_indices(lengths, batch, generator=g))
+
+    return order

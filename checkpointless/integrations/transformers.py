@@ -44,8 +44,9 @@ a ``Session``'s step loop:
 
 Refused in one line (``ValueError``) under the launcher: DeepSpeed, FSDP, ``n_gpu > 1``
 (``DataParallel``), ``auto_find_batch_size``, tensor, sequence or context parallelism
-(``parallelism_config``), a ``train_sampling_strategy`` other than ``"random"`` (the default) and
-``"sequential"`` (the dataset's order), an ``IterableDataset`` train set read by more than one worker process
+(``parallelism_config``), a ``train_sampling_strategy`` other than ``"random"`` (the default),
+``"sequential"`` (the dataset's order) and ``"group_by_length"`` (HF's length-grouped order, drawn
+per epoch and grouped by the global micro-batch: ``hf_parts._length_grouped_order``), an ``IterableDataset`` train set read by more than one worker process
 (``dataloader_num_workers > 1``) or without ``__len__`` and without ``max_steps``. Tested with the
 ``transformers`` and ``accelerate`` versions pinned in ``pyproject.toml``'s ``transformers`` extra.
 
@@ -100,6 +101,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR  # noqa: E402
 
 from checkpointless.integrations.hf_parts import (  # noqa: E402
     _length,
+    _length_grouped_order,
     _refusals,
     _tokens,
     _TrainerProgress,
@@ -307,10 +309,12 @@ class Trainer(_HFTrainer):
             self._complete_checkpoint(session.step, per_epoch, max_steps, model, trial)
         stream = isinstance(dataset, torch.utils.data.IterableDataset)  # its order is its own
         seed = args.data_seed if args.data_seed is not None else args.seed
-        shuffle = not stream and getattr(args, "train_sampling_strategy", "random") == "random"
+        sampling = "stream" if stream else getattr(args, "train_sampling_strategy", "random")
+        grouped = sampling == "group_by_length"
         loader = session.loader(
-            dataset, micro_global, shuffle=shuffle, seed=None if stream else seed, collate_fn=collator,
+            dataset, micro_global, shuffle=sampling == "random", seed=None if stream else seed, collate_fn=collator,
             num_workers=args.dataloader_num_workers, drop_last=True, pin_memory=args.dataloader_pin_memory,
+            order=_length_grouped_order(self, dataset, micro_global, seed) if grouped else None,
         )  # fmt: skip
         self.callback_handler.train_dataloader = loader
 

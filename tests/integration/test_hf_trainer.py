@@ -139,6 +139,19 @@ def test_a_trainer_on_a_stream_recovers_bitwise(tmp_path: Path) -> None:
     assert job.digest == ref.digest
 
 
+def test_a_length_grouped_trainer_recovers_bitwise(tmp_path: Path) -> None:
+    """``train_sampling_strategy="group_by_length"`` (samples of different lengths, padded by the
+    script's collator): the epoch's order is HF's length-grouped one, drawn from the seed and the
+    epoch, so a kill and an exception end where the fault-free run does."""
+    ref = run_job(workers=2, spares=0, steps=STEPS, command=_command(tmp_path / "ref", "--group-by-length"),
+                  timeout_s=400)  # fmt: skip
+    assert ref.ok, f"{ref.error}\n{logs_of(ref)}"
+    job = run_job(workers=2, spares=1, steps=STEPS, command=_command(tmp_path / "faults", "--group-by-length"),
+                  faults=["kill:rank=1@step=4", "exception:rank=0@step=8"], timeout_s=400)  # fmt: skip
+    assert job.ok, f"{job.error}\n{logs_of(job)}"
+    assert job.digest == ref.digest
+
+
 def test_an_unsupported_setting_is_refused_in_one_line(tmp_path: Path) -> None:
     job = run_job(workers=2, spares=0, steps=STEPS, timeout_s=200,
                   command=_command(tmp_path, "--iterable", "--workers", "2"))  # fmt: skip

@@ -4,7 +4,7 @@ accumulation, clipping, a cosine schedule with warm-up, logging, evaluation and 
 
 Usage: hf_trainer.py OUTPUT_DIR STEPS [--bf16] [--resume CHECKPOINT] [--iterable] [--workers N]
                      [--raise-at STEP:MICRO:RANK] [--padded] [--per-device N] [--lora]
-                     [--die-in-save STEP] [--eval-check] [--eval-fault KIND:STEP:RANK]
+                     [--die-in-save STEP] [--eval-check] [--eval-fault KIND:STEP:RANK] [--group-by-length]
 (``--iterable``: the train set as an endless stream, an ``IterableDataset`` without ``__len__``
 whose passes are shuffled from its own seed; ``--workers``: ``dataloader_num_workers``;
 ``--raise-at``: the model's forward raises once, on that rank, at that micro-batch of that step;
@@ -12,7 +12,8 @@ whose passes are shuffled from its own seed; ``--workers``: ``dataloader_num_wor
 ``--per-device``: per_device_train_batch_size, 2 by default; ``--lora``: a peft LoRA model;
 ``--die-in-save``: the process writing the checkpoint of that step is SIGKILLed once, after the
 model's weights and before the optimizer's, as a power loss would stop it; ``--eval-check``,
-``--eval-fault``: ``evalcheck.py``)
+``--eval-fault``: ``evalcheck.py``; ``--group-by-length``: samples of different lengths, padded by
+the collator, read in HF's length-grouped order, ``train_sampling_strategy="group_by_length"``)
 """
 
 from __future__ import annotations
@@ -45,6 +46,30 @@ class Tokens(torch.utils.data.Dataset):
         labels = self.data[i].clone()
         labels[int(self.kept[i]) :] = -100
         return {"input_ids": self.data[i], "labels": labels}
+
+
+class Varied(Tokens):
+    """``Tokens`` cut to a length of their own (``kept``, from 1 to the full length)."""
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        n = int(self.kept[i])
+        return {"input_ids": self.data[i][:n], "labels": self.data[i][:n].clone()}
+
+
+def pad(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """A batch of ``Varied`` samples padded to its longest (labels -100 and no attention there)."""
+    width = max(len(s["input_ids"]) for s in samples)
+    batch = {"input_ids": torch.zeros(len(samples), width, dtype=torch.long),
+             "labels": torch.full((len(samples), width), -100), "attention_mask": torch.zeros(len(samples), width,
+             dtype=torch.long)}  # fmt: skip
+    for j, s in enumerate(samples):
+        n = len(s["input_ids"])
+        batch["input_ids"][j, :n], batch["labels"][j, :n], batch["attention_mask"][j, :n] = (
+            s["input_ids"],
+            s["labels"],
+            1,
+        )
+    return batch
 
 
 class Stream(torch.utils.data.IterableDataset):
@@ -111,6 +136,7 @@ def main() -> None:
     p.add_argument("--die-in-save", type=int, default=None, metavar="STEP")
     p.add_argument("--eval-check", action="store_true")
     p.add_argument("--eval-fault", default=None, metavar="KIND:STEP:RANK")
+    p.add_argument("--group-by-length", action="store_true")
     a = p.parse_args()
     torch.manual_seed(0)
     config = LlamaConfig(
@@ -150,8 +176,11 @@ def main() -> None:
         seed=7,
         dataloader_num_workers=a.workers,
         disable_tqdm=True,
+        **({"train_sampling_strategy": "group_by_length"} if a.group_by_length else {}),
     )
     train: torch.utils.data.Dataset = Tokens(96, 16, 128, 1, padded=a.padded)
+    if a.group_by_length:
+        train = Varied(96, 16, 128, 1, padded=True)
     if a.iterable:
         train = Stream(train, seed=11)
     callbacks = []
@@ -159,7 +188,7 @@ def main() -> None:
         step, micro, rank = (int(v) for v in a.raise_at.split(":"))
         callbacks.append(RaiseOnce(model, step, micro, rank))
     trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=Tokens(22, 16, 128, 2),
-                      callbacks=callbacks)  # fmt: skip
+                      callbacks=callbacks, **({"data_collator": pad} if a.group_by_length else {}))  # fmt: skip
     if a.eval_check:
         trainer.add_callback(EvalCheck(trainer))
     if a.eval_fault:

@@ -55,6 +55,33 @@ def test_the_global_batch_is_a_function_of_the_step_whatever_the_number_of_ranks
     assert _loader(ds, 12, shuffle=False).global_indices(1) == list(range(12, 24))
 
 
+def test_an_order_given_per_epoch_is_the_epochs_order_and_a_wrong_one_is_named() -> None:
+    """``order(epoch)`` (a length-grouped order, a curriculum): the epoch's order, cut into global
+    batches and split over the ranks as a shuffle is; not a permutation of the dataset: one line."""
+    ds = Counted(20)
+
+    def reverse_then_rotate(epoch: int) -> list[int]:
+        return [(19 - i + epoch) % 20 for i in range(20)]
+
+    loader = _loader(ds, 4, 1, 2, order=reverse_then_rotate, seed=3)
+    assert loader.global_indices(0) == [19, 18, 17, 16] and loader.indices(0) == [17, 16]
+    assert loader.global_indices(5) == [0, 19, 18, 17]  # epoch 1, rotated by one
+    assert [int(x) for x in loader.batch(5)[0]] == [18, 17]
+    for bad, named in ((lambda e: [0, 1, 2], "got 3 values"), (lambda e: [0] * 20, "each of 0..19 once"),
+                       (lambda e: ["a"] * 20, "must return sample indices")):  # fmt: skip
+        with pytest.raises(ValueError, match=named):
+            _loader(ds, 4, order=bad).global_indices(0)
+
+    class Stream(IterableDataset[int]):
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            yield from range(8)
+
+    from checkpointless.data.from_dataloader import make_loader
+
+    with pytest.raises(TypeError, match=r"order=.*map-style"):
+        make_loader(Stream(), 4, rank=lambda: 0, size=lambda: 1, default_seed=0, order=reverse_then_rotate)
+
+
 def test_consecutive_steps_keep_the_iterator_and_a_step_asked_again_restarts_it() -> None:
     ds = Counted(40)
     loader = _loader(ds, 8, 1, 2, seed=0)

@@ -28,7 +28,6 @@ def _trainer(**args: Any) -> Any:
 @pytest.mark.parametrize(
     ("args", "named"),
     [
-        ({"train_sampling_strategy": "group_by_length"}, "train_sampling_strategy='group_by_length'"),
         ({"train_sampling_strategy": "batch_rebalance"}, "train_sampling_strategy='batch_rebalance'"),
         ({"deepspeed": "ds.json"}, "DeepSpeed"),
         ({"auto_find_batch_size": True}, "auto_find_batch_size"),
@@ -41,8 +40,45 @@ def test_a_setting_the_loop_cannot_honour_is_named(args: dict[str, Any], named: 
     assert line.startswith(named), line
 
 
-def test_the_default_and_sequential_order_are_supported() -> None:
+def test_the_default_sequential_and_length_grouped_orders_are_supported() -> None:
     from checkpointless.integrations.transformers import _refusals
 
     assert _refusals(_trainer()) == []
     assert _refusals(_trainer(train_sampling_strategy="sequential")) == []
+    assert _refusals(_trainer(train_sampling_strategy="group_by_length")) == []
+
+
+class _Varied(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    def __init__(self, lengths: list[int]) -> None:
+        self.lengths = lengths
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": torch.zeros(self.lengths[i], dtype=torch.long)}
+
+
+def test_the_length_grouped_order_is_hfs_drawn_from_the_seed_and_the_epoch() -> None:
+    """``group_by_length``: each epoch's order is what HF's ``LengthGroupedSampler`` draws with a
+    generator seeded from (seed, epoch), grouped by the global micro-batch; the same in every
+    process (a function of its arguments), another in each epoch."""
+    from transformers.trainer_pt_utils import LengthGroupedSampler
+
+    from checkpointless.integrations.hf_parts import _length_grouped_order
+
+    lengths = torch.randint(1, 64, (200,), generator=torch.Generator().manual_seed(0)).tolist()
+    trainer = SimpleNamespace(args=SimpleNamespace(length_column_name="length"), processing_class=None)
+    order = _length_grouped_order(trainer, _Varied(lengths), 8, seed=5)
+    assert order(0) == _length_grouped_order(trainer, _Varied(lengths), 8, seed=5)(0)
+    assert sorted(order(0)) == list(range(200)) and order(0) != order(1)
+    hf = LengthGroupedSampler(8, lengths=lengths, generator=torch.Generator().manual_seed(5 * 1_000_003 + 1))
+    assert order(1) == list(hf)
+
+    # the micro-batches are alike in length: far less padding than in a random order
+    def padding(o: list[int]) -> int:
+        return sum(max(lengths[i] for i in o[k : k + 8]) * 8 - sum(lengths[i] for i in o[k : k + 8])
+                   for k in range(0, 200, 8))  # fmt: skip
+
+    shuffled = torch.randperm(200, generator=torch.Generator().manual_seed(1)).tolist()
+    assert padding(order(0)) < padding(shuffled) / 3
