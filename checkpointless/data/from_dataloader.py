@@ -19,7 +19,9 @@ session takes the ``DataLoader`` and reads its settings:
 
 The ``DataLoader`` itself is never iterated (its sampler's position is per-rank state; the step is
 the position). A sampler of another kind (weighted, bucketed by length, a ``batch_sampler`` of one's
-own) cannot be translated into a function of the step: it is refused in one line.
+own) cannot be translated into a function of the step: it is refused in one line, which points at
+``session.loader(dataset, global_batch_size, order=...)`` (the epoch's order as a function of the
+epoch, computed by the script).
 """
 
 from __future__ import annotations
@@ -65,7 +67,8 @@ def loader_settings(dataloader: DataLoader[Any], dp_size: int, default_seed: int
         raise ValueError(
             f"session.loader(dataloader): its sampler is a {type(sampler).__name__}, which cannot be "
             "read as a function of the step; supported: DistributedSampler, RandomSampler "
-            "(shuffle=True), SequentialSampler (shuffle=False)"
+            "(shuffle=True), SequentialSampler (shuffle=False); or pass the dataset and each epoch's "
+            "order: session.loader(dataset, global_batch_size, order=lambda epoch: [...])"
         )
     return {
         "dataset": dataset,
