@@ -126,28 +126,24 @@ def test_an_exception_at_the_first_of_a_steps_micro_batches_recovers_bitwise(
     assert "at micro-batch 0 of step 4" in (faults[0].get("error") or ""), faults
 
 
-def test_a_trainer_on_a_stream_recovers_bitwise(tmp_path: Path) -> None:
-    """An ``IterableDataset`` train set (an endless stream shuffled by its own seed, no
-    ``__len__``): a kill and an exception end where the fault-free run does; the replacement and
-    the re-executed steps are positioned in the stream by the step."""
-    ref = run_job(workers=2, spares=0, steps=STEPS, command=_command(tmp_path / "ref", "--iterable"),
-                  timeout_s=400)  # fmt: skip
+@pytest.mark.parametrize(
+    ("option", "faults"),
+    [("--iterable", ["kill:rank=1@step=7", "exception:rank=0@step=9"]),
+     ("--group-by-length", ["kill:rank=1@step=4", "exception:rank=0@step=8"])],
+    ids=["stream", "group-by-length"],
+)  # fmt: skip
+def test_a_trainer_reading_in_an_order_not_its_own_recovers_bitwise(
+    tmp_path: Path, option: str, faults: list[str]
+) -> None:
+    """``--iterable``: an ``IterableDataset`` train set (an endless stream shuffled by its own seed,
+    no ``__len__``), the replacement and the re-executed steps positioned in the stream by the step.
+    ``--group-by-length``: ``train_sampling_strategy="group_by_length"`` (samples of different
+    lengths, padded by the script's collator), the epoch's order HF's length-grouped one drawn from
+    the seed and the epoch. Either way a kill and an exception end where the fault-free run does."""
+    ref = run_job(workers=2, spares=0, steps=STEPS, command=_command(tmp_path / "ref", option), timeout_s=400)
     assert ref.ok, f"{ref.error}\n{logs_of(ref)}"
-    job = run_job(workers=2, spares=1, steps=STEPS, command=_command(tmp_path / "faults", "--iterable"),
-                  faults=["kill:rank=1@step=7", "exception:rank=0@step=9"], timeout_s=400)  # fmt: skip
-    assert job.ok, f"{job.error}\n{logs_of(job)}"
-    assert job.digest == ref.digest
-
-
-def test_a_length_grouped_trainer_recovers_bitwise(tmp_path: Path) -> None:
-    """``train_sampling_strategy="group_by_length"`` (samples of different lengths, padded by the
-    script's collator): the epoch's order is HF's length-grouped one, drawn from the seed and the
-    epoch, so a kill and an exception end where the fault-free run does."""
-    ref = run_job(workers=2, spares=0, steps=STEPS, command=_command(tmp_path / "ref", "--group-by-length"),
-                  timeout_s=400)  # fmt: skip
-    assert ref.ok, f"{ref.error}\n{logs_of(ref)}"
-    job = run_job(workers=2, spares=1, steps=STEPS, command=_command(tmp_path / "faults", "--group-by-length"),
-                  faults=["kill:rank=1@step=4", "exception:rank=0@step=8"], timeout_s=400)  # fmt: skip
+    job = run_job(workers=2, spares=1, steps=STEPS, command=_command(tmp_path / "faults", option),
+                  faults=faults, timeout_s=400)  # fmt: skip
     assert job.ok, f"{job.error}\n{logs_of(job)}"
     assert job.digest == ref.digest
 
