@@ -53,6 +53,12 @@ def loader_settings(dataloader: DataLoader[Any], dp_size: int, default_seed: int
     shuffle, seed = False, None
     if stream:
         pass  # its order is its own (the DataLoader's sampler is a placeholder)
+    elif _own_iter(sampler):
+        raise ValueError(
+            f"session.loader(dataloader): its sampler, a {type(sampler).__name__}, orders the samples its "
+            "own way, which cannot be read as a function of the step; pass the dataset and each "
+            "epoch's order: session.loader(dataset, global_batch_size, order=lambda epoch: [...])"
+        )
     elif isinstance(sampler, DistributedSampler):
         shuffle, seed = sampler.shuffle, sampler.seed
         drop_last = drop_last or sampler.drop_last
@@ -124,3 +130,13 @@ def make_loader(
         seed=default_seed if seed is None else seed, collate_fn=collate_fn, num_workers=num_workers,
         drop_last=drop_last, pin_memory=pin_memory, worker_init_fn=worker_init_fn, order=order,
     )  # fmt: skip
+
+
+def _own_iter(sampler: object) -> bool:
+    """A subclass of a sampler this module translates that iterates its own way (HF's
+    ``DistributedLengthGroupedSampler`` is a ``DistributedSampler``): read as its base class, its
+    order would silently be another."""
+    for base in (DistributedSampler, RandomSampler, SequentialSampler):
+        if isinstance(sampler, base):
+            return type(sampler).__iter__ is not base.__iter__
+    return False

@@ -166,6 +166,12 @@ class StepLoader:
         if self._order is None or self._order[0] != epoch:
             if self.order is not None:
                 order = _checked_order(self.order(epoch), self.n, epoch)
+                if not torch.equal(order, _checked_order(self.order(epoch), self.n, epoch)):
+                    raise ValueError(
+                        f"session.loader(order=...): order({epoch}) returned two different orders: it must "
+                        "be a function of the epoch alone (draw from a generator seeded by the epoch), or "
+                        "a replacement and a re-executed step would read other samples"
+                    )
             elif self.shuffle:
                 g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
                 order = torch.randperm(self.n, generator=g)

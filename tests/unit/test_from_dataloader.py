@@ -58,6 +58,13 @@ def test_what_cannot_be_a_function_of_the_step_is_one_clear_error() -> None:
         loader_settings(
             DataLoader(DATA, batch_size=4, sampler=torch.utils.data.RandomSampler(DATA, True)), 1, 0
         )
+
+    class Reversed(DistributedSampler[int]):  # a subclass with an order of its own (HF has such)
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            return iter(reversed(list(super().__iter__())))
+
+    with pytest.raises(ValueError, match=r"a Reversed, orders the samples its own way.*order=lambda epoch"):
+        loader_settings(DataLoader(DATA, batch_size=4, sampler=Reversed(DATA, num_replicas=1, rank=0)), 1, 0)
     session = Session(torch.nn.Linear(2, 2), None)
     with pytest.raises(TypeError, match="takes its settings from the DataLoader"):
         session.loader(DataLoader(DATA, batch_size=4), 8)  # type: ignore[call-overload]

@@ -72,6 +72,10 @@ def test_an_order_given_per_epoch_is_the_epochs_order_and_a_wrong_one_is_named()
         with pytest.raises(ValueError, match=named):
             _loader(ds, 4, order=bad).global_indices(0)
 
+    # an order drawn from the global generator (or one that runs on) is not the epoch's alone
+    with pytest.raises(ValueError, match="two different orders: it must be a function of the epoch alone"):
+        _loader(ds, 4, order=lambda e: torch.randperm(20).tolist()).global_indices(0)
+
     class Stream(IterableDataset[int]):
         def __iter__(self):  # type: ignore[no-untyped-def]
             yield from range(8)
