@@ -1,6 +1,7 @@
 """Pieces of ``checkpointless.integrations.transformers.Trainer``: the ``TrainingArguments`` it
-refuses under the launcher, the ``Trainer``'s own state a replacement receives, counts it
-takes of the data and its length-grouped train order. Imported by that module once it has hidden torchrun's variables."""
+refuses under the launcher, the ``Trainer``'s own state a replacement receives, counts it takes
+of the data and its length-grouped train order. Imported by that module once it has hidden
+torchrun's variables."""
 
 from __future__ import annotations
 

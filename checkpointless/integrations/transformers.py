@@ -46,8 +46,9 @@ Refused in one line (``ValueError``) under the launcher: DeepSpeed, FSDP, ``n_gp
 (``DataParallel``), ``auto_find_batch_size``, tensor, sequence or context parallelism
 (``parallelism_config``), a ``train_sampling_strategy`` other than ``"random"`` (the default),
 ``"sequential"`` (the dataset's order) and ``"group_by_length"`` (HF's length-grouped order, drawn
-per epoch and grouped by the global micro-batch: ``hf_parts._length_grouped_order``), an ``IterableDataset`` train set read by more than one worker process
-(``dataloader_num_workers > 1``) or without ``__len__`` and without ``max_steps``. Tested with the
+per epoch and grouped by the global micro-batch: ``hf_parts._length_grouped_order``), an
+``IterableDataset`` train set read by more than one worker process (``dataloader_num_workers > 1``)
+or without ``__len__`` and without ``max_steps``. Tested with the
 ``transformers`` and ``accelerate`` versions pinned in ``pyproject.toml``'s ``transformers`` extra.
 
 An ``IterableDataset`` train set (a ``datasets`` streaming dataset among them) is read by
