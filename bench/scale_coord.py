@@ -171,10 +171,12 @@ class TickHook:
             cutoff = time.time() - 90.0
             recent = [(round(t, 4), round(d, 5)) for t, d in self._recent if t >= cutoff]
             iters = self.iters
-        events = self.launcher._log.recorded if self.launcher is not None else 0  # every one, kept or not
+        log = self.launcher._log if self.launcher is not None else None
+        events = log.recorded if log is not None else 0  # every one, kept or not
+        commits = log.commits if log is not None else 0  # the ranks' commits in them (packed per host)
         _write_atomic(self.ctl / "stats.json", json.dumps(
             {"t": time.time(), "iters": iters, "recent": recent, "ops": self.counter.snapshot(), "events": events,
-             "gc": self.gc.snapshot()}
+             "commits": commits, "gc": self.gc.snapshot()}
         ))  # fmt: skip
 
     def _stats_loop(self) -> None:

@@ -133,6 +133,23 @@ _STEP_EVENT = (  # vocab.event(STEP_COMMITTED, ...) as json.dumps writes it, one
     '{"t": %r, "kind": "step_committed", "proc": "%s", "rank": %d, "gen": %d, "step": %d, "step_time_s": %r, '
     '"loss": %r}\n'
 )
+# a host's commits of one step as its relay packs them (``relay.pack_commits``), as json.dumps writes it
+_PACKED_EVENT = '{"t": %r, "kind": "steps_committed", "proc": "agent %s", "host": "%s", "gen": %d, "step": %d, "ranks": [%s]}\n'
+_PACKED_ROW = '{"dt": %r, "proc": "%s", "rank": %d, "step_time_s": %r, "loss": %r}'
+
+
+def packed_commits(host: str, gen: int, step: int, rows: list[tuple[float, str, int, float, float]]) -> str:
+    """The line a relay writes for its host's commits ``(t, proc, rank, step_time_s, loss)`` of one
+    step (one commit: the rank's own ``step_committed`` line), as ``relay.pack_commits`` and
+    ``json.dumps`` make it (``tests/unit/test_bench_control_scale.py`` compares them)."""
+    if len(rows) == 1:
+        t, proc, rank, step_time, loss = rows[0]
+        return _STEP_EVENT % (t, proc, rank, gen, step, step_time, loss)
+    last = max(r[0] for r in rows)
+    inner = ", ".join(
+        _PACKED_ROW % (round(t - last, 6), proc, rank, st, loss) for t, proc, rank, st, loss in rows
+    )
+    return _PACKED_EVENT % (last, host, host, gen, step, inner)
 
 
 class FastSealer:
@@ -307,6 +324,8 @@ class SimAgent:
     unread: int = 0  # their sum
     known_read: int = 0  # chunks known read (the acker's count, ``read_counts``)
     dropped: int = 0  # step commits dropped past HOLD_BYTES
+    # relay: the commits read since its last beat, per (gen, step): (t, proc, rank, step_time_s, loss)
+    commits: dict[tuple[int, int], list[tuple[float, str, int, float, float]]] = field(default_factory=dict)
     next_relay: float = 0.0
 
 
@@ -811,10 +830,7 @@ class Simulator:
 
     def _chunk(self, ag: SimAgent, p: SimProc, text: str, purpose: str) -> None:
         p.chunks += 1
-        if self.relayed:  # each line names its process (``proc``), as the relay's do
-            if ag.held_bytes + len(text) > HOLD_BYTES and purpose == "commit":
-                ag.dropped += 1  # ``Relay._hold``
-                return
+        if self.relayed:  # each line names its process (``proc``), as the relay's do (never dropped)
             ag.lines.append(text)
             ag.held_bytes += len(text)
             return
@@ -827,6 +843,15 @@ class Simulator:
         both ``set``s; its round trip is ``AckLoad``'s. Its processes beat every heartbeat interval
         too: each forwarded heartbeat is a new one."""
         assert ag.conn is not None
+        if ag.commits:  # ``Relay._packed``: a host's commits of one step, one line
+            for (gen, step), rows in ag.commits.items():
+                text = packed_commits(ag.host, gen, step, rows)
+                if ag.held_bytes + len(text) > HOLD_BYTES:
+                    ag.dropped += len(rows)
+                    continue
+                ag.lines.append(text)
+                ag.held_bytes += len(text)
+            ag.commits.clear()
         read = self.read[ag.index - self.first]
         while ag.known_read < read and ag.sizes:
             ag.unread -= ag.sizes.popleft()
@@ -877,8 +902,13 @@ class Simulator:
             round(self.step_s * random.uniform(0.97, 1.0), 6),
             round(random.uniform(2, 3), 6),
         )
-        text = _STEP_EVENT % (time.time(), p.name, p.rank, gen, p.committed, p.step_time, p.loss)
-        self._chunk(ag, p, text, "commit")
+        if self.relayed:  # packed by the relay at its next beat (``_relay``)
+            p.chunks += 1
+            row = (time.time(), p.name, p.rank, p.step_time, p.loss)
+            ag.commits.setdefault((gen, p.committed), []).append(row)
+        else:
+            text = _STEP_EVENT % (time.time(), p.name, p.rank, gen, p.committed, p.step_time, p.loss)
+            self._chunk(ag, p, text, "commit")
         self._heartbeat(ag, p, "commit")
         p.phase = Phase.COMPUTE  # the next step starts at once; the next beat shows it
         if not self.relayed:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -11,6 +12,9 @@ from checkpointless.control.coordinator import Coordinator
 from checkpointless.faults import parse_faults
 from checkpointless.launch.demo import DemoModel, worker_command
 from checkpointless.launch.launcher import JobResult, Launcher
+
+COMMITTED = re.compile(r'"kind": "steps?_committed"')
+"""A commit in ``events.jsonl``'s text: a rank's, or a host's packed ones (``observe.fields.commits``)."""
 
 TINY = {
     "vocab_size": 32,

@@ -27,6 +27,7 @@ class Event(StrEnum):
     SPARE_RESTART_SCHEDULED = "spare_restart_scheduled"
     SPARE_POOL_EXHAUSTED = "spare_pool_exhausted"
     STEP_COMMITTED = "step_committed"
+    STEPS_COMMITTED = "steps_committed"  # one host's ranks' commits of one step, packed by its relay
     STEP_REEXECUTED = "step_reexecuted"
     FAULT_INJECTED = "fault_injected"
     FAULT_DETECTED = "fault_detected"

@@ -9,14 +9,16 @@ against it (``ControlClient(relay=...)``), and every heartbeat interval the rela
 
 1. reads its processes' new heartbeats and event chunks from that store (deleting the chunks);
 2. writes the host's new events as one chunk (``node/<host>/events/<i>``, each line naming its
-   process: the relay vouches for it, as the key of a process's own chunk did), then one value with
+   process: the relay vouches for it, as the key of a process's own chunk did; its ranks' commits of
+   one step packed into one ``steps_committed`` event, ``pack_commits``), then one value with
    every process's latest heartbeat (``node/<host>/relay``): both ``set``s, no reply awaited;
 3. makes one round trip to the coordinator's store: it renews the host's lease, proves that the
    writes before it arrived, and asks whether the generation its ranks are in was aborted, which it
    passes on in its own store where the ranks look for it (``ControlClient.watch_abort``); once a
    second, one more asks whether the job was stopped, which the ranks ask at every step boundary.
 
-The coordinator thus reads one key per host per tick and one chunk per host per tick with events.
+The coordinator thus reads one key per host per tick and one chunk per host per tick with events,
+and takes in one commit event per host and step.
 It deletes none: after each pass it writes every host's count of chunks read in one ``multi_set``
 (``keys.node_read``), and once a second the relay deletes its chunks below its count.
 
@@ -101,8 +103,45 @@ commits that do not fit are dropped and counted, every other event is written.""
 
 
 def _is_commit(line: str) -> bool:
-    """Whether an event line (``json.dumps`` of the event) is a ``step_committed`` event."""
-    return f'"kind": "{Event.STEP_COMMITTED}"' in line
+    """Whether an event line (``json.dumps`` of the event) is a ``step_committed`` event or a
+    ``steps_committed`` one (``pack_commits``)."""
+    return f'"kind": "{Event.STEP_COMMITTED}"' in line or f'"kind": "{Event.STEPS_COMMITTED}"' in line
+
+
+def pack_commits(
+    host: str, evs: list[tuple[str, dict[str, Any]]]
+) -> list[tuple[tuple[str, ...], dict[str, Any]]]:
+    """``(process, event)`` read in one beat, with the processes each speaks for: the
+    ``step_committed`` events of one generation and step packed into one ``steps_committed``
+    event (``observe.fields.commits`` unpacks it), where the first of them was; a commit alone and
+    every other event as they came. A host's ranks commit each step within a beat of one another:
+    the coordinator takes in one event per host and step, not one per rank (its event log fell
+    behind at 2,000 hosts x 8 ranks, ``bench/control_scale.py``). A row keeps the rank's own
+    fields; its time is ``dt`` from the event's ``t``, the latest of the rows, so the coordinator
+    converts one time per event to its clock."""
+    out: list[tuple[tuple[str, ...], dict[str, Any]]] = []
+    packs: dict[tuple[Any, Any], list[tuple[str, dict[str, Any]]]] = {}
+    slots: dict[tuple[Any, Any], int] = {}  # (gen, step) -> where its first commit came
+    for name, ev in evs:
+        if ev.get("kind") == Event.STEP_COMMITTED and isinstance(ev.get("t"), int | float):
+            at = (ev.get("gen"), ev.get("step"))
+            packs.setdefault(at, []).append((name, ev))
+            if at in slots:
+                continue
+            slots[at] = len(out)
+        out.append(((name,), ev))
+    for at, rows in packs.items():
+        if len(rows) == 1:
+            continue
+        t = max(float(e["t"]) for _, e in rows)
+        packed = [{"dt": round(float(e["t"]) - t, 6),
+                   **{k: v for k, v in e.items() if k not in ("t", "kind", "gen", "step")}} for _, e in rows]  # fmt: skip
+        out[slots[at]] = (
+            tuple(name for name, _ in rows),
+            {"t": t, "kind": Event.STEPS_COMMITTED, "proc": f"agent {host}", "host": host,
+             "gen": at[0], "step": at[1], "ranks": packed},
+        )  # fmt: skip
+    return out
 
 
 class Relay:
@@ -138,9 +177,10 @@ class Relay:
         self._deleted = 0  # of those, deleted once the coordinator had read them
         self._unacked: list[tuple[str, str]] = []  # chunks written since the last round trip
         # events read from the local store, not yet in a chunk: (process, its line)
-        self._held: deque[tuple[str, str]] = deque()
+        self._held: deque[tuple[tuple[str, ...], str]] = deque()  # (the processes it speaks for, line)
         self._held_bytes = 0
         self._held_by: Counter[str] = Counter()  # process -> its lines held
+        self._late: list[tuple[str, dict[str, Any]]] = []  # commits held back a beat (``_packed``)
         self._sizes: deque[int] = deque()  # bytes of the chunks written and not known read, in order
         self._unread = 0  # their sum
         self._dropped = 0  # step commits dropped since the last ``events_dropped`` event
@@ -165,9 +205,10 @@ class Relay:
         log.warning("relay %s: ignored a value on %r not sealed with this job's secret", self.host, key)
 
     # -- one beat ---------------------------------------------------------------------------
-    def _read_local(self, names: list[str]) -> list[tuple[str, str]]:
-        """The new heartbeats and event lines of this host's processes (from the local store)."""
-        lines: list[tuple[str, str]] = []
+    def _read_local(self, names: list[str]) -> list[tuple[str, dict[str, Any]]]:
+        """The new heartbeats and events of this host's processes (from the local store): each
+        event with the process it speaks for."""
+        evs: list[tuple[str, dict[str, Any]]] = []
         for name in names:
             key = keys.heartbeat(name)
             text = self._local.get(key)
@@ -194,11 +235,38 @@ class Relay:
                 for line in chunk.splitlines():
                     if line.strip():
                         ev = json.loads(line)
-                        ev["proc"] = name  # a chunk speaks for the process whose key it is under
-                        lines.append((name, json.dumps(ev)))
+                        if isinstance(ev, dict):
+                            ev["proc"] = name  # a chunk speaks for the process whose key it is under
+                            evs.append((name, ev))
                 self._local.delete(chunk_key)
                 self._chunks_read[name] = i + 1
-        return lines
+        return evs
+
+    def _packed(
+        self, evs: list[tuple[str, dict[str, Any]]], final: bool
+    ) -> list[tuple[tuple[str, ...], str]]:
+        """The events read at this beat, the step commits packed (``pack_commits``), each line with
+        the processes it speaks for. Each process ships its commits at its own heartbeat, so a
+        beat sees some of a step's and the next beat the rest: a commit that came last from its
+        process is held back one beat (never past the last flush) and goes with the step's others
+        then (one event per host and step, not two)."""
+        late, self._late = self._late, []
+        self._held_by.subtract(name for name, _ in late)
+        later: set[str] = set()  # processes with an event after the one looked at
+        last = [False] * len(evs)  # a commit its process sent nothing after (this beat)
+        for i in range(len(evs) - 1, -1, -1):
+            name, ev = evs[i]
+            last[i] = ev.get("kind") == Event.STEP_COMMITTED and name not in later
+            later.add(name)
+        going = {(ev.get("gen"), ev.get("step")) for _, ev in late}  # steps whose commits go now
+        going.update((ev.get("gen"), ev.get("step")) for (_, ev), end in zip(evs, last, strict=True)
+                     if ev.get("kind") == Event.STEP_COMMITTED and not end)  # fmt: skip
+        now: list[tuple[str, dict[str, Any]]] = []
+        for (name, ev), end in zip(evs, last, strict=True):
+            held = end and not final and (ev.get("gen"), ev.get("step")) not in going
+            (self._late if held else now).append((name, ev))
+        self._held_by.update(name for name, _ in self._late)  # not forwarded yet (``keys.relayed``)
+        return [(procs, json.dumps(ev)) for procs, ev in pack_commits(self.host, late + now)]
 
     def beat(self, final: bool = False) -> None:
         """Forward once (see the module docstring); raises for the coordinator's store. ``final``:
@@ -206,16 +274,16 @@ class Relay:
         with self._lock:  # the relay's thread, or the agent's last flush
             self._beat(final)
 
-    def _hold(self, lines: list[tuple[str, str]]) -> None:
+    def _hold(self, lines: list[tuple[tuple[str, ...], str]]) -> None:
         """Events taken from the local store: kept until written up (commits dropped past
         ``HOLD_BYTES``: the module docstring)."""
-        for name, line in lines:
+        for names, line in lines:
             if self._held_bytes + len(line) > HOLD_BYTES and _is_commit(line):
-                self._dropped += 1
+                self._dropped += len(names)  # a packed event: each of its ranks' commits
                 continue
-            self._held.append((name, line))
+            self._held.append((names, line))
             self._held_bytes += len(line) + 1
-            self._held_by[name] += 1
+            self._held_by.update(names)
 
     def _fit_final(self, up: SignedStore) -> None:
         """Before the last flush: what the coordinator read since the last look is deleted, then
@@ -223,15 +291,15 @@ class Relay:
         if self._deleted < self._chunks:
             self._delete_read(up)
         room = WINDOW_BYTES + FINAL_BYTES - self._unread
-        kept: deque[tuple[str, str]] = deque()
-        for name, line in self._held:
+        kept: deque[tuple[tuple[str, ...], str]] = deque()
+        for names, line in self._held:
             if room >= len(line) + 1 or not _is_commit(line):
-                kept.append((name, line))
+                kept.append((names, line))
                 room -= len(line) + 1
                 continue
-            self._dropped += 1
+            self._dropped += len(names)
             self._held_bytes -= len(line) + 1
-            self._held_by[name] -= 1
+            self._held_by.subtract(names)
         self._held = kept
 
     def _write_chunks(self, up: SignedStore, *, final: bool) -> None:
@@ -243,18 +311,17 @@ class Relay:
             note = {"kind": Event.EVENTS_DROPPED, "t": time.time() + self._skew, "host": self.host,
                     "proc": f"agent {self.host}", "dropped": self._dropped,
                     "why": "the coordinator read this host's events more slowly than its ranks committed steps"}  # fmt: skip
-            self._held.appendleft(("", json.dumps(note)))
+            self._held.appendleft(((), json.dumps(note)))
             self._held_bytes += len(self._held[0][1]) + 1
             self._dropped = 0
         while self._held and (final or self._unread < WINDOW_BYTES):
             parts: list[str] = []
             size = 0
             while self._held and (not parts or size + len(self._held[0][1]) + 1 <= CHUNK_BYTES):
-                name, line = self._held.popleft()
+                names, line = self._held.popleft()
                 parts.append(line + "\n")
                 size += len(line) + 1
-                if name:
-                    self._held_by[name] -= 1
+                self._held_by.subtract(names)
             self._held_bytes -= size
             chunk = (keys.node_events(self.host, self._chunks), "".join(parts))
             self._chunks += 1
@@ -265,7 +332,7 @@ class Relay:
 
     def _beat(self, final: bool = False) -> None:
         names = self._names()
-        self._hold(self._read_local(names))
+        self._hold(self._packed(self._read_local(names), final))
         up = self._up
         if up is None:
             up = self._up = self._connect()

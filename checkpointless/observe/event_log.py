@@ -1,8 +1,10 @@
 """The launcher's event log: every event to ``events.jsonl`` as it comes, a bounded share in memory.
 
-Each rank commits a step every step: 16,000 ``step_committed`` events a second at 2,000 hosts x 8
-ranks and one step a second, and each host reports its usage every few seconds. Kept in memory,
-they grew the coordinator's process by about 1 GB a minute there (``bench/control_scale.py``). So
+Each rank commits a step every step: 16,000 commits a second at 2,000 hosts x 8 ranks and one step
+a second (2,000 events: each host's relay packs its ranks' commits of a step into one
+``steps_committed`` event, which counts here as its ranks' commits), and each host reports its
+usage every few seconds. Kept in memory, one event per rank and step grew the coordinator's
+process by about 1 GB a minute there (``bench/control_scale.py``). So
 :class:`EventLog` writes every event to the file as it arrives, hands it to its listeners (the live
 console, the Prometheus feed), folds it into figures of bounded size (:class:`StepStats` with a
 window, :class:`UsageSummary`), and keeps in memory (``events``: the report's fault list, the
@@ -12,7 +14,8 @@ listeners' fault counts, ``JobResult.events``):
   (``KEEP_COMMITS``, ``KEEP_USAGE``);
 - beyond that, every event other than those two kinds; of the commits, the first of each rank in
   each generation (and process) and each rank's last ``HELD`` commits before any fault or recovery
-  event (what the fault list measures a stall and lost steps from); no more usage samples.
+  event (what the fault list measures a stall and lost steps from; a host's packed commits: its
+  first and last ones alike); no more usage samples.
 
 The figures (steps, step time, goodput, tokens, usage) always count every event. A log that dropped
 events from memory (``thinned``) cannot be rewritten in time order from memory at the end: its file
@@ -64,6 +67,7 @@ class EventLog:
         self.usage = UsageSummary()
         self.listeners: list[Callable[[dict[str, Any]], None]] = []
         self.recorded = 0  #: events recorded (kept in memory or not)
+        self.commits = 0  #: step commits among them (a host's packed ones each counted)
         self.thinned = 0  #: events written to the file but not kept in memory
         self.dropped = 0  #: step commits the hosts' relays dropped (``Event.EVENTS_DROPPED``)
         self.stream_error: str | None = None
@@ -118,8 +122,10 @@ class EventLog:
         for listen in self.listeners:
             listen(ev)
         kind = ev.get("kind")
-        if kind == Event.STEP_COMMITTED:
+        if kind == Event.STEP_COMMITTED or kind == Event.STEPS_COMMITTED:  # one rank's, or a host's
             self.stats.add(ev)
+            rows = ev.get("ranks")
+            self.commits += len(rows) if kind == Event.STEPS_COMMITTED and isinstance(rows, list) else 1
             if not self._keep_commit(ev):
                 self._hold(ev, clock, sent)
                 return
@@ -149,7 +155,10 @@ class EventLog:
         first = (integer(ev.get("rank")), integer(ev.get("gen")), ev.get("proc"))
         if self._commits < self._keep_commits:
             self._firsts.add(first)
-            self._commits += 1
+            rows = ev.get("ranks")
+            self._commits += (
+                len(rows) if isinstance(rows, list) and ev.get("kind") == Event.STEPS_COMMITTED else 1
+            )
             return True
         if first not in self._firsts:
             self._firsts.add(first)
@@ -158,9 +167,10 @@ class EventLog:
 
     def _hold(self, ev: dict[str, Any], clock: str | None, sent: float | None) -> None:
         rank = integer(ev.get("rank"))
-        held = self._held.get(rank)
+        who = rank if rank is not None else ev.get("proc")  # a host's packed commits: its relay's
+        held = self._held.get(who)
         if held is None:
-            held = self._held[rank] = (deque(maxlen=HELD), deque(maxlen=HELD))
+            held = self._held[who] = (deque(maxlen=HELD), deque(maxlen=HELD))
         if len(held[0]) == HELD:
             self.thinned += 1  # the oldest held commit falls out: on disk only
         held[0].append(ev)

@@ -60,6 +60,7 @@ from checkpointless.faults import FaultSpec
 from checkpointless.observe.fields import integer as _int
 from checkpointless.observe.fields import number as _num
 from checkpointless.observe.fields import text as _str
+from checkpointless.observe.fields import unpacked
 from checkpointless.observe.progress import StepStats
 
 __all__ = [
@@ -124,7 +125,7 @@ def signal_name(exitcode: int | None) -> str | None:
 
 def _timed(events: Iterable[dict[str, Any]]) -> list[tuple[float, dict[str, Any]]]:
     """(t, event) for events with a numeric time, in time order (stable)."""
-    out = [(t, e) for e in events if isinstance(e, dict) and (t := _num(e.get("t"))) is not None]
+    out = [(t, e) for e in unpacked(events) if (t := _num(e.get("t"))) is not None]  # a host's commits too
     out.sort(key=lambda p: p[0])
     return out
 

@@ -8,6 +8,7 @@ from typing import Any
 from checkpointless.control.coordinator import Coordinator
 from checkpointless.control.vocab import Event
 from checkpointless.observe.fault_list import FAULT_EVENT_KINDS, derive_faults
+from checkpointless.observe.fields import commits, integer, number
 from checkpointless.observe.metrics import JobMetrics
 from checkpointless.observe.progress import STEP_WINDOW, StepStats
 
@@ -39,13 +40,12 @@ class MetricsFeed:
         """One event as it is recorded (``Launcher.listen``): commits, recoveries and usage counted."""
         if self.stats.add(ev):
             self._committed = True
-            step_time = ev.get("step_time_s")
-            self.metrics.step_committed(
-                int(ev["rank"]),
-                int(ev["step"]),
-                float(step_time) if isinstance(step_time, int | float) else 0.0,
-                int(ev.get("tokens") or 0),
-            )
+            for one in commits(ev):  # a rank's commit, or a host's packed ones
+                rank, step = integer(one.get("rank")), integer(one.get("step"))
+                if rank is None or step is None:
+                    continue
+                step_time = number(one.get("step_time_s"))
+                self.metrics.step_committed(rank, step, step_time or 0.0, integer(one.get("tokens")) or 0)
         elif ev.get("kind") == Event.RECOVERY_DONE:
             self.metrics.recovery(float(ev["seconds"]))
         elif ev.get("kind") == Event.HOST_USAGE:

@@ -32,6 +32,7 @@ from checkpointless.control.vocab import Event, Role
 from checkpointless.observe.fault_list import derive_faults, fault_entries
 from checkpointless.observe.fields import integer as _int
 from checkpointless.observe.fields import number as _num
+from checkpointless.observe.fields import unpacked
 
 __all__ = ["RunData", "format_summary", "load_run", "main", "write_report"]
 
@@ -109,7 +110,7 @@ def load_run(run_dir: Path) -> RunData:
 def _commits_by_rank(run: RunData) -> dict[int, list[tuple[float, int, int]]]:
     """rank -> [(seconds since start, step, generation)] in file order (generation -1 if unknown)."""
     out: dict[int, list[tuple[float, int, int]]] = defaultdict(list)
-    for ev in run.events:
+    for ev in unpacked(run.events):  # a host's packed commits too
         if ev.get("kind") != Event.STEP_COMMITTED:
             continue
         t, rank, step = _num(ev.get("t")), _int(ev.get("rank")), _int(ev.get("step"))
@@ -133,7 +134,7 @@ def _segments(pts: list[tuple[float, int, int]]) -> list[list[tuple[float, int, 
 def _train_loss(run: RunData) -> list[tuple[int, float]]:
     """(step, mean loss over ranks), using each rank's latest commit of a step (replays win)."""
     latest: dict[tuple[int, int], float] = {}
-    for ev in run.events:
+    for ev in unpacked(run.events):
         if ev.get("kind") != Event.STEP_COMMITTED:
             continue
         step, loss = _int(ev.get("step")), _num(ev.get("loss"))

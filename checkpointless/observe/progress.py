@@ -1,6 +1,7 @@
 """Step figures of a run (steps completed, normal step time, wall time, goodput), from commit events.
 
-One :class:`StepStats` is fed ``step_committed`` events in any order and answers at
+One :class:`StepStats` is fed ``step_committed`` events (and a host's packed ones,
+``steps_committed``) in any order and answers at
 any moment what ``report.json`` would say for the events fed so far. The report
 feeds it the whole log; the live console and the Prometheus feed feed it the
 events as the launcher collects them, so the three cannot disagree. Each event
@@ -32,7 +33,7 @@ from collections import Counter, defaultdict
 from typing import Any
 
 from checkpointless.control.vocab import Event
-from checkpointless.observe.fields import integer, number
+from checkpointless.observe.fields import commits, integer, number
 
 __all__ = ["STEP_WINDOW", "StepStats"]
 
@@ -73,9 +74,14 @@ class StepStats:
         self.latest: dict[int, dict[str, Any]] = {}  #: per rank, the commit of its highest step
 
     def add(self, ev: dict[str, Any]) -> bool:
-        """Feed one event; False (and nothing changes) unless it is a well-formed commit."""
-        if ev.get("kind") != Event.STEP_COMMITTED:
-            return False
+        """Feed one event; False (and nothing changes) unless it is a well-formed commit, or a host's
+        packed commits (``observe.fields.commits``) with one at least."""
+        kind = ev.get("kind")
+        if kind == Event.STEPS_COMMITTED:
+            return sum(self._add(one) for one in commits(ev)) > 0
+        return kind == Event.STEP_COMMITTED and self._add(ev)
+
+    def _add(self, ev: dict[str, Any]) -> bool:
         t, rank, step = number(ev.get("t")), integer(ev.get("rank")), integer(ev.get("step"))
         if t is None or rank is None or step is None:
             return False

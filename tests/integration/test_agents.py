@@ -17,7 +17,8 @@ import pytest
 
 from checkpointless.control.auth import new_secret, write_secret_file
 from checkpointless.launch.demo import DemoModel, worker_command
-from tests.jobs import pids_whose_command
+from checkpointless.observe.fields import unpacked
+from tests.jobs import COMMITTED, pids_whose_command
 
 CLI = [sys.executable, "-m", "checkpointless"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -130,7 +131,7 @@ def test_losing_the_coordinator_stops_every_agent_and_process_within_the_lease(t
     try:
         events = job.out / "events.jsonl"
         deadline = time.monotonic() + 200
-        while time.monotonic() < deadline and '"step_committed"' not in (
+        while time.monotonic() < deadline and not COMMITTED.search(
             events.read_text() if events.exists() else ""
         ):
             time.sleep(0.2)
@@ -148,7 +149,7 @@ def test_losing_the_coordinator_stops_every_agent_and_process_within_the_lease(t
     assert all("lost the coordinator" in e for e in errs.values()), errs
     time.sleep(1)
     assert _workers_of(8) == []
-    assert '"step_committed"' in events.read_text()
+    assert COMMITTED.search(events.read_text())
 
 
 @pytest.mark.timeout(400)
@@ -171,7 +172,7 @@ def test_a_host_whose_clock_is_30_s_ahead_reports_on_the_coordinators_time(tmp_p
     assert abs(offsets["a"]["offset_s"] - 30) < 0.5, offsets
     events = [json.loads(line) for line in (job.out / "events.jsonl").read_text().splitlines()]
     commits: dict[int, dict[str, float]] = {}
-    for e in events:
+    for e in unpacked(events):  # a host's commits come packed (``observe.fields.commits``)
         if e["kind"] == "step_committed":
             commits.setdefault(e["step"], {})[e["proc"]] = e["t"]
     together = [s for s, by in commits.items() if len(by) == 2]

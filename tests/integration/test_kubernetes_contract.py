@@ -31,6 +31,7 @@ import yaml
 from checkpointless.control.auth import new_secret
 from checkpointless.launch.demo import DemoModel, worker_command
 from checkpointless.launch.netns import Hosts
+from checkpointless.observe.fields import unpacked
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("unshare"),
@@ -229,7 +230,10 @@ def test_pods_of_the_indexed_job_lose_a_worker_pod_and_end_bitwise_equal(
         _wait(
             f"step {KILL_AFTER_STEP} to be committed",
             lambda: (
-                any(e["kind"] == "step_committed" and e["step"] >= KILL_AFTER_STEP for e in _events(out))
+                any(
+                    e["kind"] == "step_committed" and e["step"] >= KILL_AFTER_STEP
+                    for e in unpacked(_events(out))
+                )
                 or pods.procs[0].poll() is not None
             ),
             300,

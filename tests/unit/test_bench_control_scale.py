@@ -22,7 +22,8 @@ import scale_sim  # noqa: E402
 from checkpointless.control import keys  # noqa: E402
 from checkpointless.control.auth import SignedStore, job_namespace, new_secret, write_secret_file  # noqa: E402
 from checkpointless.control.vocab import Event, Phase, Role  # noqa: E402
-from checkpointless.launch.relay import FORWARDED  # noqa: E402
+from checkpointless.launch.relay import FORWARDED, pack_commits  # noqa: E402
+from checkpointless.observe.fields import commits  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -72,7 +73,13 @@ def test_a_relayed_host_writes_one_value_and_one_chunk_per_beat(tmp_path: Path) 
     hb = value["procs"]["w3"]
     assert hb["rank"] == 3 and hb["gen"] == 0 and hb["committed"] == 0
     assert set(hb) <= set(FORWARDED)  # what a real relay forwards, no more
-    assert [(e["kind"], e["proc"]) for e in lines] == [(Event.STEP_COMMITTED, f"w{k}") for k in range(8)]
+    # the host's 8 commits of the step: one event, as the real relay packs them
+    assert [(e["kind"], e["proc"], e["step"]) for e in lines] == [
+        (Event.STEPS_COMMITTED, f"agent {ag.host}", 0)
+    ]
+    assert [(c["proc"], c["rank"]) for c in commits(lines[0])] == [(f"w{k}", k) for k in range(8)]
+    evs = [(c["proc"], {k: v for k, v in c.items() if k != "host"}) for c in commits(lines[0])]
+    assert json.dumps(pack_commits(ag.host, evs)[0][1]) == json.dumps(lines[0])  # the same bytes
     sim._relay(ag)  # no new events: no chunk, a new heartbeat of each process
     value = json.loads(read(keys.node_relay(ag.host)))
     assert ag.conn.values == {} and value["chunks"] == 1 and value["procs"]["w3"]["seq"] == hb["seq"] + 1
