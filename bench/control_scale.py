@@ -26,14 +26,15 @@ growing as a training process's does), any other order (kill, ping, stop) answer
 status, and ``node/<host>/status`` every status interval with the lease round trip after it. Its
 relay (``launch/relay.py``) does what the agent's does, every heartbeat interval (0.1 s): the host's
 new events as one sealed chunk ``node/<host>/events/<i>`` (each line naming its process: at each step
-the ``step_committed`` of its 8 ranks, and any other event of theirs), then one sealed value
+one ``steps_committed`` event with its 8 ranks' commits, packed as ``relay.pack_commits`` packs them,
+and any other event of theirs), then one sealed value
 ``node/<host>/relay`` = {seq, t, chunks, procs} with the latest heartbeat of each of its 8 processes
 (the fields ``Session`` puts in: rank, gen, phase, committed, step, attempt, step_time_s, loss, total,
 chunks; a new one each beat), then one round trip (a ``check`` of the abort key of its ranks'
 generation, ``gen/latest`` while it has none). The processes' own traffic with their agent's store
 (heartbeats, event chunks, lease checks on the host's loopback) is not simulated: it never reaches
 the coordinator. Once every 10 beats the relay also checks the job's stop key for its ranks (which
-ask their relay at each step boundary, ``Session._leave_if_stopped``), and reads how many of its
+read it in their host's lease, ``ControlClient.stop_requested``), and reads how many of its
 chunks the coordinator has read (``node/<host>/read``, which the coordinator writes for every host in
 one ``multi_set`` a pass) and deletes those (``Relay._delete_read``). What each rank still sends to
 the coordinator's store itself is, per generation, its reads of the plan.
@@ -1280,7 +1281,7 @@ def _findings_relay(res: dict[str, Any]) -> str:
         f"({sum(full_default.values()):,.0f} at the 0.5 s default): per host a relay value and a round trip "
         f"every 0.1 s, an event chunk per step, a status and a round trip every "
         f"{intervals(SERIES_HANG_S)[2]:g} s, and a check of the job's stop every 10 beats for its ranks "
-        f"(which ask their relay at each step boundary, `Session._leave_if_stopped`): "
+        f"(which read it in their host's lease, `ControlClient.stop_requested`): "
         f"{full['stop']:,.0f}/s, {_pct(full['stop'] / sum(full.values()))} of the whole, "
         f"{full['stop'] / hosts:,.0f} of the {sum(full.values()) / hosts:,.0f} calls/s per host. The store's "
         "server is one libuv thread of the coordinator's process; its CPU per call in the steady windows: "

@@ -89,8 +89,11 @@ class JobResult:
     write_error: str | None = None  # report.json / events.jsonl could not be written
 
 
-RELAYED_CHUNKS_PER_PASS = 256
-"""Hosts' event chunks one collection reads at most while the job runs (a few hundred KB of events)."""
+RELAYED_CHUNKS_PER_PASS = 1024
+"""Hosts' event chunks one collection reads at most while the job runs. A chunk of a host's beat
+carries its ranks' commits of a step as one event (``relay.pack_commits``), about 1 KB for 8 ranks:
+the bytes below bind first (at 256 chunks a pass, 2,000 hosts x 8 ranks at a step a second, the log
+took in 3,900 of the 16,000 commits a second, ``bench/control_scale.py``)."""
 RELAYED_BYTES_PER_PASS = 1 << 20
 """...and their bytes, as estimated from the chunks read so far: a relay the coordinator falls behind
 merges its events into larger chunks (``launch/relay.py``), up to 32 KB each."""

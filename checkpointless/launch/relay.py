@@ -15,7 +15,8 @@ against it (``ControlClient(relay=...)``), and every heartbeat interval the rela
 3. makes one round trip to the coordinator's store: it renews the host's lease, proves that the
    writes before it arrived, and asks whether the generation its ranks are in was aborted, which it
    passes on in its own store where the ranks look for it (``ControlClient.watch_abort``); once a
-   second, one more asks whether the job was stopped, which the ranks ask at every step boundary.
+   second, one more asks whether the job was stopped, which the ranks learn from the host's lease
+   (``ControlClient.stop_requested``, read at every step boundary).
 
 The coordinator thus reads one key per host per tick and one chunk per host per tick with events,
 and takes in one commit event per host and step.
@@ -80,7 +81,7 @@ every poll, 2,000 of them at 2,000 hosts."""
 
 _STOP_EVERY = 10
 """Beats between two looks at the job's stop key (a second at the default interval): each rank asks
-at every step boundary, and the stop's grace period is seconds."""
+at every step boundary, from the host's lease, and the stop's grace period is seconds."""
 _READ_FAST = 2
 """Beats between two looks at the count of chunks read while the window is full and the coordinator
 read some at the last look (a busy host's events wait less than a second for it)."""
@@ -358,7 +359,7 @@ class Relay:
             if up.raw.check([up.name(key)]) and gen >= 0:
                 self._aborted.append(gen)
         del self._aborted[:-8]  # a process watches its current generation only
-        if not self._stopped and self._seq % _STOP_EVERY == 1:  # the ranks look at every step boundary
+        if not self._stopped and self._seq % _STOP_EVERY == 1:  # in the lease the ranks read
             self._stopped = bool(up.raw.check([up.name(keys.JOB_STOP)]))
         if self._seq >= self._read_at:
             full = self._unread >= WINDOW_BYTES and bool(self._held)

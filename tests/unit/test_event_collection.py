@@ -108,9 +108,11 @@ def test_relayed_chunks_are_read_in_bounded_passes_fairly_in_order_and_the_count
         launcher._collect_events({}, relayed)
         passes += 1
         assert 0 < len(launcher.events) - before <= RELAYED_CHUNKS_PER_PASS
-        if passes == 2:  # two passes reach every host before any host's second chunk is read
-            firsts = {e["proc"] for e in launcher.events if e["step"] == 0}
-            assert len(firsts) == len(hosts) and not any(e["step"] == 2 for e in launcher.events)
+        # every host's first chunk is read before any host's second, every second before any third
+        steps = [e["step"] for e in launcher.events]
+        for later in (1, 2):
+            if later in steps:
+                assert steps.count(later - 1) == len(hosts), (passes, later)
         assert passes < 20
     assert raw.multi_sets == passes
     for h in hosts:
