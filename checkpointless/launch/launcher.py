@@ -94,6 +94,10 @@ RELAYED_CHUNKS_PER_PASS = 1024
 carries its ranks' commits of a step as one event (``relay.pack_commits``), about 1 KB for 8 ranks:
 the bytes below bind first (at 256 chunks a pass, 2,000 hosts x 8 ranks at a step a second, the log
 took in 3,900 of the 16,000 commits a second, ``bench/control_scale.py``)."""
+RELAYED_SECONDS_PER_PASS = 0.15
+"""...and the time one collection spends on them while the job runs, checked after each slice of
+``RELAYED_SLICE`` chunks: the coordinator's decisions wait for it, its log may fall behind."""
+RELAYED_SLICE = 128
 RELAYED_BYTES_PER_PASS = 1 << 20
 """...and their bytes, as estimated from the chunks read so far: a relay the coordinator falls behind
 merges its events into larger chunks (``launch/relay.py``), up to 32 KB each."""
@@ -306,20 +310,25 @@ class Launcher:
         unread = [(h, first, n) for h, first, n in unread if n > first]
         cap = max(1, min(RELAYED_CHUNKS_PER_PASS, int(RELAYED_BYTES_PER_PASS / self._chunk_bytes)))
         each = max(1, cap // max(1, len(unread))) if not final else 1 << 62
-        if not final and len(unread) > cap:
+        start = 0
+        if not final and unread:
             # an overloaded coordinator lets its event log fall behind, not its decisions: a
             # host's oldest unread chunk, from each host in turn (a host's chunks stay in order),
-            # the next hosts at the next pass
+            # up to the pass's bounds in chunks, bytes and time; the next hosts at the next pass
             start = self._next_host % len(unread)
             unread = (unread[start:] + unread[:start])[:cap]
-            self._next_host = start + cap
         known = [(h, i) for h, first, n in unread for i in range(first, min(n, first + each))]
         advanced: dict[str, str] = {}
         forged: set[str] = set()
+        began = time.monotonic()
+        touched: set[str] = set()
         # a slice at a time: the last collection reads every host's backlog (up to 64 KB each, 128 MB
         # at 2,000 hosts), which read in one call stood in memory whole, as bytes and as events
-        for lo in range(0, len(known), RELAYED_CHUNKS_PER_PASS):
-            part = known[lo : lo + RELAYED_CHUNKS_PER_PASS]
+        for lo in range(0, len(known), RELAYED_SLICE):
+            if not final and lo and time.monotonic() - began > RELAYED_SECONDS_PER_PASS:
+                break
+            part = known[lo : lo + RELAYED_SLICE]
+            touched.update(h for h, _ in part)
             raws = self.store.get_sealed_present([keys.node_events(h, i) for h, i in part])
             if raws:
                 self._chunk_bytes = 0.8 * self._chunk_bytes + 0.2 * sum(map(len, raws)) / len(raws)
@@ -341,6 +350,7 @@ class Launcher:
                 self._chunks_read[f"@{host}"] = seen
         else:  # the relays delete what was read (one write for every host, not a delete per chunk)
             self.store.multi_set(advanced)
+            self._next_host = start + len(touched)
 
     def _record_chunk(self, name: str, key: str, raw: bytes, *, relay: bool = False) -> bool:
         """Record the events of one sealed chunk of process ``name`` (``relay``: of host ``name``'s

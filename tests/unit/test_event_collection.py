@@ -119,3 +119,39 @@ def test_relayed_chunks_are_read_in_bounded_passes_fairly_in_order_and_the_count
         assert [e["step"] for e in launcher.events if e["proc"] == f"{h}-w0"] == [0, 1, 2]
         assert launcher.store.get(keys.node_read(h)) == str(per_host)
         assert raw.check([keys.node_events(h, per_host - 1)])  # not deleted by the coordinator
+
+
+def test_a_pass_over_its_time_stops_after_a_slice_and_the_next_starts_with_the_hosts_it_left(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``RELAYED_SECONDS_PER_PASS`` spent (here: none allowed), a pass reads one slice of chunks and
+    the next pass starts at the first host it did not reach: no host waits behind the others, every
+    host's chunks in order, nothing read twice."""
+    from types import SimpleNamespace
+
+    from checkpointless.launch import launcher as launcher_mod
+
+    monkeypatch.setattr(launcher_mod, "RELAYED_SECONDS_PER_PASS", 0.0)
+    raw = FakeStore()
+    writer = SignedStore(raw, SECRET)
+    launcher = Launcher(JobConfig(workers=2, spares=0), ["true"])
+    launcher.store = SignedStore(raw, SECRET)
+    hosts = [f"h{i:03d}" for i in range(2 * launcher_mod.RELAYED_SLICE + 10)]
+    launcher.remote = SimpleNamespace(hosts={h: None for h in hosts}, children={})  # type: ignore[assignment]
+    for h in hosts:
+        for i in range(2):
+            writer.set(
+                keys.node_events(h, i), json.dumps({"kind": "fault_detected", "proc": h, "t": 1.0, "step": i})
+            )
+    relayed = {h: 2 for h in hosts}
+    per_pass = []
+    while len(launcher.events) < 2 * len(hosts):
+        before = len(launcher.events)
+        launcher._collect_events({}, relayed)
+        per_pass.append(len(launcher.events) - before)
+        assert len(per_pass) < 20
+    assert per_pass[:2] == [launcher_mod.RELAYED_SLICE] * 2  # one slice a pass
+    steps = [e["step"] for e in launcher.events]
+    assert steps[: len(hosts)] == [0] * len(hosts)  # every host's first chunk before any second
+    for h in hosts:
+        assert [e["step"] for e in launcher.events if e["proc"] == h] == [0, 1]
