@@ -38,14 +38,15 @@ class MetricsFeed:
 
     def add(self, ev: dict[str, Any]) -> None:
         """One event as it is recorded (``Launcher.listen``): commits, recoveries and usage counted."""
-        if self.stats.add(ev):
-            self._committed = True
-            for one in commits(ev):  # a rank's commit, or a host's packed ones
-                rank, step = integer(one.get("rank")), integer(one.get("step"))
-                if rank is None or step is None:
+        ones = commits(ev)  # a rank's commit, or a host's packed ones: unpacked once
+        if ones:
+            for one in ones:
+                if not self.stats.add(one):  # not well formed
                     continue
+                self._committed = True
                 step_time = number(one.get("step_time_s"))
-                self.metrics.step_committed(rank, step, step_time or 0.0, integer(one.get("tokens")) or 0)
+                self.metrics.step_committed(int(one["rank"]), int(one["step"]), step_time or 0.0,
+                                            integer(one.get("tokens")) or 0)  # fmt: skip
         elif ev.get("kind") == Event.RECOVERY_DONE:
             self.metrics.recovery(float(ev["seconds"]))
         elif ev.get("kind") == Event.HOST_USAGE:
