@@ -400,6 +400,7 @@ class Session(Member):
         pin_memory: bool = False,
         worker_init_fn: Callable[[int], None] | None = None,
         order: Callable[[int], Sequence[int]] | None = None,
+        epoch_samples: int | None = None,
     ) -> StepLoader: ...
 
     def loader(
@@ -415,6 +416,7 @@ class Session(Member):
         pin_memory: bool = False,
         worker_init_fn: Callable[[int], None] | None = None,
         order: Callable[[int], Sequence[int]] | None = None,
+        epoch_samples: int | None = None,
     ) -> StepLoader | IterableStepLoader:
         """This rank's part of every step's global batch of ``dataset``, as a function of the step:
         ``batch = loader.batch(step)`` inside the attempt, in place of a ``DataLoader`` with a
@@ -430,21 +432,24 @@ class Session(Member):
         ``order(epoch)``, if given, is the epoch's order instead: a permutation of the dataset's
         indices computed from the epoch alone, the same in every process (a length-grouped order, a
         curriculum; a sampler's ``set_epoch`` then ``list(sampler)`` where it draws from a generator
-        seeded by the epoch). A
+        seeded by the epoch); with ``epoch_samples``, ``order(epoch)`` is that many indices of the
+        dataset instead, repeats allowed (a weighted draw with replacement, a subset, an oversampled
+        class: ``checkpointless.data.sampler_order`` reads a sampler so). A
         ``torch.utils.data.IterableDataset`` is read by ``IterableStepLoader``
         (``checkpointless.data.iterable_loader``, whose docstring is the dataset's contract): its
         order is its own, so ``shuffle=True`` is an error and ``seed`` is ignored (a warning).
 
         ``session.loader(dataloader)``, given the ``DataLoader`` a DDP script built (with its
         ``DistributedSampler``), reads its settings instead (``checkpointless.data.from_dataloader``):
-        ``batch_size`` per rank, the sampler's ``shuffle`` and ``seed``, ``collate_fn``,
-        ``num_workers``, ``drop_last``, ``pin_memory``, ``worker_init_fn``."""
+        ``batch_size`` per rank, the sampler's ``shuffle`` and ``seed`` (a sampler of another kind:
+        its order per epoch, ``sampler_order``), ``collate_fn``, ``num_workers``, ``drop_last``,
+        ``pin_memory``, ``worker_init_fn``."""
         from torch.utils.data import DataLoader
 
         if isinstance(dataset, DataLoader):
             given = (global_batch_size, shuffle, seed, collate_fn, num_workers, drop_last, pin_memory,
-                     worker_init_fn, order)  # fmt: skip
-            if given != (None, None, None, None, 0, True, False, None, None):
+                     worker_init_fn, order, epoch_samples)  # fmt: skip
+            if given != (None, None, None, None, 0, True, False, None, None, None):
                 raise TypeError("session.loader(dataloader) takes its settings from the DataLoader: "
                                 "pass no other arguments (or pass the dataset and global_batch_size)")  # fmt: skip
             from checkpointless.data.from_dataloader import loader_settings
@@ -460,6 +465,7 @@ class Session(Member):
             dataset, global_batch_size, rank=lambda: self.dp_rank, size=lambda: self.dp_size,
             default_seed=self.seed, shuffle=shuffle, seed=seed, collate_fn=collate_fn, num_workers=num_workers,
             drop_last=drop_last, pin_memory=pin_memory, worker_init_fn=worker_init_fn, order=order,
+            epoch_samples=epoch_samples,
         )  # fmt: skip
         if isinstance(loader, StepLoader):
             loader.check_split(self.dp_size)

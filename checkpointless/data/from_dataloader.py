@@ -9,7 +9,9 @@ session takes the ``DataLoader`` and reads its settings:
   rank, as the ``DistributedSampler`` gave each rank), fixed from then on;
 - the order: a ``DistributedSampler``'s ``shuffle`` and ``seed``; a ``RandomSampler`` shuffles from
   the session's seed (a generator of its own has no seed to read); a ``SequentialSampler`` keeps the
-  dataset's order; an ``IterableDataset`` keeps its own;
+  dataset's order; an ``IterableDataset`` keeps its own; a sampler of another kind (weighted, with
+  replacement, a subset, a list of indices, a class of the script's) gives each epoch's order,
+  iterated with its randomness seeded from the session's seed and the epoch (``sampler_order.py``);
 - ``collate_fn``, ``num_workers``, ``pin_memory``, ``worker_init_fn``, and ``drop_last`` (the
   ``DataLoader``'s or the ``DistributedSampler``'s); the worker processes are the session's kind
   (``forkserver``, started again only after a recovery), whatever ``multiprocessing_context`` and
@@ -18,10 +20,11 @@ session takes the ``DataLoader`` and reads its settings:
   world the job no longer has).
 
 The ``DataLoader`` itself is never iterated (its sampler's position is per-rank state; the step is
-the position). A sampler of another kind (weighted, bucketed by length, a ``batch_sampler`` of one's
-own) cannot be translated into a function of the step: it is refused in one line, which points at
-``session.loader(dataset, global_batch_size, order=...)`` (the epoch's order as a function of the
-epoch, computed by the script).
+the position). What cannot be translated into a function of the step is refused in one line: a
+``batch_sampler`` of one's own (batches of varying sizes), a subclass of a sampler above that
+iterates its own way (read as its base class its order would silently be another), a sampler that
+gives one rank's share; the error points at ``session.loader(dataset, global_batch_size,
+order=...)`` (the epoch's order as a function of the epoch, computed by the script).
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ def loader_settings(dataloader: DataLoader[Any], dp_size: int, default_seed: int
     stream = isinstance(dataset, IterableDataset)
     drop_last = dataloader.drop_last
     shuffle, seed = False, None
+    own: dict[str, Any] = {}  # a sampler of another kind: its epochs' orders (sampler_order.py)
     if stream:
         pass  # its order is its own (the DataLoader's sampler is a placeholder)
     elif _own_iter(sampler):
@@ -62,20 +66,16 @@ def loader_settings(dataloader: DataLoader[Any], dp_size: int, default_seed: int
     elif isinstance(sampler, DistributedSampler):
         shuffle, seed = sampler.shuffle, sampler.seed
         drop_last = drop_last or sampler.drop_last
-    elif isinstance(sampler, RandomSampler):
-        if sampler.replacement or sampler._num_samples is not None:
-            raise ValueError(
-                "session.loader(dataloader): a RandomSampler with replacement=True or num_samples "
-                "is not supported (each epoch must be a permutation of the dataset)"
-            )
+    elif isinstance(sampler, RandomSampler) and not sampler.replacement and sampler._num_samples is None:
         shuffle, seed = True, default_seed
     elif not isinstance(sampler, SequentialSampler):
-        raise ValueError(
-            f"session.loader(dataloader): its sampler is a {type(sampler).__name__}, which cannot be "
-            "read as a function of the step; supported: DistributedSampler, RandomSampler "
-            "(shuffle=True), SequentialSampler (shuffle=False); or pass the dataset and each epoch's "
-            "order: session.loader(dataset, global_batch_size, order=lambda epoch: [...])"
-        )
+        from checkpointless.data.sampler_order import sampler_order
+
+        try:
+            order, samples = sampler_order(sampler, default_seed)
+        except ValueError as e:
+            raise ValueError(f"session.loader(dataloader): {e}") from None
+        own = {"order": order, "epoch_samples": samples}
     return {
         "dataset": dataset,
         "global_batch_size": dataloader.batch_size * dp_size,
@@ -86,6 +86,7 @@ def loader_settings(dataloader: DataLoader[Any], dp_size: int, default_seed: int
         "drop_last": drop_last,
         "pin_memory": dataloader.pin_memory,
         "worker_init_fn": dataloader.worker_init_fn,
+        **own,
     }
 
 
@@ -104,6 +105,7 @@ def make_loader(
     pin_memory: bool = False,
     worker_init_fn: Callable[[int], None] | None = None,
     order: Callable[[int], Sequence[int]] | None = None,
+    epoch_samples: int | None = None,
 ) -> StepLoader | IterableStepLoader:
     """``session.loader(dataset, global_batch_size, ...)``'s loader, for the data-parallel rank and
     size that ``rank()`` and ``size()`` give when a step is read (a ``StepLoader`` for a map-style
@@ -129,6 +131,7 @@ def make_loader(
         dataset, global_batch_size, rank=rank, size=size, shuffle=True if shuffle is None else shuffle,
         seed=default_seed if seed is None else seed, collate_fn=collate_fn, num_workers=num_workers,
         drop_last=drop_last, pin_memory=pin_memory, worker_init_fn=worker_init_fn, order=order,
+        epoch_samples=epoch_samples,
     )  # fmt: skip
 
 

@@ -7,7 +7,8 @@ What a ``DataLoader`` with a ``DistributedSampler`` gives a DDP script, made re-
   ``s % steps_per_epoch`` in that epoch's order (a permutation drawn from ``(seed, epoch)`` when
   ``shuffle``; the dataset's order otherwise; or ``order(epoch)``, a permutation of the dataset's
   indices that the caller computes as a function of the epoch alone, the same in every process:
-  a length-grouped order, a curriculum), ``global_batch_size`` samples;
+  a length-grouped order, a curriculum; or, with ``epoch_samples``, that many indices of the
+  dataset, repeats allowed: a sampler's epoch, ``sampler_order.py``), ``global_batch_size`` samples;
 - the global batch does not depend on how many ranks share it: it is cut into ``dp_size`` equal
   contiguous parts, in order, and data-parallel rank ``r`` reads part ``r``;
 - the position is a function of the step, never state of the rank: a replacement, or a step
@@ -112,6 +113,7 @@ class StepLoader:
         pin_memory: bool = False,
         worker_init_fn: Callable[[int], None] | None = None,
         order: Callable[[int], Sequence[int]] | None = None,
+        epoch_samples: int | None = None,
     ) -> None:
         if isinstance(dataset, IterableDataset):
             raise TypeError(
@@ -127,18 +129,24 @@ class StepLoader:
             ) from None
         if global_batch_size < 1:
             raise ValueError(f"global_batch_size must be at least 1, got {global_batch_size}")
-        if n < global_batch_size and drop_last:
+        if epoch_samples is not None and (order is None or epoch_samples < 1):
+            raise ValueError(f"epoch_samples={epoch_samples} needs an order of that many samples an epoch")
+        samples = n if epoch_samples is None else epoch_samples
+        if samples < global_batch_size and drop_last:
+            what = "the dataset has" if epoch_samples is None else "an epoch of its sampler has"
             raise ValueError(
-                f"the dataset has {n} samples, fewer than one global batch of {global_batch_size} "
+                f"{what} {samples} samples, fewer than one global batch of {global_batch_size} "
                 "(drop_last=True leaves no step)"
             )
         self.dataset, self.global_batch_size, self.n = dataset, global_batch_size, n
+        # the samples of an epoch's order: the dataset's (a permutation), or a sampler's (repeats allowed)
+        self.epoch_samples, self._repeats = samples, epoch_samples is not None
         self._rank, self._size = rank, size
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
         self.collate_fn, self.num_workers, self.pin_memory = collate_fn, num_workers, pin_memory
         self.worker_init_fn = worker_init_fn
         self.order = order
-        self.steps_per_epoch = n // global_batch_size if drop_last else -(-n // global_batch_size)
+        self.steps_per_epoch = samples // global_batch_size if drop_last else -(-samples // global_batch_size)
         self._order: tuple[int, torch.Tensor] | None = None  # (epoch, its sample order)
         self._iter: Iterator[Any] | None = None
         self._loader: DataLoader[Any] | None = None  # kept with worker processes (``_restart``)
@@ -149,7 +157,7 @@ class StepLoader:
     def check_split(self, size: int) -> None:
         """A ``ValueError`` now, rather than at the first step that ``size`` ranks cannot share: the
         global batch, and the epoch's short last batch without ``drop_last``, must split evenly."""
-        tail = 0 if self.drop_last else self.n % self.global_batch_size
+        tail = 0 if self.drop_last else self.epoch_samples % self.global_batch_size
         for what, samples in (("the global batch", self.global_batch_size), ("an epoch's last batch", tail)):
             if samples % size:
                 raise ValueError(
@@ -165,12 +173,19 @@ class StepLoader:
     def _epoch_order(self, epoch: int) -> torch.Tensor:
         if self._order is None or self._order[0] != epoch:
             if self.order is not None:
-                order = _checked_order(self.order(epoch), self.n, epoch)
-                if not torch.equal(order, _checked_order(self.order(epoch), self.n, epoch)):
+                what = getattr(self.order, "what", None)
+                name = (
+                    f"session.loader(order=...): order({epoch})"
+                    if what is None
+                    else f"{what}, epoch {epoch},"
+                )
+                samples = self.epoch_samples if self._repeats else None
+                order = _checked_order(self.order(epoch), self.n, name, samples)
+                if not torch.equal(order, _checked_order(self.order(epoch), self.n, name, samples)):
                     raise ValueError(
-                        f"session.loader(order=...): order({epoch}) returned two different orders: it must "
-                        "be a function of the epoch alone (draw from a generator seeded by the epoch), or "
-                        "a replacement and a re-executed step would read other samples"
+                        f"{name} returned two different orders: it must be a function of the epoch alone "
+                        "(draw from a generator seeded by the epoch), or a replacement and a re-executed "
+                        "step would read other samples"
                     )
             elif self.shuffle:
                 g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
@@ -259,18 +274,23 @@ class StepLoader:
         return self.steps_per_epoch
 
 
-def _checked_order(given: Sequence[int], n: int, epoch: int) -> torch.Tensor:
-    """``order(epoch)``'s value as a tensor; a ``ValueError`` naming the fault if it is not a
-    permutation of the dataset's ``n`` indices."""
+def _checked_order(given: Sequence[int], n: int, name: str, samples: int | None) -> torch.Tensor:
+    """An epoch's order as a tensor; a ``ValueError`` starting with ``name`` if it is not a
+    permutation of the dataset's ``n`` indices (``samples`` None) or not ``samples`` indices of it."""
     try:
         order = torch.as_tensor(list(given), dtype=torch.long)
     except (TypeError, ValueError, RuntimeError) as e:
-        raise ValueError(
-            f"session.loader(order=...): order({epoch}) must return sample indices ({e})"
-        ) from None
-    if order.dim() != 1 or len(order) != n or not torch.equal(torch.sort(order).values, torch.arange(n)):
-        raise ValueError(
-            f"session.loader(order=...): order({epoch}) must return a permutation of the dataset's "
-            f"{n} indices (each of 0..{n - 1} once), got {len(order)} values"
-        )
+        raise ValueError(f"{name} must return sample indices ({e})") from None
+    if samples is None:
+        if order.dim() != 1 or len(order) != n or not torch.equal(torch.sort(order).values, torch.arange(n)):
+            raise ValueError(
+                f"{name} must return a permutation of the dataset's {n} indices (each of 0..{n - 1} "
+                f"once), got {len(order)} values"
+            )
+    elif order.dim() != 1 or len(order) != samples:
+        raise ValueError(f"{name} gave {len(order)} indices, not the {samples} of every epoch")
+    else:
+        outside = order[(order < 0) | (order >= n)]
+        if len(outside):
+            raise ValueError(f"{name} gave index {int(outside[0])}, outside the dataset's {n} samples")
     return order

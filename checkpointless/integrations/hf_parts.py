@@ -33,6 +33,9 @@ def _refusals(trainer: Trainer) -> list[str]:
     if sampling not in ("random", "sequential", "group_by_length"):
         out.append(f"train_sampling_strategy={sampling!r} (the train order is a function of the step: "
                    "'random', 'sequential' or 'group_by_length')")  # fmt: skip
+    if _overrides(trainer, "get_train_dataloader"):
+        out.append("a get_train_dataloader of its own (the train set is read as a function of the step: "
+                   "give an order of your own by overriding _get_train_sampler)")  # fmt: skip
     if isinstance(trainer.train_dataset, torch.utils.data.IterableDataset):
         workers = args.dataloader_num_workers
         if workers > 1:
@@ -42,6 +45,36 @@ def _refusals(trainer: Trainer) -> list[str]:
             out.append("an IterableDataset without __len__ as train_dataset without max_steps (set "
                        "TrainingArguments.max_steps)")  # fmt: skip
     return out
+
+
+def _overrides(trainer: Any, name: str) -> bool:
+    """Whether the script's ``Trainer`` subclass defines ``name`` itself (not ``transformers.Trainer``'s)."""
+    from transformers import Trainer as HFTrainer
+
+    own = getattr(type(trainer), name, None)
+    return own is not None and own is not getattr(HFTrainer, name)
+
+
+def _own_sampler_order(
+    trainer: Any, dataset: Any, seed: int
+) -> tuple[Callable[[int], list[int]] | None, int | None]:
+    """``(order, samples per epoch)`` of the sampler a ``_get_train_sampler`` of the script's own gives
+    (``checkpointless.data.sampler_order``: each epoch's order, its randomness seeded from ``seed`` and
+    the epoch); ``(None, None)`` without one. A ``ValueError`` in one line for a sampler that cannot
+    be read so."""
+    if not _overrides(trainer, "_get_train_sampler"):
+        return None, None
+    from checkpointless.data.sampler_order import sampler_order
+
+    sampler = trainer._get_train_sampler(dataset)
+    if sampler is None:  # no sampler: the DataLoader reads the dataset in order
+        return (lambda epoch: list(range(len(dataset)))), len(dataset)
+    try:
+        return sampler_order(sampler, seed)
+    except ValueError as e:
+        raise ValueError(
+            f"checkpointless.integrations.transformers.Trainer: _get_train_sampler: {e}"
+        ) from None
 
 
 def _tokens(micro: list[Any], model: Any) -> int:

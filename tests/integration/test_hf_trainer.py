@@ -129,19 +129,25 @@ def test_an_exception_at_the_first_of_a_steps_micro_batches_recovers_bitwise(
 @pytest.mark.parametrize(
     ("option", "faults"),
     [("--iterable", ["kill:rank=1@step=7", "exception:rank=0@step=9"]),
-     ("--group-by-length", ["kill:rank=1@step=4", "exception:rank=0@step=8"])],
-    ids=["stream", "group-by-length"],
+     ("--group-by-length", ["kill:rank=1@step=4", "exception:rank=0@step=8"]),
+     ("--weighted", ["kill:rank=0@step=4", "exception:rank=1@step=8"])],
+    ids=["stream", "group-by-length", "own-sampler"],
 )  # fmt: skip
 def test_a_trainer_reading_in_an_order_not_its_own_recovers_bitwise(
-    tmp_path: Path, option: str, faults: list[str]
+    tmp_path: Path, option: str, faults: list[str], request: pytest.FixtureRequest
 ) -> None:
     """``--iterable``: an ``IterableDataset`` train set (an endless stream shuffled by its own seed,
     no ``__len__``), the replacement and the re-executed steps positioned in the stream by the step.
     ``--group-by-length``: ``train_sampling_strategy="group_by_length"`` (samples of different
     lengths, padded by the script's collator), the epoch's order HF's length-grouped one drawn from
-    the seed and the epoch. Either way a kill and an exception end where the fault-free run does."""
+    the seed and the epoch. ``--weighted``: a ``Trainer`` subclass whose ``_get_train_sampler`` gives a
+    ``WeightedRandomSampler`` (80 draws with replacement an epoch), each epoch's draws read from it with
+    their randomness seeded by the epoch. Each way a kill and an exception end where the fault-free
+    run does."""
     ref = run_job(workers=2, spares=0, steps=STEPS, command=_command(tmp_path / "ref", option), timeout_s=400)
     assert ref.ok, f"{ref.error}\n{logs_of(ref)}"
+    if option == "--weighted":  # the sampler is read: the run is not the default order's
+        assert ref.digest != request.getfixturevalue("reference")[0]
     job = run_job(workers=2, spares=1, steps=STEPS, command=_command(tmp_path / "faults", option),
                   faults=faults, timeout_s=400)  # fmt: skip
     assert job.ok, f"{job.error}\n{logs_of(job)}"

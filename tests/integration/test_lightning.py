@@ -140,15 +140,14 @@ def test_an_exception_inside_an_accumulated_step_recovers_bitwise(
     assert f"at micro-batch {micro} of step {step}" in (faults[0].get("error") or ""), faults
 
 
-STREAM = ("--stream", "12")  # an endless stream, 12 steps in Lightning epochs of 6 batches
-
-
-def test_a_script_on_a_stream_recovers_bitwise(lightning_dir: Path, tmp_path: Path) -> None:
-    """An ``IterableDataset`` train set without ``__len__`` (``max_steps``): a kill of rank 0 and an
-    exception end where the fault-free run does; the stream goes on across Lightning's epochs."""
-    ref = _job(lightning_dir, spares=0, extra=STREAM, steps=12, out=tmp_path / "ref")
+def _kill_then_exception_ends_as_fault_free(lightning_dir: Path, tmp_path: Path, extra: tuple[str, ...],
+                                            steps: int) -> None:  # fmt: skip
+    """A kill of rank 0 at step 4 and an exception of rank 1 at step 8 end where the fault-free run
+    does (both digests), neither losing a step."""
+    ref = _job(lightning_dir, spares=0, extra=extra, steps=steps, out=tmp_path / "ref")
     assert ref.ok, f"{ref.error}\n{logs_of(ref)}"
-    job = _job(lightning_dir, "kill:rank=0@step=4", "exception:rank=1@step=8", extra=STREAM, steps=12,
+    assert f"trained {steps} steps" in ref.logs["w0"].read_text()
+    job = _job(lightning_dir, "kill:rank=0@step=4", "exception:rank=1@step=8", extra=extra, steps=steps,
                out=tmp_path / "faults")  # fmt: skip
     assert job.ok, f"{job.error}\n{logs_of(job)}"
     assert (job.digest, job.report["final_registered_sha256"]) == (
@@ -156,6 +155,24 @@ def test_a_script_on_a_stream_recovers_bitwise(lightning_dir: Path, tmp_path: Pa
         ref.report["final_registered_sha256"],
     )
     assert [f["lost_steps"] for f in job.report["faults"]] == [0, 0]
+
+
+def test_a_script_with_a_weighted_sampler_of_its_own_recovers_bitwise(
+    lightning_dir: Path, tmp_path: Path
+) -> None:
+    """The train ``DataLoader``'s sampler is the script's ``WeightedRandomSampler`` (80 draws an epoch,
+    with replacement): each epoch's draws are read from it with their randomness seeded by the epoch
+    (Lightning's epochs are the sampler's: 5 steps of 8 x 2 ranks)."""
+    _kill_then_exception_ends_as_fault_free(lightning_dir, tmp_path, ("--weighted",), steps=15)
+
+
+STREAM = ("--stream", "12")  # an endless stream, 12 steps in Lightning epochs of 6 batches
+
+
+def test_a_script_on_a_stream_recovers_bitwise(lightning_dir: Path, tmp_path: Path) -> None:
+    """An ``IterableDataset`` train set without ``__len__`` (``max_steps``): the stream goes on across
+    Lightning's epochs."""
+    _kill_then_exception_ends_as_fault_free(lightning_dir, tmp_path, STREAM, steps=12)
 
 
 def test_a_hung_rank_is_replaced_bitwise(lightning_dir: Path, reference: tuple[str, str]) -> None:

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, WeightedRandomSampler
 
 from checkpointless.integrations.lightning import CheckpointlessStrategy
 
@@ -130,12 +130,16 @@ def main() -> None:
     p.add_argument("--save-last-link", action="store_true")
     p.add_argument("--resume", default=None, metavar="CKPT")
     p.add_argument("--die-in-save", default=None, metavar="STEP[:MATCH]")
+    p.add_argument("--weighted", action="store_true", help="a WeightedRandomSampler of 80 draws an epoch")
     a = p.parse_args()
     torch.set_num_threads(1)
     L.seed_everything(7, verbose=False)
     raise_at = tuple(int(v) for v in a.raise_at.split(":")) if a.raise_at else None
     model = Classifier(manual=a.manual, raise_at=raise_at)  # type: ignore[arg-type]
     train = DataLoader(Points(96, 1), batch_size=8, shuffle=True)
+    if a.weighted:  # class imbalance evened out: every third sample drawn 4 times as often, with replacement
+        weights = [4.0 if i % 3 == 0 else 1.0 for i in range(96)]
+        train = DataLoader(Points(96, 1), batch_size=8, sampler=WeightedRandomSampler(weights, 80))
     stream = {}
     if a.stream:
         train = DataLoader(Stream(Points(96, 1), seed=3), batch_size=8)

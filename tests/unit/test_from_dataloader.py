@@ -47,17 +47,26 @@ def test_session_loader_of_a_dataloader_reads_what_the_explicit_call_reads() -> 
         assert torch.equal(wrapped.batch(step)[0], explicit.batch(step)[0])
 
 
+def test_a_sampler_of_another_kind_gives_each_epochs_order() -> None:
+    """A weighted sampler, a ``RandomSampler`` with replacement: read as each epoch's draws
+    (``sampler_order``), ``len(sampler)`` samples an epoch; the ``DataLoader`` never iterated."""
+    weighted = DataLoader(DATA, batch_size=4, sampler=WeightedRandomSampler([1.0] * 40, 24))
+    got = loader_settings(weighted, 2, 0)
+    assert got["epoch_samples"] == 24 and got["global_batch_size"] == 8
+    assert len(got["order"](0)) == 24
+    with_replacement = torch.utils.data.RandomSampler(DATA, True, num_samples=16)
+    assert (
+        loader_settings(DataLoader(DATA, batch_size=4, sampler=with_replacement), 1, 0)["epoch_samples"] == 16
+    )
+    session = Session(torch.nn.Linear(2, 2), None, seed=3)  # no launcher: one process
+    loader = session.loader(weighted)
+    assert isinstance(loader, StepLoader) and len(loader) == 6  # 24 draws in global batches of 4
+
+
 def test_what_cannot_be_a_function_of_the_step_is_one_clear_error() -> None:
-    weighted = DataLoader(DATA, batch_size=4, sampler=WeightedRandomSampler([1.0] * 40, 40))
-    with pytest.raises(ValueError, match="its sampler is a WeightedRandomSampler"):
-        loader_settings(weighted, 1, 0)
     own_batches = DataLoader(DATA, batch_sampler=[[0, 1], [2, 3]])
     with pytest.raises(ValueError, match="batch_sampler of its own"):
         loader_settings(own_batches, 1, 0)
-    with pytest.raises(ValueError, match="replacement=True"):
-        loader_settings(
-            DataLoader(DATA, batch_size=4, sampler=torch.utils.data.RandomSampler(DATA, True)), 1, 0
-        )
 
     class Reversed(DistributedSampler[int]):  # a subclass with an order of its own (HF has such)
         def __iter__(self):  # type: ignore[no-untyped-def]

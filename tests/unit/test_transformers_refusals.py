@@ -82,3 +82,32 @@ def test_the_length_grouped_order_is_hfs_drawn_from_the_seed_and_the_epoch() -> 
 
     shuffled = torch.randperm(200, generator=torch.Generator().manual_seed(1)).tolist()
     assert padding(order(0)) < padding(shuffled) / 3
+
+
+class _OwnLoader(SimpleNamespace):
+    def get_train_dataloader(self) -> Any:  # a script's Trainer subclass reading its own way
+        return None
+
+
+class _OwnSampler(SimpleNamespace):
+    def _get_train_sampler(self, train_dataset: Any = None) -> Any:
+        return torch.utils.data.WeightedRandomSampler([3.0, 1.0, 1.0, 1.0], 6)
+
+
+def test_a_train_dataloader_of_the_scripts_own_is_refused_and_a_sampler_of_its_own_is_read() -> None:
+    """A ``get_train_dataloader`` override would be bypassed by the step's loader: refused in one line
+    (before, it was silently not used). A ``_get_train_sampler`` override gives the epochs' orders
+    (``sampler_order``): its draws, 6 an epoch, the same for the same (seed, epoch)."""
+    from checkpointless.integrations.hf_parts import _own_sampler_order
+    from checkpointless.integrations.transformers import _refusals
+
+    plain = _trainer()
+    (line,) = _refusals(_OwnLoader(**vars(plain)))
+    assert line.startswith("a get_train_dataloader of its own") and "_get_train_sampler" in line, line
+    assert _own_sampler_order(plain, plain.train_dataset, 5) == (None, None)
+    own = _OwnSampler(**vars(plain))
+    order, samples = _own_sampler_order(own, own.train_dataset, 5)
+    assert samples == 6 and order is not None
+    assert order(0) == _own_sampler_order(own, own.train_dataset, 5)[0](0)  # type: ignore[misc]
+    assert len(order(0)) == 6 and set(order(0)) <= {0, 1, 2, 3}
+    assert [order(e) for e in range(4)] != [order(0)] * 4  # each epoch its own draws

@@ -9,7 +9,9 @@ from typing import Any
 
 from lightning.pytorch import LightningModule
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
-from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
+from torch.utils.data import DataLoader, IterableDataset
+
+from checkpointless.data.from_dataloader import loader_settings
 
 
 def refused_settings(strategy: Any, trainer: Any, *, launched: bool) -> list[str]:
@@ -75,8 +77,11 @@ def refused_loader(dataloader: object, world: int, max_steps: int = -1) -> str |
                 if max_steps > 0
                 else "an IterableDataset without __len__ as the train set without max_steps"
             )
-    elif type(dataloader.sampler) not in (RandomSampler, SequentialSampler):
-        return f"a train DataLoader with a sampler of its own ({type(dataloader.sampler).__name__})"
+    else:
+        try:  # a sampler of its own is read as each epoch's order (checkpointless.data.sampler_order)
+            samples = loader_settings(dataloader, world, 0).get("epoch_samples", samples)
+        except ValueError as e:
+            return "a train DataLoader: " + str(e).removeprefix("session.loader(dataloader): ")
     assert samples is not None
     tail = samples % (dataloader.batch_size * world)
     if not dataloader.drop_last and tail % world:
