@@ -371,6 +371,10 @@ class Trainer(_HFTrainer):
                         self.accelerator.gradient_state._set_sync_gradients(last)
                         with contextlib.nullcontext() if last else session.no_sync():
                             losses.append(self.training_step(model, inputs, items))
+                        if not last:  # between two micro-batches, as HF's loop calls it
+                            self.control = self.callback_handler.on_substep_end(
+                                args, self.state, self.control
+                            )
                 finally:
                     self._items_ranks = 1
                 step_loss = torch.stack(losses).sum()

@@ -262,6 +262,13 @@ def test_the_trainer_script_runs_alone_as_a_plain_trainer(tmp_path: Path) -> Non
                          timeout=240, env=env)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     assert "trained 4 steps" in run.stdout
+    # the callbacks the loop calls, in HF's order, are those the checkpointless loop calls
+    (plain,) = [line for line in run.stdout.splitlines() if line.startswith("CALLBACKS ")]
+    assert plain.split()[1:4] == ["on_step_begin", "on_substep_end", "on_pre_optimizer_step"], plain
+    job = run_job(workers=2, spares=0, steps=4, command=[*_command(tmp_path / "launched")[:-1], "4"],
+                  timeout_s=200, out=tmp_path / "job")  # fmt: skip
+    assert job.ok, f"{job.error}\n{logs_of(job)}"
+    assert plain in job.logs["w0"].read_text().splitlines()
     stream = subprocess.run([sys.executable, SCRIPT, str(tmp_path / "stream"), "2", "--iterable"],
                             capture_output=True, text=True, timeout=240, env=env)  # fmt: skip
     assert stream.returncode == 0, stream.stderr[-3000:]

@@ -107,6 +107,35 @@ class RaiseOnce(TrainerCallback):
             raise RuntimeError(f"a fault of the script's own at micro-batch {micro} of step {self.step}")
 
 
+class CallbackOrder(TrainerCallback):
+    """Prints the callbacks the loop calls over its first two steps, in order, at the end of training."""
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    def _note(self, name: str, state) -> None:  # type: ignore[no-untyped-def]
+        if state.global_step < 2 or (name == "on_step_end" and state.global_step == 2):
+            self.seen.append(name)
+
+    def on_step_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        self._note("on_step_begin", state)
+
+    def on_substep_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        self._note("on_substep_end", state)
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        self._note("on_pre_optimizer_step", state)
+
+    def on_optimizer_step(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        self._note("on_optimizer_step", state)
+
+    def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        self._note("on_step_end", state)
+
+    def on_train_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        print("CALLBACKS " + " ".join(self.seen), flush=True)
+
+
 class WeightedTrainer(Trainer):
     """A ``Trainer`` subclass with a train order of its own (``_get_train_sampler``, as scripts that
     even out an imbalanced set write it): every fourth sample drawn 3 times as often, with
@@ -195,7 +224,7 @@ def main() -> None:
         train = Varied(96, 16, 128, 1, padded=True)
     if a.iterable:
         train = Stream(train, seed=11)
-    callbacks = []
+    callbacks: list[TrainerCallback] = [CallbackOrder()]
     if a.raise_at:
         step, micro, rank = (int(v) for v in a.raise_at.split(":"))
         callbacks.append(RaiseOnce(model, step, micro, rank))
