@@ -209,9 +209,14 @@ def test_manual_optimization_is_refused_in_one_line(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("extra", "steps"), [((), 12), (ACCUMULATE, 3)], ids=["per-batch", "accumulated"])
+@pytest.mark.parametrize(
+    ("extra", "steps"),
+    [((), 12), (ACCUMULATE, 3), (("--weighted",), 10)],
+    ids=["per-batch", "accumulated", "weighted"],
+)
 def test_the_script_runs_alone_on_one_process(tmp_path: Path, extra: tuple[str, ...], steps: int) -> None:
-    """12 batches of 8 samples: 12 steps, or 3 of 4 accumulated micro-batches."""
+    """12 batches of 8 samples: 12 steps, or 3 of 4 accumulated micro-batches; the weighted sampler's
+    80 draws: 10 steps."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     for name in list(env):
         if name.startswith("CHECKPOINTLESS_"):
