@@ -71,7 +71,7 @@ class GradientReducer:
         self._buckets: list[torch.Tensor] = []
         self._views: list[torch.Tensor] = []
         self._allocate()
-        self.bytes = sum(b.numel() * b.element_size() for b in self._buckets)
+        self.bytes = sum(p.numel() * p.element_size() for p in self.params)  # the gradients (not the flag)
         # the attempt in progress: its group, what is pending, what is in flight
         self._group: Group | None = None
         self._local = False  # inside ``local()``: passes accumulate without reducing
@@ -86,12 +86,14 @@ class GradientReducer:
         self._all = list(params)
 
     def _allocate(self) -> None:
-        """Fresh zeroed buckets and the gradient views into them."""
+        """Fresh zeroed buckets and the gradient views into them; the last bucket has one element
+        more, after its gradients: the flag ``reduce`` sums with them."""
         self._buckets = []
         views: list[torch.Tensor | None] = [None] * len(self.params)
-        for members in self._members:
+        for b, members in enumerate(self._members):
             ps = [self.params[i] for i in members]
-            buf = torch.zeros(sum(q.numel() for q in ps), dtype=ps[0].dtype, device=ps[0].device)
+            flag = int(b == len(self._members) - 1)
+            buf = torch.zeros(sum(q.numel() for q in ps) + flag, dtype=ps[0].dtype, device=ps[0].device)
             off = 0
             for i, q in zip(members, ps, strict=True):
                 views[i] = buf[off : off + q.numel()].view_as(q)
@@ -168,9 +170,12 @@ class GradientReducer:
             self._works.append(self._group.allreduce_start(self._buckets[self._started]))
             self._started += 1
 
-    def _reduce_all(self, group: Group) -> None:
-        """Start every bucket not yet started, wait for all, average; a new round begins."""
+    def _reduce_all(self, group: Group, flag: float = 0.0) -> float:
+        """Start every bucket not yet started, wait for all, average; a new round begins. Returns
+        the sum over the group of ``flag`` (carried by the last bucket, which starts here)."""
         self._gather()
+        last = self._buckets[-1]
+        last[-1] = flag
         try:
             for b in self._buckets[self._started :]:
                 self._works.append(group.allreduce_start(b))
@@ -179,8 +184,10 @@ class GradientReducer:
         finally:
             self._drop()
             self._open = False
+        summed = float(last[-1])
         for b in self._buckets:
             b.div_(group.world_size)
+        return summed
 
     def _settle(self) -> None:
         """A new backward pass begins: reduce the previous passes' gradients in every bucket (on
@@ -203,16 +210,18 @@ class GradientReducer:
                 view.copy_(g)
             p.grad = view
 
-    def reduce(self, group: Group | None) -> None:
-        """Average gradients over ``group``; a ``None`` group (one process) only gathers."""
+    def reduce(self, group: Group | None, flag: float = 0.0) -> float:
+        """Average gradients over ``group``; a ``None`` group (one process) only gathers. Returns
+        the sum of every member's ``flag``, which rides in the last bucket (no collective of its
+        own: the session's "did any rank's buffers move" needs no extra round trip); ``flag`` alone."""
         if group is not self._group:  # no ``begin`` for this group: nothing was started
             self._drop()
             self._open = False
         if group is None or group.world_size == 1:
             self._gather()
-            return
+            return flag
         try:
-            self._reduce_all(group)
+            return self._reduce_all(group, flag)
         finally:
             self._group = None  # until the next ``begin``
 
@@ -285,7 +294,9 @@ class BufferSync:
       rank 0's statistics. ``sync`` does the same once per step, after the forward and backward passes
       (from ``reduce_gradients``): every forward still sees rank 0's buffers of the step before, and,
       unlike with DDP, every replica also *holds* them when the step commits, so any replica can be
-      the source of a recovery. One broadcast per dtype (buffers packed into flat buckets).
+      the source of a recovery. One broadcast per dtype (buffers packed into flat buckets), at a
+      step where some rank's buffers moved since the last commit (``changed``; the ranks agree
+      through a flag the gradient reduction carries): never for buffers that stay constant.
     - ``commit`` / ``restore``: a failed attempt's forward pass has already updated the buffers
       (BatchNorm does so in place); ``restore`` puts back the copy ``commit`` took at the last
       committed step, so that the step re-executes from exactly the committed state.

@@ -257,3 +257,31 @@ def test_stale_when_a_parameter_is_unfrozen() -> None:
     net[0].weight.requires_grad_(True)
     assert red.stale()
     red.close()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_flag_rides_the_last_bucket_and_changes_no_gradient(world: int) -> None:
+    """``reduce(group, flag)`` returns every member's flags summed, carried by the last bucket (no
+    collective of its own), with accumulation's intermediate reduction between; the gradients are
+    those of a reduction without a flag, bit for bit. Alone: the flag itself."""
+
+    def fn(rank: int, store: TCPStore) -> Any:
+        out = []
+        for gen, flag in ((0, 0.0), (1, float(rank % 2) * 2.0)):
+            net = _net()
+            group = _group(store, gen, rank, world)
+            red = GradientReducer(list(net.parameters()), bucket_bytes=300)
+            red.begin(group)
+            for k in range(2):  # the second pass settles the first (a reduction without the flag)
+                _loss(net, _x(rank, 0, k)).backward()
+            out.append((red.reduce(group, flag), _grads(net)))
+            group.abort()
+        return out
+
+    results = run_ranks(world, fn)
+    expected = sum(float(r % 2) * 2.0 for r in range(world))
+    for (no_flag, plain), (summed, flagged) in results:
+        assert (no_flag, summed) == (0.0, expected)
+        assert all(torch.equal(a, b) for a, b in zip(plain, flagged, strict=True))
+    alone = GradientReducer(list(_net().parameters()))
+    assert alone.reduce(None, 1.0) == 1.0
