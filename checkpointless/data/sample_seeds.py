@@ -30,9 +30,12 @@ but not when the number of ranks changes.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import random
 import sys
+import threading
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -97,6 +100,22 @@ def _restore(states: tuple[Any, ...]) -> None:
         np.random.set_state(states[2])
 
 
+_kept = threading.local()  # ``generators_kept``: the caller puts the generators back itself
+
+
+@contextlib.contextmanager
+def generators_kept() -> Iterator[None]:
+    """Reads inside leave the three generators where their samples left them: the caller saved
+    their states (``_states``) and puts them back itself (``_restore``), so ``SeededSamples`` does
+    not do it a second time (NumPy's state is by far the dearest to save and to put back)."""
+    before = getattr(_kept, "on", False)
+    _kept.on = True
+    try:
+        yield
+    finally:
+        _kept.on = before
+
+
 class SeededSamples(Dataset[Any]):
     """``dataset`` read by ``Part``s, each sample under its own seed (see the module docstring)."""
 
@@ -109,7 +128,7 @@ class SeededSamples(Dataset[Any]):
         return self.dataset[index]
 
     def __getitems__(self, part: Part) -> list[Any]:
-        saved = _states() if get_worker_info() is None else None
+        saved = _states() if get_worker_info() is None and not getattr(_kept, "on", False) else None
         try:
             if self._batched:
                 _seed_all(sample_seed(self.seed, part.step, part.offset))

@@ -253,6 +253,40 @@ def test_a_samples_random_transform_depends_on_its_place_in_the_job_not_on_who_r
     assert not torch.equal(_loader(ds, 8, seed=6).batch(0)[:, 1:5], straight[0][:, 1:5])  # another seed
 
 
+def test_a_caller_that_keeps_the_generators_itself_gets_the_same_samples() -> None:
+    """``generators_kept``: the Lightning strategy saves and restores the three generators around a
+    batch itself (it seeds them for the batch first); the samples inside are seeded by their place
+    as without it, and the loader leaves the generators where the samples left them (no second save
+    and restore), which the caller's one restore undoes."""
+    import random
+
+    import numpy as np
+
+    from checkpointless.data.sample_seeds import _restore, _seed_all, _states, generators_kept
+
+    ds = Augmented()
+    expected = [_loader(ds, 8, seed=5).batch(s) for s in range(3)]
+    loader = _loader(ds, 8, seed=5)
+    torch.manual_seed(1), random.seed(1), np.random.seed(1)
+    before = torch.get_rng_state(), random.random(), float(np.random.rand())
+    torch.manual_seed(1), random.seed(1), np.random.seed(1)
+    for step in range(3):
+        saved = _states()
+        try:
+            _seed_all(1000 + step)
+            with generators_kept():
+                got = loader.batch(step)
+                inside = torch.get_rng_state()
+        finally:
+            _restore(saved)
+        assert torch.equal(got, expected[step])
+        _seed_all(1000 + step)
+        assert not torch.equal(inside, torch.get_rng_state())  # left where the samples left it
+        _restore(saved)
+    assert (torch.get_rng_state(), random.random(), float(np.random.rand()))[1:] == before[1:]
+    assert torch.equal(torch.get_rng_state(), before[0])
+
+
 class RarelyDrawn(Dataset[torch.Tensor]):
     """Sample ``i``; only sample ``DRAWS_AT`` draws, and from one generator (``source``). Counts reads."""
 

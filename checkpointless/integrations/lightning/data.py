@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import itertools
 import math
-import random
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-import torch
 from torch.utils.data import DataLoader
 
 from checkpointless.data.from_dataloader import loader_settings, make_loader
+from checkpointless.data.sample_seeds import _restore, _seed_all, _states, generators_kept
 from checkpointless.session import step_seed
 
 if TYPE_CHECKING:
@@ -62,20 +60,16 @@ class _TrainBatches:
         for b in range(first, per_epoch) if per_epoch is not None else itertools.count(first):
             step = base + b
             # the dataset's own randomness (augmentation in the main process) is a function of the
-            # step, not of when the Trainer prefetches it; the training RNG is left untouched (the
-            # CPU generator's alone: torch.manual_seed would reseed an accelerator's too, which
-            # fork_rng(devices=[]) does not restore)
-            with torch.random.fork_rng(devices=[]):
-                state = np.random.get_state(), random.getstate()
-                s = step_seed(seed ^ 0x5EED, step, rank)
-                torch.default_generator.manual_seed(s)
-                np.random.seed(s % 2**32)
-                random.seed(s)
-                try:
+            # step, not of when the Trainer prefetches it; the training RNG is left untouched
+            # (the CPU generator's alone: torch.manual_seed would reseed an accelerator's too);
+            # the samples' own seeding inside leaves the states to this one restore
+            saved = _states()
+            try:
+                _seed_all(step_seed(seed ^ 0x5EED, step, rank))
+                with generators_kept():
                     batch = self._loader.batch(step)
-                finally:
-                    np.random.set_state(state[0])
-                    random.setstate(state[1])
+            finally:
+                _restore(saved)
             yield batch
 
     def state_dict(self) -> dict[str, Any]:
