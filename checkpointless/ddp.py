@@ -170,12 +170,18 @@ class GradientReducer:
             self._works.append(self._group.allreduce_start(self._buckets[self._started]))
             self._started += 1
 
-    def _reduce_all(self, group: Group, flag: float = 0.0) -> float:
+    @property
+    def flag_on_host(self) -> bool:
+        """Whether ``reduce``'s flag is in host memory (gloo on CPU), where reading its sum costs no
+        wait for the device."""
+        return bool(self._buckets) and self._buckets[-1].device.type == "cpu"
+
+    def _reduce_all(self, group: Group, flag: float | None = None) -> float | None:
         """Start every bucket not yet started, wait for all, average; a new round begins. Returns
-        the sum over the group of ``flag`` (carried by the last bucket, which starts here)."""
+        the sum over the group of ``flag`` (carried by the last bucket, which starts here), if given."""
         self._gather()
-        last = self._buckets[-1]
-        last[-1] = flag
+        if flag is not None:
+            self._buckets[-1][-1] = flag
         try:
             for b in self._buckets[self._started :]:
                 self._works.append(group.allreduce_start(b))
@@ -184,7 +190,7 @@ class GradientReducer:
         finally:
             self._drop()
             self._open = False
-        summed = float(last[-1])
+        summed = None if flag is None else float(self._buckets[-1][-1])
         for b in self._buckets:
             b.div_(group.world_size)
         return summed
@@ -210,10 +216,11 @@ class GradientReducer:
                 view.copy_(g)
             p.grad = view
 
-    def reduce(self, group: Group | None, flag: float = 0.0) -> float:
-        """Average gradients over ``group``; a ``None`` group (one process) only gathers. Returns
-        the sum of every member's ``flag``, which rides in the last bucket (no collective of its
-        own: the session's "did any rank's buffers move" needs no extra round trip); ``flag`` alone."""
+    def reduce(self, group: Group | None, flag: float | None = None) -> float | None:
+        """Average gradients over ``group``; a ``None`` group (one process) only gathers. Given a
+        ``flag`` (every member gives one or none does), returns the sum of every member's, which
+        rides in the last bucket (no collective of its own: the session's "did any rank's buffers
+        move" needs no extra round trip); alone, ``flag`` itself."""
         if group is not self._group:  # no ``begin`` for this group: nothing was started
             self._drop()
             self._open = False
@@ -291,12 +298,14 @@ class BufferSync:
 
     - ``sync``: every replica takes rank 0's buffers. ``DistributedDataParallel(broadcast_buffers=True)``,
       its default, broadcasts rank 0's buffers before every forward pass, so every rank's forward sees
-      rank 0's statistics. ``sync`` does the same once per step, after the forward and backward passes
+      rank 0's statistics. ``sync`` does the same after a step's forward and backward passes
       (from ``reduce_gradients``): every forward still sees rank 0's buffers of the step before, and,
       unlike with DDP, every replica also *holds* them when the step commits, so any replica can be
-      the source of a recovery. One broadcast per dtype (buffers packed into flat buckets), at a
-      step where some rank's buffers moved since the last commit (``changed``; the ranks agree
-      through a flag the gradient reduction carries): never for buffers that stay constant.
+      the source of a recovery. One broadcast per dtype (buffers packed into flat buckets). With
+      gloo on CPU only at a step where some rank's buffers moved since the last commit
+      (``changed``; the ranks agree through a flag the gradient reduction carries): never for
+      buffers that stay constant. On an accelerator at every step, as DDP does: reading the flag
+      would make the host wait for the reduction.
     - ``commit`` / ``restore``: a failed attempt's forward pass has already updated the buffers
       (BatchNorm does so in place); ``restore`` puts back the copy ``commit`` took at the last
       committed step, so that the step re-executes from exactly the committed state.

@@ -593,21 +593,25 @@ class Session(Member):
         if self._client is not None:
             self._client.update(phase=Phase.REDUCE)
         if self._reducer is not None:
-            # whether any rank's buffers moved since the last commit rides in the reduction: rank 0's
-            # are broadcast then (BatchNorm's statistics, every step), not for a model whose
-            # buffers are constant (a transformer's rotary table), every rank agreeing either way
-            buffers = self._buffers
-            sync = self._broadcast_buffers and bool(buffers)
-            moved = sync and (not buffers.synced or buffers.changed())
-            moved_anywhere = self._reducer.reduce(self._group, 1.0 if moved else 0.0)
+            # on CPU, whether any rank's buffers moved since the last commit rides in the reduction:
+            # rank 0's are broadcast then (BatchNorm's statistics, every step), not for a model
+            # whose buffers are constant (a transformer's rotary table), every rank agreeing either
+            # way; on an accelerator at every step (BufferSync's docstring)
+            buffers, group = self._buffers, self._group
+            sync = self._broadcast_buffers and bool(buffers) and group is not None and group.world_size > 1
+            if sync and self._reducer.flag_on_host:
+                moved = not buffers.synced or buffers.changed()
+                sync = bool(self._reducer.reduce(group, 1.0 if moved else 0.0))
+            else:
+                self._reducer.reduce(group)
             if self._reducer.stale():  # unfrozen inside this attempt: reduced apart, this once
                 assert self.model is not None
                 self._agree_trainable(self._next_step)
                 known = {id(p) for p in self._reducer.params}
                 extra = [p for p in self.model.parameters() if p.requires_grad and id(p) not in known]
                 reduce_unbucketed(extra, self._group)
-            if sync and moved_anywhere > 0:
-                buffers.sync(self._group)
+            if sync:
+                buffers.sync(group)
         elif self._group is not None and self._group.world_size > 1:
             # Sharded: FSDP2 reduced the gradients inside backward(), group by group, so a failure
             # there may have spared some ranks. Every rank passes this point or none does: a step

@@ -28,15 +28,22 @@ def _lines(job) -> dict[str, tuple[int, float]]:  # type: ignore[no-untyped-def]
     return out
 
 
-def test_buffers_are_broadcast_where_a_rank_moved_them_and_nowhere_else(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("workers", "faults"),
+    [(2, ["kill:rank=1@step=5"]), (4, ["exception:rank=2@step=3", "kill:rank=1@step=5"])],
+    ids=["2-kill", "4-exception-then-kill"],
+)
+def test_buffers_are_broadcast_where_a_rank_moved_them_and_nowhere_else(
+    tmp_path: Path, workers: int, faults: list[str]
+) -> None:
     command = [sys.executable, SCRIPT, str(STEPS)]
-    ref = run_job(workers=2, spares=0, steps=STEPS, command=command, out=tmp_path / "ref")
+    ref = run_job(workers=workers, spares=0, steps=STEPS, command=command, out=tmp_path / "ref")
     assert ref.ok, f"{ref.error}\n{logs_of(ref)}"
     # rank 1 bumped its counter at steps 3 and 6: two broadcasts, each rank 0's counter (0) winning
-    assert _lines(ref) == {"w0": (2, 0.0), "w1": (2, 0.0)}, logs_of(ref)
-    faulted = run_job(workers=2, spares=1, steps=STEPS, command=command, faults=["kill:rank=1@step=5"],
+    assert _lines(ref) == {f"w{r}": (2, 0.0) for r in range(workers)}, logs_of(ref)
+    faulted = run_job(workers=workers, spares=1, steps=STEPS, command=command, faults=faults,
                       out=tmp_path / "faulted")  # fmt: skip
     assert faulted.ok, f"{faulted.error}\n{logs_of(faulted)}"
     assert faulted.digest == ref.digest
     seen = {name: v for name, (_, v) in _lines(faulted).items()}
-    assert set(seen.values()) == {0.0} and len(seen) == 2, logs_of(faulted)
+    assert set(seen.values()) == {0.0} and len(seen) == workers, logs_of(faulted)

@@ -284,4 +284,6 @@ def test_the_flag_rides_the_last_bucket_and_changes_no_gradient(world: int) -> N
         assert (no_flag, summed) == (0.0, expected)
         assert all(torch.equal(a, b) for a, b in zip(plain, flagged, strict=True))
     alone = GradientReducer(list(_net().parameters()))
-    assert alone.reduce(None, 1.0) == 1.0
+    assert alone.reduce(None, 1.0) == 1.0 and alone.flag_on_host
+    frozen = _net().requires_grad_(False)
+    assert not GradientReducer(list(frozen.parameters())).flag_on_host  # no bucket to carry it
