@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-e2e test-slurm test-unit lint typecheck bench bench-install bench-quick bench-render gpu-check clean
+.PHONY: install demo test test-e2e test-slurm test-unit lint typecheck bench bench-install bench-quick bench-render gpu-check docs docs-install clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -66,5 +66,15 @@ gpu-check:
 bench-render:
 	$(PY) bench/run_all.py --render
 
+# The documentation site (Sphinx, MyST Markdown, furo) into docs/_build/html, warnings as errors. The
+# benchmark pages (from bench/results/*.json) and the command-line reference (from each command's
+# --help) are written as the build starts (docs/_ext/); nothing is read from the network.
+docs-install: install
+	$(PIP) install -q -e ".[docs]" "$(TORCH_SPEC)"
+
+docs: docs-install
+	$(VENV)/bin/sphinx-build -E -W --keep-going -q -b html docs docs/_build/html
+	@echo "docs: docs/_build/html/index.html"
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache docs/_build

@@ -1,14 +1,16 @@
-"""Run every benchmark and write ``docs/benchmarks.md`` (tables) and ``bench/results/*.json`` (raw data).
+"""Run every benchmark and write ``bench/results/*.json`` (raw data) and the benchmark pages (tables).
 
 Usage::
 
     OMP_NUM_THREADS=1 python bench/run_all.py           # full: ~90 min on 2 cores
     OMP_NUM_THREADS=1 python bench/run_all.py --quick   # smoke: ~10 min
-    python bench/run_all.py --render                    # rebuild the page from bench/results/, run nothing
+    python bench/run_all.py --render                    # rebuild the pages from bench/results/, run nothing
 
 ``bench/results/`` (committed) holds one small JSON per benchmark plus ``machine.json`` (the machine and
 the last run's command): everything the page's tables are made from. Logs, plots and the full raw
-data (e.g. per-step curves) stay in ``bench/out/`` (git-ignored).
+data (e.g. per-step curves) stay in ``bench/out/`` (git-ignored). The pages (``docs/benchmarks/``,
+git-ignored: ``bench/docs_pages.py``) are rendered from the results alone, also by ``make docs`` at
+every build; ``--doc FILE`` also writes everything as one Markdown page.
 
 Benchmarks (each also runs alone: ``python bench/NAME.py [--quick]``):
 
@@ -76,7 +78,10 @@ import steady_compare
 import steady_state
 import transfer
 
-DOC = common.REPO / "docs" / "benchmarks.md"
+#: Where the documentation's benchmark pages are written (``make docs`` writes them too).
+PAGES = common.REPO / "docs" / "benchmarks"
+#: Where a run puts the plots the pages show (committed; the pages copy them beside themselves).
+IMAGES = common.REPO / "docs"
 #: A committed result above this size is reported (the tables need summaries, not raw series).
 MAX_RESULT_BYTES = 200_000
 
@@ -396,7 +401,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run of a few minutes)")
     p.add_argument("--only", choices=[b[0] for b in BENCHES], action="append", help="run only these")
-    p.add_argument("--doc", type=Path, default=DOC, help="where to write the markdown (default: %(default)s)")
+    p.add_argument(
+        "--doc", type=Path, default=None, help="also write every section as this one Markdown page"
+    )
+    p.add_argument(
+        "--pages",
+        type=Path,
+        default=None,
+        help=f"where to write the benchmark pages (default: {common.rel(PAGES)}, unless --doc is given)",
+    )
     p.add_argument(
         "--results",
         type=Path,
@@ -408,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     a = p.parse_args(argv)
     if a.render:
-        return render_only(a.results, a.doc)
+        return render_only(a.results, a.doc, a.pages)
     machine = common.machine_info()
     git = common.git_state()
     machine["_commit"], machine["_dirty"] = git["commit"], git["dirty"]
@@ -429,8 +442,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             res = run(a.quick, common.OUT)
             if res.get("image_src"):  # a plot the section shows: beside the page written (--doc)
-                a.doc.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy(res.pop("image_src"), a.doc.parent / res["image"])
+                IMAGES.mkdir(parents=True, exist_ok=True)
+                shutil.copy(res.pop("image_src"), IMAGES / res["image"])
             res["_command"] = f"OMP_NUM_THREADS=1 python bench/run_all.py {' '.join(argv)}".strip()
             res["_date"] = machine["date"]
             res["_commit"], res["_dirty"] = git["commit"], git["dirty"]
@@ -451,20 +464,38 @@ def main(argv: list[str] | None = None) -> int:
         "errors": {k: v.strip()[-3000:] for k, v in errors.items()},
     }
     common.write_json(a.results / "machine.json", machine)
-    text = render(argv, a.quick, machine, results, errors, wall, load_end)
-    a.doc.parent.mkdir(parents=True, exist_ok=True)
-    a.doc.write_text(text)
-    print(f"wrote {common.rel(a.doc)} and {common.rel(a.results)}/*.json ({wall / 60:.1f} min)")
+    if a.doc is not None:
+        a.doc.parent.mkdir(parents=True, exist_ok=True)
+        a.doc.write_text(render(argv, a.quick, machine, results, errors, wall, load_end))
+        print(f"wrote {common.rel(a.doc)}")
+    pages = a.pages or (PAGES if a.doc is None else None)
+    if pages is not None:
+        import docs_pages
+
+        docs_pages.write_pages(pages, a.results, IMAGES)
+        print(f"wrote {common.rel(pages)}/")
+    print(f"wrote {common.rel(a.results)}/*.json ({wall / 60:.1f} min)")
     return 1 if errors else 0
 
 
-def render_only(results_dir: Path, doc: Path) -> int:
-    """Rebuild ``doc`` from ``results_dir`` (``machine.json`` + one JSON per benchmark); run nothing."""
+def render_only(results_dir: Path, doc: Path | None, pages: Path | None = None) -> int:
+    """Rebuild the pages from ``results_dir`` (``machine.json`` + one JSON per benchmark); run nothing.
+
+    ``pages`` (default ``PAGES`` when no ``doc`` is given): the documentation's pages, one per
+    benchmark; ``doc``: every section on one Markdown page."""
     mpath = results_dir / "machine.json"
     if not mpath.is_file():
         print(f"no {common.rel(mpath)}: run the benchmarks first (python bench/run_all.py)", file=sys.stderr)
         return 2
     machine = json.loads(mpath.read_text())
+    if pages is not None or doc is None:
+        import docs_pages
+
+        pages = pages or PAGES
+        docs_pages.write_pages(pages, results_dir, IMAGES)
+        print(f"wrote {common.rel(pages)}/ from {common.rel(results_dir)}/*.json")
+    if doc is None:
+        return 0
     run_info = machine.get("run", {})
     results = load_results(results_dir)
     errors = dict(run_info.get("errors", {}))
