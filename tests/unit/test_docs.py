@@ -1,0 +1,115 @@
+"""The documentation against the code and the results: the design's module table names every module
+of the package and nothing else; the README stays short; the README and the user pages carry no
+commit hashes or test names; the README's one table quotes only what its JSON says; ``llms.txt``
+lists every page. The site itself is built by ``make docs``, not here."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+DOCS = REPO / "docs"
+PACKAGE = REPO / "checkpointless"
+README = REPO / "README.md"
+#: Pages written by the documentation build (git-ignored), which a link may name.
+GENERATED = {"docs/benchmarks/index.md", "docs/reference/cli.md"}
+
+
+def _user_pages() -> list[Path]:
+    return [README, DOCS / "index.md", *sorted((DOCS / "guide").glob("*.md")),
+            *sorted((DOCS / "integrations").glob("*.md"))]  # fmt: skip
+
+
+def _table_modules(text: str) -> set[str]:
+    """Every ``path.py`` named in the module column of the page's table."""
+    names: set[str] = set()
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and line.lstrip().startswith("|"):
+            names.update(re.findall(r"`([A-Za-z0-9_/]+\.py)`", cells[1]))
+    return names
+
+
+def test_module_table_names_every_module_and_nothing_else() -> None:
+    listed = _table_modules((DOCS / "design" / "modules.md").read_text())
+    present = {p.relative_to(PACKAGE).as_posix() for p in PACKAGE.rglob("*.py")}
+    missing, gone = sorted(present - listed), sorted(listed - present)
+    assert not missing, f"modules missing from docs/design/modules.md's table: {missing}"
+    assert not gone, f"docs/design/modules.md's table names modules that do not exist: {gone}"
+
+
+def test_readme_is_at_most_12_kb() -> None:
+    size = len(README.read_bytes())
+    assert size <= 12 * 1024, f"README.md is {size} bytes (at most 12 KB: move the detail to docs/)"
+
+
+def _commits(words: set[str]) -> set[str]:
+    """The words that name a commit of this repository (all of them 40-hex words without git)."""
+    try:
+        out = subprocess.run(["git", "-C", str(REPO), "cat-file", "--batch-check"],
+                             input="".join(f"{w}^{{commit}}\n" for w in sorted(words)),
+                             capture_output=True, text=True, timeout=30, check=True).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return {w for w in words if len(w) == 40}
+    found = {line.split()[0] for line in out.splitlines() if line.endswith(" commit") or " commit " in line}
+    return {w for w in words if len(w) == 40 or any(f.startswith(w) for f in found)}
+
+
+@pytest.mark.parametrize("page", _user_pages(), ids=lambda p: p.relative_to(REPO).as_posix())
+def test_user_pages_carry_no_commits_nor_test_names(page: Path) -> None:
+    text = page.read_text()
+    hexes = set(re.findall(r"(?<![0-9A-Za-z])[0-9a-f]{7,40}(?![0-9A-Za-z])", text))
+    assert not _commits(hexes), f"{page.name} names commits: {sorted(_commits(hexes))}"
+    tests = re.findall(r"\btest_[a-z0-9_]+|\btests/(?:unit|integration|slurm)\b", text)
+    assert not tests, f"{page.name} names tests: {tests}"
+
+
+def _numbers(value: object) -> list[float]:
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, int | float):
+        return [float(value)]
+    if isinstance(value, dict):
+        return [x for v in value.values() for x in _numbers(v)]
+    if isinstance(value, list):
+        return [x for v in value for x in _numbers(v)]
+    return []
+
+
+def test_readme_table_quotes_only_what_its_json_says() -> None:
+    text = README.read_text()
+    section = text.split("## Compared", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("|")][2:]  # past header, rule
+    assert rows, "the README's comparison table is gone"
+    values = _numbers(json.loads((REPO / "bench" / "results" / "compare.json").read_text()))
+    for row in rows:
+        for cell in row.strip("|").split("|")[1:]:  # the first column is the row's label
+            for figure in re.findall(r"(?<![\d.])\d+\.\d+(?![\d.])", cell):
+                places = len(figure.split(".")[1])
+                assert any(round(v, places) == float(figure) for v in values), (
+                    f"README's table says {figure} ({cell.strip()}): no value of bench/results/compare.json"
+                )
+
+
+def _links(text: str) -> list[str]:
+    return [t for t in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text) if "://" not in t]
+
+
+def test_llms_txt_lists_every_page_and_each_exists() -> None:
+    text = (REPO / "llms.txt").read_text()
+    targets = set(_links(text))
+    for target in targets:
+        assert target in GENERATED or (REPO / target).exists(), f"llms.txt links to a missing {target}"
+    pages = {p.relative_to(REPO).as_posix() for d in ("guide", "integrations", "design")
+             for p in (DOCS / d).glob("*.md") if p.name != "index.md"}  # fmt: skip
+    assert not sorted(pages - targets), f"pages missing from llms.txt: {sorted(pages - targets)}"
+
+
+def test_readme_links_exist() -> None:
+    for target in _links(README.read_text()):
+        assert target in GENERATED or (REPO / target).exists(), f"README.md links to a missing {target}"
