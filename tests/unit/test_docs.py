@@ -9,6 +9,7 @@ import json
 import re
 import subprocess
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -113,3 +114,49 @@ def test_llms_txt_lists_every_page_and_each_exists() -> None:
 def test_readme_links_exist() -> None:
     for target in _links(README.read_text()):
         assert target in GENERATED or (REPO / target).exists(), f"README.md links to a missing {target}"
+
+
+def _staleness_module() -> ModuleType:
+    # bench/ is not a package: load the one file, which imports no other bench module
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_staleness", REPO / "bench" / "staleness.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_a_report_is_stale_once_a_later_commit_changes_the_code_it_measures(tmp_path: Path) -> None:
+    st = _staleness_module()
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(tmp_path), *args], capture_output=True, text=True,
+                              check=True).stdout.strip()  # fmt: skip
+
+    def commit(path: str, text: str) -> str:
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(text)
+        git("add", path)
+        git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", f"change {path}")
+        return git("rev-parse", "HEAD")
+
+    git("init", "-q")
+    measured = commit("checkpointless/state/transfer.py", "a")
+    commit("bench/transfer.py", "the harness changed")  # not the code it measures
+    commit("checkpointless/recipes/x.py", "outside transfer's paths")
+    assert st.staleness("transfer", {"_commit": measured}, tmp_path)["state"] == "current"
+    newest = commit("checkpointless/state/transfer.py", "b")
+    got = st.staleness("transfer", {"_commit": measured}, tmp_path)
+    assert got["state"] == "stale" and [c[0] for c in got["commits"]] == [newest]
+    assert "**Stale:** 1 commit after its commit" in st.stale_note("transfer", got)
+    assert st.staleness("transfer", {"_commit": "0" * 40}, tmp_path)["state"] == "unknown"
+    assert st.staleness("transfer", {}, tmp_path)["state"] == "unknown"
+
+
+def test_every_benchmark_names_the_code_it_measures() -> None:
+    st = _staleness_module()
+    keys = {p.stem for p in (REPO / "bench" / "results").glob("*.json")} - {"machine"}
+    assert not sorted(keys - set(st.MEASURES)), (
+        f"bench/staleness.py's MEASURES lacks {sorted(keys - set(st.MEASURES))}"
+    )
