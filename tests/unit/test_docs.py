@@ -1,6 +1,6 @@
 """The documentation against the code and the results: the design's module table names every module
 of the package and nothing else; the README stays short; the README and the user pages carry no
-commit hashes or test names; the README's one table quotes only what its JSON says; ``llms.txt``
+commit hashes, test names or dates; the README's one table quotes only what its JSON says; ``llms.txt``
 lists every page. The site itself is built by ``make docs``, not here."""
 
 from __future__ import annotations
@@ -62,12 +62,14 @@ def _commits(words: set[str]) -> set[str]:
 
 
 @pytest.mark.parametrize("page", _user_pages(), ids=lambda p: p.relative_to(REPO).as_posix())
-def test_user_pages_carry_no_commits_nor_test_names(page: Path) -> None:
+def test_user_pages_carry_no_commits_test_names_or_dates(page: Path) -> None:
     text = page.read_text()
     hexes = set(re.findall(r"(?<![0-9A-Za-z])[0-9a-f]{7,40}(?![0-9A-Za-z])", text))
     assert not _commits(hexes), f"{page.name} names commits: {sorted(_commits(hexes))}"
     tests = re.findall(r"\btest_[a-z0-9_]+|\btests/(?:unit|integration|slurm)\b", text)
     assert not tests, f"{page.name} names tests: {tests}"
+    dates = re.findall(r"\b20\d\d-[01]\d-[0-3]\d\b", text)
+    assert not dates, f"{page.name} carries dates (history goes to CHANGELOG.md): {dates}"
 
 
 def _numbers(value: object) -> list[float]:
