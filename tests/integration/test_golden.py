@@ -90,8 +90,11 @@ def check_golden(path: Path, case: str, key: str, digest: str, *, record: bool) 
         )
     table.setdefault(case, {})[key] = digest
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(table, indent=2, sort_keys=True) + "\n")
-    tmp.replace(path)
+    try:
+        tmp.write_text(json.dumps(table, indent=2, sort_keys=True) + "\n")
+        tmp.replace(path)
+    except OSError as e:  # a read-only checkout: say what would have been recorded
+        return f"could not record {digest} for {case!r} under {key!r}: {shown} cannot be written ({e})"
     if known is None:
         return (
             f"no golden digest of {case!r} for {key!r} (another torch, CPU or library version): "
@@ -134,6 +137,8 @@ def test_golden_file_compares_records_and_refuses(tmp_path: Path) -> None:
     again = check_golden(path, "demo", "torch 1 / cpu X", b, record=True)
     assert again is not None and "re-recorded" in again
     assert json.loads(path.read_text()) == {"demo": {"torch 1 / cpu X": b, "torch 2 / cpu X": b}}
+    unwritable = check_golden(tmp_path / "missing" / "digests.json", "demo", "k", a, record=False)
+    assert unwritable is not None and "cannot be written" in unwritable and a in unwritable
 
 
 def test_every_recorded_case_is_one_the_test_runs() -> None:
