@@ -16,12 +16,19 @@ final digest, nor stop the job. Counters (``add``) cannot be sealed: the
 protocol uses them only as hints that a sealed value may be there.
 
 Sealing stops forgery, not destruction: on a last-writer-wins store a stranger
-who knows a key's name can overwrite a real value before it is read (a
-heartbeat, faster than it beats). So a job's keys live under a *namespace*
-derived from the secret (``job_namespace``), and the data-plane rendezvous of
-each generation under a prefix derived from it too (``pg_token``): a stranger
-cannot name them. The coordinator watches the protocol's plain, guessable names
-and records any write to them as an intrusion attempt.
+who knows a key's name can overwrite or delete a real value before it is read (a
+heartbeat, faster than it beats). A job's keys live under a *namespace* derived
+from the secret (``job_namespace``), and the data-plane rendezvous of each
+generation under a prefix derived from it too (``pg_token``), so that they are
+not guessable; but c10d's ``TCPStore`` answers ``list_keys()`` to anyone who
+reaches its port, so they are not secret either. Hence the rule every reader
+follows: **a key's existence proves nothing**. Existence may be the cheap hint
+that a value is worth opening (one ``check`` round trip); only a value whose
+seal opens decides anything. Integrity thus holds against anyone; availability
+(a stranger deleting or overwriting real values) only on a network that the
+job's hosts alone reach, which is what the job asks of its network, as torchrun
+and torchft do. The coordinator also watches the protocol's plain names and
+records any write to them as an intrusion attempt.
 """
 
 from __future__ import annotations
@@ -126,6 +133,13 @@ hosts and lost the job (bench/control_scale.py)."""
 def job_namespace(secret: bytes) -> str:
     """The unguessable prefix of every key of the job whose secret this is."""
     return "j" + mac(secret, b"namespace").hex()[:24] + "/"
+
+
+def control_token(secret: bytes) -> str:
+    """The credential of the run folder's control file (``launch/outputs.py``): derived from the
+    job's secret, never the secret itself, so a command that reads it can ask the job for things
+    (its size, a drain) but cannot seal the job's own messages."""
+    return mac(secret, b"control").hex()
 
 
 def pg_token(secret: bytes, gen: int) -> str:

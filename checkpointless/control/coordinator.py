@@ -147,7 +147,8 @@ class Coordinator(Detection):
             return  # the counter is only a hint (anyone can bump it): the sealed reports decide
         failure = self._failure
         known = set() if failure is None else set(failure.reported) | failure.dead
-        # the list lives under the job's secret namespace: a stranger cannot name it, let alone cut it
+        # the list is a hint (anyone who lists the store's keys can name it): it says which sealed
+        # reports to open, and a forged or cut list only delays them to ``_try_recover``'s deadline
         ranks = [r for r in self._reported_ranks(gen) if r not in known]
         texts = self._read_reports(gen, ranks)
         for rank in ranks:
@@ -165,7 +166,7 @@ class Coordinator(Detection):
     def _reported_ranks(self, gen: int) -> list[int]:
         """The members whose failure reports the list ``keys.fail_ranks`` names (each member appends
         its rank after its sealed report): the reports to read, not every member's key every tick
-        (16,000 round trips at 2,000 hosts). Only the job's processes can name the list."""
+        (16,000 round trips at 2,000 hosts). A hint only: the sealed reports decide."""
         name = self.store.name(keys.fail_ranks(gen))
         if not self.store.raw.check([name]):
             return []

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
 import logging
 import math
 import os
@@ -36,6 +37,29 @@ class _Parser(argparse.ArgumentParser):
 def _positive(name: str, value: int, minimum: int = 1) -> None:
     if value < minimum:
         raise UsageError(f"--{name} must be >= {minimum}, got {value}")
+
+
+def _seconds(name: str, value: float, *, zero: bool = False, negative: bool = False) -> None:
+    """A duration option: a finite number, > 0 (``zero``: >= 0; ``negative``: any finite value).
+    A NaN deadline is never passed, an infinite one never ends: both refused."""
+    if not math.isfinite(value):
+        raise UsageError(f"--{name} must be a finite number of seconds, got {value}")
+    if not negative and (value < 0 or (value == 0 and not zero)):
+        raise UsageError(f"--{name} must be {'>= 0' if zero else '> 0'} seconds, got {value:g}")
+
+
+def _address(name: str, value: str) -> None:
+    """An IP address option (IPv4 or IPv6), refused in one line if it is not one."""
+    try:
+        ipaddress.ip_address(value.strip("[]"))
+    except ValueError:
+        raise UsageError(f"--{name} {value!r} is not an IP address") from None
+
+
+def _host_port(name: str, value: str) -> None:
+    host, _, port = value.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UsageError(f"--{name} {value!r}: expected HOST:PORT (a port from 1 to 65535)")
 
 
 def _add_job_args(p: argparse.ArgumentParser, *, workers: int, spares: int) -> None:
@@ -218,9 +242,16 @@ def _print_result(console: Console, result: JobResult, label: str) -> None:
             console.print(
                 f"[yellow]warning:[/yellow] durable snapshot failed: {durable['last_error']}", highlight=False
             )
-    if result.error:
-        console.print(f"[red]error:[/red] {result.error}", highlight=False)
     rejected = r.get("rejected_messages") or {}
+    if result.error:
+        # a job under attack fails for its attacker's reasons: say so before any peer is blamed
+        outside = (
+            f"control messages from outside the job were written to its store ({rejected['count']} "
+            "rejected); the job's control and data ports must be reachable by its hosts only: "
+            if rejected.get("count")
+            else ""
+        )
+        console.print(f"[red]error:[/red] {outside}{result.error}", highlight=False)
     if rejected.get("count"):
         keys = rejected.get("keys") or []
         console.print(
@@ -241,8 +272,9 @@ def _print_result(console: Console, result: JobResult, label: str) -> None:
         )
     console.print(f"final state sha256: {result.digest}", highlight=False)
     for name, what in (r.get("after_finish") or {}).items():
-        console.print(f"[red]error:[/red] {name} {what} (its work after training may be incomplete; "
-                      f"log: {result.logs.get(name, '?')})", highlight=False)  # fmt: skip
+        where = f"; log: {result.logs[name]}" if name in result.logs else ""
+        console.print(f"[red]error:[/red] {name} {what} (its work after training may be incomplete{where})",
+                      highlight=False)  # fmt: skip
     if result.write_error:
         console.print(f"[red]error:[/red] {result.write_error}", highlight=False)
 

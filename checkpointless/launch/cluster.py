@@ -21,6 +21,7 @@ from typing import IO
 
 from checkpointless.control.auth import new_secret, read_secret_file, write_secret_file
 from checkpointless.errors import LaunchError, UsageError
+from checkpointless.launch.outputs import CONTROL_FILE
 from checkpointless.launch.remote import ClusterSpec
 
 SUBCOMMANDS = ("demo", "launch", "run")
@@ -66,8 +67,11 @@ class LocalCluster:
         def log_dir(host: str) -> Path:
             return logs / host
 
+        # the secret's folder (the hosts' logs too, without --out) and the run's control file go
+        # with the hosts, by the reaper if this command is SIGKILLed
+        leftovers = [str(tmp)] + ([str(out / CONTROL_FILE)] if out is not None else [])
         try:
-            with Hosts(total) as net:
+            with Hosts(total, leftovers) as net:
 
                 def start_agents(store_addr: str) -> None:
                     for i in range(total):
@@ -143,6 +147,7 @@ def cmd_cluster(argv: list[str]) -> int:
     cli._positive("nproc-per-node", args.nproc_per_node, 1)
     cli._positive("spare-nodes", args.spare_nodes, 0)
     cli._positive("spares-per-node", args.spares_per_node, 0)
+    cli._seconds("join-timeout", args.join_timeout)
     if args.nodes + args.spare_nodes > MAX_HOSTS:
         raise UsageError(f"--nodes {args.nodes} + --spare-nodes {args.spare_nodes}: this machine makes at most "
                          f"{MAX_HOSTS} hosts")  # fmt: skip
@@ -207,9 +212,18 @@ def cmd_agent(argv: list[str]) -> int:
     if not command:
         raise UsageError("checkpointless agent: give the training command after --, e.g. -- python train.py")
     cli._positive("nproc-per-node", args.nproc_per_node, 1)
-    host, _, port = args.coordinator.rpartition(":")
-    if not host or not port.isdigit():
-        raise UsageError(f"--coordinator {args.coordinator!r}: expected HOST:PORT")
+    cli._host_port("coordinator", args.coordinator)
+    cli._seconds("join-timeout", args.join_timeout)
+    cli._seconds("clock-skew", args.clock_skew, negative=True)
+    cli._seconds("rejoin-window", args.rejoin_window, zero=True)
+    if args.node_rank is not None:
+        if args.spare:
+            raise UsageError("--node-rank and --spare: a spare host has no node rank (it takes a lost one's)")
+        cli._positive("node-rank", args.node_rank, 0)
+    if args.addr:
+        cli._address("addr", args.addr)
+    if args.host_name and (args.host_name != args.host_name.strip() or "/" in args.host_name):
+        raise UsageError(f"--host-name {args.host_name!r}: no spaces or slashes in a host's name")
     try:
         secret = read_secret_file(args.secret_file)
     except ValueError as e:
@@ -263,6 +277,8 @@ def cmd_coordinator(argv: list[str]) -> int:
     cli._positive("nproc-per-node", args.nproc_per_node, 1)
     cli._positive("spare-nodes", args.spare_nodes, 0)
     cli._positive("spares-per-node", args.spares_per_node, 0)
+    cli._seconds("join-timeout", args.join_timeout)
+    cli._address("bind", args.bind)
     topology = LocalCluster(args.nodes, args.nproc_per_node, args.spare_nodes, args.join_timeout,
                             args.spares_per_node)  # fmt: skip
     args.workers, args.spares = topology.workers, topology.spares

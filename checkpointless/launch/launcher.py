@@ -54,14 +54,14 @@ from torch.distributed import TCPStore
 
 from checkpointless.config import JobConfig
 from checkpointless.control import keys
-from checkpointless.control.auth import SignedStore, job_namespace, new_secret
+from checkpointless.control.auth import SignedStore, control_token, job_namespace, new_secret
 from checkpointless.control.bell import ReportBell
 from checkpointless.control.coordinator import Coordinator, JobFailed
 from checkpointless.control.vocab import Event, Role, event
 from checkpointless.errors import JobInterrupted, LaunchError
 from checkpointless.faults import unfired
 from checkpointless.launch.agent import NodeAgent, _Wakeups
-from checkpointless.launch.outputs import _write_atomic, set_aside_previous_run
+from checkpointless.launch.outputs import _write_atomic, set_aside_previous_run, write_control_file
 from checkpointless.launch.remote import ClusterSpec, RemoteNodes
 from checkpointless.observe.event_log import EventLog
 from checkpointless.observe.report import build_report
@@ -220,6 +220,7 @@ class Launcher:
         self._usage = UsageRecorder()
         self._log = EventLog()
         self._after_finish: dict[str, str] = {}  # a rank's process that failed after the job's end
+        self._control_file: Path | None = None  # <out>/control.json while the job runs
         self._rejections = 0  # messages rejected (every one); the first of each key is in the events
         self._rejected_keys: set[str] = set()
         self._chunks_read: dict[str, int] = {}
@@ -366,6 +367,8 @@ class Launcher:
         for ev in evs:
             if not relay:
                 ev["proc"] = name  # a chunk speaks for the process whose key it is under
+            if ev.get("kind") == Event.MESSAGE_REJECTED and not self._first_rejection(str(ev.get("key"))):
+                continue  # counted (a process's or a relay's rejection as the coordinator's own)
             clock: str | None = None
             sent: float | None = None
             if self._coord is not None and isinstance(ev.get("t"), (int, float)):
@@ -423,6 +426,9 @@ class Launcher:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             set_aside_previous_run(self.out_dir)
             self._log.open(self.out_dir / "events.jsonl")
+            self._control_file = write_control_file(
+                self.out_dir, f"{self.host}:{self.store.raw.port}", control_token(self._secret), self.job_id
+            )
         self._record(
             event(Event.JOB_STARTED, proc="launcher", gen=0, job_id=self.job_id, workers=self.job.workers,
                   spares=self.job.spares, steps=self.total_steps, faults=[str(f) for f in self.job.faults])
@@ -468,6 +474,8 @@ class Launcher:
                     error = "interrupted by SIGINT"
                 finally:
                     self._cleanup()
+                    if self._control_file is not None:
+                        self._control_file.unlink(missing_ok=True)
                 if interrupted is not None and self._finished_anyway(coord, interrupted):
                     error = None  # the training finished; a signal that stopped the scripts' own
                     if not self._after_finish:  # work after it still ends the run as interrupted
@@ -647,6 +655,9 @@ class Launcher:
                 log.warning("%s did not exit within %.0fs of the job's end (--exit-timeout); killing it",
                             name, timeout_s)  # fmt: skip
                 failed[name] = f"killed {timeout_s:g}s after the job finished (--exit-timeout)"
+            elif child.exitcode() is None:  # no exit came: its host was lost (or its agent went silent)
+                log.warning("%s was lost after finishing: %s", name, child.log_tail())
+                failed[name] = f"was lost after the job finished: {child.log_tail()}"
             elif child.exitcode() != 0:
                 log.warning("%s exited with code %s after finishing", name, child.exitcode())
                 failed[name] = f"exited with code {child.exitcode()} after the job finished"

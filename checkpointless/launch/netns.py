@@ -23,7 +23,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from checkpointless.errors import LaunchError
 
@@ -62,10 +62,13 @@ class Topology:
     bridge: str
     namespaces: list[str]
     host_veths: list[str]
+    leftovers: list[str] = field(default_factory=list)
+    """Files and folders of the command's that must not outlive it either (the job's secret file,
+    the run folder's control file, the hosts' logs when the run keeps none)."""
 
 
 def down(t: Topology) -> None:
-    """Kill every process in the namespaces, remove them and the bridge (idempotent)."""
+    """Kill every process in the namespaces, remove them, the bridge and the leftovers (idempotent)."""
     for ns in t.namespaces:
         for _ in range(3):
             pids = _ip("netns", "pids", ns, check=False).stdout.split()
@@ -79,12 +82,19 @@ def down(t: Topology) -> None:
     for veth in t.host_veths:
         _ip("link", "del", veth, check=False)
     _ip("link", "del", t.bridge, check=False)
+    for path in t.leftovers:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
 
 class Hosts:
     """``n`` hosts as network namespaces (see the module docstring); a context manager."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, leftovers: list[str] | None = None) -> None:
+        """``leftovers``: paths removed with the hosts (``Topology.leftovers``)."""
         if not 1 <= n <= MAX_HOSTS:
             raise LaunchError(f"{n} hosts: this machine makes 1 to {MAX_HOSTS}")
         if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("unshare") is None:
@@ -96,6 +106,7 @@ class Hosts:
             bridge=f"clbr{tag}",
             namespaces=[f"cl{tag}h{i}" for i in range(n)],
             host_veths=[f"clv{tag}h{i}" for i in range(n)],
+            leftovers=list(leftovers or []),
         )
         self.hostnames = [f"host{i}" for i in range(n)]
         self._reaper: subprocess.Popen[bytes] | None = None

@@ -47,21 +47,39 @@ EXIT_LOST = 3  # the coordinator stopped answering: this host fenced itself
 HELLO_SETTLE_S = 3.0  # a hello that does not open is "another secret" once it stays so this long
 _ORDER_WAIT = timedelta(hours=1)  # a timed-out wait logs two c10d warnings: wait long
 _RETRY_S = 0.1  # a status that could not be sent is tried again this soon
+_REDIAL_S = 0.5  # a connection that failed is dialled again this often (a fenced host: as often)
 _STOP_GRACE_S = 5.0  # a stopped job's processes may exit by themselves this long, then are killed
 
 
 def _dial(addr: str, timeout_s: float) -> Any:
-    """A store connection to the coordinator, retried until ``timeout_s`` (it may start later)."""
+    """A store connection to the coordinator, retried until ``timeout_s`` (it may start later).
+
+    The whole dial is bounded: c10d's handshake has no deadline of its own, so a port that accepts
+    connections but is not a store (another service) would hold the client for ever. Each attempt
+    runs in a daemon thread that is given up on at the deadline (the agent then exits)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        try:
-            return redial(addr, deadline - time.monotonic(), timedelta(seconds=10))
-        except (RuntimeError, OSError) as e:
-            if time.monotonic() > deadline:
-                raise LaunchError(
-                    f"cannot reach the coordinator at {addr} within {timeout_s:g}s: {e}"
-                ) from None
-            time.sleep(0.2)
+        result: list[Any] = []
+
+        def attempt(result: list[Any] = result) -> None:
+            try:
+                result.append(redial(addr, deadline - time.monotonic(), timedelta(seconds=10)))
+            except (RuntimeError, OSError) as e:
+                result.append(e)
+
+        t = threading.Thread(target=attempt, name="agent-dial", daemon=True)
+        t.start()
+        t.join(max(deadline - time.monotonic(), 0.0) + 0.5)
+        if not result:
+            raise LaunchError(f"the coordinator at {addr} accepted the connection but did not answer as a "
+                              f"checkpointless coordinator within {timeout_s:g}s (is it its port?)")  # fmt: skip
+        if not isinstance(result[0], BaseException):
+            return result[0]
+        if time.monotonic() > deadline:
+            raise LaunchError(
+                f"cannot reach the coordinator at {addr} within {timeout_s:g}s: {result[0]}"
+            ) from None
+        time.sleep(0.2)
 
 
 def _wait_value(store: SignedStore, key: str, timeout_s: float) -> str | None:
@@ -208,7 +226,14 @@ class Agent:
         """Carry out the coordinator's orders as they come (a blocking wait on the next one's key:
         no polling), on the main connection."""
         index = 0
+        broken, pause = False, 0.05
         while not self._closing:
+            if broken:  # never an operation on a broken connection: each logs a c10d stack trace
+                time.sleep(pause)
+                pause = min(2 * pause, _REDIAL_S)  # soon after a blip, then a few times a second
+                broken = not self._reconnect(self._lease_s)
+                continue
+            pause = 0.05
             key = keys.node_order(self.host, index)
             try:
                 self.store.raw.wait([self.store.name(key)], _ORDER_WAIT)
@@ -217,8 +242,8 @@ class Agent:
                     continue  # forged (the real one overwrites it)
                 self.store.delete(key)
             except (RuntimeError, OSError) as e:  # the status loop's lease decides when to give up
-                time.sleep(0.05)
-                self._reconnect(self._lease_s, e)
+                log.debug("agent %s: store error (%s); reconnecting", self.host, e)
+                broken = True
                 continue
             index += 1
             self._obey(json.loads(text))
@@ -232,7 +257,7 @@ class Agent:
         second) delays it. Without an answer for the lease the host fences itself: every process
         killed, the agent gone (``EXIT_LOST``). Returns 0 once a stop order is done."""
         last_ok = time.monotonic()
-        store = self._connect(self._lease_s)
+        store: SignedStore | None = self._connect(self._lease_s)
         reported: set[str] = set()
         next_beat = 0.0
         while True:
@@ -247,6 +272,8 @@ class Agent:
             self._beat.clear()
             next_beat = time.monotonic() + interval
             try:
+                if store is None:  # dropped when it failed: a broken one logs a stack trace per use
+                    store = self._connect(max(self._lease_s - (time.monotonic() - last_ok), _REDIAL_S))
                 stopped = self._report(store)
                 if exited:  # the coordinator waits for it: wake it now
                     store.set(keys.REPORT_BELL, "1")
@@ -267,9 +294,12 @@ class Agent:
                     self._fence(silent)
                 # the status again soon, not a beat later: a host back from a partition tells the
                 # coordinator what happened meanwhile (its processes' exits) before it is lost
-                next_beat = time.monotonic() + min(interval, _RETRY_S)
+                next_beat = time.monotonic() + min(
+                    interval, _RETRY_S if self._fenced_at is None else _REDIAL_S
+                )
+                log.debug("agent %s: status not sent (%s); reconnecting", self.host, e)
+                store = None
                 with contextlib.suppress(RuntimeError, OSError):
-                    log.debug("agent %s: status not sent (%s); reconnecting", self.host, e)
                     store = self._connect(self._lease_s - silent)
 
     def _fence(self, silent: float) -> None:
@@ -301,10 +331,13 @@ class Agent:
             self._secret, namespace=job_namespace(self._secret),
         )  # fmt: skip
 
-    def _reconnect(self, left: float, error: BaseException) -> None:
-        log.debug("agent %s: store error (%s); reconnecting", self.host, error)
-        with contextlib.suppress(RuntimeError, OSError):
+    def _reconnect(self, left: float) -> bool:
+        """A new main connection (the order loop's); whether it was made."""
+        try:
             self.store = self._connect(left)
+        except (RuntimeError, OSError):
+            return False
+        return True
 
     def _obey(self, order: dict[str, Any]) -> None:
         op = order.get("op")

@@ -9,6 +9,7 @@ the last complete run (one with its ``report.json``) is never lost: a complete r
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -17,6 +18,27 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 RUN_FILES = ("events.jsonl", "report.json", "timeline.png", "summary.txt", "logs", "reference")
+
+CONTROL_FILE = "control.json"
+"""``<out>/control.json`` (mode 0600) while the job runs: the coordinator's address, its pid and a
+control token that is not the job's secret (``auth.control_token``): what a command given only
+the run folder needs to reach the job. Removed at the job's end (by ``checkpointless cluster``'s
+reaper too, when the command was SIGKILLed); a stale one is removed with the previous run's files."""
+
+
+def write_control_file(out_dir: Path, addr: str, token: str, job_id: str) -> Path:
+    """Write ``out_dir/control.json`` readable by this user only (0600), atomically."""
+    path = out_dir / CONTROL_FILE
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"addr": addr, "pid": os.getpid(), "job_id": job_id, "token": token}, f)
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+    return path
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -60,6 +82,8 @@ def set_aside_previous_run(out_dir: Path) -> None:
                 shutil.rmtree(old)
             else:  # (cannot happen without a staging directory, which was completed above)
                 os.replace(old, out_dir / target)
+    with contextlib.suppress(FileNotFoundError):  # a killed launcher's: its job is gone
+        (out_dir / CONTROL_FILE).unlink()
     if any(os.path.lexists(out_dir / name) for name in RUN_FILES):
         _move_run(out_dir, PREVIOUS if (out_dir / "report.json").is_file() else UNFINISHED)
 

@@ -189,6 +189,7 @@ class Relay:
         self._read_at = _STOP_EVERY // 2  # the beat of the next look
         self._acked: dict[str, int] = {}  # process -> its chunks known to have reached the coordinator
         self._aborted: list[int] = []  # generations seen aborted (the newest few)
+        self._rejections: deque[str] = deque()  # keys of values that failed their seal, not yet sent
         self._stopped = False  # the job was stopped (``keys.JOB_STOP``)
         self._seq = 0
         self._last_ok = time.monotonic()
@@ -203,7 +204,10 @@ class Relay:
         self.plans.start()
 
     def _rejected(self, key: str) -> None:
+        """A value that failed its seal (here or on the coordinator's store): logged, and sent up as
+        a ``message_rejected`` event at the next beat, so the job's report counts it."""
         log.warning("relay %s: ignored a value on %r not sealed with this job's secret", self.host, key)
+        self._rejections.append(key)  # any thread (the plan copier's too): drained by the beat
 
     # -- one beat ---------------------------------------------------------------------------
     def _read_local(self, names: list[str]) -> list[tuple[str, dict[str, Any]]]:
@@ -275,6 +279,15 @@ class Relay:
         with self._lock:  # the relay's thread, or the agent's last flush
             self._beat(final)
 
+    def _rejection_events(self) -> list[tuple[tuple[str, ...], str]]:
+        out: list[tuple[tuple[str, ...], str]] = []
+        while self._rejections:
+            key = self._rejections.popleft()
+            ev = {"t": time.time() + self._skew, "kind": Event.MESSAGE_REJECTED, "proc": f"agent {self.host}",
+                  "host": self.host, "key": key}  # fmt: skip
+            out.append(((), json.dumps(ev)))
+        return out
+
     def _hold(self, lines: list[tuple[tuple[str, ...], str]]) -> None:
         """Events taken from the local store: kept until written up (commits dropped past
         ``HOLD_BYTES``: the module docstring)."""
@@ -334,6 +347,7 @@ class Relay:
     def _beat(self, final: bool = False) -> None:
         names = self._names()
         self._hold(self._packed(self._read_local(names), final))
+        self._hold(self._rejection_events())
         up = self._up
         if up is None:
             up = self._up = self._connect()
@@ -356,11 +370,14 @@ class Relay:
         asked = [g for g in gens if g not in self._aborted] or [-1]
         for gen in asked:
             key = keys.abort(gen) if gen >= 0 else keys.LATEST_GEN
-            if up.raw.check([up.name(key)]) and gen >= 0:
+            # existence is the hint (one round trip, the lease's), the sealed value the decision:
+            # anyone who reaches the store can list its keys and write an abort under the job's names
+            if up.raw.check([up.name(key)]) and gen >= 0 and up.is_set(key):
                 self._aborted.append(gen)
         del self._aborted[:-8]  # a process watches its current generation only
         if not self._stopped and self._seq % _STOP_EVERY == 1:  # in the lease the ranks read
-            self._stopped = bool(up.raw.check([up.name(keys.JOB_STOP)]))
+            stop = keys.JOB_STOP
+            self._stopped = bool(up.raw.check([up.name(stop)])) and up.is_set(stop)
         if self._seq >= self._read_at:
             full = self._unread >= WINDOW_BYTES and bool(self._held)
             moved = self._delete_read(up) if self._deleted < self._chunks else False

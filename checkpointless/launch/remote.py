@@ -43,6 +43,8 @@ from checkpointless.errors import JobFailed
 
 log = logging.getLogger(__name__)
 
+_ARRIVAL = 10**6
+"""A hello without a node rank is placed by arrival: after every host that asked for one."""
 HELLO_CHECK_S = 0.5  # how often the hello is looked at while agents join (``RemoteNodes.accept``)
 
 
@@ -143,7 +145,8 @@ class RemoteProcess:
 
     def log_tail(self) -> str:
         if self._host.lost or self.lost:
-            return f"host {self.host} lost: {self._host.lost or self.lost}"
+            h = self._host
+            return f"host {h.name} lost (its agent: pid {h.pid} at {h.addr}): {h.lost or self.lost}"
         report = self._report()
         return str(report.get("tail", "")) if report else ""
 
@@ -272,7 +275,7 @@ class RemoteNodes:
             try:
                 d = json.loads(text)
                 host = _Host(
-                    name=str(d["host"]), node=int(d.get("node_rank", 10**6 + i)), addr=str(d["addr"]),
+                    name=str(d["host"]), node=int(d.get("node_rank", _ARRIVAL + i)), addr=str(d["addr"]),
                     nproc=int(d["nproc"]), spare=bool(d["spare"]), pid=int(d["pid"]),
                 )  # fmt: skip
             except (ValueError, KeyError, TypeError) as e:
@@ -292,6 +295,13 @@ class RemoteNodes:
             return f"host {host.name} already has an agent in this job (pid {other.pid} at {other.addr})"
         if host.nproc != self.nproc:
             return f"the job runs {self.nproc} process(es) per node, the agent of {host.name} offers {host.nproc}"
+        if host.node < _ARRIVAL and not host.spare:  # it asked for a node rank (``agent --node-rank``)
+            if host.node >= self.nodes:
+                return f"node rank {host.node} is not one of this job's {self.nodes} node(s) (0 to {self.nodes - 1})"
+            taken = next((h for h in self.hosts.values() if h.node == host.node), None)
+            if taken is not None:
+                return (f"node rank {host.node} is taken by the agent of {taken.name} (pid {taken.pid} at "
+                        f"{taken.addr}): give each host its own --node-rank")  # fmt: skip
         workers = sum(not h.spare for h in self.hosts.values())
         spares = len(self.hosts) - workers
         if host.spare and spares >= self.spare_nodes:

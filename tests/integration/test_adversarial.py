@@ -222,16 +222,17 @@ def _script(steps: int = STEPS, pause_s: float = 0.0, seed: int = 0) -> list[str
     return [sys.executable, str(SCRIPTS / "adv_shm_train.py"), str(steps), str(pause_s), str(seed)]
 
 
-_DIGESTS: dict[int, str] = {}  # seed -> final state of the fault-free, undisturbed job
+_DIGESTS: dict[tuple[int, int], str] = {}  # (seed, steps) -> final state of the fault-free, undisturbed job
 
 
-def _reference_digest(seed: int) -> str:
-    """Final state of the fault-free, undisturbed job of ``_script(seed=seed)`` (run once per session)."""
-    if seed not in _DIGESTS:
-        result = _run(_launcher(seed=seed, spares=0))
+def _reference_digest(seed: int, steps: int = STEPS) -> str:
+    """Final state of the fault-free, undisturbed job of ``_script(steps, seed=seed)`` (run once per
+    session)."""
+    if (seed, steps) not in _DIGESTS:
+        result = _run(_launcher(seed=seed, spares=0, steps=steps))
         assert result.ok and result.digest, f"{result.error}\n{logs_of(result)}"
-        _DIGESTS[seed] = result.digest
-    return _DIGESTS[seed]
+        _DIGESTS[seed, steps] = result.digest
+    return _DIGESTS[seed, steps]
 
 
 # -- sockets ----------------------------------------------------------------------------------------
@@ -507,6 +508,47 @@ def test_a_stranger_cannot_steer_a_job(tmp_path: Path) -> None:
     assert result.digest == reference
     assert result.report["generations"] == 0
     _check_rejected(result, attack, {"gen/0/plan", "gen/latest", "hb/w0", "done/0", "fatal/w0", "job/stop"})
+
+
+@pytest.mark.timeout(90)
+def test_a_stranger_who_lists_the_keys_cannot_abort_or_stop_a_job(tmp_path: Path) -> None:
+    """A stranger who reads the job's namespace off ``list_keys()`` and writes the abort of every
+    generation and the job's stop under it (sealed with another secret, or not at all), from before
+    the first step to the end: nothing aborts, nothing stops, the result is the fault-free one, and
+    the forgeries are counted in the report as messages from outside the job."""
+    reference = _reference_digest(1, 30)
+    port = _free_port()
+    with _stranger(port, tmp_path / "stranger.json", "list") as stranger:
+        launcher = _launcher(seed=1, port=port, steps=30, pause_s=0.02, timeout_s=60)
+        launcher.on_tick = [_Watch(launcher, port, stranger, strict=True)]
+        result = _run(launcher)
+        attack = stranger()
+    assert result.ok, f"{result.error}\n{logs_of(result)}"
+    assert result.digest == reference
+    assert result.report["generations"] == 0
+    ns = launcher.store.namespace
+    assert ns and any(k == keys.abort(0) for k in attack["keys"]), attack  # it named the real keys
+    rejected = result.report["rejected_messages"]
+    assert rejected["count"] > 0 and keys.abort(0) in rejected["keys"], rejected
+
+
+@pytest.mark.timeout(120)
+def test_a_stranger_who_lists_the_keys_through_a_recovery(tmp_path: Path) -> None:
+    """The same stranger beside a job that loses a worker at step 4: the recovery's own abort is
+    sealed and acted on, the forged ones are not; the job ends ok with the fault-free result."""
+    reference = _reference_digest(1, 30)
+    port = _free_port()
+    with _stranger(port, tmp_path / "stranger.json", "list") as stranger:
+        launcher = _launcher(seed=1, faults=["kill:rank=1@step=4"], port=port, steps=30, pause_s=0.02)
+        launcher.on_tick = [_Watch(launcher, port, stranger, strict=False)]
+        result = _run(launcher)
+        stranger()
+    assert result.ok, f"{result.error}\n{logs_of(result)}"
+    assert result.digest == reference
+    assert result.report["generations"] == 1, result.report["generations"]
+    (fault,) = result.report["faults"]
+    assert fault["replaced_by"] == "s0" and fault["lost_steps"] == 0, fault
+    assert result.report["rejected_messages"]["count"] > 0
 
 
 @pytest.mark.timeout(90)

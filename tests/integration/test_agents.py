@@ -152,6 +152,37 @@ def test_losing_the_coordinator_stops_every_agent_and_process_within_the_lease(t
     assert COMMITTED.search(events.read_text())
 
 
+@pytest.mark.timeout(300)
+def test_agents_waiting_out_their_rejoin_window_for_a_dead_coordinator_stay_quiet(tmp_path: Path) -> None:
+    """SIGKILL of the coordinator, agents with a rejoin window: each fences its host, waits the window
+    out retrying the coordinator, then exits 3, writing a few lines to its stderr, not a stream of
+    the store client's stack traces (one per failed attempt, 20 a second, before)."""
+    window = 6.0
+    job = Job(tmp_path, steps=100000, fault="none", seed=9,
+              extra_of={h: ["--rejoin-window", str(window)] for h in ("a", "b", "c")})  # fmt: skip
+    try:
+        events = job.out / "events.jsonl"
+        deadline = time.monotonic() + 200
+        while time.monotonic() < deadline and not COMMITTED.search(
+            events.read_text() if events.exists() else ""
+        ):
+            time.sleep(0.2)
+        job.coordinator.send_signal(signal.SIGKILL)
+        lost = time.monotonic()
+        codes = {h: a.wait(timeout=90) for h, a in job.agents.items()}
+        took = time.monotonic() - lost
+        errs = {h: job.errs[h].read_text() for h in job.agents}
+    finally:
+        job.close()
+    assert codes == {"a": 3, "b": 3, "c": 3}, (codes, errs)
+    assert took > window, took  # they waited the window out
+    for host, text in errs.items():
+        assert "did not come back" in text, text[-2000:]
+        # the store client's warning (with its C++ stack) once per connection as it breaks, at most
+        warnings = [ln for ln in text.splitlines() if ln.startswith("[W")]
+        assert len(warnings) <= 6 and len(text) < 20_000, (host, len(text), warnings)
+
+
 @pytest.mark.timeout(400)
 def test_a_host_whose_clock_is_30_s_ahead_reports_on_the_coordinators_time(tmp_path: Path) -> None:
     """Host a's processes stamp their events and heartbeats 30 s ahead (``agent --clock-skew``:

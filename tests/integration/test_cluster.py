@@ -265,13 +265,16 @@ def test_a_lost_host_of_a_sharded_job_is_replaced_bitwise(tmp_path: Path) -> Non
 
 
 @pytest.mark.timeout(900)
-def test_a_stranger_on_a_hosts_network_cannot_steer_the_job(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fault", ["kill:node=1@step=30", "none"])
+def test_a_stranger_on_a_hosts_network_cannot_steer_the_job(tmp_path: Path, fault: str) -> None:
     """A process in the spare host's namespace without the job's secret (a process of another job,
     or an intruder on the cluster's network) reaches the coordinator's store on the hosts' network
     and forges every key of the protocol, the agents' as well (hellos, statuses, orders), sealed
-    with its own secret or not at all, all along a job that loses host 1: the job ends as it would
-    have, bitwise, only host 1 is lost, the stranger cannot join a process group, and what it wrote
-    is counted as rejected. The store listens on the hosts' bridge only."""
+    with its own secret or not at all; it also lists the store's keys and writes the abort of every
+    generation and the job's stop under the job's own namespace. All along a job that loses host 1,
+    or loses nothing: the job ends as it would have, bitwise, only host 1 is lost (or none), the
+    stranger cannot join a process group, and what it wrote is counted as rejected. The store
+    listens on the hosts' bridge only."""
     import socket
     import time
 
@@ -284,7 +287,7 @@ def test_a_stranger_on_a_hosts_network_cannot_steer_the_job(tmp_path: Path) -> N
     err = (tmp_path / "cluster.err").open("w")
     job = subprocess.Popen(
         [*CLI, "cluster", "--nodes", "2", "--nproc-per-node", "2", "--spare-nodes", "1", "demo", "--steps", "40",
-         "--quiet", "--hang-timeout", "2", "--port", str(port), "--fault", "kill:node=1@step=30", "--out", str(out)],
+         "--quiet", "--hang-timeout", "2", "--port", str(port), "--fault", fault, "--out", str(out)],
         stdout=subprocess.DEVNULL, stderr=err, env=ENV,
     )  # fmt: skip
     stranger = None
@@ -304,7 +307,7 @@ def test_a_stranger_on_a_hosts_network_cannot_steer_the_job(tmp_path: Path) -> N
         status = tmp_path / "stranger.json"
         stranger = subprocess.Popen(
             ["ip", "netns", "exec", spare_ns, sys.executable, str(scripts / "adv_stranger.py"), bridge, str(port),
-             str(status), "120", ",".join([*ATTACKS, "agent"])],
+             str(status), "120", ",".join([*ATTACKS, "agent", "list"])],
             stdout=subprocess.DEVNULL, stderr=(tmp_path / "stranger.err").open("w"), env=ENV,
         )  # fmt: skip
         job.wait(timeout=600)
@@ -329,7 +332,12 @@ def test_a_stranger_on_a_hosts_network_cannot_steer_the_job(tmp_path: Path) -> N
     report = json.loads((out / "report.json").read_text())
     assert report["rejected_messages"]["count"] > 0, report["rejected_messages"]
     events_ = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
-    assert [e["host"] for e in events_ if e["kind"] == "host_lost"] == ["host1"]
+    assert [e["host"] for e in events_ if e["kind"] == "host_lost"] == (["host1"] if fault != "none" else [])
+    if fault == "none":
+        assert report["generations"] == 0, report["generations"]
+        assert {"gen/0/abort", "job/stop"} & set(report["rejected_messages"]["keys"]), report[
+            "rejected_messages"
+        ]
     assert _netns() == before
 
 
@@ -352,17 +360,21 @@ def test_killing_the_cluster_command_leaves_nothing_behind(tmp_path: Path, signu
     """SIGKILL (or Ctrl-C) of ``checkpointless cluster`` mid-training: every agent and process on
     every host ends (the agents fence on their lease once the coordinator is gone), every network
     namespace and the bridge are removed (the reaper), and no shared-memory file is left; the
-    events up to then are on disk."""
+    events up to then are on disk. The job's secret file, its folder and the run folder's control
+    file (there, 0600, while the job ran) are removed too."""
     import signal
+    import stat
     import time
 
     seed = 4242 + (signum == "SIGINT")
     shm_before = set(os.listdir("/dev/shm"))
     out = tmp_path / "cluster"
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
     job = subprocess.Popen(
         [*CLI, "cluster", "--nodes", "2", "--nproc-per-node", "1", "--spare-nodes", "1", "demo", "--steps",
          "100000", "--seed", str(seed), "--quiet", "--out", str(out)],
-        stdout=subprocess.DEVNULL, stderr=(tmp_path / "err").open("w"), env=ENV,
+        stdout=subprocess.DEVNULL, stderr=(tmp_path / "err").open("w"), env={**ENV, "TMPDIR": str(tmp)},
     )  # fmt: skip
     try:
         events = out / "events.jsonl"
@@ -372,6 +384,13 @@ def test_killing_the_cluster_command_leaves_nothing_behind(tmp_path: Path, signu
             time.sleep(0.2)
         assert len(_demo_pids(seed)) >= 3  # an agent per host, the workers, the spare
         assert _hosts_of(job.pid)[0], "the hosts are not named after the command's pid"
+        control = json.loads((out / "control.json").read_text())
+        assert stat.S_IMODE((out / "control.json").stat().st_mode) == 0o600
+        host, port = control["addr"].rsplit(":", 1)
+        assert control["pid"] == job.pid and port.isdigit() and host.startswith("10."), control  # the bridge
+        (secret_dir,) = [d for d in tmp.iterdir() if d.name.startswith("checkpointless-cluster-")]
+        assert (secret_dir / "secret").exists()
+        assert control["token"] != (secret_dir / "secret").read_text().strip()
         job.send_signal(getattr(signal, signum))
         job.wait(timeout=120)
         deadline = time.monotonic() + 60  # the agents' lease (4 s here) and a margin
@@ -383,6 +402,7 @@ def test_killing_the_cluster_command_leaves_nothing_behind(tmp_path: Path, signu
             job.wait(timeout=30)
     assert _demo_pids(seed) == []
     assert _hosts_of(job.pid) == (set(), set())
+    assert not secret_dir.exists() and not (out / "control.json").exists(), sorted(tmp.rglob("*"))
     assert {f for f in set(os.listdir("/dev/shm")) - shm_before if "checkpointless" in f} == set()
     assert COMMITTED.search((out / "events.jsonl").read_text())
 
@@ -396,6 +416,9 @@ def test_cluster_refuses_bad_input_in_one_line(capsys: pytest.CaptureFixture[str
         ("--nodes", "40", "--spare-nodes", "30"): "at most 64 hosts",
         ("demo", "--fault", "kill:node=2@step=1"): "node 2 does not exist",
         ("demo", "--workers", "3"): "--workers follows from --nodes",
+        ("--join-timeout", "nan"): "--join-timeout must be a finite number of seconds",
+        ("--join-timeout", "0"): "--join-timeout must be > 0 seconds",
+        ("--join-timeout", "-1"): "--join-timeout must be > 0 seconds",
     }
     before = (_netns(), _bridges())
     for args, words in cases.items():
@@ -421,12 +444,76 @@ def test_agent_refuses_bad_input_in_one_line(tmp_path: Path, capsys: pytest.Capt
         ("--coordinator", "127.0.0.1:1", "--secret-file", str(open_file)): "readable by others",
         ("--coordinator", "nowhere", "--secret-file", str(secret)): "expected HOST:PORT",
         ("--coordinator", "127.0.0.1:1", "--secret-file", str(secret)): "give the training command after --",
+        ("--coordinator", "127.0.0.1:99999", "--secret-file", str(secret)): "a port from 1 to 65535",
     }  # fmt: skip
+    coord = ("--coordinator", "127.0.0.1:1", "--secret-file", str(secret))
+    for extra, words in {
+        ("--join-timeout", "nan"): "--join-timeout must be a finite number of seconds",
+        ("--join-timeout", "0"): "--join-timeout must be > 0 seconds",
+        ("--join-timeout", "-1"): "--join-timeout must be > 0 seconds",
+        ("--clock-skew", "nan"): "--clock-skew must be a finite number of seconds",
+        ("--rejoin-window", "-1"): "--rejoin-window must be >= 0 seconds",
+        ("--node-rank", "-3"): "--node-rank must be >= 0",
+        ("--node-rank", "0", "--spare"): "a spare host has no node rank",
+        ("--addr", "999.1.1.1"): "--addr '999.1.1.1' is not an IP address",
+    }.items():
+        cases[(*coord, *extra)] = words
     for args, words in cases.items():
         cmd = [] if "give the" in words else ["--", "true"]
         assert main(["agent", "--nproc-per-node", "1", *args, *cmd]) == 2, args
         err = capsys.readouterr().err
         assert words in err and len(err.strip().splitlines()) == 1, (args, err)
+
+
+@pytest.mark.timeout(60)
+def test_coordinator_refuses_bad_input_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from checkpointless.control.auth import new_secret, write_secret_file
+    from checkpointless.launch.cli import main
+
+    secret = tmp_path / "secret"
+    write_secret_file(secret, new_secret())
+    base = ["coordinator", "--nodes", "1", "--nproc-per-node", "1", "--secret-file", str(secret)]
+    for extra, words in {
+        ("--join-timeout", "nan"): "--join-timeout must be a finite number of seconds",
+        ("--join-timeout", "-1"): "--join-timeout must be > 0 seconds",
+        ("--bind", "999.1.1.1"): "--bind '999.1.1.1' is not an IP address",
+        ("--nodes", "0"): "--nodes must be >= 1",
+    }.items():
+        assert main([*base, *extra]) == 2, extra
+        err = capsys.readouterr().err
+        assert words in err and len(err.strip().splitlines()) == 1, (extra, err)
+
+
+@pytest.mark.timeout(60)
+def test_an_agent_dialling_a_port_that_is_no_store_gives_up_at_its_join_timeout(tmp_path: Path) -> None:
+    """A port that accepts connections and never answers (another service, a stalled process): c10d's
+    handshake has no deadline, the agent's join timeout bounds it, and it says so in one line."""
+    import socket
+    import time
+
+    from checkpointless.control.auth import new_secret, write_secret_file
+
+    secret = tmp_path / "secret"
+    write_secret_file(secret, new_secret())
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        t0 = time.monotonic()
+        r = subprocess.run(
+            [*CLI, "agent", "--coordinator", f"127.0.0.1:{silent.getsockname()[1]}", "--secret-file",
+             str(secret), "--nproc-per-node", "1", "--join-timeout", "3", "--", "true"],
+            capture_output=True, text=True, timeout=50, env=ENV,
+        )  # fmt: skip
+        took = time.monotonic() - t0
+    errors = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert (
+        r.returncode == 2
+        and len(errors) == 1
+        and "did not answer as a checkpointless coordinator" in errors[0]
+    ), r.stderr
+    assert took < 3 + 20, took  # the join timeout and the interpreter's start (torch's import)
 
 
 @pytest.mark.timeout(120)

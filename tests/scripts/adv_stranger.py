@@ -10,6 +10,9 @@ unsealed (plain JSON or garbage). It bumps the counters a real reporter bumps,
 and puts event chunks in the slots the launcher reads next. A thread tries to
 join generation 0's process group on the guessable rendezvous prefixes.
 ATTACKS (comma separated, default all of ``ATTACKS``) picks what it does;
+``list`` (not a default) lists the store's keys (``TCPStore.list_keys()`` answers anyone) and writes
+the abort key of every generation it sees, and the job's stop key, under every namespace it finds
+there: the names a stranger learns, not the plain ones;
 ``hbflood`` (not a default) instead overwrites ``hb/w0`` in a tight loop, from
 when a file ``STATUS_JSON.go`` appears on (the test creates it once the
 coordinator has seen w0 join).
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import threading
 import time
@@ -103,7 +107,38 @@ def forged_values(rnd: int, attacks: set[str]) -> list[tuple[str, str]]:
     return out
 
 
+OWN: set[str] = set()  # the raw names the ``list`` attack wrote
+LISTED = re.compile(r"^(.*?)(?:gen/(\d+)/|hb/|job/|done/|events/)")
+
+
+def listed_values(store: TCPStore, own: set[str]) -> list[tuple[str, str]]:
+    """(raw key, protocol key) of the abort of every generation seen (and the next two) and of the
+    job's stop, under each namespace that ``list_keys()`` shows (``own``: the names it wrote itself,
+    which it does not count as seen)."""
+    spaces: dict[str, int] = {}
+    for name in store.list_keys():
+        m = LISTED.match(name)
+        if name in own:
+            continue
+        if m is not None and "/pg/" not in name:
+            ns, gen = m.group(1), m.group(2)
+            spaces[ns] = max(spaces.get(ns, 0), int(gen) if gen is not None else 0)
+    out: list[tuple[str, str]] = []
+    for ns, top in spaces.items():
+        out += [(ns + keys.abort(g), keys.abort(g)) for g in range(top + 3)]
+        out.append((ns + keys.JOB_STOP, keys.JOB_STOP))
+    return out
+
+
 def attack(store: TCPStore, forged: SignedStore, rnd: int, attacks: set[str], written: set[str]) -> None:
+    if "list" in attacks:
+        for i, (name, key) in enumerate(listed_values(store, OWN)):
+            OWN.add(name)
+            if rnd % 2 == 0:
+                store.set(name, forged.seal(key, "1"))  # type: ignore[arg-type]  # another job's seal
+            else:
+                store.set(name, GARBAGE[i % len(GARBAGE)] if i % 2 else b"1")  # type: ignore[arg-type]
+            written.add(key)
     for i, (key, value) in enumerate(forged_values(rnd, attacks)):
         if rnd % 2 == 0:
             forged.set(key, value)  # sealed, but with another job's secret

@@ -33,10 +33,36 @@ def _nodes(
     return r, store, clock, lost
 
 
-def _hello(store: SignedStore, host: str, pid: int, *, spare: bool = False, nproc: int = 2) -> None:
+def _hello(
+    store: SignedStore, host: str, pid: int, *, spare: bool = False, nproc: int = 2, node: int | None = None
+) -> None:
     i = store.add(keys.AGENTS_COUNT, 1) - 1
-    store.set(keys.agent_hello(i), json.dumps({"host": host, "addr": f"10.0.0.{pid}", "nproc": nproc,
-                                               "spare": spare, "pid": pid}))  # fmt: skip
+    hello = {"host": host, "addr": f"10.0.0.{pid}", "nproc": nproc, "spare": spare, "pid": pid}
+    if node is not None:
+        hello["node_rank"] = node
+    store.set(keys.agent_hello(i), json.dumps(hello))
+
+
+def test_two_agents_asking_for_one_node_rank_the_second_is_refused_in_one_line() -> None:
+    """Two hosts started with the same --node-rank (a copied command line): the first keeps it, the
+    second is refused naming the first, and one asking for a rank the job does not have is refused;
+    neither silently becomes another node."""
+    r, store, _, _ = _nodes()
+    _hello(store, "a", 1, node=0)
+    _hello(store, "b", 2, node=0)
+    _hello(store, "x", 3, node=2)
+    _hello(store, "c", 4, node=1)
+    _hello(store, "d", 5, spare=True)
+    r.accept(timeout_s=1)
+    assert sorted(r.hosts) == ["a", "c", "d"]
+    error = json.loads(store.get(keys.node_accept("b", 2)) or "{}")["error"]
+    assert error.startswith("node rank 0 is taken by the agent of a (pid 1") and "\n" not in error, error
+    assert (
+        "node rank 2 is not one of this job's 2 node(s)"
+        in json.loads(store.get(keys.node_accept("x", 3)) or "{}")["error"]
+    )
+    assert [json.loads(store.get(keys.node_accept(h, p)) or "{}")["node"] for h, p in
+            (("a", 1), ("c", 4), ("d", 5))] == [0, 1, 2]  # fmt: skip
 
 
 def test_agents_join_and_the_wrong_ones_are_refused_in_one_line() -> None:
