@@ -148,9 +148,9 @@ class ReplicaConsistency(ModelLifecycle):
                 )
             if not healthy:
                 self._fatal(
-                    f"replicas differ at step {step} and no majority tells which is right: {where} "
-                    "(silent data corruption, or a non-deterministic update); stopping rather than "
-                    "training on a state that may be corrupt"
+                    f"replicas differ at step {step} and no majority tells which is right: {where}; "
+                    f"{holders(ranks, digests)} (silent data corruption, or a non-deterministic update); "
+                    "stopping rather than training on a state that may be corrupt"
                 )
             resyncs.append((ref, odd, entry))
         for ref, odd, entry in resyncs:
@@ -169,3 +169,15 @@ class ReplicaConsistency(ModelLifecycle):
                 client.emit(Event.STATE_RESYNCED, sync=True, rank=self.rank, gen=self.generation, step=step,
                             src=ref, entry=str(entry), bytes=stats.bytes, seconds=stats.seconds)  # fmt: skip
         group.barrier()
+
+
+def holders(ranks: list[int], digests: dict[int, bytes]) -> str:
+    """Which of ``ranks`` hold which state: ``ranks 0, 1 hold 3fa2c1d0; rank 2 holds 9be01a44``."""
+    by: dict[bytes, list[int]] = {}
+    for r in ranks:
+        by.setdefault(digests[r], []).append(r)
+    parts = []
+    for d, rs in by.items():
+        who = f"rank {rs[0]} holds" if len(rs) == 1 else f"ranks {', '.join(map(str, rs))} hold"
+        parts.append(f"{who} {d.hex()[:8]}")
+    return "; ".join(parts)

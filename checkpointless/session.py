@@ -674,8 +674,10 @@ class Session(Member):
 
         Every rank must call it after the loop. Returns the final state digest.
         """
-        digest = self.state_digest()
         client = self._client
+        if client is not None:
+            self._final_check()
+        digest = self.state_digest()
         if self._durable is not None:
             self._durable.wait()  # a snapshot still being written completes before the job ends
         if client is None:
@@ -702,6 +704,26 @@ class Session(Member):
         self._finished = True
         client.close()
         return digest
+
+    def _final_check(self) -> None:
+        """The replicas compare their final state, as at a periodic check, unless the loop's last
+        check ran at this very step (``_consistency_due``: a function of the committed step, so
+        every rank, a replacement too, agrees on it): a replica corrupted since the last check is
+        named and re-synced from its shard's majority (the job ends with the majority's state), and
+        without a majority the job stops naming which ranks hold which state. A fault inside it is
+        recovered as in a step and the check runs again in the new generation, which a replacement
+        joins from its own ``finish``."""
+        while (
+            self._group is not None
+            and self.world_size > 1
+            and self._committed >= 0
+            and not self._consistency_due()
+        ):
+            try:
+                self._check_consistency()
+                return
+            except (CollectiveError, IntegrityError, TimeoutError) as e:
+                self._on_failure(e, self._next_step)
 
     # -- commit and failure ----------------------------------------------------
     def _commit(self, step: int, seconds: float) -> None:
@@ -737,6 +759,10 @@ class Session(Member):
     def _at_exit(self) -> None:
         if self._client is None or self._finished:
             return
+        # the process ends outside a step (the script raised in its own code, or returned): its
+        # last commits, left to the heartbeat thread's next beat, are shipped before it goes
+        with contextlib.suppress(RuntimeError, OSError):
+            self._client.flush()
         if self._loop_done:
             with contextlib.suppress(RuntimeError, OSError):  # the launcher may be gone already
                 self._client.report_fatal(

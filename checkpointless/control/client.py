@@ -225,6 +225,11 @@ class ControlClient:
         if sync:
             self._flush()
 
+    def flush(self) -> None:
+        """Ship the pending events (the step commits the heartbeat thread has not sent yet) now: a
+        process that is about to exit calls it, so that its last commits reach the log."""
+        self._flush()
+
     def _flush(self) -> None:
         """Publish the pending events and a heartbeat. Never raises for the store: a failed write
         leaves the connection to the heartbeat thread, which reconnects and writes them again."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 from typing import Any
 
 from checkpointless.control import keys
@@ -231,10 +232,16 @@ class Coordinator(Detection):
                     if self._pool_exhausted
                     else ""
                 )
-                lines = "".join(
-                    f"; rank {r}'s process ended with: {self._crash_lines[r]}"
-                    for r in sorted(f.dead) if self._crash_lines.get(r)
-                )  # fmt: skip
+                ended = {r: self._crash_lines[r] for r in sorted(f.dead) if self._crash_lines.get(r)}
+                lead = same_error(ended)
+                if lead is not None:  # a mistake every rank made: the script's error first
+                    line, ranks = lead
+                    raise JobFailed(
+                        f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} ended with "
+                        f"the same error: {line} (a mistake in the script: no spare can fix it; generation "
+                        f"{f.gen}, {len(f.dead)} rank(s) lost and {len(starting)} spare(s) left)"
+                    )
+                lines = "".join(f"; rank {r}'s process ended with: {text}" for r, text in ended.items())
                 raise JobFailed(
                     f"generation {f.gen}: {len(f.dead)} rank(s) lost and {len(starting)} spare(s) left "
                     f"(elastic shrink without spares is not supported yet){why}{lines}"
@@ -336,7 +343,15 @@ class Coordinator(Detection):
             digests = {d["digest"] for r, d in done.items() if r % shards == shard}
             if len(digests) != 1:
                 of = "" if shards == 1 else f" of shard {shard}"
-                raise JobFailed(f"replicas{of} diverged: {len(digests)} different final states across ranks")
+                holders: dict[str, list[int]] = {}
+                for r in sorted(done):
+                    if r % shards == shard:
+                        holders.setdefault(done[r]["digest"], []).append(r)
+                who = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {d[:8]}"
+                                for d, rs in holders.items())  # fmt: skip
+                raise JobFailed(
+                    f"replicas{of} diverged: {len(digests)} different final states across ranks ({who})"
+                )
             per_shard.append(digests.pop())
         registered = [self._registered_digest(done, shard) for shard in range(shards)]
         # one shard: its digest; several: the SHA-256 of the shards' digests in shard order
@@ -370,3 +385,22 @@ class Coordinator(Detection):
         for path, d in entries[ref]:
             h.update(f"{len(path)}:{path}={d};".encode())
         return h.hexdigest()
+
+
+_RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s*")
+_PEER_ERROR = ("gloo", "connection reset", "connection closed", "broken pipe", "nccl")
+
+
+def same_error(lines: dict[int, str]) -> tuple[str, list[int]] | None:
+    """The error line that several lost ranks' processes ended with (torch's ``[rankN]:`` prefix
+    aside) and those ranks, when it is one line: the ranks that died of a peer's death (gloo's or
+    NCCL's dying words) do not count against it. None when the ranks ended differently, or one
+    rank alone raised (a fault of that rank's, for the usual message)."""
+    own: dict[int, str] = {}
+    for r, line in lines.items():
+        text = _RANK_PREFIX.sub("", line.strip())
+        if text and not any(w in text.lower() for w in _PEER_ERROR):
+            own[r] = text
+    if len(own) < 2 or len(set(own.values())) != 1:
+        return None
+    return next(iter(own.values())), sorted(own)

@@ -27,7 +27,8 @@ Per fault:
 - ``exitcode`` / ``signal``: how the process ended, when that is the cause
   (``signal`` names a negative exit code, e.g. ``SIGKILL``, ``SIGSEGV``).
 - ``step``: the injected step; for a real fault, the step the event names or
-  the step after the failed rank's last commit (None if unknown).
+  the step after the last commit of the failed rank or its peers in that
+  generation (None if unknown).
 - ``target``: ``step`` or ``recovery`` (injected: where it fired; real: whether
   it was detected while a recovery was under way).
 - ``t``: when it struck (epoch seconds): injection, or first detection.
@@ -476,6 +477,11 @@ def derive_faults(events: list[dict[str, Any]], step_time: float | None = None) 
             step = next((i.step for i in incs if i.step is not None), None)
             if step is None and ranks:
                 before = [c[1] for r in ranks for c in commits.get(r, []) if c[0] <= t_det]
+                if gen is not None:
+                    # and its peers' in that generation, who commit in lockstep with it: a process
+                    # killed outright (SIGKILL, the OOM killer) takes the commits its heartbeat
+                    # thread had not shipped yet with it
+                    before += [c[1] for cs in commits.values() for c in cs if c[0] <= t_det and c[2] == gen]
                 step = max(before) + 1 if before else None
             target = "recovery" if any(a <= t_det <= b for a, b in windows) else "step"
             detection_s = None

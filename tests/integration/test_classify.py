@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from checkpointless.observe.fields import unpacked
 from tests.jobs import run_job
 
 pytestmark = pytest.mark.timeout(180)
@@ -49,6 +50,35 @@ def test_an_error_outside_the_step_is_replaced_once_then_ends_the_job_naming_it(
     # the first process and one replacement raised: the other spares were spared (the job's end
     # then stops every process left, which adds exits without that line)
     assert len(raised) == 2, [(e.get("target"), e.get("exitcode")) for e in raised]
+
+
+def test_a_rank_dying_outside_a_step_keeps_its_last_commits_and_its_fault_names_the_step() -> None:
+    """A rank's own code raises between two steps (a callback, a save), 10 ms after its last commit:
+    the commits its heartbeat thread had not shipped yet reach the log as the process exits (before:
+    its last 2-4 were lost, and the fault table named step 4 for a rank that had committed 0-7)."""
+    result = _misbehave("outside_once", "1@8", steps=12, spares=1, timeout_s=90)
+    assert result.ok, result.error
+    committed = sorted(
+        c["step"]
+        for c in unpacked(result.events)
+        if c["kind"] == "step_committed" and c.get("rank") == 1 and c.get("proc") == "w1"
+    )
+    assert committed == list(range(8)), committed
+    (fault,) = result.report["faults"]
+    assert (fault["kind"], fault["ranks"], fault["step"]) == ("crash", [1], 8), fault
+
+
+def test_a_mistake_every_rank_makes_outside_the_step_leads_with_its_error() -> None:
+    """Every rank raises the same error in its own code (a callback reading a missing metric): the job
+    ends leading with that line, once, not with 'N rank(s) lost ... elastic shrink' and one copy
+    of the line per rank."""
+    result = _misbehave("outside_all", "0@4", spares=1, timeout_s=90)
+    assert not result.ok
+    error = str(result.error)
+    assert error.startswith(
+        "ranks 0, 1 ended with the same error: KeyError: 'val_loss' (a mistake in the script"
+    ), error
+    assert error.count("val_loss") == 1 and "elastic shrink" not in error, error
 
 
 def _launch(steps: int | None, faults: list[str], script_steps: int = 8) -> Any:

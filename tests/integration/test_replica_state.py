@@ -68,6 +68,30 @@ def test_corruption_with_two_replicas_stops_the_job() -> None:
     assert "rank 0 and rank 1" in (r.error or ""), r.error
 
 
+def test_corruption_after_the_last_periodic_check_is_resynced_at_the_end() -> None:
+    """A bit flipped on one of four replicas after the last periodic check (the checks after the first
+    step and every 100): the replicas compare their final state in ``finish``, the odd one is named and
+    re-synced from the majority, and the job ends ok with the majority's state, the corruption
+    reported as detected (not ``replicas diverged`` and no result, as before)."""
+    r = run_job(workers=4, spares=1, steps=12, faults=["corrupt:rank=2@step=8"], consistency_every=100)
+    assert r.ok, logs_of(r)
+    assert r.digest is not None
+    (fault,) = r.report["faults"]
+    assert fault["kind"] == "corrupt" and fault["ranks"] == [2] and fault["cause"] == "state_diverged", fault
+    resynced = [e for e in r.events if e["kind"] == "state_resynced"]
+    assert [(e["rank"], e["step"]) for e in resynced] == [(2, 11)], resynced
+    assert r.report["generations"] == 0
+
+
+def test_corruption_after_the_last_check_without_a_majority_names_who_holds_what() -> None:
+    r = run_job(workers=2, spares=0, steps=10, faults=["corrupt:rank=1@step=6"], consistency_every=100,
+                expect_fired=False)  # fmt: skip
+    assert not r.ok
+    error = r.error or ""
+    assert "no majority" in error and "rank 0 holds" in error and "rank 1 holds" in error, error
+    assert "\n" not in error.strip(), error
+
+
 def test_a_kill_and_a_hang_at_consistency_checks_end_bitwise_equal_to_the_fault_free_run() -> None:
     """A rank killed, then another stopped, just before the replicas exchange their digests: the
     peers fail in that exchange (or the stopped one is found by its heartbeat and killed), a spare

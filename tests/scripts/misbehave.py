@@ -11,7 +11,9 @@ full garbage collection); ``spare_dies``
 exception at step 0, then code after the block); ``gloo_error`` (RANK's step raises, every time
 from STEP on, a RuntimeError whose text names gloo: the user's, not a peer's); ``no_attempt`` (the
 loop body has no ``with session.attempt():``); ``outside`` (RANK raises, outside the step, before
-STEP: every process that holds the rank does).
+STEP: every process that holds the rank does); ``outside_once`` (the first process of RANK only raises
+there, as a user callback after a step might: its replacement trains on); ``outside_all`` (every rank
+raises there at once: a mistake in the script, not a fault).
 """
 
 from __future__ import annotations
@@ -41,8 +43,16 @@ def main() -> None:
     for step in session.steps(steps):
         if mode == "no_attempt":
             continue
+        if mode == "outside_all" and step == target[1]:
+            raise KeyError("val_loss")  # a callback's mistake: every rank makes it at once
         if mode == "outside" and session.rank == target[0] and step == target[1]:
             raise ValueError("DistributedSampler(dataset) needs the rank: build it after Session()")
+        if (
+            mode == "outside_once"
+            and os.environ.get("CHECKPOINTLESS_PROC") == f"w{target[0]}"
+            and step == target[1]
+        ):
+            raise OSError("the user's checkpoint save failed: disk full")
         with session.attempt() as attempt:
             g = torch.Generator().manual_seed(step * 10 + session.dp_rank)
             x = torch.randn(4, 8, generator=g)

@@ -543,7 +543,10 @@ def test_member_that_does_not_report_a_failure(state: str, reason: str, killed_a
     ("reports", "outcome"),
     [
         ([("w0", "d1", 9), ("w1", "d1", 9)], "finished"),
-        ([("w0", "d1", 9), ("w1", "d2", 9)], r"^replicas diverged: 2 different final states across ranks$"),
+        (
+            [("w0", "d1", 9), ("w1", "d2", 9)],
+            r"^replicas diverged: 2 different final states across ranks \(rank 0: d1; rank 1: d2\)$",
+        ),
         ([("w0", "d1", 9), ("w1", "d1", 8)], None),  # a rank still re-executing a step
         ([("w0", "d1", 9), ("w9", "d1", 9)], None),  # a report of a process since replaced
         ([("w0", "d1", 9)], None),  # a rank not done yet
@@ -1147,3 +1150,16 @@ def test_a_failure_waiting_for_a_killed_members_exit_plans_as_the_exit_is_seen_b
     assert planned_before_read == [True]
     plan = job.plan(1)
     assert plan is not None and plan.members[1] == "s0" and plan.resume_step == 5
+
+
+def test_the_error_several_lost_ranks_ended_with_leads() -> None:
+    from checkpointless.control.coordinator import same_error
+
+    same = "[rank0]: KeyError: 'val_loss'"
+    gloo = "[rank1]: RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer"
+    assert same_error({0: same, 1: "[rank1]: KeyError: 'val_loss'"}) == ("KeyError: 'val_loss'", [0, 1])
+    # a peer that died of the others' deaths does not count against the error the rest raised
+    assert same_error({0: same, 1: gloo, 2: "KeyError: 'val_loss'"}) == ("KeyError: 'val_loss'", [0, 2])
+    assert same_error({0: same, 1: gloo}) is None  # one rank alone raised: a fault of its own
+    assert same_error({0: same, 1: "[rank1]: ValueError: x"}) is None
+    assert same_error({0: "", 1: "  "}) is None

@@ -380,6 +380,17 @@ def test_real_fault_step_during_recovery_is_marked() -> None:
     ]
 
 
+def test_a_real_crash_whose_last_commits_were_lost_is_placed_by_its_peers_commits() -> None:
+    """Rank 1 killed outright after committing steps 0-7, its heartbeat thread having shipped only
+    0-4: its peers' commits in its generation place the fault at step 8, not 5."""
+    run = Run(spares=1).train(8)
+    run.events = [e for e in run.events if not (e["kind"] == "step_committed" and e["rank"] == 1
+                                                 and e["step"] >= 5)]  # fmt: skip
+    run.exit("w1", -9).peers_fail([1], "process_exit")
+    (f,) = build_report(run.finish(), total_steps=8, digest=None)["faults"]
+    assert (f["kind"], f["ranks"], f["step"]) == ("crash", [1], 8), f
+
+
 # ---------------------------------------------------------------------------- one list for everyone
 
 
