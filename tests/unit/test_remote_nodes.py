@@ -118,7 +118,11 @@ def test_a_silent_host_is_lost_and_its_processes_are_dead() -> None:
         r.poll()
     assert [f["host"] for f in lost] == ["b"]
     assert [w.alive() for w in workers] == [True, True, False, False]
-    assert "host b lost" in workers[2].log_tail()
+    # what the launcher says of a process lost with its host (after the job's end too): the host and its agent
+    assert workers[2].log_tail().startswith("host b lost (its agent: pid 2 at 10.0.0.2): "), workers[
+        2
+    ].log_tail()
+    assert workers[2].exitcode() is None
     # a replayed old status does not bring it back, nor hide a live host's news
     assert workers[0].cpu_seconds() == 1.0 and workers[2].cpu_seconds() is None
 
