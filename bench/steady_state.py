@@ -74,7 +74,7 @@ def ddp_worker(rank: int, world: int, port: int, steps: int, out: Path) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     from checkpointless.control.client import connect
-    from checkpointless.data.synthetic import SyntheticTokens
+    from checkpointless.corpus.synthetic import SyntheticTokens
     from checkpointless.launch.demo import DemoModel
     from checkpointless.models.tiny_gpt import GPTConfig, TinyGPT
     from checkpointless.session import step_seed

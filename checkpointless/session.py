@@ -106,8 +106,8 @@ from checkpointless.state import (
 if TYPE_CHECKING:
     from torch.utils.data import DataLoader, IterableDataset
 
-    from checkpointless.data.iterable_loader import IterableStepLoader
-    from checkpointless.data.loader import StepLoader
+    from checkpointless.loaders.iterable_loader import IterableStepLoader
+    from checkpointless.loaders.loader import StepLoader
 
 log = logging.getLogger(__name__)
 
@@ -424,49 +424,48 @@ class Session(Member):
         number of ranks; the iterator (and its worker processes) is kept from step to step and
         restarted only after a recovery; ``worker_init_fn`` runs in each worker process (after the
         loader's own setup). A sample's random transforms (what ``dataset[i]`` draws from ``torch``,
-        ``random``, NumPy) are seeded from its place in the job (``checkpointless.data.sample_seeds``):
+        ``random``, NumPy) are seeded from its place in the job (``checkpointless.loaders.sample_seeds``):
         the same after a recovery and with any number of worker processes.
 
-        A map-style dataset is read by ``StepLoader`` (``checkpointless.data.loader``): ``shuffle``
+        A map-style dataset is read by ``StepLoader`` (``checkpointless.loaders.loader``): ``shuffle``
         (default ``True``) draws each epoch's order from ``seed`` (default: the session's);
         ``order(epoch)``, if given, is the epoch's order instead: a permutation of the dataset's
         indices computed from the epoch alone, the same in every process (a length-grouped order, a
         curriculum; a sampler's ``set_epoch`` then ``list(sampler)`` where it draws from a generator
         seeded by the epoch); with ``epoch_samples``, ``order(epoch)`` is that many indices of the
         dataset instead, repeats allowed (a weighted draw with replacement, a subset, an oversampled
-        class: ``checkpointless.data.sampler_order`` reads a sampler so). A
+        class: ``checkpointless.loaders.sampler_order`` reads a sampler so). A
         ``torch.utils.data.IterableDataset`` is read by ``IterableStepLoader``
-        (``checkpointless.data.iterable_loader``, whose docstring is the dataset's contract): its
+        (``checkpointless.loaders.iterable_loader``, whose docstring is the dataset's contract): its
         order is its own, so ``shuffle=True`` is an error and ``seed`` is ignored (a warning).
 
         ``session.loader(dataloader)``, given the ``DataLoader`` a DDP script built (with its
-        ``DistributedSampler``), reads its settings instead (``checkpointless.data.from_dataloader``):
+        ``DistributedSampler``), reads its settings instead (``checkpointless.loaders.from_dataloader``):
         ``batch_size`` per rank, the sampler's ``shuffle`` and ``seed`` (a sampler of another kind:
         its order per epoch, ``sampler_order``), ``collate_fn``, ``num_workers``, ``drop_last``,
-        ``pin_memory``, ``worker_init_fn``."""
+        ``pin_memory``, ``worker_init_fn``.
+
+        The keywords are the fields of ``LoaderOptions`` (``checkpointless.loaders.options``, each
+        documented there), built once here and handed to the loader."""
         from torch.utils.data import DataLoader
 
+        from checkpointless.loaders.from_dataloader import loader_settings, make_loader
+        from checkpointless.loaders.loader import StepLoader
+        from checkpointless.loaders.options import LoaderOptions
+
+        options = LoaderOptions(
+            shuffle=shuffle, seed=seed, collate_fn=collate_fn, num_workers=num_workers, drop_last=drop_last,
+            pin_memory=pin_memory, worker_init_fn=worker_init_fn, order=order, epoch_samples=epoch_samples,
+        )  # fmt: skip
         if isinstance(dataset, DataLoader):
-            given = (global_batch_size, shuffle, seed, collate_fn, num_workers, drop_last, pin_memory,
-                     worker_init_fn, order, epoch_samples)  # fmt: skip
-            if given != (None, None, None, None, 0, True, False, None, None, None):
+            if global_batch_size is not None or options != LoaderOptions():
                 raise TypeError("session.loader(dataloader) takes its settings from the DataLoader: "
                                 "pass no other arguments (or pass the dataset and global_batch_size)")  # fmt: skip
-            from checkpointless.data.from_dataloader import loader_settings
-
-            settings = loader_settings(dataset, self.dp_size, self.seed)
-            return self.loader(settings.pop("dataset"), **settings)
-        if global_batch_size is None:
+            dataset, global_batch_size, options = loader_settings(dataset, self.dp_size, self.seed)
+        elif global_batch_size is None:
             raise TypeError("session.loader(dataset, global_batch_size): global_batch_size is missing")
-        from checkpointless.data.from_dataloader import make_loader
-        from checkpointless.data.loader import StepLoader
-
-        loader = make_loader(
-            dataset, global_batch_size, rank=lambda: self.dp_rank, size=lambda: self.dp_size,
-            default_seed=self.seed, shuffle=shuffle, seed=seed, collate_fn=collate_fn, num_workers=num_workers,
-            drop_last=drop_last, pin_memory=pin_memory, worker_init_fn=worker_init_fn, order=order,
-            epoch_samples=epoch_samples,
-        )  # fmt: skip
+        loader = make_loader(dataset, global_batch_size, options, rank=lambda: self.dp_rank,
+                             size=lambda: self.dp_size, default_seed=self.seed)  # fmt: skip
         if isinstance(loader, StepLoader):
             loader.check_split(self.dp_size)
         return loader

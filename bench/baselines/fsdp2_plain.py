@@ -28,7 +28,7 @@ def worker(args: argparse.Namespace) -> int:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from checkpointless.data.shm_cache import CachedDataset, ShmBatchCache
+    from checkpointless.corpus.shm_cache import CachedDataset, ShmBatchCache
     from checkpointless.recipes.config import load_recipe, open_dataset
     from checkpointless.recipes.train import build_training
 

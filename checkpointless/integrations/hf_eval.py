@@ -60,7 +60,7 @@ def _batches(dataloader: Any) -> list[list[int]] | None:
 
 def _loader(dataloader: Any, batches: list[list[int]]) -> torch.utils.data.DataLoader[Any]:
     """A ``DataLoader`` of ``batches`` of the evaluation loader's dataset, with its collator."""
-    from checkpointless.data.loader import worker_processes
+    from checkpointless.loaders.loader import worker_processes
 
     base = getattr(dataloader, "base_dataloader", dataloader)
     workers = base.num_workers

@@ -59,12 +59,12 @@ def _own_sampler_order(
     trainer: Any, dataset: Any, seed: int
 ) -> tuple[Callable[[int], list[int]] | None, int | None]:
     """``(order, samples per epoch)`` of the sampler a ``_get_train_sampler`` of the script's own gives
-    (``checkpointless.data.sampler_order``: each epoch's order, its randomness seeded from ``seed`` and
+    (``checkpointless.loaders.sampler_order``: each epoch's order, its randomness seeded from ``seed`` and
     the epoch); ``(None, None)`` without one. A ``ValueError`` in one line for a sampler that cannot
     be read so."""
     if not _overrides(trainer, "_get_train_sampler"):
         return None, None
-    from checkpointless.data.sampler_order import sampler_order
+    from checkpointless.loaders.sampler_order import sampler_order
 
     sampler = trainer._get_train_sampler(dataset)
     if sampler is None:  # no sampler: the DataLoader reads the dataset in order

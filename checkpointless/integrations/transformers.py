@@ -54,7 +54,7 @@ or without ``__len__`` and without ``max_steps``. Tested with the
 ``transformers`` and ``accelerate`` versions pinned in ``pyproject.toml``'s ``transformers`` extra.
 
 An ``IterableDataset`` train set (a ``datasets`` streaming dataset among them) is read by
-``session.loader``'s iterable path, whose docstring (``checkpointless.data.iterable_loader``) is the
+``session.loader``'s iterable path, whose docstring (``checkpointless.loaders.iterable_loader``) is the
 contract it must keep: one stream, the same in every process, shuffled (if at all) from its own seed
 and ``set_epoch``; micro-batch ``m`` is samples ``[m x B, (m + 1) x B)`` of it (``B`` the global
 micro-batch), passes following one another when it has ``__len__``.

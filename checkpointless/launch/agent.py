@@ -320,6 +320,6 @@ class NodeAgent:
     def free_node_cache(self) -> None:
         """Remove the job's shared-memory batch cache on this host (once every child is gone, so
         that none can create it again)."""
-        from checkpointless.data.shm_cache import ShmBatchCache
+        from checkpointless.corpus.shm_cache import ShmBatchCache
 
         ShmBatchCache(self.job_id, cleanup_on_exit=False).cleanup()

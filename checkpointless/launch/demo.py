@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from checkpointless.control.vocab import Event
-from checkpointless.data.synthetic import SyntheticTokens
+from checkpointless.corpus.synthetic import SyntheticTokens
 
 
 @dataclass(kw_only=True, slots=True)

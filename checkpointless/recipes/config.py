@@ -37,13 +37,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from checkpointless.config import RecoveryConfig
-from checkpointless.data.corpus import BYTE_VOCAB_SIZE  # 256 byte values + end-of-document
+from checkpointless.corpus import BYTE_VOCAB_SIZE  # 256 byte values + end-of-document
 from checkpointless.errors import RecipeError
 from checkpointless.recipes import loader
 from checkpointless.recipes.loader import MAX_YAML_DEPTH, MAX_YAML_NODES
 
 if TYPE_CHECKING:
-    from checkpointless.data.corpus import TokenDataset
+    from checkpointless.corpus import TokenDataset
 
 __all__ = [
     "MAX_YAML_DEPTH",
@@ -615,7 +615,7 @@ def recipe_from_dict(
 
 def open_dataset(recipe: RecipeConfig) -> TokenDataset:
     """The recipe's training data, opened exactly as every worker opens it."""
-    from checkpointless.data.corpus import TokenDataset
+    from checkpointless.corpus import TokenDataset
 
     dc = recipe.data
     return TokenDataset(
@@ -632,7 +632,7 @@ def open_dataset(recipe: RecipeConfig) -> TokenDataset:
 def check_recipe_data(recipe: RecipeConfig, *, source: str = "") -> None:
     """Open ``recipe``'s corpus exactly as every worker will, or raise :class:`RecipeError`.
 
-    Builds :class:`~checkpointless.data.corpus.TokenDataset` with the recipe's corpus,
+    Builds :class:`~checkpointless.corpus.TokenDataset` with the recipe's corpus,
     tokenizer, ``seq_len``, ``global_batch`` and held-out fraction (tokenizing into the token
     cache on first use, verifying the cache otherwise: about 0.2 s for the standard library).
     Catches, naming ``data.source``: a missing, unreadable or empty directory, an invalid

@@ -134,8 +134,8 @@ def build_training(cfg: RecipeConfig, mesh: Any = None, device: torch.device | N
 
 def main(argv: list[str] | None = None) -> int:
     import checkpointless as cl
-    from checkpointless.data.corpus import TokenDataset
-    from checkpointless.data.shm_cache import CachedDataset, ShmBatchCache
+    from checkpointless.corpus import TokenDataset
+    from checkpointless.corpus.shm_cache import CachedDataset, ShmBatchCache
     from checkpointless.recipes.config import load_recipe, open_dataset
 
     p = argparse.ArgumentParser(prog="python -m checkpointless.recipes.train")
@@ -199,8 +199,8 @@ def train_sharded(cfg: RecipeConfig) -> int:
     that step.
     """
     import checkpointless as cl
-    from checkpointless.data.corpus import TokenDataset
-    from checkpointless.data.shm_cache import CachedDataset, ShmBatchCache
+    from checkpointless.corpus import TokenDataset
+    from checkpointless.corpus.shm_cache import CachedDataset, ShmBatchCache
     from checkpointless.recipes.config import open_dataset
 
     steps, dc = cfg.train.steps, cfg.data

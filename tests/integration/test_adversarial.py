@@ -34,7 +34,7 @@ import pytest
 from checkpointless.config import JobConfig, RecoveryConfig
 from checkpointless.control import keys
 from checkpointless.control.coordinator import Coordinator, JobFailed
-from checkpointless.data.shm_cache import ShmBatchCache
+from checkpointless.corpus.shm_cache import ShmBatchCache
 from checkpointless.faults import parse_faults
 from checkpointless.launch.launcher import JobResult, Launcher, open_store
 from tests.jobs import logs_of
@@ -576,7 +576,7 @@ def test_a_strangers_junk_is_counted_not_kept(tmp_path: Path, monkeypatch: pytes
     launcher keeps the first of each key only; its memory, events.jsonl and log do not grow with it."""
     import checkpointless.control.coordinator as coordinator
 
-    monkeypatch.setattr(coordinator, "_INTRUDER_CHECK_S", 0.0)  # the plain names checked every tick
+    monkeypatch.setattr(coordinator, "INTRUDER_CHECK_S", 0.0)  # the plain names checked every tick
     launcher = _launcher(seed=1, steps=80, pause_s=0.05, out=tmp_path / "run")
     written: set[str] = set()
     rounds = [0]

@@ -18,7 +18,7 @@ import torch
 
 import checkpointless as cl
 from checkpointless.control.env import ENV_JOB_ID
-from checkpointless.data.shm_cache import ShmBatchCache
+from checkpointless.corpus.shm_cache import ShmBatchCache
 
 
 def main() -> None:

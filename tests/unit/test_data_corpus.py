@@ -17,16 +17,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from checkpointless.data.corpus import (
+from checkpointless.corpus import (
     BYTE_VOCAB_SIZE,
     EOD_ID,
     TokenDataset,
     TokenizedCorpus,
-    _permute,
-    _round_keys,
     load_corpus,
 )
-from checkpointless.data.shm_cache import CachedDataset, ShmBatchCache
+from checkpointless.corpus.sampling import _permute, _round_keys
+from checkpointless.corpus.shm_cache import CachedDataset, ShmBatchCache
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -239,7 +238,7 @@ def test_batch_is_pure_function_including_fresh_process(corpus_dir: Path, cache_
     # a fresh interpreter, jumping straight to the steps
     code = (
         "import hashlib, json, sys\n"
-        "from checkpointless.data.corpus import TokenDataset\n"
+        "from checkpointless.corpus import TokenDataset\n"
         "ds = TokenDataset(sys.argv[1], cache_dir=sys.argv[2], seq_len=32, global_batch=8, seed=1234,"
         " val_fraction=0.1)\n"
         "out = {}\n"

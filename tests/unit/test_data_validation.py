@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import yaml
 
-from checkpointless.data.corpus import EOD_ID, TokenDataset, TokenizedCorpus, load_corpus
+from checkpointless.corpus import EOD_ID, TokenDataset, TokenizedCorpus, load_corpus
 from checkpointless.launch.cli import main
 from checkpointless.recipes.config import RecipeError, load_recipe
 

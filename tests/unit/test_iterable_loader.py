@@ -13,8 +13,9 @@ import torch
 from torch.utils.data import IterableDataset, TensorDataset
 
 import checkpointless as cl
-from checkpointless.data.iterable_loader import IterableStepLoader
-from checkpointless.data.loader import StepLoader
+from checkpointless.loaders.iterable_loader import IterableStepLoader
+from checkpointless.loaders.loader import StepLoader
+from checkpointless.loaders.options import LoaderOptions
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -81,7 +82,7 @@ class Finite(IterableDataset[int]):
 
 
 def _loader(dataset: Any, g: int, rank: int = 0, size: int = 1, **kw: Any) -> IterableStepLoader:
-    return IterableStepLoader(dataset, g, rank=lambda: rank, size=lambda: size, **kw)
+    return IterableStepLoader(dataset, g, LoaderOptions(**kw), rank=lambda: rank, size=lambda: size)
 
 
 def _global(dataset: Stream, g: int, step: int) -> list[int]:
@@ -213,7 +214,7 @@ class FlakyMap(torch.utils.data.Dataset[int]):
 
 def test_the_map_style_loader_too_reads_a_step_anew_after_an_error_of_the_dataset() -> None:
     """(StepLoader's kept iterator had moved past the failed step: it gave step 2's samples.)"""
-    loader = StepLoader(FlakyMap(), 4, rank=lambda: 0, size=lambda: 1, shuffle=False)
+    loader = StepLoader(FlakyMap(), 4, LoaderOptions(shuffle=False), rank=lambda: 0, size=lambda: 1)
     assert loader.batch(0).tolist() == [0, 1, 2, 3]
     with pytest.raises(OSError, match="transient"):
         loader.batch(1)

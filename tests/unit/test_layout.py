@@ -18,7 +18,7 @@ PACKAGE = "checkpointless"
 
 PERIPHERY = ("transformers", "matplotlib", "rich", "prometheus_client", "yaml",
              "checkpointless.launch", "checkpointless.observe", "checkpointless.analysis",
-             "checkpointless.recipes", "checkpointless.models")  # fmt: skip
+             "checkpointless.recipes", "checkpointless.models", "checkpointless.corpus")  # fmt: skip
 
 
 def test_public_api_imports_no_periphery() -> None:
@@ -38,7 +38,8 @@ def test_core_modules_never_import_the_layers_above_them() -> None:
     core = [
         *(p for p in root.glob("*.py") if p.name != "__main__.py"),
         *(root / "control").glob("*.py"),
-        *(root / "data").glob("*.py"),
+        *(root / "loaders").glob("*.py"),
+        *(root / "corpus").glob("*.py"),
     ]
     above = (
         "checkpointless.launch",
@@ -62,8 +63,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("control", ("control",)),
     ("comm", ("comm", "sockets")),
     ("state", ("state", "ddp", "fsdp", "durable", "replicas", "shards")),
+    ("loaders", ("loaders",)),
     ("recovery", ("", "session", "session_base", "member", "lifecycle", "consistency")),
-    ("data", ("data",)),
+    ("corpus", ("corpus",)),
     ("faults / metrics", ("faults", "observe")),
     ("launch / recipes / cli", ("launch", "recipes", "models", "analysis", "integrations", "__main__")),
 ]
@@ -287,7 +289,6 @@ def _package_sources() -> dict[str, str]:
 
 FAULT_GRAMMAR = "the fault grammar (FaultSpec, parsing) sits with the injector in faults.py; it moves below, apart from the injector (issue 41 item 2)"
 INJECTOR = "the session holds the fault injector of faults.py (issue 41 item 2: the grammar apart; the injector passed in)"
-SESSION_LOADER = "Session.loader builds the data layer's loaders (issue 41 item 5: what session.loader reads in one folder)"
 ENV = "reads the CHECKPOINTLESS_* names of control/env.py (issue 41 item 2: environment names in the protocol package)"
 CLUSTER_CLI = "launch/cluster.py borrows launch/cli.py's private helpers, and cli.py imports cluster.py (issue 41 item 4: one CLI package, the shared job flags in one module with public names)"
 PRIVATE = "a private name crosses a file (issue 41 item 6: public names for what crosses a file)"
@@ -303,7 +304,6 @@ KNOWN_LAYOUT: dict[tuple[str, ...], str] = {
     **_known("layer", "", FAULT_GRAMMAR + "; the public API re-exports FaultSpec and parse_fault", ["faults"]),
     **_known("layer", "session", INJECTOR, ["faults"]),
     **_known("layer", "session_base", INJECTOR, ["faults"]),
-    **_known("layer", "session", SESSION_LOADER, ["data.from_dataloader", "data.iterable_loader", "data.loader"]),
     **_known("layer", "devices", ENV, ["control.env"]),
     **_known("layer", "control.coordinator", "the coordinator finds the newest complete durable snapshot with durable.py's job_key and latest_complete, while durable.py imports control/vocab.py: control and state in a circle of folders (issue 41 item 2)", ["durable"]),
     ("function circle", f"{PACKAGE}.launch.cli", f"{PACKAGE}.launch.cluster"): CLUSTER_CLI,
@@ -324,12 +324,6 @@ KNOWN_LAYOUT: dict[tuple[str, ...], str] = {
     **_known("private name", "control.detection", PRIVATE + " (the coordinator's tower)", [
         "control.membership._Failure", "control.membership._Proc",
     ]),
-    **_known("private name", "data.corpus", PRIVATE, ["data.sampling._permute", "data.sampling._round_keys"]),
-    **_known("private name", "data.token_cache", PRIVATE, [
-        "data.documents._DEFAULT_EXCLUDE", "data.documents._TEXT_SUFFIXES", "data.documents._read_documents",
-        "data.tokenization._BPE_EOD", "data.tokenization._tokenize_bpe", "data.tokenization._tokenize_bytes",
-        "data.tokenization._train_bpe",
-    ]),
     **_known("private name", "durable", PRIVATE, [
         "state.codec._decode_meta", "state.codec._encode_state", "state.codec._unflatten",
         "state.digests._hash_tensors",
@@ -344,9 +338,6 @@ KNOWN_LAYOUT: dict[tuple[str, ...], str] = {
     **_known("private name", "launch.launcher", PRIVATE, ["launch.agent._Wakeups", "launch.outputs._write_atomic"]),
     **_known("private name", "launch.node", PRIVATE, ["launch.agent._Wakeups"]),
     **_known("private name", "integrations.lightning.checkpoints", PRIVATE, ["integrations.lightning.progress._Progress"]),
-    **_known("private name", "integrations.lightning.data", PRIVATE, [
-        "data.sample_seeds._restore", "data.sample_seeds._seed_all", "data.sample_seeds._states",
-    ]),
     **_known("private name", "integrations.lightning.strategy", PRIVATE, [
         "integrations.lightning.collectives._Collectives", "integrations.lightning.data._TrainBatches",
         "integrations.lightning.progress._Metrics", "integrations.lightning.progress._Progress",
@@ -415,23 +406,23 @@ def test_the_layout_rules_can_fail() -> None:
                 from checkpointless.session import Session
         """,
         "checkpointless/errors.py": "",
-        "checkpointless/session.py": "from checkpointless.data import loader\n",
-        "checkpointless/data/__init__.py": "",
-        "checkpointless/data/loader.py": """
+        "checkpointless/session.py": "from checkpointless.corpus import loader\n",
+        "checkpointless/corpus/__init__.py": "",
+        "checkpointless/corpus/loader.py": """
             from . import sampling
             from .sampling import _order
 
 
             def build():
-                from checkpointless.data.sampling import make
+                from checkpointless.corpus.sampling import make
         """,
-        "checkpointless/data/sampling.py": """
-            from checkpointless.data.loader import build
+        "checkpointless/corpus/sampling.py": """
+            from checkpointless.corpus.loader import build
             from checkpointless.state.codec import _encode
 
 
             def make():
-                from checkpointless.data import loader
+                from checkpointless.corpus import loader
 
                 return loader._private_helper
         """,
@@ -447,18 +438,18 @@ def test_the_layout_rules_can_fail() -> None:
     })  # fmt: skip
     assert set(layering(found)) == {
         ("layer", "checkpointless.config", "checkpointless.session"),  # a type-only import
-        ("layer", "checkpointless.session", "checkpointless.data.loader"),
+        ("layer", "checkpointless.session", "checkpointless.corpus.loader"),
         ("layer", "checkpointless.state.codec", "checkpointless.launch.cli"),
     }
     assert set(circles(found)) == {
-        ("circle", "checkpointless.data.loader", "checkpointless.data.sampling"),
+        ("circle", "checkpointless.corpus.loader", "checkpointless.corpus.sampling"),
         ("function circle", "checkpointless.launch.cli", "checkpointless.state.codec"),
     }
     assert set(reexports(found)) == {("re-export", "checkpointless.state", "checkpointless.control.plan")}
     assert set(private_names(found)) == {
-        ("private name", "checkpointless.data.loader", "checkpointless.data.sampling._order"),
-        ("private name", "checkpointless.data.sampling", "checkpointless.state.codec._encode"),
-        ("private name", "checkpointless.data.sampling", "checkpointless.data.loader._private_helper"),
+        ("private name", "checkpointless.corpus.loader", "checkpointless.corpus.sampling._order"),
+        ("private name", "checkpointless.corpus.sampling", "checkpointless.state.codec._encode"),
+        ("private name", "checkpointless.corpus.sampling", "checkpointless.corpus.loader._private_helper"),
     }
 
 

@@ -1,4 +1,4 @@
-"""A sampler of the script's own read as each epoch's order (``checkpointless.data.sampler_order``)
+"""A sampler of the script's own read as each epoch's order (``checkpointless.loaders.sampler_order``)
 and that order read by ``StepLoader`` as a function of the step: the same in every process and
 after a recovery, another each epoch, the training's randomness untouched; what cannot be read so
 is one line naming the sampler."""
@@ -15,8 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import RandomSampler, Sampler, SubsetRandomSampler, TensorDataset, WeightedRandomSampler
 
-from checkpointless.data.loader import StepLoader
-from checkpointless.data.sampler_order import SamplerOrder, refusal, sampler_order
+from checkpointless.loaders.loader import StepLoader
+from checkpointless.loaders.options import LoaderOptions
+from checkpointless.loaders.sampler_order import SamplerOrder, refusal, sampler_order
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -25,7 +26,8 @@ DATA = TensorDataset(torch.arange(40))
 
 def _loader(sampler: object, batch: int, rank: int = 0, size: int = 1, seed: int = 0) -> StepLoader:
     order, samples = sampler_order(sampler, seed)
-    return StepLoader(DATA, batch, rank=lambda: rank, size=lambda: size, order=order, epoch_samples=samples)
+    options = LoaderOptions(order=order, epoch_samples=samples)
+    return StepLoader(DATA, batch, options, rank=lambda: rank, size=lambda: size)
 
 
 class Shuffled(Sampler[int]):
@@ -163,7 +165,9 @@ def test_any_weighted_draw_is_a_function_of_the_step(
     for _ in range(2):
         order, samples = sampler_order(WeightedRandomSampler(w, draws), seed)
         made.append(
-            StepLoader(data, batch, rank=lambda: 0, size=lambda: 1, order=order, epoch_samples=samples)
+            StepLoader(
+                data, batch, LoaderOptions(order=order, epoch_samples=samples), rank=lambda: 0, size=lambda: 1
+            )
         )
     a, b = made
     assert len(a) == draws // batch

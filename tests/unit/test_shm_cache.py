@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from checkpointless.data.shm_cache import CachedDataset, ShmBatchCache
+from checkpointless.corpus.shm_cache import CachedDataset, ShmBatchCache
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
@@ -228,7 +228,7 @@ def test_a_full_shm_skips_the_cache_and_serves_from_the_source(
     cache = ShmBatchCache("full", root=small_tmpfs, budget_bytes=1 << 30)
     source = _Wide()
     data = CachedDataset(source, cache)
-    with caplog.at_level(logging.WARNING, logger="checkpointless.data.shm_cache"):
+    with caplog.at_level(logging.WARNING, logger="checkpointless.corpus.shm_cache"):
         for step in range(5):
             x, y = data.batch(step, 0, 1)
             assert int(x[0, 0]) == step * 10 and torch.equal(y, x + 1)

@@ -14,7 +14,8 @@ import pytest
 import torch
 from torch.utils.data import Dataset, IterableDataset, TensorDataset
 
-from checkpointless.data.loader import StepLoader
+from checkpointless.loaders.loader import StepLoader
+from checkpointless.loaders.options import LoaderOptions
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -34,7 +35,7 @@ class Counted(Dataset[tuple[torch.Tensor, torch.Tensor]]):
 
 
 def _loader(dataset: Any, g: int, rank: int = 0, size: int = 1, **kw: Any) -> StepLoader:
-    return StepLoader(dataset, g, rank=lambda: rank, size=lambda: size, **kw)
+    return StepLoader(dataset, g, LoaderOptions(**kw), rank=lambda: rank, size=lambda: size)
 
 
 def test_the_global_batch_is_a_function_of_the_step_whatever_the_number_of_ranks() -> None:
@@ -80,10 +81,11 @@ def test_an_order_given_per_epoch_is_the_epochs_order_and_a_wrong_one_is_named()
         def __iter__(self):  # type: ignore[no-untyped-def]
             yield from range(8)
 
-    from checkpointless.data.from_dataloader import make_loader
+    from checkpointless.loaders.from_dataloader import make_loader
 
     with pytest.raises(TypeError, match=r"order=.*map-style"):
-        make_loader(Stream(), 4, rank=lambda: 0, size=lambda: 1, default_seed=0, order=reverse_then_rotate)
+        make_loader(Stream(), 4, LoaderOptions(order=reverse_then_rotate), rank=lambda: 0, size=lambda: 1,
+                    default_seed=0)  # fmt: skip
 
 
 def test_consecutive_steps_keep_the_iterator_and_a_step_asked_again_restarts_it() -> None:
@@ -137,9 +139,10 @@ def test_a_short_last_batch_without_drop_last_and_bad_input() -> None:
 
 _ORPHAN_SCRIPT = """
 import sys, time, torch
-from checkpointless.data.loader import StepLoader
+from checkpointless.loaders.loader import StepLoader
+from checkpointless.loaders.options import LoaderOptions
 data = torch.utils.data.TensorDataset(torch.arange(64.0))
-loader = StepLoader(data, global_batch_size=8, num_workers=2, rank=lambda: 0, size=lambda: 1)
+loader = StepLoader(data, 8, LoaderOptions(num_workers=2), rank=lambda: 0, size=lambda: 1)
 loader.batch(0)
 print("ready", flush=True)
 time.sleep(60)
@@ -262,7 +265,12 @@ def test_a_caller_that_keeps_the_generators_itself_gets_the_same_samples() -> No
 
     import numpy as np
 
-    from checkpointless.data.sample_seeds import _restore, _seed_all, _states, generators_kept
+    from checkpointless.loaders.sample_seeds import (
+        generator_states,
+        generators_kept,
+        restore_generators,
+        seed_all,
+    )
 
     ds = Augmented()
     expected = [_loader(ds, 8, seed=5).batch(s) for s in range(3)]
@@ -271,18 +279,18 @@ def test_a_caller_that_keeps_the_generators_itself_gets_the_same_samples() -> No
     before = torch.get_rng_state(), random.random(), float(np.random.rand())
     torch.manual_seed(1), random.seed(1), np.random.seed(1)
     for step in range(3):
-        saved = _states()
+        saved = generator_states()
         try:
-            _seed_all(1000 + step)
+            seed_all(1000 + step)
             with generators_kept():
                 got = loader.batch(step)
                 inside = torch.get_rng_state()
         finally:
-            _restore(saved)
+            restore_generators(saved)
         assert torch.equal(got, expected[step])
-        _seed_all(1000 + step)
+        seed_all(1000 + step)
         assert not torch.equal(inside, torch.get_rng_state())  # left where the samples left it
-        _restore(saved)
+        restore_generators(saved)
     assert (torch.get_rng_state(), random.random(), float(np.random.rand()))[1:] == before[1:]
     assert torch.equal(torch.get_rng_state(), before[0])
 

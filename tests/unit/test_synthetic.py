@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from checkpointless.data.synthetic import SyntheticTokens
+from checkpointless.corpus.synthetic import SyntheticTokens
 from checkpointless.launch.cli import main
 
 pytestmark = pytest.mark.timeout(120)

@@ -100,8 +100,8 @@ of its own with ``accumulate_grad_batches > 1``, more than one device per proces
 ``num_nodes > 1``, ``overfit_batches``, training with no end (``max_epochs=-1`` without ``max_steps``), a train dataloader that is not one
 ``DataLoader`` with a ``batch_size`` over a map-style dataset whose sampler gives an order of the
 whole dataset each epoch (sequential, random, a ``DistributedSampler``, or one of the script's own:
-weighted, a subset, a class of its own, read as ``checkpointless.data.sampler_order`` says; not one
-that gives one rank's share), or over an ``IterableDataset`` (``checkpointless.data.iterable_loader``'s contract) read by
+weighted, a subset, a class of its own, read as ``checkpointless.loaders.sampler_order`` says; not one
+that gives one rank's share), or over an ``IterableDataset`` (``checkpointless.loaders.iterable_loader``'s contract) read by
 at most one worker process and, without ``__len__``, with ``max_steps`` (one endless epoch, or the
 Trainer's epochs of ``limit_train_batches`` batches one after the other in the stream),
 ``all_gather(sync_grads=True)``. Tested with the Lightning versions in

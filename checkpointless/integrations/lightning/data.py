@@ -9,8 +9,13 @@ from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import DataLoader
 
-from checkpointless.data.from_dataloader import loader_settings, make_loader
-from checkpointless.data.sample_seeds import _restore, _seed_all, _states, generators_kept
+from checkpointless.loaders.from_dataloader import loader_settings, make_loader
+from checkpointless.loaders.sample_seeds import (
+    generator_states,
+    generators_kept,
+    restore_generators,
+    seed_all,
+)
 from checkpointless.session import step_seed
 
 if TYPE_CHECKING:
@@ -28,11 +33,10 @@ class _TrainBatches:
         self._strategy = strategy
         self.dataset = dataloader.dataset
         # its settings as session.loader(dataloader) reads them (the shuffle seed: the strategy's)
-        settings = loader_settings(dataloader, ranks, strategy.seed)
+        dataset, global_batch_size, options = loader_settings(dataloader, ranks, strategy.seed)
         self._loader = make_loader(
-            settings.pop("dataset"), settings.pop("global_batch_size"), default_seed=strategy.seed,
+            dataset, global_batch_size, options, default_seed=strategy.seed,
             rank=lambda: strategy._require_session().dp_rank, size=lambda: strategy._require_session().dp_size,
-            **settings,
         )  # fmt: skip
 
     def __len__(self) -> int:
@@ -63,13 +67,13 @@ class _TrainBatches:
             # step, not of when the Trainer prefetches it; the training RNG is left untouched
             # (the CPU generator's alone: torch.manual_seed would reseed an accelerator's too);
             # the samples' own seeding inside leaves the states to this one restore
-            saved = _states()
+            saved = generator_states()
             try:
-                _seed_all(step_seed(seed ^ 0x5EED, step, rank))
+                seed_all(step_seed(seed ^ 0x5EED, step, rank))
                 with generators_kept():
                     batch = self._loader.batch(step)
             finally:
-                _restore(saved)
+                restore_generators(saved)
             yield batch
 
     def state_dict(self) -> dict[str, Any]:

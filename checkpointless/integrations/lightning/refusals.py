@@ -11,7 +11,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from torch.utils.data import DataLoader, IterableDataset
 
-from checkpointless.data.from_dataloader import loader_settings
+from checkpointless.loaders.from_dataloader import loader_settings
 
 
 def refused_settings(strategy: Any, trainer: Any, *, launched: bool) -> list[str]:
@@ -78,8 +78,9 @@ def refused_loader(dataloader: object, world: int, max_steps: int = -1) -> str |
                 else "an IterableDataset without __len__ as the train set without max_steps"
             )
     else:
-        try:  # a sampler of its own is read as each epoch's order (checkpointless.data.sampler_order)
-            samples = loader_settings(dataloader, world, 0).get("epoch_samples", samples)
+        try:  # a sampler of its own is read as each epoch's order (checkpointless.loaders.sampler_order)
+            own = loader_settings(dataloader, world, 0)[2].epoch_samples
+            samples = samples if own is None else own
         except ValueError as e:
             return "a train DataLoader: " + str(e).removeprefix("session.loader(dataloader): ")
     assert samples is not None

@@ -82,7 +82,7 @@ _Stream = tuple[str, int, int]  # (split, dp_rank, dp_size)
 
 @runtime_checkable
 class BatchSource(Protocol):
-    """Anything with :meth:`checkpointless.data.corpus.TokenDataset.batch`'s signature and purity."""
+    """Anything with :meth:`checkpointless.corpus.TokenDataset.batch`'s signature and purity."""
 
     def batch(self, step: int, dp_rank: int, dp_size: int, *, split: str = "train") -> Batch: ...
 

@@ -30,19 +30,23 @@ order=...)`` (the epoch's order as a function of the epoch, computed by the scri
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler
 
+from checkpointless.loaders.options import LoaderOptions
+
 if TYPE_CHECKING:
-    from checkpointless.data.iterable_loader import IterableStepLoader
-    from checkpointless.data.loader import StepLoader
+    from checkpointless.loaders.iterable_loader import IterableStepLoader
+    from checkpointless.loaders.loader import StepLoader
 
 
-def loader_settings(dataloader: DataLoader[Any], dp_size: int, default_seed: int) -> dict[str, Any]:
-    """``session.loader``'s arguments (``dataset``, ``global_batch_size`` and the keywords) for the
+def loader_settings(
+    dataloader: DataLoader[Any], dp_size: int, default_seed: int
+) -> tuple[Any, int, LoaderOptions]:
+    """``session.loader``'s arguments (``dataset``, ``global_batch_size`` and the options) for the
     ``DataLoader`` a DDP script built; a ``ValueError`` naming what cannot be translated."""
     if dataloader.batch_size is None:
         raise ValueError(
@@ -69,70 +73,47 @@ def loader_settings(dataloader: DataLoader[Any], dp_size: int, default_seed: int
     elif isinstance(sampler, RandomSampler) and not sampler.replacement and sampler._num_samples is None:
         shuffle, seed = True, default_seed
     elif not isinstance(sampler, SequentialSampler):
-        from checkpointless.data.sampler_order import sampler_order
+        from checkpointless.loaders.sampler_order import sampler_order
 
         try:
             order, samples = sampler_order(sampler, default_seed)
         except ValueError as e:
             raise ValueError(f"session.loader(dataloader): {e}") from None
         own = {"order": order, "epoch_samples": samples}
-    return {
-        "dataset": dataset,
-        "global_batch_size": dataloader.batch_size * dp_size,
-        "shuffle": shuffle,
-        "seed": seed,
-        "collate_fn": dataloader.collate_fn,
-        "num_workers": dataloader.num_workers,
-        "drop_last": drop_last,
-        "pin_memory": dataloader.pin_memory,
-        "worker_init_fn": dataloader.worker_init_fn,
-        **own,
-    }
+    options = LoaderOptions(
+        shuffle=shuffle, seed=seed, collate_fn=dataloader.collate_fn, num_workers=dataloader.num_workers,
+        drop_last=drop_last, pin_memory=dataloader.pin_memory, worker_init_fn=dataloader.worker_init_fn, **own,
+    )  # fmt: skip
+    return dataset, dataloader.batch_size * dp_size, options
 
 
 def make_loader(
     dataset: Any,
     global_batch_size: int,
+    options: LoaderOptions,
     *,
     rank: Callable[[], int],
     size: Callable[[], int],
     default_seed: int,
-    shuffle: bool | None = None,
-    seed: int | None = None,
-    collate_fn: Any = None,
-    num_workers: int = 0,
-    drop_last: bool = True,
-    pin_memory: bool = False,
-    worker_init_fn: Callable[[int], None] | None = None,
-    order: Callable[[int], Sequence[int]] | None = None,
-    epoch_samples: int | None = None,
 ) -> StepLoader | IterableStepLoader:
     """``session.loader(dataset, global_batch_size, ...)``'s loader, for the data-parallel rank and
     size that ``rank()`` and ``size()`` give when a step is read (a ``StepLoader`` for a map-style
     dataset, an ``IterableStepLoader`` for a stream); ``default_seed``: the shuffle's seed when
-    ``seed`` is None."""
+    ``options.seed`` is None."""
     if isinstance(dataset, IterableDataset):
-        from checkpointless.data.iterable_loader import IterableStepLoader
+        from checkpointless.loaders.iterable_loader import IterableStepLoader
 
-        if order is not None:
+        if options.order is not None:
             raise TypeError(
                 "session.loader(order=...) orders a map-style dataset: an iterable one's order is its own"
             )
-        if seed is not None:
+        if options.seed is not None:
             warnings.warn("session.loader(seed=...) is ignored for an iterable dataset: its order "
                           "is its own", stacklevel=3)  # fmt: skip
-        return IterableStepLoader(
-            dataset, global_batch_size, rank=rank, size=size, shuffle=bool(shuffle), collate_fn=collate_fn,
-            num_workers=num_workers, drop_last=drop_last, pin_memory=pin_memory, worker_init_fn=worker_init_fn,
-        )  # fmt: skip
-    from checkpointless.data.loader import StepLoader
+        return IterableStepLoader(dataset, global_batch_size, options, rank=rank, size=size)
+    from checkpointless.loaders.loader import StepLoader
 
-    return StepLoader(
-        dataset, global_batch_size, rank=rank, size=size, shuffle=True if shuffle is None else shuffle,
-        seed=default_seed if seed is None else seed, collate_fn=collate_fn, num_workers=num_workers,
-        drop_last=drop_last, pin_memory=pin_memory, worker_init_fn=worker_init_fn, order=order,
-        epoch_samples=epoch_samples,
-    )  # fmt: skip
+    return StepLoader(dataset, global_batch_size, options, rank=rank, size=size, default_seed=default_seed)
 
 
 def _own_iter(sampler: object) -> bool:

@@ -7,9 +7,9 @@ file is one document, and every line of a ``.jsonl`` file is one document taken 
 field. Files are found recursively (hidden directories skipped) and ordered by their relative POSIX
 path, so the document order is the same on every machine.
 
-Alongside the documents, :func:`_read_documents` returns a SHA-256 fingerprint over every file's
+Alongside the documents, :func:`read_documents` returns a SHA-256 fingerprint over every file's
 relative path and a SHA-256 of its *contents* (hashing is as fast as reading; size+mtime can miss a
-same-size rewrite within one timestamp tick); :mod:`checkpointless.data.token_cache` keys its entries
+same-size rewrite within one timestamp tick); :mod:`checkpointless.corpus.token_cache` keys its entries
 on it.
 """
 
@@ -22,10 +22,12 @@ import sysconfig
 from collections.abc import Sequence
 from pathlib import Path
 
-__all__ = ["default_corpus_dir"]
+__all__ = ["DEFAULT_EXCLUDE", "TEXT_SUFFIXES", "default_corpus_dir", "read_documents"]
 
-_TEXT_SUFFIXES = (".txt", ".md", ".py", ".jsonl")
-_DEFAULT_EXCLUDE = ("site-packages", "__pycache__")
+TEXT_SUFFIXES = (".txt", ".md", ".py", ".jsonl")
+"""The suffixes of a directory's files read as documents (a corpus of the Python sources reads ``.py`` alone)."""
+DEFAULT_EXCLUDE = ("site-packages", "__pycache__")
+"""Directories whose files are never documents."""
 
 
 def default_corpus_dir() -> Path:
@@ -70,7 +72,7 @@ def _jsonl_documents(path: Path, raw: bytes) -> list[bytes]:
     return docs
 
 
-def _read_documents(
+def read_documents(
     root: Path, suffixes: Sequence[str], exclude_dirs: Sequence[str]
 ) -> tuple[list[bytes], str]:
     """All documents (UTF-8 bytes) under ``root`` and the content fingerprint of the file set.

@@ -14,20 +14,21 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["BYTE_VOCAB_SIZE", "EOD_ID"]
+__all__ = ["BPE_EOD", "BYTE_VOCAB_SIZE", "EOD_ID", "tokenize_bpe", "tokenize_bytes", "train_bpe"]
 
 EOD_ID = 256
 """End-of-document token id of the byte tokenizer (appended after every document)."""
 BYTE_VOCAB_SIZE = 257
 """Vocabulary size of the byte tokenizer: 256 byte values plus :data:`EOD_ID`."""
-_BPE_EOD = "<|endoftext|>"
+BPE_EOD = "<|endoftext|>"
+"""The end-of-document special token of the trained BPE."""
 
 
 def _token_dtype(vocab_size: int) -> np.dtype[Any]:
     return np.dtype(np.uint16) if vocab_size <= 65536 else np.dtype(np.uint32)
 
 
-def _tokenize_bytes(docs: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
+def tokenize_bytes(docs: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
     """Byte tokens of ``docs`` with :data:`EOD_ID` after each, and the document start offsets."""
     lengths = np.fromiter((len(d) + 1 for d in docs), dtype=np.int64, count=len(docs))
     starts = np.zeros(len(docs), dtype=np.int64)
@@ -40,7 +41,8 @@ def _tokenize_bytes(docs: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
     return tokens, starts
 
 
-def _train_bpe(docs: Sequence[bytes], vocab_size: int) -> Any:
+def train_bpe(docs: Sequence[bytes], vocab_size: int) -> Any:
+    """A byte-level BPE ``tokenizers.Tokenizer`` of ``vocab_size`` tokens trained on ``docs``."""
     try:
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     except ImportError as exc:  # pragma: no cover - depends on the environment
@@ -50,7 +52,7 @@ def _train_bpe(docs: Sequence[bytes], vocab_size: int) -> Any:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=[_BPE_EOD],
+        special_tokens=[BPE_EOD],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -58,7 +60,8 @@ def _train_bpe(docs: Sequence[bytes], vocab_size: int) -> Any:
     return tok
 
 
-def _tokenize_bpe(tok: Any, docs: Sequence[bytes], eod: int) -> tuple[np.ndarray, np.ndarray]:
+def tokenize_bpe(tok: Any, docs: Sequence[bytes], eod: int) -> tuple[np.ndarray, np.ndarray]:
+    """``docs`` encoded by ``tok`` with ``eod`` after each, and the document start offsets."""
     dtype = _token_dtype(int(tok.get_vocab_size()))
     parts: list[np.ndarray] = []
     starts = np.zeros(len(docs), dtype=np.int64)

@@ -22,7 +22,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from checkpointless.data.token_cache import TokenizedCorpus, load_corpus
+from checkpointless.corpus.token_cache import TokenizedCorpus, load_corpus
 
 __all__ = ["TokenDataset"]
 

@@ -56,7 +56,8 @@ def sample_seed(seed: int, step: int, position: int) -> int:
     return int.from_bytes(digest, "little") >> 1
 
 
-def _seed_all(value: int) -> None:
+def seed_all(value: int) -> None:
+    """Seed the CPU generator, Python's ``random`` and (where imported) NumPy's with ``value``."""
     torch.default_generator.manual_seed(value)  # not torch.manual_seed: 100x slower (other devices)
     random.seed(value)
     np = sys.modules.get("numpy")  # seeded only where something imported it
@@ -74,7 +75,7 @@ def _seeded_once(value: int) -> tuple[torch.Tensor, int, float | None]:
     if np is not None:
         np.random.seed(value % 2**32)
         first_np = float(np.random.random_sample())
-    _seed_all(value)
+    seed_all(value)
     return torch.default_generator.get_state(), first, first_np
 
 
@@ -87,12 +88,14 @@ def _untouched(seeded: tuple[torch.Tensor, int, float | None]) -> bool:
     return first_np is None or np is None or float(np.random.random_sample()) == first_np
 
 
-def _states() -> tuple[Any, ...]:
+def generator_states() -> tuple[Any, ...]:
+    """The three generators' states, for ``restore_generators``."""
     np = sys.modules.get("numpy")
     return torch.get_rng_state(), random.getstate(), None if np is None else np.random.get_state()
 
 
-def _restore(states: tuple[Any, ...]) -> None:
+def restore_generators(states: tuple[Any, ...]) -> None:
+    """Put back the states ``generator_states`` saved."""
     torch.set_rng_state(states[0])
     random.setstate(states[1])
     np = sys.modules.get("numpy")
@@ -106,8 +109,9 @@ _kept = threading.local()  # ``generators_kept``: the caller puts the generators
 @contextlib.contextmanager
 def generators_kept() -> Iterator[None]:
     """Reads inside leave the three generators where their samples left them: the caller saved
-    their states (``_states``) and puts them back itself (``_restore``), so ``SeededSamples`` does
-    not do it a second time (NumPy's state is by far the dearest to save and to put back)."""
+    their states (``generator_states``) and puts them back itself (``restore_generators``), so
+    ``SeededSamples`` does not do it a second time (NumPy's state is by far the dearest to save and
+    to put back)."""
     before = getattr(_kept, "on", False)
     _kept.on = True
     try:
@@ -128,10 +132,10 @@ class SeededSamples(Dataset[Any]):
         return self.dataset[index]
 
     def __getitems__(self, part: Part) -> list[Any]:
-        saved = _states() if get_worker_info() is None and not getattr(_kept, "on", False) else None
+        saved = generator_states() if get_worker_info() is None and not getattr(_kept, "on", False) else None
         try:
             if self._batched:
-                _seed_all(sample_seed(self.seed, part.step, part.offset))
+                seed_all(sample_seed(self.seed, part.step, part.offset))
                 return list(self.dataset.__getitems__(part.indices))  # type: ignore[attr-defined]
             if not self._draws:
                 seeded = _seeded_once(sample_seed(self.seed, part.step, part.offset))
@@ -141,9 +145,9 @@ class SeededSamples(Dataset[Any]):
                 self._draws = True
             out = []
             for k, i in enumerate(part.indices):
-                _seed_all(sample_seed(self.seed, part.step, part.offset + k))
+                seed_all(sample_seed(self.seed, part.step, part.offset + k))
                 out.append(self.dataset[i])
             return out
         finally:
             if saved is not None:
-                _restore(saved)
+                restore_generators(saved)

@@ -64,7 +64,8 @@ from typing import Any, Protocol
 
 from torch.utils.data import DataLoader, IterableDataset, default_collate
 
-from checkpointless.data.loader import own_generator, worker_processes
+from checkpointless.loaders.loader import own_generator, worker_processes
+from checkpointless.loaders.options import LoaderOptions
 
 _END = object()
 
@@ -218,22 +219,19 @@ class IterableStepLoader:
         self,
         dataset: IterableDataset[Any],
         global_batch_size: int,
+        options: LoaderOptions | None = None,
         *,
         rank: Callable[[], int],
         size: Callable[[], int],
-        shuffle: bool = False,
-        collate_fn: Callable[[list[Any]], Any] | None = None,
-        num_workers: int = 0,
-        drop_last: bool = True,
-        pin_memory: bool = False,
-        worker_init_fn: Callable[[int], None] | None = None,
     ) -> None:
+        options = LoaderOptions() if options is None else options
+        num_workers, drop_last = options.num_workers, options.drop_last
         if not isinstance(dataset, IterableDataset):
             raise TypeError("IterableStepLoader reads a torch.utils.data.IterableDataset; a map-style "
                             "dataset is read by StepLoader (session.loader() picks it)")  # fmt: skip
         if global_batch_size < 1:
             raise ValueError(f"global_batch_size must be at least 1, got {global_batch_size}")
-        if shuffle:
+        if options.shuffle:
             raise ValueError("shuffle=True with an iterable dataset: its order is its own (shuffle "
                              "inside it, from its own seed and set_epoch(epoch))")  # fmt: skip
         if num_workers not in (0, 1):
@@ -255,9 +253,8 @@ class IterableStepLoader:
             raise ValueError("len(dataset) is 0: the iterable dataset has no samples")
         self.dataset, self.global_batch_size, self.samples_per_pass = dataset, global_batch_size, n
         self._rank, self._size = rank, size
-        self.drop_last, self.pin_memory, self.num_workers = drop_last, pin_memory, num_workers
-        self.worker_init_fn = worker_init_fn
-        self.collate_fn = _Collate(default_collate if collate_fn is None else collate_fn)
+        self.options = options
+        self._collate = _Collate(default_collate if options.collate_fn is None else options.collate_fn)
         self.steps_per_epoch: int | None = None
         if n is not None:
             self.steps_per_epoch = n // global_batch_size if drop_last else -(-n // global_batch_size)
@@ -308,11 +305,11 @@ class IterableStepLoader:
         loader = DataLoader(
             _Steps(self.dataset, self._layout(*shape), step),
             batch_size=None,
-            collate_fn=self.collate_fn,
-            num_workers=self.num_workers,
-            pin_memory=self.pin_memory,
+            collate_fn=self._collate,
+            num_workers=self.options.num_workers,
+            pin_memory=self.options.pin_memory,
             generator=own_generator(step),
-            **worker_processes(self.num_workers, self.worker_init_fn),
+            **worker_processes(self.options.num_workers, self.options.worker_init_fn),
         )
         self._iter, self._next, self._shape = iter(loader), step, shape
 

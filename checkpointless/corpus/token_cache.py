@@ -5,7 +5,7 @@ Layout
     offset of every document), ``meta.json`` (dtype, counts, tokenizer, the SHA-256 of every other file;
     written last) and, for BPE, ``tokenizer.json``. ``key`` is a SHA-256 over the format version, the
     tokenizer settings and the content fingerprint of the corpus files
-    (:mod:`checkpointless.data.documents`). ``cache_dir`` defaults to ``$CHECKPOINTLESS_TOKEN_CACHE`` or
+    (:mod:`checkpointless.corpus.documents`). ``cache_dir`` defaults to ``$CHECKPOINTLESS_TOKEN_CACHE`` or
     ``~/.cache/checkpointless/tokens``.
 
 Building
@@ -41,19 +41,19 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from checkpointless.data.documents import (
-    _DEFAULT_EXCLUDE,
-    _TEXT_SUFFIXES,
-    _read_documents,
+from checkpointless.corpus.documents import (
+    DEFAULT_EXCLUDE,
+    TEXT_SUFFIXES,
     default_corpus_dir,
+    read_documents,
 )
-from checkpointless.data.tokenization import (
-    _BPE_EOD,
+from checkpointless.corpus.tokenization import (
+    BPE_EOD,
     BYTE_VOCAB_SIZE,
     EOD_ID,
-    _tokenize_bpe,
-    _tokenize_bytes,
-    _train_bpe,
+    tokenize_bpe,
+    tokenize_bytes,
+    train_bpe,
 )
 
 __all__ = ["TokenizedCorpus", "load_corpus"]
@@ -306,14 +306,14 @@ def load_corpus(
     tokenizer: Literal["byte", "bpe"] = "byte",
     vocab_size: int = 8192,
     cache_dir: str | os.PathLike[str] | None = None,
-    exclude_dirs: Sequence[str] = _DEFAULT_EXCLUDE,
+    exclude_dirs: Sequence[str] = DEFAULT_EXCLUDE,
 ) -> TokenizedCorpus:
     """Tokenize ``source`` once (or reuse the cached result) and memory-map it.
 
     Args:
         source: a directory (or a single file) of ``.txt``/``.md``/``.py``/``.jsonl`` documents; ``None``
             means the standard library's ``*.py`` files (:func:`default_corpus_dir`).
-        tokenizer: ``"byte"`` (vocabulary 257) or ``"bpe"``; see :mod:`checkpointless.data.tokenization`.
+        tokenizer: ``"byte"`` (vocabulary 257) or ``"bpe"``; see :mod:`checkpointless.corpus.tokenization`.
         vocab_size: target vocabulary size of the BPE tokenizer (ignored for ``"byte"``).
         cache_dir: where token files live; default ``$CHECKPOINTLESS_TOKEN_CACHE`` or
             ``~/.cache/checkpointless/tokens``.
@@ -334,8 +334,8 @@ def load_corpus(
     if tokenizer == "bpe" and not 257 <= vocab_size <= 2**32:
         raise ValueError(f"vocab_size must be in [257, 2**32] for BPE, got {vocab_size}")
     root = Path(source).expanduser() if source is not None else default_corpus_dir()
-    suffixes = (".py",) if source is None else _TEXT_SUFFIXES
-    docs, content_hash = _read_documents(root, suffixes, exclude_dirs)
+    suffixes = (".py",) if source is None else TEXT_SUFFIXES
+    docs, content_hash = read_documents(root, suffixes, exclude_dirs)
     spec = {"tokenizer": tokenizer, "vocab_size": vocab_size if tokenizer == "bpe" else BYTE_VOCAB_SIZE}
     key = hashlib.sha256(
         f"{_FORMAT_VERSION}\0{json.dumps(spec, sort_keys=True)}\0{content_hash}".encode()
@@ -361,12 +361,12 @@ def load_corpus(
         t0 = time.perf_counter()
         bpe: Any = None
         if tokenizer == "byte":
-            tokens, starts = _tokenize_bytes(docs)
+            tokens, starts = tokenize_bytes(docs)
             vocab, eod = BYTE_VOCAB_SIZE, EOD_ID
         else:
-            bpe = _train_bpe(docs, vocab_size)
-            vocab, eod = int(bpe.get_vocab_size()), int(bpe.token_to_id(_BPE_EOD))
-            tokens, starts = _tokenize_bpe(bpe, docs, eod)
+            bpe = train_bpe(docs, vocab_size)
+            vocab, eod = int(bpe.get_vocab_size()), int(bpe.token_to_id(BPE_EOD))
+            tokens, starts = tokenize_bpe(bpe, docs, eod)
         _check_contents(tokens, starts, vocab, eod, root, root)  # never publish ids the model cannot embed
         tmp = Path(tempfile.mkdtemp(prefix=f".{key}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}-", dir=cache))
         try:

@@ -35,7 +35,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from checkpointless.data.sample_seeds import Part, SeededSamples
+from checkpointless.loaders.options import LoaderOptions
+from checkpointless.loaders.sample_seeds import Part, SeededSamples
 
 
 def worker_processes(num_workers: int, worker_init_fn: Callable[[int], None] | None = None) -> dict[str, Any]:
@@ -46,10 +47,10 @@ def worker_processes(num_workers: int, worker_init_fn: Callable[[int], None] | N
         return {}
     import multiprocessing
 
-    from checkpointless.data.orphans import die_with_parent
+    from checkpointless.loaders.orphans import die_with_parent
 
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["checkpointless.data._forkserver_preload"])  # orphans.py
+    context.set_forkserver_preload(["checkpointless.loaders._forkserver_preload"])  # orphans.py
     return {
         "multiprocessing_context": context,
         "persistent_workers": False,
@@ -64,7 +65,7 @@ class _Then:
         self.fn = fn
 
     def __call__(self, worker_id: int) -> None:
-        from checkpointless.data.orphans import die_with_parent
+        from checkpointless.loaders.orphans import die_with_parent
 
         die_with_parent()
         self.fn(worker_id)
@@ -95,26 +96,21 @@ class StepLoader:
     """This data-parallel rank's part of each step's global batch (see the module docstring).
 
     ``rank`` and ``size`` are callables (the session's ``dp_rank`` and ``dp_size``: they are read
-    when a step is loaded, so a loader made before a recovery stays right after it).
+    when a step is loaded, so a loader made before a recovery stays right after it);
+    ``default_seed``: the seed when ``options.seed`` is None (the session's).
     """
 
     def __init__(
         self,
         dataset: Dataset[Any],
         global_batch_size: int,
+        options: LoaderOptions | None = None,
         *,
         rank: Callable[[], int],
         size: Callable[[], int],
-        shuffle: bool = True,
-        seed: int = 0,
-        collate_fn: Callable[[list[Any]], Any] | None = None,
-        num_workers: int = 0,
-        drop_last: bool = True,
-        pin_memory: bool = False,
-        worker_init_fn: Callable[[int], None] | None = None,
-        order: Callable[[int], Sequence[int]] | None = None,
-        epoch_samples: int | None = None,
+        default_seed: int = 0,
     ) -> None:
+        options = LoaderOptions() if options is None else options
         if isinstance(dataset, IterableDataset):
             raise TypeError(
                 "StepLoader needs a map-style dataset (with __len__ and __getitem__); an "
@@ -129,8 +125,7 @@ class StepLoader:
             ) from None
         if global_batch_size < 1:
             raise ValueError(f"global_batch_size must be at least 1, got {global_batch_size}")
-        if epoch_samples is not None and (order is None or epoch_samples < 1):
-            raise ValueError(f"epoch_samples={epoch_samples} needs an order of that many samples an epoch")
+        epoch_samples, drop_last = options.epoch_samples, options.drop_last
         samples = n if epoch_samples is None else epoch_samples
         if samples < global_batch_size and drop_last:
             what = "the dataset has" if epoch_samples is None else "an epoch of its sampler has"
@@ -142,10 +137,9 @@ class StepLoader:
         # the samples of an epoch's order: the dataset's (a permutation), or a sampler's (repeats allowed)
         self.epoch_samples, self._repeats = samples, epoch_samples is not None
         self._rank, self._size = rank, size
-        self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
-        self.collate_fn, self.num_workers, self.pin_memory = collate_fn, num_workers, pin_memory
-        self.worker_init_fn = worker_init_fn
-        self.order = order
+        self.options = options
+        self.shuffle = True if options.shuffle is None else options.shuffle
+        self.seed = default_seed if options.seed is None else options.seed
         self.steps_per_epoch = samples // global_batch_size if drop_last else -(-samples // global_batch_size)
         self._order: tuple[int, torch.Tensor] | None = None  # (epoch, its sample order)
         self._iter: Iterator[Any] | None = None
@@ -157,7 +151,7 @@ class StepLoader:
     def check_split(self, size: int) -> None:
         """A ``ValueError`` now, rather than at the first step that ``size`` ranks cannot share: the
         global batch, and the epoch's short last batch without ``drop_last``, must split evenly."""
-        tail = 0 if self.drop_last else self.epoch_samples % self.global_batch_size
+        tail = 0 if self.options.drop_last else self.epoch_samples % self.global_batch_size
         for what, samples in (("the global batch", self.global_batch_size), ("an epoch's last batch", tail)):
             if samples % size:
                 raise ValueError(
@@ -172,16 +166,16 @@ class StepLoader:
 
     def _epoch_order(self, epoch: int) -> torch.Tensor:
         if self._order is None or self._order[0] != epoch:
-            if self.order is not None:
-                what = getattr(self.order, "what", None)
+            if self.options.order is not None:
+                what = getattr(self.options.order, "what", None)
                 name = (
                     f"session.loader(order=...): order({epoch})"
                     if what is None
                     else f"{what}, epoch {epoch},"
                 )
                 samples = self.epoch_samples if self._repeats else None
-                order = _checked_order(self.order(epoch), self.n, name, samples)
-                if not torch.equal(order, _checked_order(self.order(epoch), self.n, name, samples)):
+                order = _checked_order(self.options.order(epoch), self.n, name, samples)
+                if not torch.equal(order, _checked_order(self.options.order(epoch), self.n, name, samples)):
                     raise ValueError(
                         f"{name} returned two different orders: it must be a function of the epoch alone "
                         "(draw from a generator seeded by the epoch), or a replacement and a re-executed "
@@ -249,13 +243,14 @@ class StepLoader:
         if self._iter is None:
             self.close()
             self._batches = _StepBatches(self, step)
-            workers = worker_processes(self.num_workers, self.worker_init_fn)
+            options = self.options
+            workers = worker_processes(options.num_workers, options.worker_init_fn)
             loader = DataLoader(
                 SeededSamples(self.dataset, self.seed),
                 batch_sampler=self._batches,  # type: ignore[arg-type]  # Parts: SeededSamples reads them
-                collate_fn=self.collate_fn,
-                num_workers=self.num_workers,
-                pin_memory=self.pin_memory,
+                collate_fn=options.collate_fn,
+                num_workers=options.num_workers,
+                pin_memory=options.pin_memory,
                 generator=own_generator(step),
                 **{**workers, "persistent_workers": True} if workers else {},
             )
