@@ -154,7 +154,7 @@ def measure(system: str, steps: int, window: float, out: Path) -> dict[str, Any]
         cmd = [common.PYTHON, str(common.BENCH_DIR / "baselines" / "fsdp2_plain.py"), str(RECIPE), "--workers", "4",
                "--shards", "2", "--out", str(out), *_sets([*SETS, f"train.steps={steps}"])]  # fmt: skip
     else:
-        cmd = [common.PYTHON, "-m", "checkpointless.launch.cli", "run", str(RECIPE), "--quiet", "--workers", "4",
+        cmd = [common.PYTHON, "-m", "checkpointless", "run", str(RECIPE), "--quiet", "--workers", "4",
                "--spares", "1", "--out", str(out),
                *_sets([*SETS, f"train.steps={steps}", "parallel.shards=2"])]  # fmt: skip
     out.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,7 @@
 
 **What runs for real.** The launcher process of ``checkpointless coordinator --nodes N
 --nproc-per-node 8 --spare-nodes 1``: ``Launcher`` with a ``ClusterSpec`` and the job's secret, built
-as ``launch/cluster.py``'s ``cmd_coordinator`` builds it (``bench/scale_coord.py``). Its control store
+as ``cli/coordinator.py``'s ``run`` builds it (``bench/scale_coord.py``). Its control store
 (the c10d ``TCPStore`` server, libuv, a thread of that process), its coordinator loop and its event
 log are unchanged product code, in a process of their own. Its store calls are counted in-process by
 a thin wrapper around its store connections (every call, its keys and value bytes, the seconds it

@@ -45,7 +45,7 @@ def _command(system: str, out: Path) -> list[str]:
     if system == "torchrun":
         return [common.PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORKERS}",
                 *script, "--plain"]  # fmt: skip
-    return [common.PYTHON, "-m", "checkpointless.launch.cli", "launch", "--workers", str(WORKERS), "--spares", "0",
+    return [common.PYTHON, "-m", "checkpointless", "launch", "--workers", str(WORKERS), "--spares", "0",
             "--quiet", "--out", str(out / "launch"), "--", common.PYTHON, *script]  # fmt: skip
 
 

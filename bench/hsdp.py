@@ -48,7 +48,7 @@ def _sets(items: list[str]) -> list[str]:
 
 
 def _run_cli(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
-    cmd = [common.PYTHON, "-m", "checkpointless.launch.cli", "run", str(RECIPE), "--quiet", *args]
+    cmd = [common.PYTHON, "-m", "checkpointless", "run", str(RECIPE), "--quiet", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=common.child_env(),
                           cwd=common.REPO)  # fmt: skip
 

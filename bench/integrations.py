@@ -77,7 +77,7 @@ def _command(kind: str, system: str, out: Path, steps: int, turns: Path) -> list
     if system == "plain":
         return [common.PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORKERS}",
                 *script, "--plain"]  # fmt: skip
-    return [common.PYTHON, "-m", "checkpointless.launch.cli", "launch", "--workers", str(WORKERS), "--spares", "0",
+    return [common.PYTHON, "-m", "checkpointless", "launch", "--workers", str(WORKERS), "--spares", "0",
             "--quiet", "--out", str(out / "launch"), "--", common.PYTHON, *script]  # fmt: skip
 
 

@@ -1,6 +1,6 @@
 """The instrumented coordinator of ``bench/control_scale.py``: the launcher process of
-``checkpointless coordinator`` (``Launcher`` with a ``ClusterSpec``, as ``launch/cluster.py``'s
-``cmd_coordinator`` builds it), unchanged, with every store call of its process counted
+``checkpointless coordinator`` (``Launcher`` with a ``ClusterSpec``, as ``cli/coordinator.py``'s
+``run`` builds it), unchanged, with every store call of its process counted
 (``OpCounter``, ``CountingStore``), its loop timed (``TickHook``) and its main thread's stack sampled
 (``StackSampler``). It talks to the bench through files in ``<out>/ctl``: ``addr`` (its store),
 ``stats.json`` (twice a second), ``profile_on`` / ``profile_off`` / ``profile.json`` (the profile
@@ -345,7 +345,7 @@ def summary_of(acc: list[Counter[str]], seconds: float, top: int = 30) -> dict[s
 
 
 def coordinator_main(a: argparse.Namespace) -> int:
-    """The launcher process of ``checkpointless coordinator`` (``cluster.py``'s ``cmd_coordinator``),
+    """The launcher process of ``checkpointless coordinator`` (``cli/coordinator.py``'s ``run``),
     with its store connections counted and its loop timed."""
     import logging
 

@@ -1,5 +1,5 @@
 """``python -m checkpointless``: the command line."""
 
-from checkpointless.launch.cli import main
+from checkpointless.cli import main
 
 raise SystemExit(main())

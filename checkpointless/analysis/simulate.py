@@ -1,10 +1,10 @@
 """Goodput simulator: checkpoint-restart vs checkpointless recovery, swept over cluster size.
 
-The ``checkpointless simulate`` command: :func:`sweep` evaluates both systems for each cluster size
-with the closed forms of :mod:`checkpointless.analysis.goodput_model` (model, assumptions and
-parameters are documented there) and optionally the Monte-Carlo of
-:mod:`checkpointless.analysis.montecarlo`; :func:`plot_sweep` draws the result and :func:`main`
-prints it as a table and writes ``simulate.json`` and ``goodput.png``.
+What the ``checkpointless simulate`` command (``checkpointless/cli/simulate.py``) runs:
+:func:`sweep` evaluates both systems for each cluster size with the closed forms of
+:mod:`checkpointless.analysis.goodput_model` (model, assumptions and parameters are documented
+there) and optionally the Monte-Carlo of :mod:`checkpointless.analysis.montecarlo`;
+:func:`plot_sweep` draws the result; :func:`read_params_file` reads parameters from a JSON file.
 
 The model and Monte-Carlo names are re-exported here, so ``checkpointless.analysis.simulate`` remains
 the one import for the whole simulator.
@@ -12,12 +12,9 @@ the one import for the whole simulator.
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
-import textwrap
 from collections.abc import Sequence
-from dataclasses import asdict, fields, replace
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +24,6 @@ from checkpointless.analysis.goodput_model import (
     LLAMA3_FAILURES_PER_GPU_HOUR,
     REFERENCES,
     ClusterParams,
-    _check_positive,
     checkpoint_restart_interval,
     checkpoint_restart_waste_first_order,
     goodput_checkpoint_restart,
@@ -42,6 +38,7 @@ from checkpointless.analysis.montecarlo import _failure_times as _failure_times 
 
 __all__ = [
     "DEFAULT_SWEEP_SIZES",
+    "INTEGER_PARAMS",
     "LLAMA3_EFFECTIVE_TRAINING_TIME",
     "LLAMA3_FAILURES_PER_GPU_HOUR",
     "REFERENCES",
@@ -51,9 +48,9 @@ __all__ = [
     "checkpoint_restart_waste_first_order",
     "goodput_checkpoint_restart",
     "goodput_checkpointless",
-    "main",
     "optimal_interval_exact",
     "plot_sweep",
+    "read_params_file",
     "simulate_mc",
     "spare_pool_stats",
     "sweep",
@@ -63,9 +60,6 @@ __all__ = [
 
 #: Cluster sizes swept by default (1,000 .. 100,000 accelerators, roughly log-spaced).
 DEFAULT_SWEEP_SIZES: tuple[int, ...] = (1000, 2000, 4000, 8000, 16384, 32768, 65536, 100000)
-
-_JSON_FILE = "simulate.json"
-_PNG_FILE = "goodput.png"
 
 
 # ------------------------------------------------------------------------------ sweep, plot
@@ -167,90 +161,17 @@ def plot_sweep(
     return out
 
 
-# ------------------------------------------------------------------------------------- CLI
+# ------------------------------------------------------------------------------ parameters
+
+#: The :class:`ClusterParams` fields that are integers (the others are floats).
+INTEGER_PARAMS: frozenset[str] = frozenset(_INT_FIELDS)
 
 
-class _UsageError(Exception):
-    """Raised instead of argparse's print-usage-and-exit."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> Any:
-        raise _UsageError(message)
-
-
-def _parse_sizes(text: str) -> list[int]:
-    sizes: list[int] = []
-    for part in text.split(","):
-        part = part.strip()
-        try:
-            n = int(part)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not an integer: {part!r}") from None
-        if n < 1:
-            raise argparse.ArgumentTypeError(f"sizes must be >= 1, got {n}")
-        sizes.append(n)
-    return sizes
-
-
-_DESCRIPTION = """\
-Goodput of checkpoint-restart vs checkpointless recovery vs cluster size.
-
-The defaults are calibrated to published cluster figures: the failure rate, step time and
-per-GPU state come from the Llama 3 report (16,384 H100 GPUs); the checkpoint and restart costs
-are assumptions chosen inside the ranges the sources allow, stated as such below. With them
-checkpoint-restart keeps ~0.91 of wall time at 16,384 GPUs, within the >90% effective training
-time Llama 3 reports. `--params bench/results/scale.json` uses instead the parameters `make bench`
-measured on a 2-core machine (fixed software costs of a tiny model; not cluster figures)."""
-
-
-def _epilog() -> str:
-    refs = (textwrap.fill(ref, 100, initial_indent="  ", subsequent_indent="    ") for ref in REFERENCES)
-    return "sources of the defaults:\n" + "\n".join(refs)
-
-
-def _build_parser() -> _Parser:
-    parser = _Parser(
-        prog="checkpointless simulate",
-        description=_DESCRIPTION,
-        epilog=_epilog(),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument(
-        "--sizes",
-        type=_parse_sizes,
-        default=list(DEFAULT_SWEEP_SIZES),
-        help="comma-separated cluster sizes (default: %(default)s)",
-    )
-    parser.add_argument("--out", type=Path, default=None, help=f"write {_JSON_FILE} and {_PNG_FILE} here")
-    parser.add_argument(
-        "--mc-hours", type=float, default=None, help="also run a Monte-Carlo of this many hours per point"
-    )
-    parser.add_argument("--seed", type=int, default=0, help="Monte-Carlo seed (default: %(default)s)")
-    parser.add_argument(
-        "--params",
-        type=Path,
-        default=None,
-        help="JSON file of parameters (field: value, a simulate.json, or bench/results/scale.json for "
-        "the ones measured by make bench); flags given on the command line override it",
-    )
-    for f in fields(ClusterParams):
-        if f.name == "n_accelerators":  # set by --sizes
-            continue
-        conv = int if f.name in _INT_FIELDS else float
-        parser.add_argument(
-            "--" + f.name.replace("_", "-"),
-            type=conv,
-            default=None,
-            help=f"{f.metadata.get('help', '')} (default: {f.default:g}; {f.metadata.get('source', '')})".replace(
-                "%", "%%"
-            ),
-        )
-    return parser
-
-
-def _params_file(path: Path) -> dict[str, Any]:
-    """The ClusterParams fields a ``--params`` file sets (ValueError naming the file and key)."""
+def read_params_file(path: Path) -> dict[str, Any]:
+    """The :class:`ClusterParams` fields a JSON file sets (``simulate --params``): an object of
+    parameters, a ``simulate.json`` (its ``params``) or ``bench/results/scale.json`` (its
+    ``cluster_params``); ``n_accelerators`` is left out (the sizes are swept). A ValueError names
+    the file and the key."""
     try:
         data = json.loads(path.read_text())
     except OSError as exc:
@@ -272,95 +193,3 @@ def _params_file(path: Path) -> dict[str, Any]:
             raise ValueError(f"--params {path}: {key} must be a number, got {value!r}")
         out[key] = int(value) if key in _INT_FIELDS else float(value)
     return out
-
-
-def _provenance(from_file: set[str], from_flags: set[str], path: Path | None) -> str:
-    """One line saying where the parameters came from: printed on every run."""
-    names = [f.name for f in fields(ClusterParams) if f.name != "n_accelerators"]
-    defaults = [n for n in names if n not in from_file and n not in from_flags]
-    parts = []
-    if from_file:
-        parts.append(f"{len(from_file)} from {path}")
-    if from_flags:
-        parts.append(f"{len(from_flags)} from flags")
-    if defaults:
-        by_name = {f.name: f for f in fields(ClusterParams)}
-        assumed = [n for n in defaults if str(by_name[n].metadata.get("source", "")).startswith("assumption")]
-        parts.append(
-            f"{len(defaults)} defaults calibrated to published figures (Llama 3, 16,384 GPUs), "
-            f"{len(assumed)} of them assumptions ({', '.join(assumed) or 'none'}; see --help); "
-            "--params bench/results/scale.json uses the ones make bench measured on a 2-core machine"
-        )
-    return "parameters: " + "; ".join(parts)
-
-
-def _format_table(rows: Sequence[dict[str, Any]]) -> str:
-    has_mc = all("mc_checkpointless" in r for r in rows)
-    head = f"{'N':>8} {'MTBF h':>8} {'restart s':>9} {'recov s':>8} {'ckpt tau s':>10} {'C/R':>7} {'ckptless':>8} {'P(empty)':>9}"
-    if has_mc:
-        head += f" {'C/R mc':>7} {'CL mc':>7}"
-    lines = [head]
-    for r in rows:
-        line = (
-            f"{r['n_accelerators']:>8d} {r['mtbf_h']:>8.2f} {r['restart_cost_s']:>9.0f} "
-            f"{r['recovery_cost_s']:>8.1f} {r['checkpoint_interval_s']:>10.0f} "
-            f"{r['goodput_checkpoint_restart']:>7.4f} {r['goodput_checkpointless']:>8.4f} "
-            f"{r['p_pool_empty']:>9.2e}"
-        )
-        if has_mc:
-            line += f" {r['mc_checkpoint_restart']:>7.4f} {r['mc_checkpointless']:>7.4f}"
-        lines.append(line)
-    return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """CLI ``checkpointless simulate``: sweep cluster sizes, print a table, optionally write files.
-
-    ``--out DIR`` writes ``simulate.json`` (parameters + rows) and ``goodput.png``. Bad input
-    prints one line to stderr and returns 2.
-    """
-    parser = _build_parser()
-    prog = parser.prog
-    try:
-        args = parser.parse_args(argv)
-    except _UsageError as exc:
-        print(f"{prog}: error: {exc}", file=sys.stderr)
-        return 2
-    except SystemExit as exc:  # --help
-        return exc.code if isinstance(exc.code, int) else 0
-    try:
-        from_file = _params_file(args.params) if args.params is not None else {}
-        flags = {
-            f.name: getattr(args, f.name)
-            for f in fields(ClusterParams)
-            if f.name != "n_accelerators" and getattr(args, f.name) is not None
-        }
-        base = ClusterParams(n_accelerators=args.sizes[0], **(from_file | flags))
-        for n in args.sizes:
-            replace(base, n_accelerators=n)  # validate every size
-        if args.mc_hours is not None:
-            _check_positive("--mc-hours", args.mc_hours)
-        rows = sweep(args.sizes, base, mc_hours=args.mc_hours, seed=args.seed)
-    except ValueError as exc:
-        print(f"{prog}: error: {exc}", file=sys.stderr)
-        return 2
-    print(_provenance(set(from_file) - set(flags), set(flags), args.params))
-    print(_format_table(rows))
-    if args.out is not None:
-        try:
-            args.out.mkdir(parents=True, exist_ok=True)
-            payload = {"params": asdict(base) | {"n_accelerators": None}, "sizes": args.sizes, "rows": rows}
-            (args.out / _JSON_FILE).write_text(json.dumps(payload, indent=2) + "\n")
-            plot_sweep(rows, args.out / _PNG_FILE)
-        except ImportError:
-            print(f"{prog}: error: matplotlib is needed for {_PNG_FILE}", file=sys.stderr)
-            return 2
-        except OSError as exc:
-            print(f"{prog}: error: cannot write to {args.out}: {exc}", file=sys.stderr)
-            return 2
-        print(f"wrote {args.out / _JSON_FILE} and {args.out / _PNG_FILE}")
-    return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

@@ -1,2 +1,3 @@
-"""Starting processes and the command line: the launcher (control store, coordinator, children),
-``checkpointless`` commands, and the demo's training script. Nothing in the core imports this."""
+"""Starting processes: the launcher (control store, coordinator, children), the hosts of a job on
+several machines, and the demo's training script. The command line (``checkpointless/cli/``)
+imports this; nothing in the core does."""

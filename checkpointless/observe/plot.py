@@ -14,16 +14,13 @@ makes from the events (the list ``report.json`` holds): every detected fault wit
 ones marked with their spec.
 
 The reader is tolerant: unknown event kinds, missing optional fields and unparsable lines are
-skipped. ``main`` backs the CLI ``checkpointless report RUN_DIR``.
+skipped. The command ``checkpointless report RUN_DIR`` calls :func:`write_report`.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from collections import defaultdict
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,7 +31,7 @@ from checkpointless.observe.fields import integer as _int
 from checkpointless.observe.fields import number as _num
 from checkpointless.observe.fields import unpacked
 
-__all__ = ["RunData", "format_summary", "load_run", "main", "write_report"]
+__all__ = ["RunData", "format_summary", "load_run", "write_report"]
 
 EVENTS_FILE = "events.jsonl"
 REPORT_FILE = "report.json"
@@ -500,7 +497,7 @@ def _plot_usage(
     ax.legend(loc="upper right", fontsize=7, ncol=2 if len(usage) > 6 else 1)
 
 
-# ---------------------------------------------------------------------------- API / CLI
+# ---------------------------------------------------------------------------------- API
 
 
 def write_report(run_dir: Path) -> str:
@@ -519,42 +516,3 @@ def write_report(run_dir: Path) -> str:
     (run.run_dir / SUMMARY_FILE).write_text(summary, encoding="utf-8")
     _plot(run, run.run_dir / PNG_FILE)
     return summary
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """CLI entry for ``checkpointless report RUN_DIR``; returns the exit status.
-
-    ``argv`` holds the arguments after ``report`` (default: ``sys.argv[1:]``). A missing directory
-    or file, or a malformed report, prints one line to stderr and returns 2.
-    """
-    parser = argparse.ArgumentParser(
-        prog="checkpointless report",
-        description="Render RUN_DIR/events.jsonl and report.json into timeline.png and summary.txt.",
-    )
-    parser.add_argument("run_dir", type=Path, help="run directory written by a training job")
-    try:
-        args = parser.parse_args(list(argv) if argv is not None else None)
-    except SystemExit as exc:  # argparse already printed usage
-        return exc.code if isinstance(exc.code, int) else 2
-    try:
-        summary = write_report(args.run_dir)
-    except (FileNotFoundError, NotADirectoryError, ValueError) as exc:
-        print(f"checkpointless report: error: {exc}", file=sys.stderr)
-        return 2
-    except ImportError as exc:
-        print(
-            f"checkpointless report: error: matplotlib is needed for the plot "
-            f"(pip install 'checkpointless[report]'): {exc}",
-            file=sys.stderr,
-        )
-        return 1
-    except OSError as exc:
-        print(f"checkpointless report: error: {exc}", file=sys.stderr)
-        return 1
-    sys.stdout.write(summary)
-    print(f"wrote {args.run_dir / PNG_FILE} and {args.run_dir / SUMMARY_FILE}")
-    return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

@@ -39,23 +39,19 @@ the model's ``state_dict`` lists it (``recovery_bytes`` counts that too). The by
 therefore depend only on the model and ``shards``, not on the number of workers. With a
 single replica there is no donor and the state is lost.
 
-Run as ``python -m checkpointless.recipes.dryrun RECIPE.yaml [--set key=value ...]``.
+The command ``checkpointless dryrun RECIPE.yaml [--set key=value ...]`` prints it.
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
-from collections.abc import Sequence
 from typing import Any
 
-from checkpointless.recipes.config import RecipeConfig, load_recipe
+from checkpointless.recipes.config import RecipeConfig
 
 __all__ = [
     "compute_bytes_per_param",
     "dry_run",
     "format_dry_run",
-    "main",
     "master_bytes_per_param",
     "state_bytes_per_param",
 ]
@@ -256,36 +252,3 @@ def format_dry_run(report: dict[str, Any]) -> str:
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k.ljust(width)}  {v}" for k, v in rows)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """CLI: print the dry-run table of one or more recipes."""
-    parser = argparse.ArgumentParser(
-        prog="python -m checkpointless.recipes.dryrun",
-        description="Size a training recipe without running it.",
-    )
-    parser.add_argument("recipes", nargs="+", help="recipe YAML files")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a recipe key",
-    )
-    args = parser.parse_args(argv)
-    for i, path in enumerate(args.recipes):
-        try:
-            # The data directory usually lives on the training cluster, not here.
-            cfg = load_recipe(path, args.overrides, check_data=False)
-        except ValueError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-        if i:
-            print()
-        print(format_dry_run(dry_run(cfg)))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

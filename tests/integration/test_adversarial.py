@@ -59,7 +59,7 @@ def _cli(*args: str, stdout: Any = subprocess.PIPE, tmp: Path | None = None) -> 
     """``checkpointless ARGS`` as a launcher of its own, in a session of its own (``tmp``: its TMPDIR)."""
     env = _env() if tmp is None else {**_env(), "TMPDIR": str(tmp)}
     return subprocess.Popen(
-        [sys.executable, "-m", "checkpointless.launch.cli", *args], cwd=REPO, env=env, text=True,
+        [sys.executable, "-m", "checkpointless", *args], cwd=REPO, env=env, text=True,
         stdout=stdout, stderr=subprocess.PIPE, start_new_session=True,
     )  # fmt: skip
 
@@ -858,7 +858,7 @@ def test_a_full_dev_shm_skips_the_batch_cache_and_the_job_finishes(tmp_path: Pat
         pytest.skip("no unshare(1) to give the job a /dev/shm of its own")
     reference = _reference_digest(1)
     out = tmp_path / "run"
-    launch = [sys.executable, "-m", "checkpointless.launch.cli", "launch", "--workers", "2", "--spares", "1",
+    launch = [sys.executable, "-m", "checkpointless", "launch", "--workers", "2", "--spares", "1",
               "--seed", "1", "--quiet", "--out", str(out), "--", *_script(seed=1)]  # fmt: skip
     shell = (
         "mount -t tmpfs -o size=64k tmpfs /dev/shm || exit 99; "

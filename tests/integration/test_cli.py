@@ -27,7 +27,7 @@ def cli(*args: str, env: dict[str, str | None] | None = None) -> subprocess.Comp
     ``env``: variables to set (None: to unset)."""
     full = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "250", **(env or {})}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "checkpointless.launch.cli", *args],
+        [sys.executable, "-m", "checkpointless", *args],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
         env={k: v for k, v in full.items() if v is not None},
     )  # fmt: skip
@@ -93,7 +93,7 @@ def test_bad_input_is_one_line_exit_2(
     args: list[str], needle: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """In-process (the validation is the same code; a fresh interpreter per case costs ~2 s of imports)."""
-    from checkpointless.launch.cli import main
+    from checkpointless.cli import main
 
     code = main(list(args))
     err = capsys.readouterr().err
@@ -114,7 +114,7 @@ def test_bad_input_is_one_line_exit_2(
 def test_a_cuda_job_without_cuda_is_one_line_exit_2(
     args: list[str], needle: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from checkpointless.launch.cli import main
+    from checkpointless.cli import main
 
     code = main(list(args))
     _one_line_exit_2(subprocess.CompletedProcess(args, code, "", capsys.readouterr().err), needle)
@@ -197,7 +197,7 @@ def test_a_fault_that_never_fired_fails_the_run_and_the_table_is_not_cut(tmp_pat
 
 
 def test_help_lists_the_commands_and_launch_help_needs_no_command(capsys: pytest.CaptureFixture[str]) -> None:
-    from checkpointless.launch.cli import main
+    from checkpointless.cli import main
 
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
@@ -240,7 +240,7 @@ def test_ctrl_c_during_the_work_after_training_stops_it_and_says_so(tmp_path: Pa
     saved = tmp_path / "saved"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "250"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "checkpointless.launch.cli", "launch", "--workers", "2", "--spares", "0",
+        [sys.executable, "-m", "checkpointless", "launch", "--workers", "2", "--spares", "0",
          "--quiet", "--out", str(tmp_path / "run"), "--", "python", str(SCRIPTS / "after_finish.py"),
          str(saved), "60", "0", "0", "0"],
         stderr=subprocess.PIPE, text=True, start_new_session=True, env=env,

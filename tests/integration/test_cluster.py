@@ -409,7 +409,7 @@ def test_killing_the_cluster_command_leaves_nothing_behind(tmp_path: Path, signu
 
 @pytest.mark.timeout(60)
 def test_cluster_refuses_bad_input_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
-    from checkpointless.launch.cli import main
+    from checkpointless.cli import main
 
     cases = {
         ("--nodes", "0"): "--nodes must be >= 1",
@@ -430,8 +430,8 @@ def test_cluster_refuses_bad_input_in_one_line(capsys: pytest.CaptureFixture[str
 
 @pytest.mark.timeout(60)
 def test_agent_refuses_bad_input_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from checkpointless.cli import main
     from checkpointless.control.auth import new_secret, write_secret_file
-    from checkpointless.launch.cli import main
 
     secret = tmp_path / "secret"
     write_secret_file(secret, new_secret())
@@ -469,8 +469,8 @@ def test_agent_refuses_bad_input_in_one_line(tmp_path: Path, capsys: pytest.Capt
 def test_coordinator_refuses_bad_input_in_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    from checkpointless.cli import main
     from checkpointless.control.auth import new_secret, write_secret_file
-    from checkpointless.launch.cli import main
 
     secret = tmp_path / "secret"
     write_secret_file(secret, new_secret())

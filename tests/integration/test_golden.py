@@ -105,7 +105,7 @@ def check_golden(path: Path, case: str, key: str, digest: str, *, record: bool) 
 
 def run_fault_free(case: Case, out: Path) -> str:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "checkpointless.launch.cli", *case.argv, "--quiet", "--out", str(out)]
+    cmd = [sys.executable, "-m", "checkpointless", *case.argv, "--quiet", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=270, cwd=ROOT, env=env)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     digest = json.loads((out / "report.json").read_text())["final_state_sha256"]

@@ -30,7 +30,7 @@ OVERHEAD = 64 * 1024  # RNG states, step counters, buffers: what travels besides
 
 def run_cli(*args: str, timeout: float = 280) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "checkpointless.launch.cli", "run", *args, "--quiet"],
+        [sys.executable, "-m", "checkpointless", "run", *args, "--quiet"],
         capture_output=True, text=True, timeout=timeout, cwd=ROOT,
     )  # fmt: skip
 

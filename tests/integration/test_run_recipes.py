@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from checkpointless.cli import main
 from checkpointless.config import RecoveryConfig
-from checkpointless.launch.cli import main
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -25,7 +25,7 @@ SMALL = ["--set", "train.steps=12", "--set", "data.eval_every=6", "--set", "data
 
 def run_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "checkpointless.launch.cli", "run", *args, "--quiet"],
+        [sys.executable, "-m", "checkpointless", "run", *args, "--quiet"],
         capture_output=True, text=True, timeout=timeout, cwd=ROOT,
     )  # fmt: skip
 
@@ -66,7 +66,7 @@ def test_recipe_with_kill_equals_fault_free(recipe: str, shards: int, killed: in
 def test_metrics_scraped_during_a_run_with_a_fault(tmp_path: Path) -> None:
     path = str(ROOT / "recipes" / "llama-tiny.yaml")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "checkpointless.launch.cli", "run", path, *SMALL, "--set", "train.steps=40",
+        [sys.executable, "-m", "checkpointless", "run", path, *SMALL, "--set", "train.steps=40",
          "--fault", "kill:rank=1@step=8", "--metrics-port", "0", "--out", str(tmp_path)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
     )  # fmt: skip

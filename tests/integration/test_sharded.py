@@ -166,7 +166,7 @@ def test_both_copies_of_a_shard_lost_without_durable_tier_stop_in_one_line() -> 
 
 
 def test_cli_refuses_bad_sharded_layouts_in_one_line(tmp_path: Path) -> None:
-    base = [sys.executable, "-m", "checkpointless.launch.cli", "launch", "--out", str(tmp_path / "o")]
+    base = [sys.executable, "-m", "checkpointless", "launch", "--out", str(tmp_path / "o")]
     for extra, needle in (
         (["--workers", "4", "--shards", "3"], "--shards 3 must divide --workers 4"),
         (["--workers", "4", "--shards", "0"], "--shards"),

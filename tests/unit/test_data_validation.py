@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import yaml
 
+from checkpointless.cli import main
 from checkpointless.corpus import EOD_ID, TokenDataset, TokenizedCorpus, load_corpus
-from checkpointless.launch.cli import main
 from checkpointless.recipes.config import RecipeError, load_recipe
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -59,7 +59,7 @@ def test_old_import_paths_name_the_same_class(module: str, name: str) -> None:
 
 
 def test_user_input_errors_are_one_line_exit_2() -> None:
-    from checkpointless.launch.cli import main
+    from checkpointless.cli import main
 
     # a recipe error raised deep in the loader reaches the user as one line, exit 2
     assert issubclass(errors.RecipeError, errors.UserInputError)

@@ -18,7 +18,7 @@ PACKAGE = "checkpointless"
 
 PERIPHERY = ("transformers", "matplotlib", "rich", "prometheus_client", "yaml",
              "checkpointless.launch", "checkpointless.observe", "checkpointless.analysis",
-             "checkpointless.recipes", "checkpointless.models", "checkpointless.corpus")  # fmt: skip
+             "checkpointless.recipes", "checkpointless.models", "checkpointless.cli", "checkpointless.corpus")  # fmt: skip
 
 
 def test_public_api_imports_no_periphery() -> None:
@@ -67,7 +67,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("recovery", ("", "session", "session_base", "member", "lifecycle", "consistency")),
     ("corpus", ("corpus",)),
     ("faults / metrics", ("faults", "observe")),
-    ("launch / recipes / cli", ("launch", "recipes", "models", "analysis", "integrations", "__main__")),
+    (
+        "launch / recipes / cli",
+        ("launch", "recipes", "models", "analysis", "integrations", "cli", "__main__"),
+    ),
 ]
 
 
@@ -290,7 +293,6 @@ def _package_sources() -> dict[str, str]:
 FAULT_GRAMMAR = "the fault grammar (FaultSpec, parsing) sits with the injector in faults.py; it moves below, apart from the injector (issue 41 item 2)"
 INJECTOR = "the session holds the fault injector of faults.py (issue 41 item 2: the grammar apart; the injector passed in)"
 ENV = "reads the CHECKPOINTLESS_* names of control/env.py (issue 41 item 2: environment names in the protocol package)"
-CLUSTER_CLI = "launch/cluster.py borrows launch/cli.py's private helpers, and cli.py imports cluster.py (issue 41 item 4: one CLI package, the shared job flags in one module with public names)"
 PRIVATE = "a private name crosses a file (issue 41 item 6: public names for what crosses a file)"
 
 
@@ -306,19 +308,12 @@ KNOWN_LAYOUT: dict[tuple[str, ...], str] = {
     **_known("layer", "session_base", INJECTOR, ["faults"]),
     **_known("layer", "devices", ENV, ["control.env"]),
     **_known("layer", "control.coordinator", "the coordinator finds the newest complete durable snapshot with durable.py's job_key and latest_complete, while durable.py imports control/vocab.py: control and state in a circle of folders (issue 41 item 2)", ["durable"]),
-    ("function circle", f"{PACKAGE}.launch.cli", f"{PACKAGE}.launch.cluster"): CLUSTER_CLI,
     ("function circle", f"{PACKAGE}.recipes.config", f"{PACKAGE}.recipes.models"): "recipes/config.py builds the model of a recipe (build_hf_model) inside a function, recipes/models.py reads ModelConfig",
     **_known("re-export", "state", "first_difference belongs beside the digests (issue 41 item 2)", ["control.plan"]),
     **_known("re-export", "state", "IntegrityError is errors.py's, the package's one hierarchy: imported from there", ["errors"]),
-    **_known("private name", "launch.cluster", CLUSTER_CLI, [
-        "launch.cli._Parser", "launch.cli._add_job_args", "launch.cli._address", "launch.cli._exit_code",
-        "launch.cli._host_port", "launch.cli._job", "launch.cli._positive", "launch.cli._print_result",
-        "launch.cli._run_launcher", "launch.cli._seconds",
-    ]),
     **_known("private name", "analysis.montecarlo", PRIVATE, ["analysis.goodput_model._check_positive"]),
     **_known("private name", "analysis.simulate", PRIVATE, [
-        "analysis.goodput_model._INT_FIELDS", "analysis.goodput_model._check_positive",
-        "analysis.montecarlo._failure_times",
+        "analysis.goodput_model._INT_FIELDS", "analysis.montecarlo._failure_times",
     ]),
     **_known("private name", "control.coordinator", PRIVATE + " (the coordinator's tower)", ["control.membership._Failure"]),
     **_known("private name", "control.detection", PRIVATE + " (the coordinator's tower)", [

@@ -11,7 +11,7 @@ import torch
 import yaml
 
 import checkpointless as cl
-from checkpointless.launch.cli import main
+from checkpointless.cli import main
 from checkpointless.recipes.config import LoraConfig, RecipeError, load_recipe, recipe_from_dict
 from checkpointless.recipes.dryrun import dry_run, format_dry_run
 from checkpointless.recipes.models import build_hf_model

@@ -374,7 +374,8 @@ def test_dry_run_big_recipes_without_allocating(recipe: str, expected: float, to
 
 @pytest.mark.timeout(120)
 def test_dry_run_tiny_matches_real_model_and_flags_single_replica() -> None:
-    from checkpointless.recipes.dryrun import dry_run, main
+    from checkpointless.cli import main
+    from checkpointless.recipes.dryrun import dry_run
     from checkpointless.recipes.models import build_model
 
     cfg = load_recipe(TINY["llama"], ["parallel.shards=2"])
@@ -384,8 +385,8 @@ def test_dry_run_tiny_matches_real_model_and_flags_single_replica() -> None:
     assert report["rank_params_bytes"] == 4 * (-(-real // 2))
     assert report["rank_optimizer_bytes"] == 8 * (-(-real // 2))
     assert not report["recoverable"]
-    assert main([str(TINY["llama"]), "--set", "optim.lr=1e-3"]) == 0
-    assert main([str(TINY["llama"]), "--set", "optim.nope=1"]) == 2
+    assert main(["dryrun", str(TINY["llama"]), "--set", "optim.lr=1e-3"]) == 0
+    assert main(["dryrun", str(TINY["llama"]), "--set", "optim.nope=1"]) == 2
 
 
 @pytest.mark.timeout(120)
@@ -471,7 +472,7 @@ def test_hostile_yaml_is_refused_in_one_line(
     assert sys.getrecursionlimit() == limit
     msg = str(info.value)
     assert needle in msg and "hostile.yaml: invalid YAML" in msg and "\n" not in msg, msg
-    from checkpointless.launch.cli import main
+    from checkpointless.cli import main
 
     assert main(["run", str(path), "--dry-run"]) == 2
     err = capsys.readouterr().err.strip()
@@ -490,7 +491,7 @@ def test_hostile_override_value_is_refused_in_one_line(capsys: pytest.CaptureFix
     assert msg.startswith("model.extra.chain: override value '{a0: &a0 [[[[")
     assert "...' is not valid YAML: nesting deeper than 64 levels" in msg and "*a1 is expanded" in msg
     assert "\n" not in msg and len(msg) < 250, msg
-    from checkpointless.launch.cli import main
+    from checkpointless.cli import main
 
     assert main(["run", str(TINY["llama"]), "--dry-run", "--set", override]) == 2
     err = capsys.readouterr().err.strip()

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from checkpointless.cli import report
 from checkpointless.observe import plot as report_plot
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -190,14 +191,14 @@ def test_empty_events(tmp_path: Path) -> None:
 @pytest.mark.timeout(60)
 def test_main_ok(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run = make_run_dir(tmp_path)
-    assert report_plot.main([str(run)]) == 0
+    assert report.run([str(run)]) == 0
     out = capsys.readouterr().out
     assert "kill" in out and "timeline.png" in out
 
 
 @pytest.mark.timeout(60)
 def test_main_missing_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert report_plot.main([str(tmp_path / "nope")]) == 2
+    assert report.run([str(tmp_path / "nope")]) == 2
     err = capsys.readouterr().err
     assert "nope" in err
     assert "Traceback" not in err
@@ -209,7 +210,7 @@ def test_main_missing_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
 def test_main_missing_file(tmp_path: Path, capsys: pytest.CaptureFixture[str], missing: str) -> None:
     run = make_run_dir(tmp_path)
     (run / missing).unlink()
-    assert report_plot.main([str(run)]) == 2
+    assert report.run([str(run)]) == 2
     err = capsys.readouterr().err
     assert missing in err and "Traceback" not in err
     assert len(err.strip().splitlines()) == 1
@@ -220,7 +221,7 @@ def test_main_missing_file(tmp_path: Path, capsys: pytest.CaptureFixture[str], m
 def test_main_bad_report_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     run = make_run_dir(tmp_path)
     (run / "report.json").write_text("{not json", encoding="utf-8")
-    assert report_plot.main([str(run)]) == 2
+    assert report.run([str(run)]) == 2
     err = capsys.readouterr().err
     assert "report.json" in err and len(err.strip().splitlines()) == 1
 

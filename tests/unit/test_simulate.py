@@ -27,6 +27,7 @@ from checkpointless.analysis.simulate import (
     young_daly_interval,
     young_interval,
 )
+from checkpointless.cli import simulate as simulate_command
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -367,7 +368,7 @@ def test_plot_sweep_writes_png(tmp_path: Path) -> None:
 @pytest.mark.timeout(60)
 def test_main_writes_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "sim"
-    rc = sim.main(["--sizes", "1000,10000,100000", "--out", str(out), "--step-time-s", "5"])
+    rc = simulate_command.run(["--sizes", "1000,10000,100000", "--out", str(out), "--step-time-s", "5"])
     assert rc == 0
     data = json.loads((out / "simulate.json").read_text())
     assert [r["n_accelerators"] for r in data["rows"]] == [1000, 10_000, 100_000]
@@ -380,7 +381,7 @@ def test_main_writes_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
 
 @pytest.mark.timeout(60)
 def test_main_default_prints_table(capsys: pytest.CaptureFixture[str]) -> None:
-    assert sim.main(["--mc-hours", "100", "--sizes", "2048"]) == 0
+    assert simulate_command.run(["--mc-hours", "100", "--sizes", "2048"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 3 and out[0].startswith("parameters: ") and "2048" in out[2]
 
@@ -402,7 +403,7 @@ def test_main_default_prints_table(capsys: pytest.CaptureFixture[str]) -> None:
     ],
 )
 def test_main_bad_input_one_line_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
-    assert sim.main(argv) == 2
+    assert simulate_command.run(argv) == 2
     captured = capsys.readouterr()
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1, captured.err
@@ -415,13 +416,13 @@ def test_main_bad_input_one_line_exit_2(argv: list[str], capsys: pytest.CaptureF
 def test_main_unwritable_out(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("x")
-    assert sim.main(["--sizes", "1000", "--out", str(blocker / "sub")]) == 2
+    assert simulate_command.run(["--sizes", "1000", "--out", str(blocker / "sub")]) == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
 
 
 @pytest.mark.timeout(60)
 def test_main_help_returns_zero(capsys: pytest.CaptureFixture[str]) -> None:
-    assert sim.main(["--help"]) == 0
+    assert simulate_command.run(["--help"]) == 0
     out = capsys.readouterr().out
     for opt in ("--sizes", "--out", "--checkpoint-cost-s", "--spare-replace-s", "--reform-per-rank-s"):
         assert opt in out
@@ -430,7 +431,7 @@ def test_main_help_returns_zero(capsys: pytest.CaptureFixture[str]) -> None:
 def test_every_run_says_where_its_parameters_come_from(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert sim.main(["--sizes", "1000"]) == 0
+    assert simulate_command.run(["--sizes", "1000"]) == 0
     first = capsys.readouterr().out.splitlines()[0]
     assert first.startswith("parameters: 17 defaults calibrated to published figures")
     assert "14 of them assumptions (checkpoint_cost_s, checkpoint_load_s, restart_base_s" in first
@@ -438,11 +439,13 @@ def test_every_run_says_where_its_parameters_come_from(
     measured.write_text(
         json.dumps({"params": {"detect_base_s": 0.05, "restart_base_s": 30.0, "n_accelerators": 8}})
     )
-    assert sim.main(["--sizes", "1000", "--params", str(measured), "--restart-base-s", "45"]) == 0
+    assert simulate_command.run(["--sizes", "1000", "--params", str(measured), "--restart-base-s", "45"]) == 0
     out = capsys.readouterr().out
     first = out.splitlines()[0]
     assert f"1 from {measured}" in first and "1 from flags" in first and "15 defaults calibrated" in first
-    with_file = sim.main(["--sizes", "1000", "--params", str(measured), "--out", str(tmp_path / "o")])
+    with_file = simulate_command.run(
+        ["--sizes", "1000", "--params", str(measured), "--out", str(tmp_path / "o")]
+    )
     assert with_file == 0
     params = json.loads((tmp_path / "o" / "simulate.json").read_text())["params"]
     assert (
@@ -464,7 +467,7 @@ def test_bad_params_file_is_one_line_exit_2(
 ) -> None:
     bad = tmp_path / "p.json"
     bad.write_text(content)
-    assert sim.main(["--params", str(bad)]) == 2
+    assert simulate_command.run(["--params", str(bad)]) == 2
     err = capsys.readouterr().err
     assert needle in err and len(err.strip().splitlines()) == 1
 
@@ -473,7 +476,7 @@ def test_the_parameters_make_bench_measured_are_accepted(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     scale = Path(__file__).resolve().parents[2] / "bench" / "results" / "scale.json"
-    assert sim.main(["--sizes", "16384", "--params", str(scale), "--out", str(tmp_path)]) == 0
+    assert simulate_command.run(["--sizes", "16384", "--params", str(scale), "--out", str(tmp_path)]) == 0
     first = capsys.readouterr().out.splitlines()[0]
     assert first.startswith(f"parameters: 17 from {scale}")
     # every measured value is the one used, none of the calibrated defaults
@@ -518,7 +521,7 @@ def test_every_default_says_where_it_comes_from(capsys: pytest.CaptureFixture[st
     for name in ("checkpoint_cost_s", "checkpoint_load_s", "restart_base_s", "restart_per_rank_s"):
         assert by_name[name].startswith("assumption"), name
     assert by_name["failures_per_accel_hour"].startswith("published")
-    assert sim.main(["--help"]) == 0
+    assert simulate_command.run(["--help"]) == 0
     out = capsys.readouterr().out
     assert "The Llama 3 Herd of Models" in out and "arXiv:2407.21783" in out and "3.3.4" in out
     assert "466 job interruptions" in out and "419 unexpected" in out and "78%" in out

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from checkpointless.cli import main
 from checkpointless.corpus.synthetic import SyntheticTokens
-from checkpointless.launch.cli import main
 
 pytestmark = pytest.mark.timeout(120)
 
