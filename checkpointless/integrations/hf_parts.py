@@ -41,7 +41,7 @@ def _refusals(trainer: Trainer) -> list[str]:
         if workers > 1:
             out.append(f"dataloader_num_workers={workers} with an IterableDataset as train_dataset (each "
                        "worker would read its own copy of the stream: use 0 or 1)")  # fmt: skip
-        if _length(trainer.train_dataset) is None and args.max_steps <= 0:
+        if dataset_length(trainer.train_dataset) is None and args.max_steps <= 0:
             out.append("an IterableDataset without __len__ as train_dataset without max_steps (set "
                        "TrainingArguments.max_steps)")  # fmt: skip
     return out
@@ -55,7 +55,7 @@ def _overrides(trainer: Any, name: str) -> bool:
     return own is not None and own is not getattr(HFTrainer, name)
 
 
-def _own_sampler_order(
+def own_sampler_order(
     trainer: Any, dataset: Any, seed: int
 ) -> tuple[Callable[[int], list[int]] | None, int | None]:
     """``(order, samples per epoch)`` of the sampler a ``_get_train_sampler`` of the script's own gives
@@ -129,7 +129,7 @@ class _TrainerProgress:
                     setattr(cb, attr, value)
 
 
-def _length(dataset: Any) -> int | None:
+def dataset_length(dataset: Any) -> int | None:
     """``len(dataset)``, None for a stream without one."""
     try:
         return len(dataset)
@@ -137,7 +137,7 @@ def _length(dataset: Any) -> int | None:
         return None
 
 
-def _length_grouped_order(trainer: Any, dataset: Any, batch: int, seed: int) -> Callable[[int], list[int]]:
+def length_grouped_order(trainer: Any, dataset: Any, batch: int, seed: int) -> Callable[[int], list[int]]:
     """``train_sampling_strategy="group_by_length"``: each epoch's order as HF's ``LengthGroupedSampler``
     makes it (``get_length_grouped_indices``: a permutation cut into mega-batches, each sorted by
     length, the longest sample first), drawn from ``(seed, epoch)`` and grouped by the global

@@ -46,9 +46,9 @@ Refused in one line (``ValueError``) under the launcher: DeepSpeed, FSDP, ``n_gp
 (``DataParallel``), ``auto_find_batch_size``, tensor, sequence or context parallelism
 (``parallelism_config``), a ``train_sampling_strategy`` other than ``"random"`` (the default),
 ``"sequential"`` (the dataset's order) and ``"group_by_length"`` (HF's length-grouped order, drawn
-per epoch and grouped by the global micro-batch: ``hf_parts._length_grouped_order``), a
+per epoch and grouped by the global micro-batch: ``hf_parts.length_grouped_order``), a
 ``get_train_dataloader`` of the script's subclass (a ``_get_train_sampler`` of its own is read:
-``hf_parts._own_sampler_order``), an
+``hf_parts.own_sampler_order``), an
 ``IterableDataset`` train set read by more than one worker process (``dataloader_num_workers > 1``)
 or without ``__len__`` and without ``max_steps``. Tested with the
 ``transformers`` and ``accelerate`` versions pinned in ``pyproject.toml``'s ``transformers`` extra.
@@ -103,12 +103,12 @@ from transformers import Trainer as _HFTrainer  # noqa: E402
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR  # noqa: E402
 
 from checkpointless.integrations.hf_parts import (  # noqa: E402
-    _length,
-    _length_grouped_order,
-    _own_sampler_order,
     _refusals,
     _tokens,
     _TrainerProgress,
+    dataset_length,
+    length_grouped_order,
+    own_sampler_order,
 )
 
 if not hasattr(_HFTrainer, "_prepare_for_training"):  # the 5.x loop's pieces this class is built of
@@ -289,8 +289,8 @@ class Trainer(_HFTrainer):
         micro_global = self._train_batch_size * ranks  # samples per micro-batch, over every rank
         stream = isinstance(dataset, torch.utils.data.IterableDataset)  # its order is its own
         seed = args.data_seed if args.data_seed is not None else args.seed
-        own_order, own_samples = (None, None) if stream else _own_sampler_order(self, dataset, seed)
-        samples = _length(dataset) if own_samples is None else own_samples
+        own_order, own_samples = (None, None) if stream else own_sampler_order(self, dataset, seed)
+        samples = dataset_length(dataset) if own_samples is None else own_samples
         if samples is None:  # a stream read once (refusals: max_steps is set): one epoch of max_steps
             per_epoch = args.max_steps
         else:
@@ -318,7 +318,7 @@ class Trainer(_HFTrainer):
         if own_order is not None:
             sampling = "own"  # the order of the script's _get_train_sampler
         elif sampling == "group_by_length":
-            own_order = _length_grouped_order(self, dataset, micro_global, seed)
+            own_order = length_grouped_order(self, dataset, micro_global, seed)
         loader = session.loader(
             dataset, micro_global, shuffle=sampling == "random", seed=None if stream else seed, collate_fn=collator,
             num_workers=args.dataloader_num_workers, drop_last=True, pin_memory=args.dataloader_pin_memory,

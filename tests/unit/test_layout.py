@@ -340,9 +340,7 @@ KNOWN_LAYOUT: dict[tuple[str, ...], str] = {
         "integrations.lightning.window._Window",
     ]),
     **_known("private name", "integrations.transformers", PRIVATE, [
-        "integrations.hf_parts._TrainerProgress", "integrations.hf_parts._length",
-        "integrations.hf_parts._length_grouped_order", "integrations.hf_parts._own_sampler_order",
-        "integrations.hf_parts._refusals", "integrations.hf_parts._tokens",
+        "integrations.hf_parts._TrainerProgress", "integrations.hf_parts._refusals", "integrations.hf_parts._tokens",
     ]),
 }  # fmt: skip
 

@@ -65,12 +65,12 @@ def test_the_length_grouped_order_is_hfs_drawn_from_the_seed_and_the_epoch() -> 
     process (a function of its arguments), another in each epoch."""
     from transformers.trainer_pt_utils import LengthGroupedSampler
 
-    from checkpointless.integrations.hf_parts import _length_grouped_order
+    from checkpointless.integrations.hf_parts import length_grouped_order
 
     lengths = torch.randint(1, 64, (200,), generator=torch.Generator().manual_seed(0)).tolist()
     trainer = SimpleNamespace(args=SimpleNamespace(length_column_name="length"), processing_class=None)
-    order = _length_grouped_order(trainer, _Varied(lengths), 8, seed=5)
-    assert order(0) == _length_grouped_order(trainer, _Varied(lengths), 8, seed=5)(0)
+    order = length_grouped_order(trainer, _Varied(lengths), 8, seed=5)
+    assert order(0) == length_grouped_order(trainer, _Varied(lengths), 8, seed=5)(0)
     assert sorted(order(0)) == list(range(200)) and order(0) != order(1)
     hf = LengthGroupedSampler(8, lengths=lengths, generator=torch.Generator().manual_seed(5 * 1_000_003 + 1))
     assert order(1) == list(hf)
@@ -98,16 +98,16 @@ def test_a_train_dataloader_of_the_scripts_own_is_refused_and_a_sampler_of_its_o
     """A ``get_train_dataloader`` override would be bypassed by the step's loader: refused in one line
     (before, it was silently not used). A ``_get_train_sampler`` override gives the epochs' orders
     (``sampler_order``): its draws, 6 an epoch, the same for the same (seed, epoch)."""
-    from checkpointless.integrations.hf_parts import _own_sampler_order
+    from checkpointless.integrations.hf_parts import own_sampler_order
     from checkpointless.integrations.transformers import _refusals
 
     plain = _trainer()
     (line,) = _refusals(_OwnLoader(**vars(plain)))
     assert line.startswith("a get_train_dataloader of its own") and "_get_train_sampler" in line, line
-    assert _own_sampler_order(plain, plain.train_dataset, 5) == (None, None)
+    assert own_sampler_order(plain, plain.train_dataset, 5) == (None, None)
     own = _OwnSampler(**vars(plain))
-    order, samples = _own_sampler_order(own, own.train_dataset, 5)
+    order, samples = own_sampler_order(own, own.train_dataset, 5)
     assert samples == 6 and order is not None
-    assert order(0) == _own_sampler_order(own, own.train_dataset, 5)[0](0)  # type: ignore[misc]
+    assert order(0) == own_sampler_order(own, own.train_dataset, 5)[0](0)  # type: ignore[misc]
     assert len(order(0)) == 6 and set(order(0)) <= {0, 1, 2, 3}
     assert [order(e) for e in range(4)] != [order(0)] * 4  # each epoch its own draws
