@@ -110,7 +110,7 @@ from scale_sim import (
 from torch.distributed import TCPStore
 
 from checkpointless.control.auth import new_secret, write_secret_file
-from checkpointless.control.membership import INTRUDER_KEYS
+from checkpointless.control.published import INTRUDER_KEYS
 from checkpointless.control.vocab import Event
 from checkpointless.launch.launcher import FULL_GC_EVERY, RELAYED_BYTES_PER_PASS, RELAYED_CHUNKS_PER_PASS
 from checkpointless.observe.event_log import KEEP_COMMITS, KEEP_USAGE
@@ -1139,7 +1139,7 @@ def _findings_common(res: dict[str, Any], first: int) -> list[str]:
     slow = [r for r in rows if _g(r, "failure", "first_fault_s") is not None]
     if slow:
         lines.append(
-            f"{n}. **A busy coordinator postpones its own detections.** `Membership._forgive_own_stall` credits "
+            f"{n}. **A busy coordinator postpones its own detections.** `HeartbeatReader._forgive_own_stall` credits "
             "each of the coordinator's stalls to the silence clocks (a loaded machine must not kill every rank "
             "for the coordinator's own pause); when the read after a stall brings most processes' heartbeats, "
             "a silent one gets at most one hang timeout of credit (2026-12-04: it used to get every stall, and "
@@ -1266,7 +1266,7 @@ def _findings_relay(res: dict[str, Any]) -> str:
         "chunks read, written for every host in one `multi_set` a pass, passes them; the coordinator deleted "
         f"each before, a round trip a chunk: {2000 / step_s:,.0f}/s at 2,000 hosts"
         + (f", {f(rtt_del, 0)} µs each at 100 hosts" if rtt_del else "")
-        + f"); every 5 s `Membership._check_intruders` checks at most {INTRUDER_KEYS} plain key names, one `check` "
+        + f"); every 5 s `IntruderWatch.check` checks at most {INTRUDER_KEYS} plain key names, one `check` "
         "each; a member's failure report comes in its heartbeat, in its host's relay value (2026-12-04: it was "
         "4 store calls per rank, 64,000 at 2,000 hosts, and the list of reports was deduplicated by a list "
         "scan, quadratic: 6.6 s of the loop there; a hung member's generation is now aborted when it is "
@@ -1314,7 +1314,7 @@ def _findings_per_rank(res: dict[str, Any]) -> str:
     rtt_del = _rtt_us(mid, "delete_key") if mid else None
     ranks = 2000 * NPROC
     deletes = ranks / step_s
-    checks = (4 * (ranks + SPARE_NODES * NPROC) + 2 * ranks) / 5.0  # _check_intruders, every 5 s
+    checks = (4 * (ranks + SPARE_NODES * NPROC) + 2 * ranks) / 5.0  # IntruderWatch.check, every 5 s
     costs = [(r["hosts"], _store_us_per_call(r)) for r in series if _store_us_per_call(r)]
     us = min((c for _, c in costs), default=None)
     full = protocol_rates(2000, SERIES_HANG_S, step_s, PER_RANK)
@@ -1329,7 +1329,7 @@ def _findings_per_rank(res: dict[str, Any]) -> str:
         "",
         "1. **The coordinator's loop breaks first, between 100 and 300 hosts here: it makes serial store round "
         "trips in proportion to the ranks.** Every step it deletes each rank's event chunk, one `delete_key` "
-        "round trip each (`Launcher._record_chunk`); every 5 s `Membership._check_intruders` checks about six "
+        "round trip each (`Launcher._record_chunk`); every 5 s `IntruderWatch.check` checks about six "
         "plain key names per process, one `check` each; during a failure `Coordinator._check_reports` reads each "
         "member's report (a check and a get) every tick. Each round trip waits behind the hosts' traffic on "
         "the one store thread"

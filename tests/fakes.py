@@ -75,6 +75,8 @@ class FakeStore:
 class FakeProcess:
     """A ``ProcessHandle``: alive until ``exit``; ``kill`` is counted."""
 
+    relayed = False  # beats into the store itself (one host)
+
     def __init__(
         self, name: str, log: str = "", *, die_on_kill: bool = False, host: str = "localhost"
     ) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import re
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -136,7 +137,7 @@ def abort_once_at(step: int, aborted: list[int], release: Path) -> Callable[[Coo
         if aborted or coord.plan is None or coord.plan.gen != 0:
             return
         if all(int(coord.procs[n].hb.get("committed", -1)) >= step for n in coord.members.values()):
-            coord._fail(coord._clock())
+            coord.fail(time.monotonic())
             aborted.append(coord.plan.gen)
             release.touch()
 

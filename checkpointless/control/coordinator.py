@@ -1,48 +1,183 @@
-"""The coordinator: failure detection and recovery plans over the job's membership.
+"""The coordinator: failure detection and recovery plans over the job's processes.
 
-It runs in the launcher process (never in a worker, so any worker may die) and
-talks to the processes only through the control store. One ``tick`` reads every
-heartbeat and failure report, decides, and publishes; the launcher calls it in
-a loop. Its layers: ``Membership`` (``membership.py``: the process table, the
-spare pool, the published values) under ``Detection`` (``detection.py``: which
-process failed, and how) under ``Coordinator`` (here: the loop, and a failure's
-course from reports to a plan, the recovery's end and the job's).
+It runs in the launcher process (never in a worker, so any worker may die) and talks to the
+processes only through the control store and the process backend (``ProcessHandle``). One
+``tick`` reads every heartbeat and failure report, decides, and publishes; the launcher calls it
+in a loop. It applies the detection rules, acts on exits, and holds its parts, each in its own
+file and each the only writer of its state:
 
-Every value read from the store is verified against the job's secret
-(``control/auth.py``); forgeries are ignored and recorded as
-``message_rejected`` events.
+- ``ProcessTable`` (``processes.py``): every process's view (role, verified heartbeat, silence);
+- ``HeartbeatReader`` (``heartbeats.py``): the heartbeats, direct and relayed, into the table;
+- the detection rules (``detection.py``): functions of the views, the clock and the settings;
+- ``ExitJudge`` (``exits.py``): what an exit means;
+- ``FailureCourse`` (``course.py``): the plan, and a failure's course from the abort to the
+  recovery's end, with the members' ``FailureReports`` (``reports.py``);
+- ``SparePool`` (``spares.py``): spare starts, refills and their back-off;
+- ``Published`` and ``IntruderWatch`` (``published.py``): what it keeps written on the store;
+- ``Pace`` (``pace.py``): step times and the step count; ``Outcome`` (``outcome.py``): the end.
 
-A plan for generation n+1 is published only once every member of generation n
-is accounted for (dead or reported), so the highest committed step is known
-exactly and no survivor is left behind in a dead group.
+Every value read from the store is verified against the job's secret (``control/auth.py``);
+forgeries are ignored and recorded as ``message_rejected`` events.
+
+A plan for generation n+1 is published only once every member of generation n is accounted for
+(dead or reported), so the highest committed step is known exactly and no survivor is left behind
+in a dead group.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import re
+import time
+from collections.abc import Callable
 from typing import Any
 
+from checkpointless.config import JobConfig
 from checkpointless.control import keys
-from checkpointless.control.detection import Detection
-from checkpointless.control.membership import ProcessHandle, _Failure
-from checkpointless.control.plan import Plan, PlanError, first_difference, make_plan
-from checkpointless.control.vocab import Event, Phase, Reason, Role
-from checkpointless.durable import job_key, latest_complete
+from checkpointless.control.auth import SignedStore
+from checkpointless.control.clock import ClockOffsets
+from checkpointless.control.course import CourseParts, Failure, FailureCourse
+from checkpointless.control.detection import early_finish, hung, stuck
+from checkpointless.control.exits import ExitJudge
+from checkpointless.control.heartbeats import HeartbeatReader
+from checkpointless.control.outcome import Outcome
+from checkpointless.control.pace import Pace
+from checkpointless.control.plan import Plan, initial_plan
+from checkpointless.control.processes import ProcessHandle, ProcessTable, ProcessView
+from checkpointless.control.published import IntruderWatch, Published
+from checkpointless.control.reports import FailureReports
+from checkpointless.control.spares import SparePool
+from checkpointless.control.vocab import Event, Phase, Reason, Role, event
 from checkpointless.errors import JobFailed
 
 log = logging.getLogger(__name__)
 
 _SWEEP_S = 1.0  # steady state: how often the keys behind the wake-ups are read anyway
-_INTRUDER_CHECK_S = 5.0  # how often the plain (un-namespaced) key names are checked for strangers' writes
+INTRUDER_CHECK_S = 5.0  # how often the plain (un-namespaced) key names are checked for strangers' writes
 
-__all__ = ["Coordinator", "JobFailed", "ProcessHandle"]
+__all__ = ["Coordinator", "Failure", "JobFailed", "ProcessHandle"]
 
 
-class Coordinator(Detection):
+class Coordinator:
     """Control plane of one job (see the module docstring for the protocol)."""
+
+    def __init__(
+        self,
+        store: SignedStore,
+        job: JobConfig,
+        total_steps: int | None,
+        spawn_spare: Callable[[], ProcessHandle | None],
+        emit: Callable[[dict[str, Any]], None],
+        clock: Callable[[], float] | None = None,
+        report_bell: Callable[[], bool] | None = None,
+        *,
+        table: ProcessTable | None = None,
+        probe: Callable[[list[str]], None] | None = None,
+    ) -> None:
+        """``spawn_spare``: the process backend's (a new spare's handle, None without a free slot);
+        ``emit``: the event sink; ``report_bell``: true once after a process reported a failure
+        (``ReportBell.rung``): with it, failure reports are read when it rings (else at the
+        heartbeat pace) instead of every tick. ``table``: the process table, shared with a backend
+        that reads it (several hosts); ``probe(names)``: asks the hosts of processes the
+        coordinator waits for for a sign of life (several hosts; one host's exits are seen at once)."""
+        self.store, self.job = store, job
+        self._emit_cb, self._clock = emit, clock or time.monotonic
+        self._report_bell = report_bell
+        rc = job.recovery
+        self.table = table if table is not None else ProcessTable()
+        self.pace = Pace(total_steps)
+        self.spares = SparePool(self.table, spawn_spare, rc, self._emit)
+        self.heartbeats = HeartbeatReader(store, self.table, rc, self._clock)
+        self.reports = FailureReports(store)
+        self.published = Published(store, self.table)
+        self.intruders = IntruderWatch(store, self.table, self._emit)
+        self.exits = ExitJudge(store, self.table, self.spares, self._emit)
+        self.outcome = Outcome(store, job.shards)
+        parts = CourseParts(table=self.table, spares=self.spares, reports=self.reports,
+                            published=self.published, exits=self.exits, outcome=self.outcome, pace=self.pace)  # fmt: skip
+        self.course = FailureCourse(job, parts, self._emit, self._clock, probe)
+        self._last_poll = float("-inf")
+        self._last_sweep = float("-inf")
+        self._last_intruder_check = float("-inf")
+        self._ranks_of: tuple[Plan | None, dict[str, int]] = (None, {})  # (plan, process -> rank)
+        self.finished = False
+
+    # -- setup --------------------------------------------------------------------
+    def start(self, workers: list[ProcessHandle], spares: list[ProcessHandle]) -> None:
+        now = self._clock()
+        for h in workers:
+            self.table.add(h, Role.WORKER, now)
+        for h in spares:
+            self.table.add(h, Role.SPARE, now)
+        plan = initial_plan(
+            self.job.workers, self.job.shards, [h.name for h in workers], {h.name: h.host for h in workers}
+        )
+        self.course.start(plan)
+        self._emit(Event.GENERATION_STARTED, gen=0, members=plan.members, resume_step=0)
+
+    def add_spare(self, h: ProcessHandle) -> None:
+        """A spare started outside the pool's own refills (a host that rejoined the job)."""
+        self.spares.add(h, self._clock())
+
+    def _emit(self, kind: Event, **fields: Any) -> None:
+        fields.setdefault("gen", self.plan.gen if self.plan else 0)
+        self._emit_cb(event(kind, proc="coordinator", **fields))
+
+    # -- views --------------------------------------------------------------------
+    @property
+    def procs(self) -> dict[str, ProcessView]:
+        return self.table.procs
+
+    @property
+    def plan(self) -> Plan | None:
+        """The current generation's plan."""
+        return self.course.plan
+
+    @property
+    def total_steps(self) -> int | None:
+        """``--steps``, or the scripts' own (``session.steps(total)``)."""
+        return self.pace.total_steps
+
+    @property
+    def members(self) -> dict[int, str]:
+        assert self.plan is not None
+        return self.plan.members
+
+    @property
+    def failure(self) -> Failure | None:
+        """The failure under way, until its plan is out."""
+        return self.course.failure
+
+    @property
+    def clocks(self) -> ClockOffsets:
+        return self.heartbeats.clocks
+
+    def member_status(self) -> dict[int, dict[str, Any]]:
+        """Latest heartbeat of every rank (for progress display and metrics)."""
+        return {r: self.procs[p].hb for r, p in self.members.items() if p in self.procs}
+
+    def announced_chunks(self) -> dict[str, int]:
+        return self.table.announced_chunks()
+
+    def relay_chunks(self) -> dict[str, int]:
+        return self.heartbeats.relay_chunks()
+
+    def clock_of(self, name: str) -> str:
+        return self.table.clock_of(name)
+
+    def ready_spares(self) -> list[str]:
+        return self.table.ready_spares()
+
+    def median_step_time(self) -> float:
+        return self.pace.median()
+
+    def _rank_of(self, name: str) -> int | None:
+        """A process's rank in the current plan (a map built once per plan: every tick asks it of
+        every worker, a scan of the members each time was quadratic in the ranks)."""
+        if self.plan is None:
+            return None
+        if self._ranks_of[0] is not self.plan:
+            self._ranks_of = (self.plan, {p: r for r, p in self.plan.members.items()})
+        return self._ranks_of[1].get(name)
 
     # -- the loop -----------------------------------------------------------------
     def next_tick_s(self, tick_s: float = 0.01) -> float:
@@ -51,10 +186,10 @@ class Coordinator(Detection):
         until the next heartbeat poll or due spare start. The caller must also tick at once when a
         process exits or a failure report rings (``ReportBell``): what the coordinator waits for
         besides the clock."""
-        if self._failure is not None or self.plan is None:
+        if self.course.failure is not None or self.plan is None:
             return tick_s
         now = self._clock()
-        due = [self._last_poll + self.job.recovery.heartbeat_interval_s, *self._spares_due]
+        due = [self._last_poll + self.job.recovery.heartbeat_interval_s, *self.spares.due]
         return max(tick_s, min(due) - now)
 
     def tick(self) -> None:
@@ -66,7 +201,7 @@ class Coordinator(Detection):
         state waits for besides them comes with a wake-up: a failure or fatal report rings the
         report bell, an exit is a pidfd, a finished rank says so in its heartbeat. The keys
         behind those hints are also swept once a ``_SWEEP_S`` (a lost ring must not stall a job),
-        strangers' writes once an ``_INTRUDER_CHECK_S``. During a failure, until the plan is out,
+        strangers' writes once an ``INTRUDER_CHECK_S``. During a failure, until the plan is out,
         every tick reads everything. Once it is out, the recovery is the members' to make (join,
         transfer, re-execute): the coordinator reads at the heartbeat pace (everything, at each
         poll), so that its reads do not wake the cores the transfer runs on 100 times a second; a
@@ -74,7 +209,8 @@ class Coordinator(Detection):
         """
         assert self.plan is not None
         now = self._clock()
-        steady = self._failure is None  # a recovery under way too (the docstring)
+        course = self.course
+        steady = course.failure is None  # a recovery under way too (the docstring)
         poll = not steady or now - self._last_poll >= self.job.recovery.heartbeat_interval_s
         bell = self._report_bell
         # without a bell (a coordinator driven by hand, or the bell failed), the keys it stands
@@ -85,39 +221,58 @@ class Coordinator(Detection):
             not steady
             or hinted
             or now - self._last_sweep >= _SWEEP_S
-            or (poll and self._recovering is not None)
+            or (poll and course.recovering is not None)
         )
         if sweep:
             self._last_sweep = now
         if not steady and self._check_exits(now):
             # a failure waits for these ranks: its plan at once, before this tick's reads (reading
             # every host's value is most of a tick at 2,000 hosts: the plan came a tick late)
-            self._try_recover(now)
+            course.try_recover(now)
         if poll:
             self._last_poll = now
-            self._read_heartbeats(now)
+            self._observe(now)
         if sweep:
-            self._check_fatal()
-            self._prune_published()
-            self._check_published()
-        if now - self._last_intruder_check >= _INTRUDER_CHECK_S:
+            self.exits.check_fatal()
+            self.published.prune(self.plan)
+            self.published.check()
+        if now - self._last_intruder_check >= INTRUDER_CHECK_S:
             self._last_intruder_check = now
-            self._check_intruders()
+            self.intruders.check(self.plan)
         self._check_processes(now)
-        self._start_due_spares(now)
-        if self._failure is None and poll:
+        self.spares.start_due(now)
+        if course.failure is None and poll:
             self._check_progress(now)
             self._check_early_finish()
-        if sweep or self.relayed_reports:
-            self._check_reports(direct=sweep)
-        if self._failure is not None:
-            self._try_recover(now)
-        elif self._recovering is not None:
-            self._check_recovered()
-        if self._failure is None and self._recovering is None and (sweep or (poll and self._any_done())):
-            self._check_done()
+        if sweep or self.reports.waiting:
+            course.check_reports(direct=sweep)
+        if course.failure is not None:
+            course.try_recover(now)
+        elif course.recovering is not None:
+            course.check_recovered()
+        if course.failure is None and course.recovering is None and (sweep or (poll and self._any_done())):
+            self.check_done()
             if self.finished:
-                self._check_intruders()  # a stranger's last writes are recorded too
+                self.intruders.check(self.plan)  # a stranger's last writes are recorded too
+
+    def _observe(self, now: float) -> None:
+        """Read the heartbeats and take in what moved."""
+        for name, p, old in self.heartbeats.read(now):
+            hb = p.hb
+            if hb.get("phase") == Phase.SPARE and not p.was_ready:
+                p.was_ready = True
+                self.spares.ready()
+            if (
+                p.role == Role.WORKER
+                and hb.get("step_time_s")
+                and hb.get("committed") != old.get("committed")
+            ):
+                self.pace.step_time(float(hb["step_time_s"]))
+            if p.role == Role.WORKER and hb.get("total") is not None and hb.get("total") != old.get("total"):
+                self.pace.script_total(name, int(hb["total"]))
+            report = hb.get("report")
+            if isinstance(report, dict) and report != old.get("report"):
+                self.reports.relayed(name, report)  # ``FailureCourse.check_reports`` judges it
 
     def _any_done(self) -> bool:
         """Whether a member's heartbeat says it finished its loop (its done report is then written)."""
@@ -125,282 +280,129 @@ class Coordinator(Detection):
             self.procs[n].hb.get("phase") == Phase.DONE for n in self.members.values() if n in self.procs
         )
 
-    def _check_reports(self, direct: bool = True) -> None:
-        """The members' failure reports: those that came in relayed heartbeats since the last call,
-        then (``direct``) those written to the store by processes that beat into it themselves."""
-        assert self.plan is not None
-        gen = self.plan.gen
-        relayed, self.relayed_reports = self.relayed_reports, []
-        for name, d in relayed:
-            rank = d.get("rank")
-            if d.get("gen") != gen or not isinstance(rank, int) or self.members.get(rank) != name:
-                continue  # an older generation's (or not this member's: its relay vouches for it only)
-            p = self.procs[name]
-            if p.killed or p.role == Role.GONE:
-                # fenced: a process judged hung (a host cut off) that reported while cut off; its
-                # relay forwards the report once the link is back, and it must count for nothing:
-                # the plan waits for its exit instead
-                continue
-            failure = self._failure
-            if failure is None or (rank not in failure.reported and rank not in failure.dead):
-                self._reported(gen, rank, d)
-        if not direct or self.store.add(keys.fail_count(gen), 0) == 0:
-            return  # the counter is only a hint (anyone can bump it): the sealed reports decide
-        failure = self._failure
-        known = set() if failure is None else set(failure.reported) | failure.dead
-        # the list is a hint (anyone who lists the store's keys can name it): it says which sealed
-        # reports to open, and a forged or cut list only delays them to ``_try_recover``'s deadline
-        ranks = [r for r in self._reported_ranks(gen) if r not in known]
-        texts = self._read_reports(gen, ranks)
-        for rank in ranks:
-            text = texts.get(rank)
-            if text is not None:
-                self._reported(gen, rank, json.loads(text))
-
-    def _reported(self, gen: int, rank: int, d: dict[str, Any]) -> None:
-        failure = self._fail(self._clock())
-        failure.reported[rank] = int(d["committed"])
-        if d.get("has_state", True):
-            failure.holders.add(rank)
-        self._emit(Event.FAILURE_REPORTED, rank=rank, gen=gen, reason=d["reason"], committed=d["committed"])
-
-    def _reported_ranks(self, gen: int) -> list[int]:
-        """The members whose failure reports the list ``keys.fail_ranks`` names (each member appends
-        its rank after its sealed report): the reports to read, not every member's key every tick
-        (16,000 round trips at 2,000 hosts). A hint only: the sealed reports decide."""
-        name = self.store.name(keys.fail_ranks(gen))
-        if not self.store.raw.check([name]):
-            return []
-        members = self.members
-        out: dict[int, None] = {}  # in the order listed, once each (a list's ``in`` was quadratic:
-        # 6.6 s of the coordinator's loop for 16,000 reports at 2,000 hosts, bench/control_scale.py)
-        for word in bytes(self.store.raw.get(name)).decode(errors="replace").split(","):
-            if word.strip().isdigit() and int(word) in members:
-                out[int(word)] = None
-        return list(out)
-
-    def _read_reports(self, gen: int, ranks: list[int]) -> dict[int, str]:
-        """The verified failure reports of ``ranks``: in one round trip when every key exists (as
-        the list promises), else key by key."""
-        names = [keys.fail(gen, r) for r in ranks]
-        if not names:
-            return {}
-        if self.store.raw.check([self.store.name(n) for n in names]):
-            raws = self.store.get_sealed_present(names)
-            texts = {r: self.store.open(n, raw) for r, n, raw in zip(ranks, names, raws, strict=True)}
-        else:
-            texts = {r: self.store.get(n) for r, n in zip(ranks, names, strict=True)}
-        return {r: t for r, t in texts.items() if t is not None}
-
-    def _try_recover(self, now: float) -> None:
-        assert self._failure is not None and self.plan is not None
-        f = self._failure
-        missing = [r for r in self.members if r not in f.dead and r not in f.reported]
-        if missing:
-            self.probe([self.members[r] for r in missing])  # their hosts' agents: alive?
-            # A live member that neither dies nor reports is stuck: the same allowance as a step
-            # with no progress, and at least a collective's timeout: gloo does not fail a send
-            # still queued on a connection that breaks (its pair's error reaches the receives and
-            # old-style buffers, not an unbound buffer's pending write), so a member released by
-            # the abort in the middle of a large send reports only once that send times out; a kill
-            # before that costs a rank (the job, without spares). One still starting (no heartbeat
-            # yet) reports when it gets there; a silent one is the heartbeat detector's case.
-            rc = self.job.recovery
-            deadline = max(
-                rc.progress_timeout_s,
-                3 * self.median_step_time(),
-                rc.collective_timeout_s + rc.hang_timeout_s,
-            )
-            if now - f.started > deadline:
-                for r in missing:
-                    p = self.procs[self.members[r]]
-                    if p.killed or not p.joined or now - p.last_change > 3 * rc.heartbeat_interval_s:
-                        continue
-                    self._emit(Event.FAULT_DETECTED, rank=r, reason=Reason.NO_PROGRESS, target=p.handle.name,
-                               silent_s=round(now - f.started, 3))  # fmt: skip
-                    p.killed = True
-                    p.handle.kill()
-            return
-        committed = {r: c for r, c in f.reported.items() if r not in f.dead}
-        spares = self.ready_spares()
-        if len(f.dead) > len(spares):
-            self._start_refills()  # a new failure before the last recovery finished
-            starting = [n for n, p in self.procs.items() if p.role == Role.SPARE and p.handle.alive()]
-            if len(f.dead) > len(starting) + len(self._spares_due):
-                why = (
-                    f"; spares keep dying at start-up: {self._last_spare_death}"
-                    if self._pool_exhausted
-                    else ""
-                )
-                ended = {r: self._crash_lines[r] for r in sorted(f.dead) if self._crash_lines.get(r)}
-                lead = same_error(ended)
-                if lead is not None:  # a mistake every rank made: the script's error first
-                    line, ranks = lead
-                    raise JobFailed(
-                        f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} ended with "
-                        f"the same error: {line} (a mistake in the script: no spare can fix it; generation "
-                        f"{f.gen}, {len(f.dead)} rank(s) lost and {len(starting)} spare(s) left)"
-                    )
-                lines = "".join(f"; rank {r}'s process ended with: {text}" for r, text in ended.items())
-                raise JobFailed(
-                    f"generation {f.gen}: {len(f.dead)} rank(s) lost and {len(starting)} spare(s) left "
-                    f"(elastic shrink without spares is not supported yet){why}{lines}"
-                )
-            return  # wait for spares that are still starting
-        try:
-            rc = self.job.recovery
-            durable_on = bool(rc.durable_every and rc.durable_dir)
-            step = self._durable_step(committed) if durable_on else None
-            plan = make_plan(
-                self.plan,
-                committed,
-                spares,
-                holders=f.holders,
-                durable_on=durable_on,
-                durable_step=step,
-                hosts={name: p.handle.host for name, p in self.procs.items()},
-            )
-        except PlanError as e:
-            raise JobFailed(f"generation {f.gen}: {e}") from e
-        self._retries[plan.resume_step] += 1
-        if self._retries[plan.resume_step] > self.job.recovery.max_retries_per_step:
-            raise JobFailed(
-                f"step {plan.resume_step} failed {self._retries[plan.resume_step]} times; giving up"
-            )
-        self._publish(plan, f)
-
-    def _durable_step(self, committed: dict[int, int]) -> int | None:
-        """The durable snapshot a rollback may use: complete and intact for every shard, of this job's
-        shape and seed, and no newer than the highest step the job committed (a newer one is another
-        run's). A damaged newer one (files gone) is skipped with a warning; the ranks verify the rest
-        as they load it, and fall back to an older one of their own run."""
+    # -- detection ----------------------------------------------------------------
+    def _check_processes(self, now: float) -> None:
         rc = self.job.recovery
-        assert rc.durable_dir is not None
-        highest = max(
-            [*committed.values(), *(int(p.hb.get("committed", -1)) for p in self.procs.values())], default=-1
-        )
-        damaged: list[tuple[int, str]] = []
-        step = latest_complete(
-            rc.durable_dir, self.job.shards, job=job_key(self.job), at_most=highest, damaged=damaged
-        )
-        for bad, why in damaged:
-            if step is None or bad > step:
-                log.warning("durable snapshot of step %d is damaged, not used: %s", bad, why)
-                self._emit(Event.DURABLE_FAILED, step=bad, during="restore", error=why)
-        return step
+        for name, p in list(self.procs.items()):
+            if p.role == Role.GONE:
+                continue
+            rank = self._rank_of(name) if p.role == Role.WORKER else None
+            if not p.handle.alive():
+                self._on_exit(name, p, rank, now)
+                continue
+            if not p.joined and not p.killed and now - p.started > rc.start_timeout_s:
+                self._emit(Event.FAULT_DETECTED, rank=rank, reason=Reason.START_TIMEOUT, target=name, role=p.role,
+                           silent_s=round(now - p.started, 3))  # fmt: skip
+                log.warning(
+                    "%s did not join the job within %.0fs of its start; killing it", name, now - p.started
+                )
+                p.killed = True
+                p.handle.kill()
+            elif p.joined and not p.killed and hung(p, now, rc):
+                silent = now - p.last_change
+                self._emit(Event.FAULT_DETECTED, rank=rank, reason=Reason.HEARTBEAT_TIMEOUT, target=name,
+                           silent_s=round(silent, 3), busy=bool(p.busy))  # fmt: skip
+                log.warning(
+                    "%s (rank %s): no heartbeat for %.1fs%s, killing it", name, rank, silent,
+                    " (using CPU all along: a thread holding the GIL, or stuck in native code)" if p.busy else "",
+                )  # fmt: skip
+                self.kill_member(p, rank, now)
 
-    def _publish(self, plan: Plan, f: _Failure) -> None:
-        self._publish_value(keys.plan(plan.gen), plan.to_json())
-        self._publish_value(keys.LATEST_GEN, str(plan.gen))
-        for rank, old in plan.replaced.items():
-            self.procs[old].role = Role.GONE
-            new = plan.members[rank]
-            self.procs[new].role = Role.WORKER
-            self._publish_value(keys.assign(new), str(plan.gen))
-        self.plan = plan
-        self._emit(
-            Event.GENERATION_STARTED, gen=plan.gen, members=plan.members, resume_step=plan.resume_step,
-            sources=plan.sources, replaced=plan.replaced, committed=f.reported, restore=plan.restore,
-        )  # fmt: skip
-        for rank, old in plan.replaced.items():
-            self._emit(Event.SPARE_ASSIGNED, rank=rank, gen=plan.gen, target=plan.members[rank], replaces=old)
-        # refill the pool after the recovery: a starting spare (importing torch) would compete
-        # with the state transfer for CPU
-        self._refills += len(plan.replaced)
-        self._recovering = (f.started, plan)
-        self._failure = None
+    def _check_exits(self, now: float) -> bool:
+        """The exits alone (``_check_processes`` without the hang rules, which need the heartbeats
+        read first): whether there were any."""
+        seen = False
+        for name, p in list(self.procs.items()):
+            if p.role != Role.GONE and not p.handle.alive():
+                self._on_exit(name, p, self._rank_of(name) if p.role == Role.WORKER else None, now)
+                seen = True
+        return seen
 
-    def _check_recovered(self) -> None:
-        assert self._recovering is not None
-        started, plan = self._recovering
-        for _rank, name in plan.members.items():
-            hb = self.procs[name].hb
-            if hb.get("gen") != plan.gen:
-                return
-            if hb.get("committed", -1) < plan.resume_step and hb.get("phase") != Phase.DONE:
-                return
-        self._emit(Event.RECOVERY_DONE, gen=plan.gen, step=plan.resume_step, seconds=self._clock() - started)
-        self._recovering = None
-        self._start_refills()
-
-    def _check_done(self) -> None:
+    def _on_exit(self, name: str, p: ProcessView, rank: int | None, now: float) -> None:
+        """A process is gone: a fault to recover from, a spare to restart, or the end of the job."""
+        role, p.role = p.role, Role.GONE
         if self.finished:
             return
-        done = self._done  # verified reports are kept: a stranger overwriting one later cannot stall the end
-        for rank in self.members:
-            if rank not in done or done[rank]["proc"] != self.members[rank]:
-                text = self.store.get(keys.done(rank))
-                if text is None:
-                    return
-                done[rank] = json.loads(text)
-            if done[rank]["proc"] != self.members[rank]:
-                return  # a report of a process that has since been replaced
-        if len({d["step"] for d in done.values()}) != 1:
-            return  # a rank is still re-executing a step after a late recovery
-        shards = self.job.shards
-        per_shard: list[str] = []
-        for shard in range(shards):
-            digests = {d["digest"] for r, d in done.items() if r % shards == shard}
-            if len(digests) != 1:
-                of = "" if shards == 1 else f" of shard {shard}"
-                holders: dict[str, list[int]] = {}
-                for r in sorted(done):
-                    if r % shards == shard:
-                        holders.setdefault(done[r]["digest"], []).append(r)
-                who = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))}: {d[:8]}"
-                                for d, rs in holders.items())  # fmt: skip
-                raise JobFailed(
-                    f"replicas{of} diverged: {len(digests)} different final states across ranks ({who})"
-                )
-            per_shard.append(digests.pop())
-        registered = [self._registered_digest(done, shard) for shard in range(shards)]
-        # one shard: its digest; several: the SHA-256 of the shards' digests in shard order
-        self.digest = (
-            per_shard[0] if shards == 1 else hashlib.sha256(":".join(per_shard).encode()).hexdigest()
-        )
-        self.registered_digest = hashlib.sha256(":".join(registered).encode()).hexdigest()
+        if self.exits.judge(name, p, role, rank, now) and rank is not None:
+            self.fail(now).dead.add(rank)
+
+    def kill_member(self, p: ProcessView, rank: int | None, now: float) -> None:
+        """Kill a process judged hung. A member's generation is aborted at once: its peers leave
+        it and report while the kill is confirmed (on another host, by its agent's next status, or
+        by the host's loss when the host is gone: seconds at 2,000 hosts), so the plan can follow
+        the confirmation at once. The rank counts as dead once its exit is seen."""
+        p.killed = True
+        p.handle.kill()
+        if rank is not None and p.role == Role.WORKER and not self.finished:
+            self.fail(now)
+
+    def _check_progress(self, now: float) -> None:
+        """A member stuck computing a step while a peer already waits in that step's reduction is
+        hung (``detection.stuck``). The allowance is ``progress_timeout_s`` or five normal steps,
+        whichever is longer; no step committed yet: none (the first step is slow)."""
+        if not self.pace.started:
+            return
+        rc = self.job.recovery
+        limit = max(rc.progress_timeout_s, 5 * self.median_step_time())
+        gen = self.plan.gen if self.plan else 0
+        members = [self.procs[n] for n in self.members.values() if self.procs[n].hb.get("gen") == gen]
+        for p in stuck(members, now, rc, limit):
+            rank = self._rank_of(p.handle.name)
+            step = p.hb.get("step")
+            self._emit(Event.FAULT_DETECTED, rank=rank, reason=Reason.NO_PROGRESS, target=p.handle.name,
+                       step=step, silent_s=round(now - p.phase_since, 3))  # fmt: skip
+            log.warning("%s (rank %s): no progress in step %s for %.1fs, killing it",
+                        p.handle.name, rank, step, now - p.phase_since)  # fmt: skip
+            self.kill_member(p, rank, now)
+
+    def _check_early_finish(self) -> None:
+        """Loops of different lengths end the job naming both ranks (``detection.early_finish``)."""
+        assert self.plan is not None
+        gen = self.plan.gen
+        live = {
+            r: p.hb for r, n in self.members.items()
+            if (p := self.procs.get(n)) is not None and not p.killed and p.role == Role.WORKER
+            and p.hb.get("gen") == gen and p.hb.get("rank") == r
+        }  # fmt: skip
+        found = early_finish(live, self.members)
+        if found is not None:
+            rank, error = found
+            self._emit(
+                Event.FAULT_DETECTED, rank=rank, reason=Reason.FATAL, target=self.members[rank], error=error
+            )
+            log.error("%s", error)
+            raise JobFailed(error)
+
+    # -- the failure course ---------------------------------------------------------
+    def fail(self, now: float) -> Failure:
+        """The current generation's failure (``FailureCourse.fail``): also what a lost host's
+        detection calls while its members' collectives still work."""
+        return self.course.fail(now)
+
+    # -- the end --------------------------------------------------------------------
+    def check_done(self) -> None:
+        """Whether every member reported its final state for the same step (``Outcome.check``):
+        then the job's digest, its stop and the ``job_finished`` event."""
+        if self.finished:
+            return
+        step = self.outcome.check(self.members)
+        if step is None:
+            return
         self.finished = True
         self.store.set(keys.JOB_STOP, "1")  # the launcher re-asserts it while the ranks exit
         self._emit(
-            Event.JOB_FINISHED, ok=True, step=done[0]["step"], digest=self.digest,
+            Event.JOB_FINISHED,
+            ok=True,
+            step=step,
+            digest=self.digest,
             registered_digest=self.registered_digest,
-        )  # fmt: skip
+        )
 
-    def _registered_digest(self, done: dict[int, dict[str, Any]], shard: int) -> str:
-        """The replicas of ``shard`` must hold everything registered alike (user state, the
-        optimizer's learning rate, ...; not the per-rank RNG): its digest, or ``JobFailed``
-        naming the first entry that differs and the ranks."""
-        ranks = sorted(r for r in done if r % self.job.shards == shard)
-        entries = {r: [(str(p), str(d)) for p, d in done[r].get("entries", [])] for r in ranks}
-        ref = ranks[0]
-        for r in ranks[1:]:
-            if entries[r] != entries[ref]:
-                path = first_difference(entries[ref], entries[r])
-                raise JobFailed(
-                    f"replicas diverged at the end: registered state {path!r} differs between rank "
-                    f"{ref} and rank {r} (the final state digests agree: state outside the model and "
-                    "optimizer tensors, or the optimizer's param_groups, drifted)"
-                )
-        h = hashlib.sha256()
-        for path, d in entries[ref]:
-            h.update(f"{len(path)}:{path}={d};".encode())
-        return h.hexdigest()
+    @property
+    def digest(self) -> str | None:
+        return self.outcome.digest
 
-
-_RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s*")
-_PEER_ERROR = ("gloo", "connection reset", "connection closed", "broken pipe", "nccl")
-
-
-def same_error(lines: dict[int, str]) -> tuple[str, list[int]] | None:
-    """The error line that several lost ranks' processes ended with (torch's ``[rankN]:`` prefix
-    aside) and those ranks, when it is one line: the ranks that died of a peer's death (gloo's or
-    NCCL's dying words) do not count against it. None when the ranks ended differently, or one
-    rank alone raised (a fault of that rank's, for the usual message)."""
-    own: dict[int, str] = {}
-    for r, line in lines.items():
-        text = _RANK_PREFIX.sub("", line.strip())
-        if text and not any(w in text.lower() for w in _PEER_ERROR):
-            own[r] = text
-    if len(own) < 2 or len(set(own.values())) != 1:
-        return None
-    return next(iter(own.values())), sorted(own)
+    @property
+    def registered_digest(self) -> str | None:
+        """Of everything registered but the per-rank RNG."""
+        return self.outcome.registered_digest

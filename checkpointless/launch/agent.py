@@ -4,7 +4,7 @@ It starts every worker and spare of its host (the environment contract of ``cont
 the job's secret on a private pipe, the process's slot on the host), sees their exits at once
 (a pidfd each), kills them when told, reads their log tails and CPU time for the coordinator,
 stops them all at the end (politely, then by force) and frees the node's shared-memory batch
-cache. The coordinator sees each process through ``control.membership.ProcessHandle`` and never
+cache. The coordinator sees each process through ``control.processes.ProcessHandle`` and never
 touches one directly; on one host the agent lives in the launcher's process.
 
 Children die with the launcher at any moment (``PR_SET_PDEATHSIG`` is set between fork and exec,
@@ -97,6 +97,8 @@ def _tree_cpu_seconds(pid: int) -> float | None:
 
 class _Child:
     """A started process, as the coordinator sees it."""
+
+    relayed = False  # on the coordinator's host, it beats into the control store itself
 
     def __init__(
         self,

@@ -57,6 +57,7 @@ from checkpointless.control import keys
 from checkpointless.control.auth import SignedStore, control_token, job_namespace, new_secret
 from checkpointless.control.bell import ReportBell
 from checkpointless.control.coordinator import Coordinator, JobFailed
+from checkpointless.control.processes import ProcessTable
 from checkpointless.control.vocab import Event, Role, event
 from checkpointless.errors import JobInterrupted, LaunchError
 from checkpointless.faults import unfired
@@ -288,7 +289,7 @@ class Launcher:
             self._record_chunk(name, keys.events(name, i), raw)
             self._chunks_read[name] = i + 1
         for name, child in children.items():
-            if name in announced or name in self._drained or getattr(child, "relayed", False):
+            if name in announced or name in self._drained or child.relayed:
                 continue
             gone = not child.alive()  # seen before reading: a process that is gone writes no more
             seen = self._chunks_read.get(name, 0)
@@ -402,6 +403,7 @@ class Launcher:
         if self._own_logdir:  # made only once the job can start, so a refused launch leaves nothing
             self._logdir = Path(tempfile.mkdtemp(prefix="checkpointless-logs-"))
         self._wakeups.open()  # a ring wakes the launcher before any local process exists
+        table = ProcessTable()  # the coordinator's, which the hosts' side reads (several hosts)
         if self.cluster is None:
             self.agent = NodeAgent(
                 self.job, self.command, job_id=self.job_id, secret=self._secret,
@@ -412,7 +414,7 @@ class Launcher:
             c = self.cluster
             self.remote = RemoteNodes(
                 self.store, self.job, nodes=c.nodes, nproc_per_node=c.nproc_per_node,
-                spare_nodes=c.spare_nodes, spares_per_node=c.spares_per_node, job_id=self.job_id,
+                spare_nodes=c.spare_nodes, spares_per_node=c.spares_per_node, job_id=self.job_id, table=table,
                 emit=lambda kind, **f: self._record(event(
                     kind, proc="coordinator", gen=self._coord.plan.gen if self._coord and self._coord.plan else 0, **f)),
             )  # fmt: skip
@@ -442,22 +444,12 @@ class Launcher:
             )  # fmt: skip
         except RuntimeError as e:  # the coordinator then reads failure reports every tick
             log.warning("no report bell (%s); failure reports are polled", e)
-        coord = Coordinator(self.store, self.job, self.total_steps, spawn_spare, self._record,
-                            report_bell=self._bell.rung if self._bell is not None else None)  # fmt: skip
+        coord = Coordinator(
+            self.store, self.job, self.total_steps, spawn_spare, self._record,
+            report_bell=self._bell.rung if self._bell is not None else None, table=table,
+            probe=self.remote.probe if self.remote is not None else None,
+        )  # fmt: skip
         self._coord = coord
-        if self.remote is not None:
-            self.remote.heard_from = lambda n: (
-                coord.procs[n].last_change if n in coord.procs else float("-inf")
-            )
-            self.remote.is_worker = lambda n: n in coord.procs and coord.procs[n].role == Role.WORKER
-            coord.probe = self.remote.probe
-            remote = self.remote
-
-            def rejoined(host: Any) -> None:  # a lost host came back: a spare host now
-                for _ in range(host.nproc):
-                    coord.add_spare(remote.spawn_spare_on(host))
-
-            remote.on_rejoin = rejoined
         error: str | None = None
         interrupted: int | None = None
         try:
@@ -582,7 +574,9 @@ class Launcher:
         last_collect = 0.0
         while not coord.finished:
             if self.remote is not None:
-                self.remote.poll()
+                for host in self.remote.poll():  # a lost host came back: a spare host now
+                    for _ in range(host.nproc):
+                        coord.add_spare(self.remote.spawn_spare_on(host))
             coord.tick()
             for name in self._wakeups.watched():  # exits the coordinator has handled
                 proc = coord.procs.get(name)
@@ -678,7 +672,7 @@ class Launcher:
                     done = json.loads(text)
                     if done.get("proc") != name or done.get("step") != self.total_steps - 1:
                         return False
-                coord._check_done()  # the replicas agree: the digest, and the job_finished event
+                coord.check_done()  # the replicas agree: the digest, and the job_finished event
             except (JobFailed, RuntimeError, OSError, ValueError) as e:
                 log.warning("the job's final reports do not add up (%s); it stays interrupted", e)
                 return False

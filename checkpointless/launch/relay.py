@@ -73,7 +73,7 @@ log = logging.getLogger(__name__)
 
 
 FORWARDED = ("seq", "phase", "rank", "gen", "committed", "step", "attempt", "step_time_s", "total", "report")
-"""The fields of a heartbeat the relay forwards: those the coordinator reads (``control/membership.py``,
+"""The fields of a heartbeat the relay forwards: those the coordinator reads (``control/heartbeats.py``,
 ``detection.py``, ``coordinator.py``). Its clock (``t``: the relay's own stands for the host's), its
 chunk count (the relay's business) and its metrics (loss and the like: they reach the log in the
 step's ``step_committed`` event) stay on the host: the coordinator parses every host's value at

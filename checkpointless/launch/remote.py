@@ -2,7 +2,7 @@
 through the control store only.
 
 The coordinator never touches a process on another host. It sees each one through a
-``RemoteProcess`` (the ``ProcessHandle`` of ``control/membership.py``), whose state is what the
+``RemoteProcess`` (the ``ProcessHandle`` of ``control/processes.py``), whose state is what the
 process's agent last reported; a kill is an order to that agent, confirmed when the agent reports
 the exit. Per tick the coordinator reads one status key per host (one round trip for all hosts),
 never one per process.
@@ -38,6 +38,7 @@ from typing import Any
 from checkpointless.config import JobConfig
 from checkpointless.control import keys
 from checkpointless.control.auth import SignedStore
+from checkpointless.control.processes import ProcessTable
 from checkpointless.control.vocab import Event, Role
 from checkpointless.errors import JobFailed
 
@@ -179,7 +180,11 @@ class RemoteNodes:
         emit: Callable[..., None],
         clock: Callable[[], float] = time.monotonic,
         spares_per_node: int = 0,
+        table: ProcessTable | None = None,
     ) -> None:
+        """``table``: the coordinator's process table, read for when a process was last heard
+        (a host whose agent is slow but whose processes still beat is not lost) and whether it
+        holds a rank (where spares go)."""
         if nodes * nproc_per_node != job.workers or (
             spare_nodes * nproc_per_node + nodes * spares_per_node != job.spares
         ):
@@ -191,8 +196,7 @@ class RemoteNodes:
         self.store, self.job, self.job_id = store, job, job_id
         self.nodes, self.nproc, self.spare_nodes = nodes, nproc_per_node, spare_nodes
         self._emit, self._clock = emit, clock
-        # a lost host's agent came back with none of its processes left: it serves as a spare host
-        self.on_rejoin: Callable[[_Host], None] = lambda host: None
+        self._table = table if table is not None else ProcessTable()
         self.hosts: dict[str, _Host] = {}
         self.children: dict[str, RemoteProcess] = {}
         self._tickets = 0  # agents' hellos read so far
@@ -202,10 +206,6 @@ class RemoteNodes:
         self._timeout = host_timeout(job)
         self._answer_s = answer_window(job)
         self.beat_s = status_interval(job)
-        # when the coordinator last heard a process's own heartbeat (its clock): a host whose agent
-        # is slow but whose processes still beat is not lost
-        self.heard_from: Callable[[str], float] = lambda name: float("-inf")
-        self.is_worker: Callable[[str], bool] = lambda name: False  # a process holds a rank
 
     # -- registration ----------------------------------------------------------------
     def publish_job(self) -> None:
@@ -347,15 +347,15 @@ class RemoteNodes:
         if self.local_spares:  # a worker host short of its own spares first (it used one, or is new)
             short = [
                 h for h in self.hosts.values()
-                if not h.lost and any(self.is_worker(p.name) for p in procs(h))
-                and sum(not self.is_worker(p.name) for p in procs(h)) < self.local_spares
+                if not h.lost and any(self._table.is_worker(p.name) for p in procs(h))
+                and sum(not self._table.is_worker(p.name) for p in procs(h)) < self.local_spares
             ]  # fmt: skip
             if short:
                 return self.spawn_spare_on(min(short, key=lambda h: h.node))
 
         spare_hosts = [
             h for h in self.hosts.values()
-            if not h.lost and not any(self.is_worker(p.name) for p in procs(h)) and len(procs(h)) < h.nproc
+            if not h.lost and not any(self._table.is_worker(p.name) for p in procs(h)) and len(procs(h)) < h.nproc
         ]  # fmt: skip
         spare_hosts.sort(key=lambda h: (h.nproc - len(procs(h)), h.node))
         return self.spawn_spare_on(spare_hosts[0]) if spare_hosts else None
@@ -384,13 +384,16 @@ class RemoteNodes:
         """Seconds since ``host``'s status last moved (the coordinator's clock)."""
         return self._clock() - host.heard
 
-    def poll(self) -> None:
-        """Read every host's status in one round trip; declare silent hosts lost."""
+    def poll(self) -> list[_Host]:
+        """Read every host's status in one round trip; declare silent hosts lost. The lost hosts
+        that came back (their processes gone): each serves as a spare host now, for the caller
+        to fill (``spawn_spare_on``)."""
         now = self._clock()
         live = [h for h in self.hosts.values() if not h.lost]
         back = [h for h in self.hosts.values() if h.lost and h.reset is not None]  # may come back
+        rejoined: list[_Host] = []
         if not live and not back:
-            return
+            return rejoined
         names = [keys.node_status(h.name) for h in live + back]
         present = [
             h for h, k in zip(live + back, names, strict=True)
@@ -411,11 +414,12 @@ class RemoteNodes:
                 h.asked = None  # answered
             if h.lost and status.get("reset") == h.reset:
                 self._rejoin(h, now)
+                rejoined.append(h)
         quiet = {h.name for h in live if now - h.heard > self._timeout}  # agents silent too long
         heard: dict[str, float] = {}  # the latest heartbeat of any process of each of those hosts
         for n, p in self.children.items() if quiet else ():
             if p.host in quiet:
-                heard[p.host] = max(heard.get(p.host, float("-inf")), self.heard_from(n))
+                heard[p.host] = max(heard.get(p.host, float("-inf")), self._table.heard_from(n))
         for h in live:
             silent = now - max(h.heard, heard.get(h.name, float("-inf")))
             if h.asked is not None and now - h.asked > self._answer_s:
@@ -425,6 +429,7 @@ class RemoteNodes:
                 self._lose(
                     h, f"its agent was silent for {silent:.1f}s (host timeout {self._timeout:g}s)", silent
                 )
+        return rejoined
 
     def _lose(self, h: _Host, why: str, silent: float) -> None:
         h.lost, h.lost_at = why, self._clock()
@@ -450,7 +455,6 @@ class RemoteNodes:
         )
         h.lost, h.reset, h.spare, h.asked, h.heard = "", None, True, None, now
         self._emit(Event.HOST_REJOINED, host=h.name, node=h.node, away_s=round(away, 3))
-        self.on_rejoin(h)
 
     def stop(self, timeout_s: float = 8.0) -> None:
         """Order every live agent to stop its processes (politely, then by force) and wait until

@@ -1049,7 +1049,7 @@ def test_the_strangers_check_reads_what_is_live_not_every_process_and_generation
         job.raw.check = check  # type: ignore[method-assign]
         job.signed.namespace = "job/"
         try:
-            job.coord._check_intruders()
+            job.coord.intruders.check(job.coord.plan)
         finally:
             job.raw.check = real_check  # type: ignore[method-assign]
             job.signed.namespace = ""
@@ -1076,7 +1076,7 @@ def test_the_strangers_check_reads_what_is_live_not_every_process_and_generation
     assert len(set(checks)) == 1 and checks[0] > 10, checks
     job.raw.set(keys.plan(7), "forged")  # a plain (un-namespaced) name: a stranger's write
     job.signed.namespace = "job/"
-    job.coord._check_intruders()
+    job.coord.intruders.check(job.coord.plan)
     rejected = {e["key"] for e in job.kinds("message_rejected")}
     assert keys.plan(7) in rejected and not job.raw.check([keys.plan(7)])
 
@@ -1110,7 +1110,7 @@ def test_a_sampler_built_before_the_session_is_named_in_the_error() -> None:
     """``DistributedSampler(dataset)`` before ``Session()`` returned (the default process group is
     formed with the rank): torch's line, then what it means here and what to write instead; a
     collective that failed outside the step is pointed to ``session.between_steps()``."""
-    from checkpointless.control.detection import _hint
+    from checkpointless.control.detection import hint as _hint
 
     line = "ValueError: Default process group has not been initialized, please make sure to call init_process_group."
     hint = _hint(line)
@@ -1138,13 +1138,13 @@ def test_a_failure_waiting_for_a_killed_members_exit_plans_as_the_exit_is_seen_b
     job.tick(3)  # the SIGKILL is pending: no plan
     assert job.plan(1) is None
     planned_before_read: list[bool] = []
-    read = job.coord._read_heartbeats
+    read = job.coord.heartbeats.read
 
-    def spy(now: float) -> None:
+    def spy(now: float) -> Any:
         planned_before_read.append(job.plan(1) is not None)
-        read(now)
+        return read(now)
 
-    job.coord._read_heartbeats = spy  # type: ignore[method-assign]
+    job.coord.heartbeats.read = spy  # type: ignore[method-assign]
     job.exit("w1", -9)
     job.tick()
     assert planned_before_read == [True]
@@ -1153,7 +1153,7 @@ def test_a_failure_waiting_for_a_killed_members_exit_plans_as_the_exit_is_seen_b
 
 
 def test_the_error_several_lost_ranks_ended_with_leads() -> None:
-    from checkpointless.control.coordinator import same_error
+    from checkpointless.control.detection import same_error
 
     same = "[rank0]: KeyError: 'val_loss'"
     gloo = "[rank1]: RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer"

@@ -21,6 +21,8 @@ SECRET = bytes(range(32))
 
 
 class _Child:
+    relayed = False  # a process of this host: it writes its own event chunks
+
     def __init__(self) -> None:
         self.exited = False
 

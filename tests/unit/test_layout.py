@@ -307,17 +307,13 @@ KNOWN_LAYOUT: dict[tuple[str, ...], str] = {
     **_known("layer", "session", INJECTOR, ["faults"]),
     **_known("layer", "session_base", INJECTOR, ["faults"]),
     **_known("layer", "devices", ENV, ["control.env"]),
-    **_known("layer", "control.coordinator", "the coordinator finds the newest complete durable snapshot with durable.py's job_key and latest_complete, while durable.py imports control/vocab.py: control and state in a circle of folders (issue 41 item 2)", ["durable"]),
+    **_known("layer", "control.course", "a failure's course (the coordinator's, moved out of coordinator.py) finds the newest complete durable snapshot with durable.py's job_key and latest_complete, while durable.py imports control/vocab.py: control and state in a circle of folders (issue 41 item 2)", ["durable"]),
     ("function circle", f"{PACKAGE}.recipes.config", f"{PACKAGE}.recipes.models"): "recipes/config.py builds the model of a recipe (build_hf_model) inside a function, recipes/models.py reads ModelConfig",
     **_known("re-export", "state", "first_difference belongs beside the digests (issue 41 item 2)", ["control.plan"]),
     **_known("re-export", "state", "IntegrityError is errors.py's, the package's one hierarchy: imported from there", ["errors"]),
     **_known("private name", "analysis.montecarlo", PRIVATE, ["analysis.goodput_model._check_positive"]),
     **_known("private name", "analysis.simulate", PRIVATE, [
         "analysis.goodput_model._INT_FIELDS", "analysis.montecarlo._failure_times",
-    ]),
-    **_known("private name", "control.coordinator", PRIVATE + " (the coordinator's tower)", ["control.membership._Failure"]),
-    **_known("private name", "control.detection", PRIVATE + " (the coordinator's tower)", [
-        "control.membership._Failure", "control.membership._Proc",
     ]),
     **_known("private name", "durable", PRIVATE, [
         "state.codec._decode_meta", "state.codec._encode_state", "state.codec._unflatten",

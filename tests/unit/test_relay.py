@@ -18,7 +18,6 @@ from checkpointless.control import keys
 from checkpointless.control.auth import SignedStore, job_namespace
 from checkpointless.control.client import ControlClient
 from checkpointless.control.coordinator import Coordinator
-from checkpointless.control.membership import Membership
 from checkpointless.control.vocab import Event
 from checkpointless.launch.launcher import open_store
 from checkpointless.launch.relay import Relay
@@ -202,7 +201,7 @@ def test_the_coordinator_reads_a_key_per_host_and_ignores_replays_and_forgeries(
 ) -> None:
     server, view = coordinator
     job = JobConfig(workers=2)
-    members = Membership(view, job, 10, spawn_spare=lambda: None, emit=lambda ev: None)
+    members = Coordinator(view, job, 10, spawn_spare=lambda: None, emit=lambda ev: None)
     members.start([_Handle("w0", "h1"), _Handle("w1", "h1")], [])
 
     def relay_value(seq: int, committed: int) -> str:
@@ -213,15 +212,15 @@ def test_the_coordinator_reads_a_key_per_host_and_ignores_replays_and_forgeries(
         return json.dumps({"seq": seq, "t": time.time(), "chunks": 2, "procs": procs})
 
     view.set(keys.node_relay("h1"), relay_value(5, 7))
-    members._read_heartbeats_from_store(time.monotonic())
+    members._observe(time.monotonic())
     assert {r: s.get("committed") for r, s in members.member_status().items()} == {0: 7, 1: 7}
     assert members.relay_chunks() == {"h1": 2}
     assert members.announced_chunks() == {}  # relayed processes' own chunk counts are the relay's business
     view.set(keys.node_relay("h1"), relay_value(4, 9))  # a replay of an older value
-    members._read_heartbeats_from_store(time.monotonic())
+    members._observe(time.monotonic())
     assert members.member_status()[0]["committed"] == 7
     server.set(view.name(keys.node_relay("h1")), b"forged")  # not sealed with the secret
-    members._read_heartbeats_from_store(time.monotonic())
+    members._observe(time.monotonic())
     assert members.member_status()[0]["committed"] == 7
     assert members.clock_of("w1") == "h1"
 
@@ -245,9 +244,9 @@ def test_a_relayed_failure_report_reaches_the_coordinator_in_its_hosts_value_and
         clients[1].update(report={"gen": 0, "rank": 0, "committed": 9, "reason": "x", "has_state": True})
 
         def reported() -> dict[int, int]:
-            coord._read_heartbeats_from_store(time.monotonic())
-            coord._check_reports(direct=False)
-            return dict(coord._failure.reported) if coord._failure is not None else {}
+            coord._observe(time.monotonic())
+            coord.course.check_reports(direct=False)
+            return dict(coord.failure.reported) if coord.failure is not None else {}
 
         _until(lambda: reported() == {0: 3})
         assert not view.raw.check([view.name(keys.fail(0, 0))])  # nothing per rank on the coordinator's store
@@ -258,7 +257,7 @@ def test_a_relayed_failure_report_reaches_the_coordinator_in_its_hosts_value_and
         assert coord.store.get(keys.abort(0)) == "1"  # the generation is aborted
         clients[1].report_failure(0, 1, 3, "collective_error", False)
         _until(lambda: reported() == {0: 3, 1: 3})
-        assert coord._failure is not None and coord._failure.holders == {0}
+        assert coord.failure is not None and coord.failure.holders == {0}
         clients[0].update(gen=1)
         assert "report" not in clients[0]._status
     finally:
@@ -294,13 +293,13 @@ def test_a_report_forwarded_after_its_process_was_killed_counts_for_nothing(
 
     beat("h0", 1, "w0", 0, False)
     beat("h1", 1, "w1", 1, False)
-    coord._read_heartbeats_from_store(time.monotonic())
-    coord._kill_member(coord.procs["w1"], 1, time.monotonic())  # judged hung: its generation aborted
+    coord._observe(time.monotonic())
+    coord.kill_member(coord.procs["w1"], 1, time.monotonic())  # judged hung: its generation aborted
     beat("h0", 2, "w0", 0, True)
     beat("h1", 2, "w1", 1, True)  # the link is back: the cut-off rank's own report arrives
-    coord._read_heartbeats_from_store(time.monotonic())
-    coord._check_reports(direct=False)
-    assert coord._failure is not None and coord._failure.reported == {0: 3}
+    coord._observe(time.monotonic())
+    coord.course.check_reports(direct=False)
+    assert coord.failure is not None and coord.failure.reported == {0: 3}
     assert [e["rank"] for e in seen if e["kind"] == Event.FAILURE_REPORTED] == [0]
 
 

@@ -11,6 +11,8 @@ import torch.distributed as dist
 from checkpointless.config import JobConfig
 from checkpointless.control import keys
 from checkpointless.control.auth import SignedStore, new_secret
+from checkpointless.control.processes import ProcessTable
+from checkpointless.control.vocab import Role
 from checkpointless.launch.remote import RemoteNodes, host_timeout
 
 
@@ -23,13 +25,13 @@ class Clock:
 
 
 def _nodes(
-    nodes: int = 2, nproc: int = 2, spare_nodes: int = 1
+    nodes: int = 2, nproc: int = 2, spare_nodes: int = 1, table: ProcessTable | None = None
 ) -> tuple[RemoteNodes, SignedStore, Clock, list]:
     store = SignedStore(dist.HashStore(), new_secret())
     job = JobConfig(workers=nodes * nproc, spares=spare_nodes * nproc)
     clock, lost = Clock(), []
     r = RemoteNodes(store, job, nodes=nodes, nproc_per_node=nproc, spare_nodes=spare_nodes, job_id="j",
-                    emit=lambda kind, **f: lost.append({**f, "kind": kind}), clock=clock)  # fmt: skip
+                    emit=lambda kind, **f: lost.append({**f, "kind": kind}), clock=clock, table=table)  # fmt: skip
     return r, store, clock, lost
 
 
@@ -128,23 +130,24 @@ def test_a_silent_host_is_lost_and_its_processes_are_dead() -> None:
 
 
 def test_spares_are_refilled_on_spare_hosts_only() -> None:
-    r, store, _, _ = _nodes()
+    table = ProcessTable()
+    r, store, _, _ = _nodes(table=table)
     for h, p, spare in (("a", 1, False), ("b", 2, False), ("c", 3, True)):
         _hello(store, h, p, spare=spare)
     r.accept(timeout_s=1)
-    workers, _ = r.start()
-    roles = {w.name: True for w in workers}
-    r.is_worker = lambda n: roles.get(n, False)
+    workers, spares = r.start()
+    for w in workers:  # the coordinator's table: who holds a rank
+        table.add(w, Role.WORKER, 0.0)
     # a worker of host a died: host a keeps no spare; host c is full
     store.set(keys.node_status("a"), json.dumps({"seq": 1, "procs": {"w0": {"alive": False, "exit": -9}}}))
     r.poll()
     assert r.spawn_spare() is None
     # a spare of host c took the rank: host c now runs a rank, so it is no spare host either
-    roles["s0"] = True
+    table.add(spares[0], Role.WORKER, 0.0)
     store.set(keys.node_status("c"), json.dumps({"seq": 1, "procs": {"s1": {"alive": False, "exit": 1}}}))
     r.poll()
     assert r.spawn_spare() is None
-    roles["s0"] = False  # (had it stayed a spare) the freed slot on the spare host is refilled
+    table["s0"].role = Role.SPARE  # (had it stayed a spare) the freed slot on the spare host is refilled
     new = r.spawn_spare()
     assert new is not None and new.host == "c"
 
@@ -213,33 +216,35 @@ def test_a_lost_host_whose_agent_comes_back_and_resets_rejoins_as_a_spare_host()
     r.accept(timeout_s=1)
     workers, _ = r.start()
     rejoined: list[str] = []
-    r.on_rejoin = lambda host: rejoined.append(host.name)
     seq = {"a": 0, "b": 0, "c": 0}
 
     def beat(host: str, **extra: object) -> None:
         seq[host] += 1
         store.set(keys.node_status(host), json.dumps({"seq": seq[host], "procs": {}, **extra}))
 
+    def poll() -> None:
+        rejoined.extend(h.name for h in r.poll())  # the hosts back: the caller fills them with spares
+
     for h in seq:
         beat(h)
-    r.poll()
+    poll()
     clock.t += host_timeout(r.job) + 0.1
     beat("a")
     beat("c")
-    r.poll()
+    poll()
     assert [e["kind"] for e in events] == ["host_lost"] and r.hosts["b"].lost
     reset = r.hosts["b"].reset
     assert reset is not None and json.loads(store.get(keys.node_order("b", reset)) or "{}") == {
         "op": "reset", "index": reset}  # fmt: skip
     beat("b")  # back, but has not carried out the reset yet
-    r.poll()
+    poll()
     assert r.hosts["b"].lost and rejoined == []
     beat("b", reset=reset)
-    r.poll()
+    poll()
     assert not r.hosts["b"].lost and r.hosts["b"].spare and rejoined == ["b"]
     assert [e["kind"] for e in events] == ["host_lost", "host_rejoined"] and events[1]["host"] == "b"
     beat("b", reset=reset)
-    r.poll()
+    poll()
     assert rejoined == ["b"]  # once
     assert not workers[2].alive()  # its old processes stay dead to the job
 
@@ -249,15 +254,16 @@ def test_spares_per_node_keep_a_process_fault_on_its_host() -> None:
     spare (it took a rank) gets the next one; spare hosts keep theirs."""
     store = SignedStore(dist.HashStore(), new_secret())
     job = JobConfig(workers=4, spares=2 + 2)
+    table = ProcessTable()
     r = RemoteNodes(store, job, nodes=2, nproc_per_node=2, spare_nodes=1, job_id="j", emit=lambda kind, **f: None,
-                    spares_per_node=1)  # fmt: skip
+                    spares_per_node=1, table=table)  # fmt: skip
     for h, p, spare in (("a", 1, False), ("b", 2, False), ("c", 3, True)):
         _hello(store, h, p, spare=spare)
     r.accept(timeout_s=1)
-    _, spares = r.start()
+    workers, spares = r.start()
     assert sorted((s.host, s.name) for s in spares) == [("a", "s2"), ("b", "s3"), ("c", "s0"), ("c", "s1")]
-    promoted = {"s2"}  # a's own spare took a's lost rank
-    r.is_worker = lambda n: n.startswith("w") or n in promoted
+    for w in workers + [s for s in spares if s.name == "s2"]:  # a's own spare took a's lost rank
+        table.add(w, Role.WORKER, 0.0)
     refill = r.spawn_spare()
     assert refill is not None and refill.host == "a"
     with pytest.raises(ValueError, match="spare\\(s\\) per node"):

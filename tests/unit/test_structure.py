@@ -483,10 +483,6 @@ def _foreign_writes(module: Module) -> Iterator[tuple[str, ast.Attribute]]:
 # ----------------------------------------------------------------------------- the ratchet
 
 SESSION_TOWER = "Session(Member(ReplicaConsistency(ModelLifecycle(SessionBase)))) over one bag of attributes (issue 41 item 1: the session's parts)"
-COORD_TOWER = (
-    "Coordinator(Detection(Membership)) over one bag of attributes (issue 41 item 1: the coordinator's parts)"
-)
-LAUNCHER_WIRES = "the launcher wires the remote hosts and the coordinator after building them (issue 41 item 3: collaborators passed to constructors)"
 HF_EVAL = "the evaluation replay sets the Trainer's evaluation flags from hf_eval.py (issue 41 item 6: public names where files meet)"
 
 
@@ -500,14 +496,6 @@ KNOWN: dict[tuple[str, str, str], str] = {
     **_entries("inherit", "member.py", SESSION_TOWER, ["Member(ReplicaConsistency)"]),
     **_entries("inherit", "consistency.py", SESSION_TOWER, ["ReplicaConsistency(ModelLifecycle)"]),
     **_entries("inherit", "lifecycle.py", SESSION_TOWER, ["ModelLifecycle(SessionBase)"]),
-    **_entries("inherit", "control/coordinator.py", COORD_TOWER, ["Coordinator(Detection)"]),
-    **_entries("inherit", "control/detection.py", COORD_TOWER, ["Detection(Membership)"]),
-    **_entries("wiring", "launch/launcher.py", LAUNCHER_WIRES, [
-        "Launcher.run: coord.probe = bound method self.remote.probe",
-        "Launcher.run: remote.on_rejoin = local function rejoined",
-        "Launcher.run: self.remote.heard_from = lambda",
-        "Launcher.run: self.remote.is_worker = lambda",
-    ]),
     **_entries("private", "session.py", SESSION_TOWER, [
         "SessionBase._attempted", "SessionBase._attempts", "SessionBase._client", "SessionBase._committed",
         "SessionBase._current", "SessionBase._durable", "SessionBase._faults", "SessionBase._finished",
@@ -527,13 +515,6 @@ KNOWN: dict[tuple[str, str, str], str] = {
     **_entries("private", "lifecycle.py", SESSION_TOWER, [
         "SessionBase._buffers", "SessionBase._generation_state", "SessionBase._group", "SessionBase._reducer",
         "SessionBase._registry", "SessionBase._saved", "SessionBase._trainable",
-    ]),
-    **_entries("private", "control/coordinator.py", COORD_TOWER, [
-        "Membership._failure", "Membership._last_intruder_check", "Membership._last_poll",
-        "Membership._last_sweep", "Membership._recovering", "Membership._refills",
-    ]),
-    **_entries("private", "control/detection.py", COORD_TOWER, [
-        "Membership._failure", "Membership._fatal_checked", "Membership._recovering",
     ]),
     **_entries("private", "integrations/hf_eval.py", HF_EVAL, ["Trainer._eval_aligned", "Trainer._eval_count"]),
 }  # fmt: skip

@@ -1,0 +1,243 @@
+"""A failure's course, from the abort of a generation to the end of its recovery.
+
+1. ``fail``: the generation is aborted (its abort published): its members leave it and report.
+2. The members' failure reports come in (``FailureReports``; ``reported``), and the dead ones are
+   counted as their exits are seen.
+3. Once every member is accounted for (dead or reported), the plan: who replaces whom, who sends
+   state to whom, the step to resume at (``make_plan``), published with the spares' assignments.
+   Members that neither die nor report are waited for up to a deadline, then killed.
+4. The recovery is the members' to make (join, transfer, re-execute); it is done when every member
+   is in the new generation and has committed the resume step (``check_recovered``); the spare
+   pool is refilled then, not before (a starting spare competes with the transfer for the CPU).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from checkpointless.config import JobConfig
+from checkpointless.control import keys
+from checkpointless.control.exits import ExitJudge
+from checkpointless.control.outcome import Outcome
+from checkpointless.control.pace import Pace
+from checkpointless.control.plan import Plan, PlanError, make_plan
+from checkpointless.control.processes import ProcessTable
+from checkpointless.control.published import Published
+from checkpointless.control.reports import FailureReports
+from checkpointless.control.spares import SparePool
+from checkpointless.control.vocab import Event, Phase, Reason, Role
+from checkpointless.durable import job_key, latest_complete
+from checkpointless.errors import JobFailed
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Failure:
+    """A failed generation, until its plan is out: who is dead, who reported what."""
+
+    gen: int
+    started: float
+    dead: set[int] = field(default_factory=set)
+    reported: dict[int, int] = field(default_factory=dict)  # rank -> its committed step
+    holders: set[int] = field(default_factory=set)  # ranks that still hold their state
+
+
+@dataclass(kw_only=True)
+class CourseParts:
+    """What a failure's course works with: the coordinator's parts."""
+
+    table: ProcessTable
+    spares: SparePool
+    reports: FailureReports
+    published: Published
+    exits: ExitJudge
+    outcome: Outcome
+    pace: Pace
+
+
+class FailureCourse:
+    """The current plan and a failure's course (see the module docstring). ``emit(kind, **fields)``
+    records its events; ``probe(names)`` asks the hosts of silent members for a sign of life."""
+
+    def __init__(
+        self,
+        job: JobConfig,
+        parts: CourseParts,
+        emit: Callable[..., None],
+        clock: Callable[[], float],
+        probe: Callable[[list[str]], None] | None = None,
+    ) -> None:
+        self._job, self._p, self._emit, self._clock, self._probe = job, parts, emit, clock, probe
+        self.plan: Plan | None = None
+        self.failure: Failure | None = None
+        self.recovering: tuple[float, Plan] | None = None  # (when its failure started, its plan)
+        self._retries: Counter[int] = Counter()
+
+    def start(self, plan: Plan) -> None:
+        """Generation 0's plan, published."""
+        self.plan = plan
+        self._p.published.publish(keys.plan(0), plan.to_json())
+        self._p.published.publish(keys.LATEST_GEN, "0")
+
+    def fail(self, now: float) -> Failure:
+        """The current generation's failure: started (its abort published) if none is under way."""
+        assert self.plan is not None
+        if self.failure is None:
+            self._p.outcome.reset()  # finished ranks recover too, and report again
+            self.failure = Failure(self.plan.gen, now)
+            self._p.published.publish(keys.abort(self.plan.gen), "1")
+            self.recovering = None
+        return self.failure
+
+    def check_reports(self, direct: bool = True) -> None:
+        """The members' failure reports: those that came in relayed heartbeats since the last call,
+        then (``direct``) those written to the store by processes that beat into it themselves."""
+        assert self.plan is not None
+        gen, members = self.plan.gen, self.plan.members
+        for name, d in self._p.reports.take_relayed():
+            rank = d.get("rank")
+            if d.get("gen") != gen or not isinstance(rank, int) or members.get(rank) != name:
+                continue  # an older generation's (or not this member's: its relay vouches for it only)
+            p = self._p.table[name]
+            if p.killed or p.role == Role.GONE:
+                # fenced: a process judged hung (a host cut off) that reported while cut off; its
+                # relay forwards the report once the link is back, and it must count for nothing:
+                # the plan waits for its exit instead
+                continue
+            failure = self.failure
+            if failure is None or (rank not in failure.reported and rank not in failure.dead):
+                self._reported(gen, rank, d)
+        if not direct:
+            return
+        failure = self.failure
+        known = set() if failure is None else set(failure.reported) | failure.dead
+        for rank, d in self._p.reports.read(gen, members, known):
+            self._reported(gen, rank, d)
+
+    def _reported(self, gen: int, rank: int, d: dict[str, Any]) -> None:
+        failure = self.fail(self._clock())
+        failure.reported[rank] = int(d["committed"])
+        if d.get("has_state", True):
+            failure.holders.add(rank)
+        self._emit(Event.FAILURE_REPORTED, rank=rank, gen=gen, reason=d["reason"], committed=d["committed"])
+
+    def try_recover(self, now: float) -> None:
+        """The plan, once every member is accounted for and enough spares are ready; ``JobFailed``
+        when none can be made (no spares left, a plan error, a step that keeps failing)."""
+        assert self.failure is not None and self.plan is not None
+        f, table = self.failure, self._p.table
+        missing = [r for r in self.plan.members if r not in f.dead and r not in f.reported]
+        if missing:
+            self._wait_for(f, missing, now)
+            return
+        committed = {r: c for r, c in f.reported.items() if r not in f.dead}
+        spares = table.ready_spares()
+        if len(f.dead) > len(spares):
+            self._p.spares.refill(self._clock())  # a new failure before the last recovery finished
+            starting = [n for n, p in table.procs.items() if p.role == Role.SPARE and p.handle.alive()]
+            if len(f.dead) > len(starting) + len(self._p.spares.due):
+                raise JobFailed(self._p.exits.out_of_spares(f.gen, sorted(f.dead), len(starting)))
+            return  # wait for spares that are still starting
+        try:
+            rc = self._job.recovery
+            durable_on = bool(rc.durable_every and rc.durable_dir)
+            step = self._durable_step(committed) if durable_on else None
+            plan = make_plan(
+                self.plan, committed, spares, holders=f.holders, durable_on=durable_on, durable_step=step,
+                hosts={name: p.handle.host for name, p in table.procs.items()},
+            )  # fmt: skip
+        except PlanError as e:
+            raise JobFailed(f"generation {f.gen}: {e}") from e
+        self._retries[plan.resume_step] += 1
+        if self._retries[plan.resume_step] > rc.max_retries_per_step:
+            raise JobFailed(
+                f"step {plan.resume_step} failed {self._retries[plan.resume_step]} times; giving up"
+            )
+        self._publish(plan, f)
+
+    def _wait_for(self, f: Failure, missing: list[int], now: float) -> None:
+        """Members that neither died nor reported yet. A live member that neither dies nor reports
+        is stuck: the same allowance as a step with no progress, and at least a collective's
+        timeout: gloo does not fail a send still queued on a connection that breaks (its pair's
+        error reaches the receives and old-style buffers, not an unbound buffer's pending write),
+        so a member released by the abort in the middle of a large send reports only once that
+        send times out; a kill before that costs a rank (the job, without spares). One still
+        starting (no heartbeat yet) reports when it gets there; a silent one is the heartbeat
+        detector's case."""
+        assert self.plan is not None
+        members = self.plan.members
+        if self._probe is not None:
+            self._probe([members[r] for r in missing])  # their hosts' agents: alive?
+        rc = self._job.recovery
+        deadline = max(
+            rc.progress_timeout_s, 3 * self._p.pace.median(), rc.collective_timeout_s + rc.hang_timeout_s
+        )
+        if now - f.started <= deadline:
+            return
+        for r in missing:
+            p = self._p.table[members[r]]
+            if p.killed or not p.joined or now - p.last_change > 3 * rc.heartbeat_interval_s:
+                continue
+            self._emit(Event.FAULT_DETECTED, rank=r, reason=Reason.NO_PROGRESS, target=p.handle.name,
+                       silent_s=round(now - f.started, 3))  # fmt: skip
+            p.killed = True
+            p.handle.kill()
+
+    def _durable_step(self, committed: dict[int, int]) -> int | None:
+        """The durable snapshot a rollback may use: complete and intact for every shard, of this job's
+        shape and seed, and no newer than the highest step the job committed (a newer one is another
+        run's). A damaged newer one (files gone) is skipped with a warning; the ranks verify the rest
+        as they load it, and fall back to an older one of their own run."""
+        rc = self._job.recovery
+        assert rc.durable_dir is not None
+        views = self._p.table.procs.values()
+        highest = max([*committed.values(), *(int(p.hb.get("committed", -1)) for p in views)], default=-1)
+        damaged: list[tuple[int, str]] = []
+        step = latest_complete(
+            rc.durable_dir, self._job.shards, job=job_key(self._job), at_most=highest, damaged=damaged
+        )
+        for bad, why in damaged:
+            if step is None or bad > step:
+                log.warning("durable snapshot of step %d is damaged, not used: %s", bad, why)
+                self._emit(Event.DURABLE_FAILED, step=bad, during="restore", error=why)
+        return step
+
+    def _publish(self, plan: Plan, f: Failure) -> None:
+        published, table = self._p.published, self._p.table
+        published.publish(keys.plan(plan.gen), plan.to_json())
+        published.publish(keys.LATEST_GEN, str(plan.gen))
+        for rank, old in plan.replaced.items():
+            table[old].role = Role.GONE
+            new = plan.members[rank]
+            table[new].role = Role.WORKER
+            published.publish(keys.assign(new), str(plan.gen))
+        self.plan = plan
+        self._emit(
+            Event.GENERATION_STARTED, gen=plan.gen, members=plan.members, resume_step=plan.resume_step,
+            sources=plan.sources, replaced=plan.replaced, committed=f.reported, restore=plan.restore,
+        )  # fmt: skip
+        for rank, old in plan.replaced.items():
+            self._emit(Event.SPARE_ASSIGNED, rank=rank, gen=plan.gen, target=plan.members[rank], replaces=old)
+        self._p.spares.replace_later(len(plan.replaced))
+        self.recovering = (f.started, plan)
+        self.failure = None
+
+    def check_recovered(self) -> None:
+        """The recovery is done once every member is in its generation and committed its resume
+        step (or finished): ``recovery_done``, and the spare pool is refilled."""
+        assert self.recovering is not None
+        started, plan = self.recovering
+        for _rank, name in plan.members.items():
+            hb = self._p.table[name].hb
+            if hb.get("gen") != plan.gen:
+                return
+            if hb.get("committed", -1) < plan.resume_step and hb.get("phase") != Phase.DONE:
+                return
+        self._emit(Event.RECOVERY_DONE, gen=plan.gen, step=plan.resume_step, seconds=self._clock() - started)
+        self.recovering = None
+        self._p.spares.refill(self._clock())

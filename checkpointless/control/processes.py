@@ -1,0 +1,139 @@
+"""The coordinator's process table: every process of the job as the coordinator sees it.
+
+A process is reached through a ``ProcessHandle`` (the process backend: the local supervisor on one
+host, a host's agent on several, ``launch/``) and seen through its ``ProcessView``: its role, its
+latest verified heartbeat, when it last changed, whether the coordinator killed it. The table is
+one object the coordinator holds and the backend reads (``heard_from``, ``is_worker``: where a
+host's spares may go, whether a silent host's processes were heard from another way).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from checkpointless.control.vocab import Phase, Role
+
+
+class ProcessHandle(Protocol):
+    """What the coordinator needs of a process the backend started."""
+
+    name: str
+    host: str  # the host it runs on (its node agent's): the unit of failure and replacement
+    relayed: bool
+    """Its heartbeats and events come through its host's relay (``launch/relay.py``), not from the
+    process itself: the coordinator reads its host's value, not its own keys."""
+
+    def alive(self) -> bool: ...
+
+    def kill(self) -> None: ...
+
+    def exitcode(self) -> int | None:
+        """The exit status once dead (negative: killed by that signal), else None."""
+        ...
+
+    def log_tail(self) -> str:
+        """The last Python exception line of the process's output, else its last non-empty line
+        ("" if none)."""
+        ...
+
+    def cpu_seconds(self) -> float | None:
+        """The CPU time the process (and its descendants) has used so far, None where the caller
+        cannot see it (another host, no ``/proc``)."""
+        ...
+
+    def cpu_age(self) -> float:
+        """Seconds since ``cpu_seconds``'s figure was read (0 for a process read live; another
+        host's process: since its agent's last status)."""
+        ...
+
+
+@dataclass
+class ProcessView:
+    """One process as the coordinator sees it."""
+
+    handle: ProcessHandle
+    role: Role
+    raw_hb: bytes = b""
+    hb: dict[str, Any] = field(default_factory=dict)
+    last_change: float = 0.0
+    phase_since: float = 0.0  # when (phase, attempt) last changed
+    started: float = 0.0
+    killed: bool = False
+    was_ready: bool = False  # a spare that reached its waiting phase
+    cpu_mark: tuple[float, float] | None = None  # (when, CPU seconds) sampled while it is silent
+    busy: bool | None = None  # silent, and it used CPU in the last sampled window (None: not sampled)
+    read_since: float = 0.0  # the coordinator's wall clock when the last read of its heartbeat began
+    forgiven: float = 0.0  # the coordinator's stalls credited to its silence since its last heartbeat
+
+    @property
+    def joined(self) -> bool:
+        """The process has sent a (valid) heartbeat: it runs a ``Session``."""
+        return bool(self.raw_hb)
+
+    @property
+    def live(self) -> bool:
+        """Not gone: it holds a rank or waits as a spare."""
+        return self.role != Role.GONE
+
+    def heard(self, hb: dict[str, Any], raw: bytes, now: float) -> None:
+        """A new verified heartbeat: the silence clocks start again."""
+        if (hb.get("phase"), hb.get("attempt")) != (self.hb.get("phase"), self.hb.get("attempt")):
+            self.phase_since = now
+        self.raw_hb, self.last_change, self.hb = raw, now, hb
+        self.cpu_mark, self.busy, self.forgiven = None, None, 0.0
+
+
+class ProcessTable:
+    """Every process of the job by name (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.procs: dict[str, ProcessView] = {}
+
+    def add(self, handle: ProcessHandle, role: Role, now: float) -> ProcessView:
+        view = ProcessView(handle, role, last_change=now, started=now, read_since=time.time())
+        self.procs[handle.name] = view
+        return view
+
+    def __getitem__(self, name: str) -> ProcessView:
+        return self.procs[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.procs
+
+    def get(self, name: str) -> ProcessView | None:
+        return self.procs.get(name)
+
+    def live(self) -> list[tuple[str, ProcessView]]:
+        return [(n, p) for n, p in self.procs.items() if p.live]
+
+    def ready_spares(self) -> list[str]:
+        """Spares waiting for a rank (their heartbeat says so) and alive."""
+        return [
+            n for n, p in self.procs.items()
+            if p.role == Role.SPARE and not p.killed and p.hb.get("phase") == Phase.SPARE and p.handle.alive()
+        ]  # fmt: skip
+
+    def announced_chunks(self) -> dict[str, int]:
+        """How many event chunks each live process's last heartbeat says it has written (the
+        processes that write their own: a relayed one's come with its host's)."""
+        return {
+            n: int(p.hb["chunks"]) for n, p in self.procs.items()
+            if p.live and "chunks" in p.hb and not p.handle.relayed
+        }  # fmt: skip
+
+    def clock_of(self, name: str) -> str:
+        """The name a process's clock offset is kept under: its host's, when its agent relays."""
+        p = self.procs.get(name)
+        return p.handle.host if p is not None and p.handle.relayed else name
+
+    def heard_from(self, name: str) -> float:
+        """When the coordinator last heard from process ``name`` (its clock; -inf: never)."""
+        p = self.procs.get(name)
+        return p.last_change if p is not None else float("-inf")
+
+    def is_worker(self, name: str) -> bool:
+        """Whether process ``name`` holds a rank."""
+        p = self.procs.get(name)
+        return p is not None and p.role == Role.WORKER
