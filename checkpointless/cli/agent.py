@@ -1,5 +1,5 @@
 """``checkpointless agent --coordinator HOST:PORT --secret-file F --nproc-per-node P [--spare] -- CMD``:
-one host of a job on several hosts (:class:`checkpointless.launch.node.Agent`)."""
+one host of a job on several hosts (:class:`checkpointless.launch.host_agent.HostAgent`)."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(argv: list[str]) -> int:
-    from checkpointless.launch.node import Agent, main_agent
+    from checkpointless.launch.host_agent import HostAgent, main_agent
 
     split = argv.index("--") if "--" in argv else len(argv)
     own, command = argv[:split], argv[split + 1 :]
@@ -77,7 +77,7 @@ def run(argv: list[str]) -> int:
         raise UsageError(str(e)) from None
     if command[0] in ("python", "python3"):
         command = [sys.executable, *command[1:]]
-    agent = Agent(
+    agent = HostAgent(
         args.coordinator, secret, command, nproc=args.nproc_per_node, spare=args.spare, host=args.host_name,
         addr=args.addr, log_dir=args.log_dir, node_rank=args.node_rank, join_timeout_s=args.join_timeout,
         clock_skew_s=args.clock_skew, rejoin_window_s=args.rejoin_window,

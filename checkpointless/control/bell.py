@@ -3,7 +3,7 @@
 The coordinator must see a failure report at once (the survivors' stall waits for it), but
 polling the store for it every 10 ms cost the launcher 100 round trips a second, taken from
 the cores the workers train on, and kept the launcher from sleeping between heartbeat polls
-(``launch/launcher.py``, ``_Wakeups``). Instead a
+(``launch/launcher.py``, ``Wakeups``). Instead a
 daemon thread blocks in the store's ``wait`` on one key (``keys.REPORT_BELL``, in the job's
 namespace), on a connection of its own; a reporter writes its sealed report and then sets
 the bell (a ``set``: no reply to wait for). The thread deletes the key and marks the bell

@@ -10,7 +10,9 @@ host's spares may go, whether a silent host's processes were heard from another 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 from checkpointless.control.vocab import Phase, Role
@@ -20,10 +22,15 @@ class ProcessHandle(Protocol):
     """What the coordinator needs of a process the backend started."""
 
     name: str
-    host: str  # the host it runs on (its node agent's): the unit of failure and replacement
+    host: str  # the host it runs on (its host agent's): the unit of failure and replacement
     relayed: bool
     """Its heartbeats and events come through its host's relay (``launch/relay.py``), not from the
     process itself: the coordinator reads its host's value, not its own keys."""
+
+    @property
+    def pid(self) -> int:
+        """Its pid on its host (0 until known)."""
+        ...
 
     def alive(self) -> bool: ...
 
@@ -46,6 +53,60 @@ class ProcessHandle(Protocol):
     def cpu_age(self) -> float:
         """Seconds since ``cpu_seconds``'s figure was read (0 for a process read live; another
         host's process: since its agent's last status)."""
+        ...
+
+
+class ProcessBackend(Protocol):
+    """Whatever owns the job's processes: the local supervisor (one host: ``launch/supervisor.py``)
+    or the hosts' agents (several: ``launch/remote.py``). The coordinator and the launcher ask;
+    the backend does, and its handles report what happened (a kill is confirmed by the exit)."""
+
+    @property
+    def children(self) -> Mapping[str, ProcessHandle]:
+        """Every process it started, by name (dead ones too)."""
+        ...
+
+    @property
+    def spares(self) -> Sequence[str]:
+        """Every spare it started, by name, in order."""
+        ...
+
+    def start_job(self) -> tuple[Sequence[ProcessHandle], Sequence[ProcessHandle]]:
+        """Start the job's workers (rank order) and spares (on several hosts: once the hosts'
+        agents joined); both lists of handles."""
+        ...
+
+    def spawn_spare(self) -> ProcessHandle | None:
+        """Start one more spare; None when no host has a free slot."""
+        ...
+
+    def probe(self, names: list[str]) -> None:
+        """Ask for a sign of life of these processes' hosts (the coordinator waits for them)."""
+        ...
+
+    def refresh(self) -> Sequence[ProcessHandle]:
+        """Take in the hosts' news; the spares started meanwhile (a lost host came back and serves
+        as a spare host) for the coordinator's pool."""
+        ...
+
+    def wait_exit(self, handle: ProcessHandle, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for ``handle``'s process to exit (it may not)."""
+        ...
+
+    def usage(self, local: Callable[[], dict[str, Any]]) -> dict[str, tuple[dict[str, Any], list[str]]]:
+        """Each host's latest usage sample (``local()`` samples this host) and its processes."""
+        ...
+
+    def log_paths(self) -> dict[str, Path]:
+        """Where each process's log is, where the launcher's host can name it."""
+        ...
+
+    def stop(self) -> None:
+        """Stop every process (politely, then by force) and wait for them."""
+        ...
+
+    def close(self) -> None:
+        """Free what outlives the processes on this host (the node's batch cache)."""
         ...
 
 

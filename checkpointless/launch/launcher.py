@@ -2,7 +2,7 @@
 
 The control store (a ``TCPStore``), the ``Coordinator`` and the event sink live in the launcher
 process, outside every worker, so any worker may die. The job's processes are started, watched
-and stopped by a ``NodeAgent`` (``agent.py``); on one host it lives in this process and the
+and stopped by a ``LocalSupervisor`` (``supervisor.py``); on one host it lives in this process and the
 coordinator reaches the processes through it only (``ProcessHandle``). The spare pool refills:
 the coordinator asks for a new spare each time one is consumed or lost.
 
@@ -12,7 +12,7 @@ What the launcher guarantees around a job:
   every control message is sealed with a per-job secret that each child reads
   from a private pipe (``control/auth.py``): a stranger or a process of another
   job cannot steer this one;
-- children die with the launcher at any moment (``agent.py``), and a terminal's
+- children die with the launcher at any moment (``supervisor.py``), and a terminal's
   Ctrl-C reaches the launcher alone, which stops them;
 - events reach ``<out>/events.jsonl`` while the job runs (appended and flushed
   every tick), so a crash of the launcher keeps what happened up to it; at the
@@ -38,7 +38,6 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
 import tempfile
 import threading
 import time
@@ -57,13 +56,13 @@ from checkpointless.control import keys
 from checkpointless.control.auth import SignedStore, control_token, job_namespace, new_secret
 from checkpointless.control.bell import ReportBell
 from checkpointless.control.coordinator import Coordinator, JobFailed
-from checkpointless.control.processes import ProcessTable
+from checkpointless.control.processes import ProcessBackend, ProcessTable
 from checkpointless.control.vocab import Event, Role, event
 from checkpointless.errors import JobInterrupted, LaunchError
 from checkpointless.faults import unfired
-from checkpointless.launch.agent import NodeAgent, _Wakeups
-from checkpointless.launch.outputs import _write_atomic, set_aside_previous_run, write_control_file
+from checkpointless.launch.outputs import set_aside_previous_run, write_atomic, write_control_file
 from checkpointless.launch.remote import ClusterSpec, RemoteNodes
+from checkpointless.launch.supervisor import LocalSupervisor, Wakeups
 from checkpointless.observe.event_log import EventLog
 from checkpointless.observe.report import build_report
 from checkpointless.observe.usage import UsageRecorder
@@ -212,12 +211,14 @@ class Launcher:
         self.on_tick = on_tick if isinstance(on_tick, list) else [on_tick] if on_tick else []
         self.job_id = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.timeout_s = timeout_s
-        self.agent: NodeAgent | None = None  # this host's processes (made in run())
         self.cluster = cluster
-        self.remote: RemoteNodes | None = None  # the hosts' agents, on several hosts (made in run())
+        # the job's processes (made in run()): a LocalSupervisor on one host, the hosts' agents
+        # (RemoteNodes, kept as ``remote`` too: their relayed events are collected by host) on several
+        self.backend: ProcessBackend | None = None
+        self.remote: RemoteNodes | None = None
         self._coord: Coordinator | None = None
         self._bell: ReportBell | None = None
-        self._wakeups = _Wakeups()
+        self._wakeups = Wakeups()
         self._usage = UsageRecorder()
         self._log = EventLog()
         self._after_finish: dict[str, str] = {}  # a rank's process that failed after the job's end
@@ -238,9 +239,7 @@ class Launcher:
         """Every process started so far, by name: a ``ProcessHandle`` each (``_Child`` here, a
         ``RemoteProcess`` on another host). A read-only view, not a copy (16,000 entries at 2,000
         hosts): not to be iterated across a call that starts a process."""
-        if self.remote is not None:
-            return MappingProxyType(self.remote.children)
-        return MappingProxyType(self.agent.children) if self.agent is not None else {}
+        return MappingProxyType(self.backend.children) if self.backend is not None else {}
 
     # -- events ---------------------------------------------------------------------
     def _record(self, ev: dict[str, Any]) -> None:
@@ -404,26 +403,26 @@ class Launcher:
             self._logdir = Path(tempfile.mkdtemp(prefix="checkpointless-logs-"))
         self._wakeups.open()  # a ring wakes the launcher before any local process exists
         table = ProcessTable()  # the coordinator's, which the hosts' side reads (several hosts)
+        store_addr = f"{self.host}:{self.store.raw.port}"
+        backend: ProcessBackend
         if self.cluster is None:
-            self.agent = NodeAgent(
-                self.job, self.command, job_id=self.job_id, secret=self._secret,
-                store_addr=f"{self.host}:{self.store.raw.port}", logdir=self._logdir, env=self.env,
-                wakeups=self._wakeups,
+            backend = LocalSupervisor(
+                self.job, self.command, job_id=self.job_id, secret=self._secret, store_addr=store_addr,
+                logdir=self._logdir, env=self.env, wakeups=self._wakeups,
             )  # fmt: skip
         else:
             c = self.cluster
-            self.remote = RemoteNodes(
+            backend = self.remote = RemoteNodes(
                 self.store, self.job, nodes=c.nodes, nproc_per_node=c.nproc_per_node,
                 spare_nodes=c.spare_nodes, spares_per_node=c.spares_per_node, job_id=self.job_id, table=table,
                 emit=lambda kind, **f: self._record(event(
                     kind, proc="coordinator", gen=self._coord.plan.gen if self._coord and self._coord.plan else 0, **f)),
+                spec=c, addr=store_addr,
             )  # fmt: skip
             # a host's usage every 2 s, at most 100 hosts' a second: at 2,000 hosts one sample of
             # each every 20 s (a Prometheus scrape's usual interval), not 1,000 events a second
             self._usage.every_s = max(self._usage.every_s, (c.nodes + c.spare_nodes) / USAGE_HOSTS_PER_S)
-        spawn_spare: Callable[[], Any] = (
-            self.remote.spawn_spare if self.remote is not None else self.agent.spawn_spare  # type: ignore[union-attr]
-        )
+        self.backend = backend
         if self.out_dir is not None:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             set_aside_previous_run(self.out_dir)
@@ -445,9 +444,8 @@ class Launcher:
         except RuntimeError as e:  # the coordinator then reads failure reports every tick
             log.warning("no report bell (%s); failure reports are polled", e)
         coord = Coordinator(
-            self.store, self.job, self.total_steps, spawn_spare, self._record,
-            report_bell=self._bell.rung if self._bell is not None else None, table=table,
-            probe=self.remote.probe if self.remote is not None else None,
+            self.store, self.job, self.total_steps, backend.spawn_spare, self._record,
+            report_bell=self._bell.rung if self._bell is not None else None, table=table, probe=backend.probe,
         )  # fmt: skip
         self._coord = coord
         error: str | None = None
@@ -509,21 +507,15 @@ class Launcher:
     def _record_usage(self, coord: Coordinator, now: float) -> None:
         """One ``host_usage`` event per host: its CPU, memory and accelerators (its agent's last
         sample, or this host's own), and each of its ranks' CPU share."""
+        assert self.backend is not None
         hosts: dict[str, dict[str, Any]] = {}
         ranks = {name: rank for rank, name in coord.members.items()}
-        if self.remote is not None:
-            for h in self.remote.hosts.values():  # each host's ranks from its own status: no scan
-                if h.lost or not isinstance(h.status.get("usage"), dict):  # of every process
-                    continue
-                usage = hosts[h.name] = dict(h.status["usage"])
-                procs = h.status.get("procs")
-                for name in procs if isinstance(procs, dict) else ():
-                    if name in ranks:
-                        self._rank_share(usage, now, ranks[name], name, self.remote.children.get(name))
-        else:
-            usage = hosts[socket.gethostname()] = self._usage.local()
-            for name, rank in ranks.items():
-                self._rank_share(usage, now, rank, name, self.children.get(name))
+        children = self.children
+        for host, (usage, procs) in self.backend.usage(self._usage.local).items():
+            hosts[host] = usage  # each host's ranks from its own list: no scan of every process
+            for name in procs:
+                if name in ranks:
+                    self._rank_share(usage, now, ranks[name], name, children.get(name))
         for host, usage in hosts.items():
             self._record(event(Event.HOST_USAGE, proc="launcher", gen=coord.plan.gen if coord.plan else 0,
                                host=host, **usage))  # fmt: skip
@@ -534,35 +526,16 @@ class Launcher:
             usage.setdefault("ranks", {})[str(rank)] = share
 
     def _log_paths(self) -> dict[str, Path]:
-        if self.agent is not None:
-            return {n: c.log_path for n, c in self.agent.children.items()}
-        if self.remote is not None and self.cluster is not None and self.cluster.log_dir_of is not None:
-            return {n: self.cluster.log_dir_of(p.host) / f"{n}.log" for n, p in self.remote.children.items()}
-        return {}
+        return self.backend.log_paths() if self.backend is not None else {}
 
     def _pids(self) -> dict[str, int]:
-        if self.agent is not None:
-            return {n: c.popen.pid for n, c in self.agent.children.items()}
-        return {n: p.pid for n, p in self.remote.children.items() if p.pid} if self.remote is not None else {}
+        return {n: p.pid for n, p in self.children.items() if p.pid}
 
     def _start(self, coord: Coordinator) -> None:
         """Start every worker and spare: here, or through the hosts' agents once they joined."""
-        if self.agent is not None:
-            workers = [self.agent.spawn(f"w{r}", Role.WORKER) for r in range(self.job.workers)]
-            spares = [self.agent.spawn_spare() for _ in range(self.job.spares)]
-            coord.start(list(workers), list(spares))
-            return
-        assert self.remote is not None and self.cluster is not None
-        self.remote.publish_hello(SignedStore(self.store.raw, self._secret))
-        self.remote.publish_job()
-        if self.cluster.start_agents is not None:
-            self.cluster.start_agents(f"{self.host}:{self.store.raw.port}")
-        self.remote.accept(self.cluster.join_timeout_s)
-        for h in sorted(self.remote.hosts.values(), key=lambda h: h.node):
-            self._record(event(Event.HOST_JOINED, proc="coordinator", gen=0, host=h.name, node=h.node,
-                               addr=h.addr, spare=h.spare, pid=h.pid))  # fmt: skip
-        remote_workers, remote_spares = self.remote.start()
-        coord.start(list(remote_workers), list(remote_spares))
+        assert self.backend is not None
+        workers, spares = self.backend.start_job()
+        coord.start(list(workers), list(spares))
 
     def _run(self, coord: Coordinator) -> None:
         self._start(coord)
@@ -570,13 +543,13 @@ class Launcher:
             self._loop(coord)
 
     def _loop(self, coord: Coordinator) -> None:
+        assert self.backend is not None
+        backend = self.backend
         deadline = time.monotonic() + self.timeout_s
         last_collect = 0.0
         while not coord.finished:
-            if self.remote is not None:
-                for host in self.remote.poll():  # a lost host came back: a spare host now
-                    for _ in range(host.nproc):
-                        coord.add_spare(self.remote.spawn_spare_on(host))
+            for spare in backend.refresh():  # a lost host came back: a spare host now
+                coord.add_spare(spare)
             coord.tick()
             for name in self._wakeups.watched():  # exits the coordinator has handled
                 proc = coord.procs.get(name)
@@ -603,8 +576,8 @@ class Launcher:
             return None
         try:
             if self._log.in_memory():  # else the file the log streamed stays, in arrival order
-                _write_atomic(self.out_dir / "events.jsonl", "".join(json.dumps(ev) + "\n" for ev in events))
-            _write_atomic(self.out_dir / "report.json", json.dumps(report, indent=2) + "\n")
+                write_atomic(self.out_dir / "events.jsonl", "".join(json.dumps(ev) + "\n" for ev in events))
+            write_atomic(self.out_dir / "report.json", json.dumps(report, indent=2) + "\n")
         except OSError as e:
             log.error("could not write the run's files to %s: %s", self.out_dir, e)
             return f"could not write {self.out_dir}: {e.strerror or e}"
@@ -628,6 +601,8 @@ class Launcher:
 
     def _wait_each(self, coord: Coordinator, children: Mapping[str, Any], timeout_s: float,
                    failed: dict[str, str]) -> None:  # fmt: skip
+        assert self.backend is not None
+        backend = self.backend
         start = time.monotonic()
         deadline, told = start + timeout_s, False
         for name in coord.members.values():
@@ -639,12 +614,7 @@ class Launcher:
                                 "own work (recovery.exit_timeout_s, --exit-timeout)", timeout_s)  # fmt: skip
                 if self.store.get(keys.JOB_STOP) is None:
                     self.store.set(keys.JOB_STOP, "1")
-                if self.remote is not None:
-                    time.sleep(0.1)
-                    self.remote.poll()
-                    continue
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    child.popen.wait(timeout=0.2)
+                backend.wait_exit(child, 0.2)
             if child.alive():
                 log.warning("%s did not exit within %.0fs of the job's end (--exit-timeout); killing it",
                             name, timeout_s)  # fmt: skip
@@ -690,8 +660,7 @@ class Launcher:
         """Give every spare never assigned the ``stop`` assignment (a ready one waits on that key);
         one still starting (importing torch, building its model) holds no state and would see the
         key only seconds later: it is killed at once."""
-        pool = self.remote or self.agent
-        for name in pool.spares if pool is not None else []:
+        for name in self.backend.spares if self.backend is not None else []:
             try:
                 if self.store.get(keys.assign(name)) is None:
                     self.store.set(keys.assign(name), keys.STOP)
@@ -716,15 +685,13 @@ class Launcher:
             self._wake_waiting_spares()
         if self._bell is not None:
             self._bell.close()
-        if self.agent is not None:
-            self.agent.stop()
-        if self.remote is not None:
-            self.remote.stop()
+        if self.backend is not None:
+            self.backend.stop()
         try:  # the relays' last counts first: a backlog is read in bulk, then probed to its end
             self._collect_events(relayed=self._coord.relay_chunks() if self._coord is not None else None)
         except (RuntimeError, OSError) as e:
             log.warning("could not collect the processes' last events (%s); the event log may miss them", e)
         # after every child is gone, so that none can create the directory again
-        if self.agent is not None:
-            self.agent.free_node_cache()
+        if self.backend is not None:
+            self.backend.close()
         self._wakeups.close()

@@ -41,7 +41,7 @@ def write_control_file(out_dir: Path, addr: str, token: str, job_id: str) -> Pat
     return path
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "w") as f:

@@ -47,7 +47,7 @@ was sent and which generations it saw aborted (``keys.HOST_LEASE``); a relayed p
 its own lease round trip, so its lease runs from the relay's last answer. A host cut off from the
 coordinator (a partition) keeps the old value: its processes exit by their lease (code 3), exactly
 as a process on one host does when its launcher stops answering, then the agent fences the host
-(``launch/node.py``). A process whose agent stops answering exits by its lease as well.
+(``launch/host_agent.py``). A process whose agent stops answering exits by its lease as well.
 """
 
 from __future__ import annotations

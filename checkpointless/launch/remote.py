@@ -1,4 +1,4 @@
-"""The coordinator's side of a job on several hosts: one node agent per host (``node.py``), reached
+"""The coordinator's side of a job on several hosts: one host agent per host (``host_agent.py``), reached
 through the control store only.
 
 The coordinator never touches a process on another host. It sees each one through a
@@ -181,10 +181,13 @@ class RemoteNodes:
         clock: Callable[[], float] = time.monotonic,
         spares_per_node: int = 0,
         table: ProcessTable | None = None,
+        spec: ClusterSpec | None = None,
+        addr: str = "",
     ) -> None:
         """``table``: the coordinator's process table, read for when a process was last heard
         (a host whose agent is slow but whose processes still beat is not lost) and whether it
-        holds a rank (where spares go)."""
+        holds a rank (where spares go). ``spec``: how the hosts' agents start and where their
+        logs go; ``addr``: the coordinator's store, as the agents dial it (``start_job``)."""
         if nodes * nproc_per_node != job.workers or (
             spare_nodes * nproc_per_node + nodes * spares_per_node != job.spares
         ):
@@ -197,6 +200,7 @@ class RemoteNodes:
         self.nodes, self.nproc, self.spare_nodes = nodes, nproc_per_node, spare_nodes
         self._emit, self._clock = emit, clock
         self._table = table if table is not None else ProcessTable()
+        self._spec, self._addr = spec, addr
         self.hosts: dict[str, _Host] = {}
         self.children: dict[str, RemoteProcess] = {}
         self._tickets = 0  # agents' hellos read so far
@@ -455,6 +459,49 @@ class RemoteNodes:
         )
         h.lost, h.reset, h.spare, h.asked, h.heard = "", None, True, None, now
         self._emit(Event.HOST_REJOINED, host=h.name, node=h.node, away_s=round(away, 3))
+
+    # -- the process backend (``control.processes.ProcessBackend``) on several hosts -----------
+    def start_job(self) -> tuple[list[RemoteProcess], list[RemoteProcess]]:
+        """Publish the hello and the job, start the agents (``cluster``), accept them, then start
+        every worker and spare through them."""
+        self.publish_hello(SignedStore(self.store.raw, self.store.secret))
+        self.publish_job()
+        spec = self._spec
+        if spec is not None and spec.start_agents is not None:
+            spec.start_agents(self._addr)
+        self.accept(spec.join_timeout_s if spec is not None else 120.0)
+        for h in sorted(self.hosts.values(), key=lambda h: h.node):
+            self._emit(Event.HOST_JOINED, host=h.name, node=h.node, addr=h.addr, spare=h.spare, pid=h.pid)
+        return self.start()
+
+    def refresh(self) -> list[RemoteProcess]:
+        """The hosts' statuses (``poll``); a lost host that came back serves as a spare host:
+        spares on each of its slots."""
+        return [self.spawn_spare_on(h) for h in self.poll() for _ in range(h.nproc)]
+
+    def wait_exit(self, handle: Any, timeout_s: float) -> None:
+        """An exit comes with its host's status: look again after a short while."""
+        time.sleep(min(timeout_s, 0.1))
+        self.poll()
+
+    def usage(self, local: Callable[[], dict[str, Any]]) -> dict[str, tuple[dict[str, Any], list[str]]]:
+        """Each live host's last sample (its agent's status) and its processes."""
+        out: dict[str, tuple[dict[str, Any], list[str]]] = {}
+        for h in self.hosts.values():
+            if h.lost or not isinstance(h.status.get("usage"), dict):
+                continue
+            procs = h.status.get("procs")
+            out[h.name] = (dict(h.status["usage"]), list(procs) if isinstance(procs, dict) else [])
+        return out
+
+    def log_paths(self) -> dict[str, Path]:
+        spec = self._spec
+        if spec is None or spec.log_dir_of is None:
+            return {}
+        return {n: spec.log_dir_of(p.host) / f"{n}.log" for n, p in self.children.items()}
+
+    def close(self) -> None:
+        """Each host's agent frees its own node cache."""
 
     def stop(self, timeout_s: float = 8.0) -> None:
         """Order every live agent to stop its processes (politely, then by force) and wait until

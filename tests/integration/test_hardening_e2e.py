@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from checkpointless.config import RecoveryConfig
-from checkpointless.launch.agent import can_restore_priority
 from checkpointless.launch.launcher import JobResult, Launcher
+from checkpointless.launch.supervisor import can_restore_priority
 from tests.jobs import injected_fired, kill_while_starting, logs_of, reference_digest, run_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]

@@ -13,14 +13,14 @@ import pytest
 from checkpointless.config import JobConfig
 from checkpointless.control import keys
 from checkpointless.control.auth import SignedStore, job_namespace, new_secret
+from checkpointless.launch.host_agent import HostAgent, LaunchError
 from checkpointless.launch.launcher import open_store
-from checkpointless.launch.node import Agent, LaunchError
 from checkpointless.launch.remote import RemoteNodes
 
 pytestmark = pytest.mark.timeout(60)
 
 
-def _join(agent: Agent, out: dict[str, Any]) -> None:
+def _join(agent: HostAgent, out: dict[str, Any]) -> None:
     try:
         out["joined"] = agent.join()
     except LaunchError as e:
@@ -43,7 +43,7 @@ def test_a_stranger_overwriting_the_hello_does_not_turn_agents_away() -> None:
         remote.publish_hello(plain)
         remote.publish_job()
         raw.set(keys.CLUSTER_HELLO, b"checkpointless")  # the stranger: a plain value, no seal
-        agent = Agent(f"127.0.0.1:{raw.port}", secret, ["true"], nproc=1, host="a", addr="127.0.0.1",
+        agent = HostAgent(f"127.0.0.1:{raw.port}", secret, ["true"], nproc=1, host="a", addr="127.0.0.1",
                       join_timeout_s=20)  # fmt: skip
         out: dict[str, Any] = {}
         t = threading.Thread(target=_join, args=(agent, out), daemon=True)
@@ -63,7 +63,7 @@ def test_a_hello_sealed_with_another_secret_is_still_refused_in_one_line() -> No
     raw = open_store("127.0.0.1", 0)
     try:
         SignedStore(raw, new_secret()).set(keys.CLUSTER_HELLO, "checkpointless")
-        agent = Agent(f"127.0.0.1:{raw.port}", new_secret(), ["true"], nproc=1, host="a", addr="127.0.0.1",
+        agent = HostAgent(f"127.0.0.1:{raw.port}", new_secret(), ["true"], nproc=1, host="a", addr="127.0.0.1",
                       join_timeout_s=30)  # fmt: skip
         t0 = time.monotonic()
         with pytest.raises(LaunchError, match="has another secret"):

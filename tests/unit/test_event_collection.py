@@ -55,7 +55,7 @@ def test_an_exited_process_is_read_to_its_end_once_then_never_probed_again() -> 
     launcher = Launcher(JobConfig(workers=2, spares=0), ["true"])
     launcher.store = SignedStore(raw, SECRET)
     agent = _Agent(["w0", "w1", "s0"])
-    launcher.agent = agent  # type: ignore[assignment]
+    launcher.backend = agent  # type: ignore[assignment]
     _chunk(writer, "w0", 0, 0)
     _chunk(writer, "s0", 0, 0)
     launcher._collect_events()
@@ -97,7 +97,7 @@ def test_relayed_chunks_are_read_in_bounded_passes_fairly_in_order_and_the_count
     launcher = Launcher(JobConfig(workers=2, spares=0), ["true"])
     launcher.store = SignedStore(raw, SECRET)
     hosts = [f"h{i:03d}" for i in range(RELAYED_CHUNKS_PER_PASS + 44)]
-    launcher.remote = SimpleNamespace(hosts={h: None for h in hosts}, children={})  # type: ignore[assignment]
+    launcher.remote = launcher.backend = SimpleNamespace(hosts={h: None for h in hosts}, children={})  # type: ignore[assignment]
     per_host = 3
     for h in hosts:
         for i in range(per_host):
@@ -139,7 +139,7 @@ def test_a_pass_over_its_time_stops_after_a_slice_and_the_next_starts_with_the_h
     launcher = Launcher(JobConfig(workers=2, spares=0), ["true"])
     launcher.store = SignedStore(raw, SECRET)
     hosts = [f"h{i:03d}" for i in range(2 * launcher_mod.RELAYED_SLICE + 10)]
-    launcher.remote = SimpleNamespace(hosts={h: None for h in hosts}, children={})  # type: ignore[assignment]
+    launcher.remote = launcher.backend = SimpleNamespace(hosts={h: None for h in hosts}, children={})  # type: ignore[assignment]
     for h in hosts:
         for i in range(2):
             writer.set(

@@ -326,8 +326,6 @@ KNOWN_LAYOUT: dict[tuple[str, ...], str] = {
     ]),
     **_known("private name", "lifecycle", PRIVATE + " (the session's tower)", ["session_base._Progress"]),
     **_known("private name", "session", PRIVATE + " (the session's tower)", ["member._release_frames"]),
-    **_known("private name", "launch.launcher", PRIVATE, ["launch.agent._Wakeups", "launch.outputs._write_atomic"]),
-    **_known("private name", "launch.node", PRIVATE, ["launch.agent._Wakeups"]),
     **_known("private name", "integrations.lightning.checkpoints", PRIVATE, ["integrations.lightning.progress._Progress"]),
     **_known("private name", "integrations.lightning.strategy", PRIVATE, [
         "integrations.lightning.collectives._Collectives", "integrations.lightning.data._TrainBatches",

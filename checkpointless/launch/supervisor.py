@@ -1,11 +1,12 @@
-"""The node agent: the job's processes on one host.
+"""The local supervisor: the job's processes on one host (the ``ProcessBackend`` of a job on one
+host, and the part of a host's agent that runs its processes on several).
 
 It starts every worker and spare of its host (the environment contract of ``control/env.py``,
 the job's secret on a private pipe, the process's slot on the host), sees their exits at once
 (a pidfd each), kills them when told, reads their log tails and CPU time for the coordinator,
 stops them all at the end (politely, then by force) and frees the node's shared-memory batch
 cache. The coordinator sees each process through ``control.processes.ProcessHandle`` and never
-touches one directly; on one host the agent lives in the launcher's process.
+touches one directly; on one host the supervisor lives in the launcher's process.
 
 Children die with the launcher at any moment (``PR_SET_PDEATHSIG`` is set between fork and exec,
 before the child runs any code) and live in their own process group, so a terminal's Ctrl-C
@@ -25,6 +26,7 @@ import socket
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -113,6 +115,10 @@ class _Child:
         self.host = host or socket.gethostname()  # the agent's host
         self.slot = slot  # its place on the host (``control.env.ENV_LOCAL_INDEX``): which GPU it uses
 
+    @property
+    def pid(self) -> int:
+        return int(self.popen.pid)
+
     def alive(self) -> bool:
         return self.popen.poll() is None
 
@@ -151,7 +157,7 @@ class _Child:
         return ""
 
 
-class _Wakeups:
+class Wakeups:
     """What ends the launcher's wait between two ticks besides the clock: a child's exit (its
     pidfd becomes readable) or a failure report (the report bell writes a byte to a pipe). In
     steady state the launcher then ticks at the heartbeat pace, not every 10 ms: each wake-up on a
@@ -222,7 +228,7 @@ class _Wakeups:
                 self._selector = None
 
 
-class NodeAgent:
+class LocalSupervisor:
     """Starts, watches and stops the job's processes on this host (see the module docstring)."""
 
     def __init__(
@@ -235,7 +241,7 @@ class NodeAgent:
         store_addr: str,
         logdir: Path,
         env: dict[str, str],
-        wakeups: _Wakeups,
+        wakeups: Wakeups,
         host: str = "",
     ) -> None:
         self.job, self.command, self.job_id, self.env = job, command, job_id, env
@@ -307,6 +313,30 @@ class NodeAgent:
         self._next_spare += 1
         self.spares.append(name)
         return self.spawn(name, Role.SPARE)
+
+    # -- the process backend (``control.processes.ProcessBackend``) on one host ----------------
+    def start_job(self) -> tuple[list[_Child], list[_Child]]:
+        workers = [self.spawn(f"w{r}", Role.WORKER) for r in range(self.job.workers)]
+        return workers, [self.spawn_spare() for _ in range(self.job.spares)]
+
+    def probe(self, names: list[str]) -> None:
+        """Nothing to ask: an exit here is seen at once (its pidfd)."""
+
+    def refresh(self) -> list[_Child]:
+        return []
+
+    def wait_exit(self, handle: Any, timeout_s: float) -> None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.children[handle.name].popen.wait(timeout=timeout_s)
+
+    def usage(self, local: Callable[[], dict[str, Any]]) -> dict[str, tuple[dict[str, Any], list[str]]]:
+        return {socket.gethostname(): (local(), list(self.children))}
+
+    def log_paths(self) -> dict[str, Path]:
+        return {n: c.log_path for n, c in self.children.items()}
+
+    def close(self) -> None:
+        self.free_node_cache()
 
     def stop(self) -> None:
         """Let every child exit within a grace period, then kill the rest; close their logs."""

@@ -1,7 +1,7 @@
 """``checkpointless agent``: one host of a job on several hosts.
 
 The agent joins the coordinator's job (``launch/remote.py`` has the protocol), then starts,
-watches and stops its host's processes (a ``NodeAgent``, as on one host) on the coordinator's
+watches and stops its host's processes (a ``LocalSupervisor``, as on one host) on the coordinator's
 orders, and reports them in one status key that is also its lease: every
 ``heartbeat_interval_s``, at once when a process exits (ringing the coordinator's report bell).
 
@@ -34,9 +34,9 @@ from checkpointless.control.auth import SignedStore, job_namespace
 from checkpointless.control.client import SLOW_STORE_CAP, redial, store_accepts
 from checkpointless.control.env import ENV_AGENT_PID, ENV_CLOCK_SKEW, ENV_HOST_ADDR, ENV_NODE, ENV_RELAY
 from checkpointless.errors import LaunchError
-from checkpointless.launch.agent import NodeAgent, _Wakeups
 from checkpointless.launch.relay import Relay
 from checkpointless.launch.remote import host_timeout, status_interval
+from checkpointless.launch.supervisor import LocalSupervisor, Wakeups
 from checkpointless.observe.usage import UsageSampler
 from checkpointless.sockets import interface_of
 
@@ -92,7 +92,7 @@ def _wait_value(store: SignedStore, key: str, timeout_s: float) -> str | None:
     return None
 
 
-class Agent:
+class HostAgent:
     """One host's agent in a multi-host job (see the module docstring)."""
 
     def __init__(
@@ -124,7 +124,7 @@ class Agent:
         self._stopping = 0.0  # when a stop order's grace period ends (0: no stop order)
         self._failed_spawns: dict[str, str] = {}  # processes it could not start: name -> why
         self._beat = threading.Event()  # publish the status now (an order was carried out)
-        self._wakeups = _Wakeups()  # ends the status loop's wait: a process exited, an order came
+        self._wakeups = Wakeups()  # ends the status loop's wait: a process exited, an order came
         self._sampler = UsageSampler()  # the host's CPU, memory, accelerators
         self._last_usage: dict[str, Any] = {}
         self._closing = False
@@ -180,7 +180,7 @@ class Agent:
     def run(self) -> int:
         job, job_id, node = self.join()
         # the agent holds its host's lease: its few milliseconds a beat come before the training's
-        # (its processes start at the normal priority again, ``agent.py``)
+        # (its processes start at the normal priority again, ``supervisor.py``)
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, 0, AGENT_NICE)
         env = {ENV_NODE: str(node), ENV_AGENT_PID: str(os.getpid()), ENV_HOST_ADDR: self.addr}
@@ -201,7 +201,7 @@ class Agent:
         )  # fmt: skip
         env[ENV_RELAY] = self.relay.addr
         # its own job id per host: the node's shared-memory batch cache is the host's
-        self.agent = NodeAgent(
+        self.agent = LocalSupervisor(
             job, self.command, job_id=f"{job_id}-{self.host}", secret=self._secret, store_addr=self.coordinator,
             logdir=logdir, env=env, wakeups=wakeups, host=self.host,
         )  # fmt: skip
@@ -250,7 +250,7 @@ class Agent:
             self._beat.set()  # the answer: a status now (the coordinator waits for it, remote.py)
             self._wakeups.ring()
 
-    def _status_loop(self, wakeups: _Wakeups, interval: float) -> int:
+    def _status_loop(self, wakeups: Wakeups, interval: float) -> int:
         """The host's status, every ``interval`` and at once when a process exits or an order was
         carried out, on a connection of its own: also the agent's lease (each beat ends with a
         round trip). Nothing else the agent does (starting a process on a loaded host can take a
@@ -423,7 +423,7 @@ def _stop_on_signals() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
-def main_agent(agent: Agent) -> int:
+def main_agent(agent: HostAgent) -> int:
     """Run ``agent``; the process ends here once it has stopped its processes. It exits at once
     (``os._exit``): its order thread may be blocked in the store's ``wait``, and tearing the
     interpreter down under it aborted the process now and then ("terminate called without an
