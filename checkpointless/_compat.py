@@ -18,6 +18,7 @@ import functools
 import re
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -83,6 +84,27 @@ def _attr(obj: Any, path: str, kind: type | tuple[type, ...] | None = None) -> A
             f"{getattr(kind, '__name__', kind)} of torch {_tested()}"
         )
     return cur
+
+
+@dataclass(frozen=True)
+class Pin:
+    """A private member of a host library (transformers, accelerate, Lightning) that an integration
+    uses, as its pin test checks it (the integrations' compatibility modules list them:
+    ``checkpointless.integrations._hf_compat``, ``checkpointless.integrations.lightning._compat``)."""
+
+    owner: str
+    """``module:Class`` it belongs to (``transformers:Trainer``)."""
+    name: str
+    """The member (``_get_train_sampler``)."""
+    use: str
+    """``call`` (called with ``params`` first, the rest left to their defaults), ``override`` (the
+    integration defines it again, or replaces it on an instance, with exactly ``params``) or
+    ``attribute`` (an attribute read or written: ``where`` assigns it)."""
+    params: tuple[str, ...] = ()
+    """The parameters (after ``self``) a call passes, or an override's, in order."""
+    where: str = ""
+    """``attribute``: the ``module:function`` (or ``module:Class.method``) of the host library that
+    assigns it."""
 
 
 # -- torch 2.13 -----------------------------------------------------------------------------------

@@ -29,17 +29,35 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from checkpointless.errors import CollectiveError, ExchangeRefused
+from checkpointless.integrations import _hf_compat as hf
 from checkpointless.shards import exchange, plan_digest, shard
 
 if TYPE_CHECKING:
     from checkpointless.integrations.transformers import Trainer
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class EvalPoint:
+    """Where the ranks are, for the evaluations the ``Trainer``'s loop runs (held by the ``Trainer``,
+    passed to ``sharded``): ``aligned`` while every rank is at the same point (after a step's commit,
+    or at ``eval_on_start`` of a job that has not begun), until the loop goes on or an exchange fails
+    (the group is released); ``count``, the evaluations since the last commit (their exchanges'
+    sequence numbers, the same on every rank)."""
+
+    aligned: bool = False
+    count: int = 0
+
+    def reached(self) -> None:
+        """Every rank is here (the loop's call, after a commit or before the first step)."""
+        self.aligned, self.count = True, 0
 
 
 def _batches(dataloader: Any) -> list[list[int]] | None:
@@ -75,9 +93,9 @@ class _Replay:
     counts, and its main input when ``include_for_metrics`` has ``"inputs"``) and the
     ``prediction_step`` it calls (the batch's outputs, computed on this rank or received)."""
 
-    def __init__(self, trainer: Trainer, dataloader: Any, batches: list[list[int]], loss_only: bool,
-                 ignore_keys: Any) -> None:  # fmt: skip
-        self.trainer, self.dataloader, self.batches = trainer, dataloader, batches
+    def __init__(self, trainer: Trainer, point: EvalPoint, dataloader: Any, batches: list[list[int]],
+                 loss_only: bool, ignore_keys: Any) -> None:  # fmt: skip
+        self.trainer, self.point, self.dataloader, self.batches = trainer, point, dataloader, batches
         self.loss_only, self.ignore_keys = loss_only, ignore_keys
         self.dataset = getattr(dataloader, "dataset", None)
         self.batch_size = getattr(dataloader, "batch_size", None)
@@ -94,7 +112,7 @@ class _Replay:
         # HF's loop has made the model ready (eval mode, its evaluation dtype) by now
         t = self.trainer
         model: Any = t.model
-        self._fill(t._wrap_model(model, training=False))
+        self._fill(hf.wrap_model(t, model))
         main = getattr(t.model, "main_input_name", "input_ids")
         # accelerate's DataLoaderShard tells its gradient state where it is: HF's gather drops the
         # last batch's repeated losses beyond the set's end by it (``remainder``)
@@ -137,7 +155,7 @@ class _Replay:
         main = getattr(t.model, "main_input_name", "input_ids")
         for b, inputs in zip(which, _loader(self.dataloader, [self.batches[b] for b in which]), strict=True):
             loss, logits, labels = self.real_step(model, inputs, self.loss_only, ignore_keys=self.ignore_keys)
-            decode = t._prepare_input(inputs[main]) if "inputs" in include else None
+            decode = hf.prepare_input(t, inputs[main]) if "inputs" in include else None
             if labels is not None:
                 labels = t.accelerator.pad_across_processes(labels, dim=1, pad_index=-100)
             if logits is not None:
@@ -151,18 +169,19 @@ class _Replay:
     def _fill(self, model: Any) -> None:
         """Every batch's outputs: this rank's computed, the others' received (or computed here,
         the exchange having failed)."""
-        t = self.trainer
-        group = t._session.process_group
+        t, point = self.trainer, self.point
+        session = t.session
+        group = session.process_group
         n, world = len(self.batches), group.world_size
         mine = shard(n, world, group.rank)
         self._compute(model, mine)
         # the same on every rank, a replacement too: the step and the evaluations since its commit
-        seq, t._eval_count = (t._session.committed_step << 20) + t._eval_count, t._eval_count + 1
+        seq, point.count = (session.committed_step << 20) + point.count, point.count + 1
         try:
             got = exchange(group, seq, [self.outputs[b] for b in mine], plan_digest(self.batches))
         except (CollectiveError, ExchangeRefused) as e:
             if isinstance(e, CollectiveError):
-                t._eval_aligned = False  # until the next step: the group is released
+                point.aligned = False  # until the next step: the group is released
             log.warning("[rank %d] the evaluation's exchange failed (%s): this rank computes the other ranks' "
                         "batches", group.rank, e)  # fmt: skip
             got = []
@@ -179,24 +198,21 @@ class _Replay:
 
 
 @contextlib.contextmanager
-def sharded(trainer: Trainer, dataloader: Any, loss_only: bool, ignore_keys: Any) -> Iterator[Any]:
+def sharded(
+    trainer: Trainer, point: EvalPoint, dataloader: Any, loss_only: bool, ignore_keys: Any
+) -> Iterator[Any]:
     """The loader to hand ``evaluation_loop`` (module doc): the dataloader itself where the
-    evaluation is not cut between the ranks."""
-    session = trainer._session
+    evaluation is not cut between the ranks (``point``: the ``Trainer``'s, whether every rank is here)."""
+    session = trainer.session
     group = session.process_group if session is not None else None
     batches = None
-    if (
-        group is not None
-        and group.world_size > 1
-        and trainer._eval_aligned
-        and not trainer.args.batch_eval_metrics
-    ):
+    if group is not None and group.world_size > 1 and point.aligned and not trainer.args.batch_eval_metrics:
         batches = _batches(dataloader)
     if not batches:
         yield dataloader
         return
     assert group is not None
-    replay = _Replay(trainer, dataloader, batches, loss_only, ignore_keys)
+    replay = _Replay(trainer, point, dataloader, batches, loss_only, ignore_keys)
     own = trainer.__dict__.get("prediction_step")  # a script's own wrapper, if any (replay.real_step)
     trainer.prediction_step = replay.prediction_step  # type: ignore[method-assign]
     trainer.preprocess_logits_for_metrics = None

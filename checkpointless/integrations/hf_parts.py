@@ -12,11 +12,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers.trainer_callback import ExportableState
 
+from checkpointless.integrations import _hf_compat as hf
+
 if TYPE_CHECKING:
     from checkpointless.integrations.transformers import Trainer
 
 
-def _refusals(trainer: Trainer) -> list[str]:
+def refusals(trainer: Trainer) -> list[str]:
     args = trainer.args
     out = []
     if getattr(args, "deepspeed", None):
@@ -66,7 +68,7 @@ def own_sampler_order(
         return None, None
     from checkpointless.loaders.sampler_order import sampler_order
 
-    sampler = trainer._get_train_sampler(dataset)
+    sampler = hf.train_sampler(trainer, dataset)
     if sampler is None:  # no sampler: the DataLoader reads the dataset in order
         return (lambda epoch: list(range(len(dataset)))), len(dataset)
     try:
@@ -77,13 +79,13 @@ def own_sampler_order(
         ) from None
 
 
-def _tokens(micro: list[Any], model: Any) -> int:
+def step_tokens(micro: list[Any], model: Any) -> int:
     """The tokens (elements of the model's main input) in one step's micro-batches on this rank."""
     name = getattr(model, "main_input_name", "input_ids")
     return sum(int(b[name].numel()) for b in micro if isinstance(b, dict) and torch.is_tensor(b.get(name)))
 
 
-class _TrainerProgress:
+class TrainerProgress:
     """The ``Trainer``'s own state that steers training, moved to a replacement with the model (the
     ``Trainer``'s mid-training resume restores the same from ``trainer_state.json``): the best metric
     and its step (``load_best_model_at_end``, ``metric_for_best_model``) and the callbacks' exportable
@@ -91,8 +93,10 @@ class _TrainerProgress:
     way. Equal on every replica (they evaluate alike), so the replicas' digests cover it; per-rank
     counters (timings, tokens seen) and ``log_history`` (timings in it) stay each rank's own."""
 
-    def __init__(self, trainer: Trainer) -> None:
+    def __init__(self, trainer: Trainer, best_checkpoint_dir: Callable[[], str | None]) -> None:
+        """``best_checkpoint_dir``: rank 0's checkpoint of the best step so far (None before one)."""
         self._trainer = trainer
+        self._best_checkpoint_dir = best_checkpoint_dir
         self.received = False  # loaded from a peer (this process replaces a rank) or a snapshot
 
     def _exportable(self) -> list[tuple[str, Any]]:
@@ -118,7 +122,7 @@ class _TrainerProgress:
         t = self._trainer
         self.received = True
         t.state.best_metric, t.state.best_global_step = saved["best_metric"], saved["best_global_step"]
-        t.state.best_model_checkpoint = t._best_checkpoint_dir()
+        t.state.best_model_checkpoint = self._best_checkpoint_dir()
         for name, cb in self._exportable():
             if name in saved["callbacks"]:
                 kept = saved["callbacks"][name]

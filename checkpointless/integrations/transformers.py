@@ -22,7 +22,7 @@ a ``Session``'s step loop:
   gradient reduction, clipping (after the reduction, as DDP clips), the optimizer and scheduler
   steps. A failed step is executed again after the recovery; its state (model, optimizer, LR
   scheduler, gradient scaler, the ``Trainer``'s best metric and the callbacks' exportable state:
-  ``_TrainerProgress``) moves to a replacement peer-to-peer.
+  ``TrainerProgress``) moves to a replacement peer-to-peer.
 - the data: micro-batch ``m`` of the job (``m = step * gradient_accumulation_steps + i``) is this
   rank's part of a global batch of ``per_device_train_batch_size x ranks`` samples drawn by
   ``session.loader`` (an epoch's order is a permutation from the seed and the epoch, ``data_seed``
@@ -37,7 +37,8 @@ a ``Session``'s step loop:
   before or after ``train`` runs on each rank over the whole set. Only rank 0 writes checkpoints and the model
   (``save_steps``, ``save_model``). A checkpoint rank 0 was writing when it died (after the step's
   commit: nobody executes that again) is written whole by the replacement that takes rank 0
-  (``Trainer._complete_checkpoint``). What accelerate's gathers gave the step under ``torchrun`` the
+  (``Trainer._complete_checkpoint``; the private members of HF's it calls, overrides or sets are
+  listed and pinned in ``_hf_compat``). What accelerate's gathers gave the step under ``torchrun`` the
   step does over the session's group instead: ``num_items_in_batch`` summed over the ranks (with
   ``average_tokens_across_devices``; the loss then scaled by the ranks, ``compute_loss``) and the
   logged loss averaged over them.
@@ -73,6 +74,7 @@ import torch
 
 from checkpointless.config import JobConfig
 from checkpointless.control.env import ENV_CONFIG, ENV_STORE
+from checkpointless.integrations import _hf_compat as hf
 from checkpointless.integrations import hf_eval
 
 log = logging.getLogger(__name__)
@@ -103,12 +105,12 @@ from transformers import Trainer as _HFTrainer  # noqa: E402
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR  # noqa: E402
 
 from checkpointless.integrations.hf_parts import (  # noqa: E402
-    _refusals,
-    _tokens,
-    _TrainerProgress,
+    TrainerProgress,
     dataset_length,
     length_grouped_order,
     own_sampler_order,
+    refusals,
+    step_tokens,
 )
 
 if not hasattr(_HFTrainer, "_prepare_for_training"):  # the 5.x loop's pieces this class is built of
@@ -126,13 +128,12 @@ class Trainer(_HFTrainer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._session: Any = None
         self._items_ranks = 1  # the ranks whose items the step's num_items_in_batch counts
-        self._eval_aligned = False  # every rank evaluates at this point (hf_eval.py)
-        self._eval_count = 0  # evaluations since the last commit (hf_eval.py)
+        self._eval_point = hf_eval.EvalPoint()  # whether every rank evaluates at this point (hf_eval.py)
         super().__init__(*args, **kwargs)
         if not under_launcher():
             return
         os.environ.update(_hidden)  # accelerate's state exists now, in single-process mode
-        refused = _refusals(self)
+        refused = refusals(self)
         if refused:
             raise ValueError(
                 "checkpointless.integrations.transformers.Trainer does not support " + "; ".join(refused)
@@ -180,7 +181,7 @@ class Trainer(_HFTrainer):
             prediction_loss_only if prediction_loss_only is not None else self.args.prediction_loss_only
         )
         prefix = {} if metric_key_prefix is None else {"metric_key_prefix": metric_key_prefix}
-        with hf_eval.sharded(self, dataloader, loss_only, ignore_keys) as loader:
+        with hf_eval.sharded(self, self._eval_point, dataloader, loss_only, ignore_keys) as loader:
             return super().evaluation_loop(loader, description, prediction_loss_only, ignore_keys, **prefix)
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
@@ -196,7 +197,7 @@ class Trainer(_HFTrainer):
     def _best_checkpoint_dir(self, trial: Any = None) -> str | None:
         """Rank 0's checkpoint of the best step so far (None before one)."""
         step = self.state.best_global_step
-        run_dir = self._get_output_dir(trial=trial)
+        run_dir = hf.output_dir(self, trial)
         return os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}") if step else None
 
     def _complete_checkpoint(self, step: int, per_epoch: int, max_steps: int, model: Any, trial: Any) -> None:
@@ -215,7 +216,7 @@ class Trainer(_HFTrainer):
 
         if step <= 0 or self.args.save_strategy == SaveStrategy.NO:
             return
-        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{step}")
+        folder = os.path.join(hf.output_dir(self, trial), f"{PREFIX_CHECKPOINT_DIR}-{step}")
         if os.path.exists(os.path.join(folder, "trainer_state.json")):
             return  # written whole before the rank was lost
         # as of that step (the loop's start stays the job's: every rank passes the same)
@@ -261,10 +262,10 @@ class Trainer(_HFTrainer):
             import datasets
 
             if isinstance(dataset, datasets.Dataset):
-                return self._remove_unused_columns(dataset, description="training"), collator
+                return hf.remove_unused_columns(self, dataset, "training"), collator
         except ImportError:
             pass
-        return dataset, self._get_collator_with_removed_columns(collator, description="training")
+        return dataset, hf.collator_with_removed_columns(self, collator, "training")
 
     def _inner_training_loop(
         self,
@@ -286,7 +287,7 @@ class Trainer(_HFTrainer):
         ranks = JobConfig.from_json(os.environ[ENV_CONFIG]).workers
         accumulation = args.gradient_accumulation_steps
         dataset, collator = self._train_data()
-        micro_global = self._train_batch_size * ranks  # samples per micro-batch, over every rank
+        micro_global = hf.train_batch_size(self) * ranks  # samples per micro-batch, over every rank
         stream = isinstance(dataset, torch.utils.data.IterableDataset)  # its order is its own
         seed = args.data_seed if args.data_seed is not None else args.seed
         own_order, own_samples = (None, None) if stream else own_sampler_order(self, dataset, seed)
@@ -304,10 +305,10 @@ class Trainer(_HFTrainer):
             per_epoch = micro_per_epoch // accumulation
         max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * per_epoch)
         epochs = math.ceil(max_steps / per_epoch)
-        self._init_training_state(max_steps, per_epoch, epochs, resume_from_checkpoint, trial)
-        model, _ = self._prepare_for_training(max_steps, None, resume_from_checkpoint)
+        hf.init_training_state(self, max_steps, per_epoch, epochs, resume_from_checkpoint, trial)
+        model, _ = hf.prepare_for_training(self, max_steps, None, resume_from_checkpoint)
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper
-        progress = _TrainerProgress(self)
+        progress = TrainerProgress(self, self._best_checkpoint_dir)
         state: dict[str, Any] = {"lr_scheduler": self.lr_scheduler, "trainer": progress}
         if getattr(self.accelerator, "scaler", None) is not None:
             state["grad_scaler"] = self.accelerator.scaler
@@ -327,17 +328,13 @@ class Trainer(_HFTrainer):
         self.callback_handler.train_dataloader = loader
 
         start_time = time.time()
-        self._initial_num_input_tokens_seen = self.state.num_input_tokens_seen
-        self._initial_global_step = self.state.global_step
-        self._tr_loss = torch.tensor(0.0, device=args.device)
-        self._total_loss_scalar = 0.0
-        self._globalstep_last_logged = self.state.global_step
+        hf.start_loop(self, torch.tensor(0.0, device=args.device))
         model.zero_grad()
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
         if args.eval_on_start and not progress.received:  # (a replacement's peers did)
-            self._eval_aligned, self._eval_count = True, 0  # every rank is here, before the first step
-            self._evaluate(trial, ignore_keys_for_eval, skip_scheduler=True)
-            self._eval_aligned = False
+            self._eval_point.reached()  # every rank is here, before the first step
+            hf.evaluate(self, trial, ignore_keys_for_eval, skip_scheduler=True)
+            self._eval_point.aligned = False
         plateau = isinstance(self.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
         assert self.optimizer is not None and self.lr_scheduler is not None  # made by _prepare_for_training
         warned_epoch_stop = False
@@ -355,8 +352,8 @@ class Trainer(_HFTrainer):
             with session.attempt() as attempt:
                 self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
                 micro = [loader.batch(step * accumulation + i) for i in range(accumulation)]
-                session.log(tokens=_tokens(micro, self.model))  # the live tok/s and the report's
-                items = self._get_num_items_in_batch(micro, args.device)
+                session.log(tokens=step_tokens(micro, self.model))  # the live tok/s and the report's
+                items = hf.num_items_in_batch(self, micro, args.device)
                 group = session.process_group
                 if group is None or group.world_size == 1:
                     group = None
@@ -368,7 +365,7 @@ class Trainer(_HFTrainer):
                 try:
                     for i, inputs in enumerate(micro):
                         last = i == accumulation - 1
-                        self.accelerator.gradient_state._set_sync_gradients(last)
+                        hf.set_sync_gradients(self, last)
                         with contextlib.nullcontext() if last else session.no_sync():
                             losses.append(self.training_step(model, inputs, items))
                         if not last:  # between two micro-batches, as HF's loop calls it
@@ -390,29 +387,28 @@ class Trainer(_HFTrainer):
                     group.wait_all(works)
                     step_loss /= group.world_size
                 if args.max_grad_norm > 0:
-                    grad_norm = self._clip_grad_norm(model)
-                grad_norm = self._get_grad_norm(model, grad_norm=grad_norm)
+                    grad_norm = hf.clip_grad_norm(self, model)
+                grad_norm = hf.grad_norm(self, model, grad_norm)
                 self.control = self.callback_handler.on_pre_optimizer_step(args, self.state, self.control)
                 self.optimizer.step()
                 self.control = self.callback_handler.on_optimizer_step(args, self.state, self.control)
-                learning_rate = self._get_learning_rate()
+                learning_rate = hf.learning_rate(self)
                 if not self.accelerator.optimizer_step_was_skipped and not plateau:
                     self.lr_scheduler.step()
                 model.zero_grad()
             if not attempt.committed:
                 continue  # recovered: the same step again
-            self._tr_loss += step_loss
+            hf.add_train_loss(self, step_loss)
             for inputs in micro:
                 self.current_flos += float(self.floating_point_ops(inputs))  # type: ignore[assignment]
-                self._track_num_input_tokens(inputs)
+                hf.track_num_input_tokens(self, inputs)
             self.state.global_step = step + 1
             self.state.epoch = (step + 1) / per_epoch  # type: ignore[assignment]
             self.control = self.callback_handler.on_step_end(args, self.state, self.control)
-            self._eval_aligned, self._eval_count = True, 0  # every rank is here, after the commit
-            self._maybe_log_save_evaluate(
-                self._tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time,
-                learning_rate=learning_rate,
-            )  # fmt: skip
+            self._eval_point.reached()  # every rank is here, after the commit
+            hf.maybe_log_save_evaluate(
+                self, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time, learning_rate
+            )
             if self.control.should_epoch_stop and not warned_epoch_stop:
                 log.warning("control.should_epoch_stop is not honoured: the step decides what is read")
                 warned_epoch_stop = True
@@ -420,11 +416,10 @@ class Trainer(_HFTrainer):
             last = step + 1 >= max_steps or self.control.should_training_stop
             if last or (step + 1) % per_epoch == 0:  # the epoch's end (or training's), as HF's loop has it
                 self.control = self.callback_handler.on_epoch_end(args, self.state, self.control)
-                self._maybe_log_save_evaluate(
-                    self._tr_loss, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time,
-                    learning_rate=learning_rate,
-                )  # fmt: skip
-            self._eval_aligned = False
+                hf.maybe_log_save_evaluate(
+                    self, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time, learning_rate
+                )
+            self._eval_point.aligned = False
             if self.control.should_training_stop:
                 break
         loader.close()

@@ -326,16 +326,6 @@ KNOWN_LAYOUT: dict[tuple[str, ...], str] = {
     ]),
     **_known("private name", "lifecycle", PRIVATE + " (the session's tower)", ["session_base._Progress"]),
     **_known("private name", "session", PRIVATE + " (the session's tower)", ["member._release_frames"]),
-    **_known("private name", "integrations.lightning.checkpoints", PRIVATE, ["integrations.lightning.progress._Progress"]),
-    **_known("private name", "integrations.lightning.strategy", PRIVATE, [
-        "integrations.lightning.collectives._Collectives", "integrations.lightning.data._TrainBatches",
-        "integrations.lightning.progress._Metrics", "integrations.lightning.progress._Progress",
-        "integrations.lightning.progress._logger_version", "integrations.lightning.progress._set_logger_version",
-        "integrations.lightning.window._Window",
-    ]),
-    **_known("private name", "integrations.transformers", PRIVATE, [
-        "integrations.hf_parts._TrainerProgress", "integrations.hf_parts._refusals", "integrations.hf_parts._tokens",
-    ]),
 }  # fmt: skip
 
 LAYOUT_RULES = {

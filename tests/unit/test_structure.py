@@ -483,7 +483,6 @@ def _foreign_writes(module: Module) -> Iterator[tuple[str, ast.Attribute]]:
 # ----------------------------------------------------------------------------- the ratchet
 
 SESSION_TOWER = "Session(Member(ReplicaConsistency(ModelLifecycle(SessionBase)))) over one bag of attributes (issue 41 item 1: the session's parts)"
-HF_EVAL = "the evaluation replay sets the Trainer's evaluation flags from hf_eval.py (issue 41 item 6: public names where files meet)"
 
 
 def _entries(rule: str, file: str, why: str, names: list[str]) -> dict[tuple[str, str, str], str]:
@@ -516,7 +515,6 @@ KNOWN: dict[tuple[str, str, str], str] = {
         "SessionBase._buffers", "SessionBase._generation_state", "SessionBase._group", "SessionBase._reducer",
         "SessionBase._registry", "SessionBase._saved", "SessionBase._trainable",
     ]),
-    **_entries("private", "integrations/hf_eval.py", HF_EVAL, ["Trainer._eval_aligned", "Trainer._eval_count"]),
 }  # fmt: skip
 
 

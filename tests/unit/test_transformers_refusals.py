@@ -34,18 +34,18 @@ def _trainer(**args: Any) -> Any:
     ],
 )
 def test_a_setting_the_loop_cannot_honour_is_named(args: dict[str, Any], named: str) -> None:
-    from checkpointless.integrations.transformers import _refusals
+    from checkpointless.integrations.transformers import refusals
 
-    (line,) = _refusals(_trainer(**args))
+    (line,) = refusals(_trainer(**args))
     assert line.startswith(named), line
 
 
 def test_the_default_sequential_and_length_grouped_orders_are_supported() -> None:
-    from checkpointless.integrations.transformers import _refusals
+    from checkpointless.integrations.transformers import refusals
 
-    assert _refusals(_trainer()) == []
-    assert _refusals(_trainer(train_sampling_strategy="sequential")) == []
-    assert _refusals(_trainer(train_sampling_strategy="group_by_length")) == []
+    assert refusals(_trainer()) == []
+    assert refusals(_trainer(train_sampling_strategy="sequential")) == []
+    assert refusals(_trainer(train_sampling_strategy="group_by_length")) == []
 
 
 class _Varied(torch.utils.data.Dataset):  # type: ignore[type-arg]
@@ -99,10 +99,10 @@ def test_a_train_dataloader_of_the_scripts_own_is_refused_and_a_sampler_of_its_o
     (before, it was silently not used). A ``_get_train_sampler`` override gives the epochs' orders
     (``sampler_order``): its draws, 6 an epoch, the same for the same (seed, epoch)."""
     from checkpointless.integrations.hf_parts import own_sampler_order
-    from checkpointless.integrations.transformers import _refusals
+    from checkpointless.integrations.transformers import refusals
 
     plain = _trainer()
-    (line,) = _refusals(_OwnLoader(**vars(plain)))
+    (line,) = refusals(_OwnLoader(**vars(plain)))
     assert line.startswith("a get_train_dataloader of its own") and "_get_train_sampler" in line, line
     assert own_sampler_order(plain, plain.train_dataset, 5) == (None, None)
     own = _OwnSampler(**vars(plain))

@@ -80,7 +80,7 @@ What the strategy does (automatic optimization only):
   run writes; and it removes the outdated top-k file rank 0 would have removed after that save, and
   makes the ``save_last="link"`` link rank 0 would have made. A
   replacement that joins after the last step does the same for the last epoch's checkpoints (the
-  saves after the last step's start join the final state, ``_Progress.closing``), then finishes.
+  saves after the last step's start join the final state, ``Progress.closing``), then finishes.
 - ``fit(ckpt_path=...)`` resumes from a Lightning checkpoint (every rank reads the same file, as
   under DDP): the job starts at its step, the train data at that step's batch. A replacement takes
   its peers' state, not the file's (what Lightning would load after the session's setup is not

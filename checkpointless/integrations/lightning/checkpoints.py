@@ -1,5 +1,5 @@
 """The strategy's checkpoint bookkeeping: the links ``ModelCheckpoint(save_last="link")`` makes,
-noted as the saves and removals are (``_Progress``), and what a replacement of rank 0 finishes of
+noted as the saves and removals are (``Progress``), and what a replacement of rank 0 finishes of
 the writes, removals and links its predecessor died doing."""
 
 from __future__ import annotations
@@ -12,19 +12,20 @@ from typing import Any
 
 from lightning.fabric.utilities.cloud_io import get_filesystem
 
-from checkpointless.integrations.lightning.progress import _Progress
+from checkpointless.integrations.lightning import _compat as host
+from checkpointless.integrations.lightning.progress import Progress
 
 log = logging.getLogger(__name__)
 
 
-def note_links(trainer: Any, progress: _Progress) -> None:
+def note_links(trainer: Any, progress: Progress) -> None:
     """Every ``ModelCheckpoint(save_last="link")``'s links noted before they are made (``_NotedLink``)."""
     for cb in trainer.checkpoint_callbacks:
-        if getattr(cb, "save_last", None) == "link" and "_link_checkpoint" not in vars(cb):
-            cb._link_checkpoint = _NotedLink(cb._link_checkpoint, progress)
+        if getattr(cb, "save_last", None) == "link":
+            host.wrap_link_checkpoint(cb, lambda link: _NotedLink(link, progress))
 
 
-def complete_saves(trainer: Any, checkpoint_io: Any, progress: _Progress) -> None:
+def complete_saves(trainer: Any, checkpoint_io: Any, progress: Progress) -> None:
     """A replacement of rank 0, before its first step: finish the checkpoint writes and removals
     its predecessor died doing since the previous step began. A checkpoint saved then and not on
     disk was being written when its writer died (Lightning's write is atomic: all of it or
@@ -46,7 +47,7 @@ def complete_saves(trainer: Any, checkpoint_io: Any, progress: _Progress) -> Non
             checkpoint_io.remove_checkpoint(path)
             log.warning("[rank 0] removed %s: rank 0 died before it could", path)
         elif save is not None and not there:
-            checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=save["weights_only"])
+            checkpoint = host.dump_checkpoint(trainer, save["weights_only"])
             checkpoint.update(copy.deepcopy(save["rest"]))
             checkpoint_io.save_checkpoint(checkpoint, path)
             log.warning("[rank 0] wrote %s: rank 0 before it died writing it", path)
@@ -54,9 +55,9 @@ def complete_saves(trainer: Any, checkpoint_io: Any, progress: _Progress) -> Non
 
 class _NotedLink:
     """``ModelCheckpoint._link_checkpoint`` (a static method, called with the trainer, the target
-    and the link's path), the link noted first on every rank (``_Progress.linked``)."""
+    and the link's path), the link noted first on every rank (``Progress.linked``)."""
 
-    def __init__(self, link: Callable[..., None], progress: _Progress) -> None:
+    def __init__(self, link: Callable[..., None], progress: Progress) -> None:
         self.link, self.progress = link, progress
 
     def __call__(self, trainer: Any, filepath: str, linkpath: str) -> None:

@@ -30,7 +30,7 @@ def _op(reduce_op: Any) -> str:
     return name
 
 
-class _Collectives:
+class Collectives:
     """Collectives over ``session().process_group`` (its control group for CPU tensors), run by every
     rank in the same order. Whether one runs over the group or stays this rank's own is the
     strategy's to say, through three flags:

@@ -16,28 +16,35 @@ from checkpointless.loaders.sample_seeds import (
     restore_generators,
     seed_all,
 )
-from checkpointless.session import step_seed
+from checkpointless.session import Session, step_seed
 
 if TYPE_CHECKING:
     from checkpointless.integrations.lightning.strategy import CheckpointlessStrategy
 
 
-class _TrainBatches:
+class TrainBatches:
     """The train ``DataLoader`` as the Trainer iterates it: an epoch's batches from the one the
     Trainer is at, each read by the session's ``StepLoader`` as a function of its position."""
 
-    def __init__(self, strategy: CheckpointlessStrategy, dataloader: DataLoader[Any], ranks: int) -> None:
+    def __init__(
+        self, strategy: CheckpointlessStrategy, trainer: Any, dataloader: DataLoader[Any], ranks: int
+    ) -> None:
         """``ranks``: the data-parallel ranks (the session's; the job's workers when Lightning asks for
         the loader's length before the session exists, as ``estimated_stepping_batches`` does in
         ``configure_optimizers``). The rank is read from the session when a step is."""
-        self._strategy = strategy
+        self._strategy, self._trainer = strategy, trainer
         self.dataset = dataloader.dataset
         # its settings as session.loader(dataloader) reads them (the shuffle seed: the strategy's)
         dataset, global_batch_size, options = loader_settings(dataloader, ranks, strategy.seed)
         self._loader = make_loader(
             dataset, global_batch_size, options, default_seed=strategy.seed,
-            rank=lambda: strategy._require_session().dp_rank, size=lambda: strategy._require_session().dp_size,
+            rank=lambda: self._session().dp_rank, size=lambda: self._session().dp_size,
         )  # fmt: skip
+
+    def _session(self) -> Session:
+        session = self._strategy.session
+        assert session is not None, "the session is made in setup()"
+        return session
 
     def __len__(self) -> int:
         return len(self._loader)  # a TypeError for a stream without __len__: Lightning's "no length"
@@ -45,8 +52,7 @@ class _TrainBatches:
     def __iter__(self) -> Iterator[Any]:
         """From the Trainer's ``global_step``: an epoch's start, or a replacement's first step (the
         first micro-batch of an accumulated step)."""
-        trainer = self._strategy._trainer
-        assert trainer is not None
+        trainer = self._trainer
         accumulate = trainer.accumulate_grad_batches
         try:
             per_epoch = len(self._loader)  # the data's epoch; the Trainer's may be shorter

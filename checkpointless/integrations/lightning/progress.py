@@ -9,8 +9,10 @@ from typing import Any
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from checkpointless.integrations.lightning import _compat as host
 
-class _Progress:
+
+class Progress:
     """Lightning's own progress at the start of the step under way, registered with the session as
     ``lightning``: the fit loop's ``state_dict`` (its counters) as a checkpoint saved at the previous
     batch's ``on_train_batch_end`` holds it (Lightning's own mid-epoch resume), and each callback's
@@ -139,12 +141,12 @@ class _Progress:
 
 
 SAVED_KEYS = ("epoch", "global_step", "loops", "callbacks", "lr_schedulers")
-"""What ``_Progress.saved`` keeps of a checkpoint Lightning saves: its counters, the callbacks' and
+"""What ``Progress.saved`` keeps of a checkpoint Lightning saves: its counters, the callbacks' and
 the LR schedulers' state as they were then. The rest (the model's and the optimizer's tensors, the
 precision plugin's state, the hyperparameters) is what a dump at the next step's start holds."""
 
 
-class _Metrics:
+class Metrics:
     """The Trainer's metrics as ``fit`` leaves them (``callback_metrics``, ``logged_metrics``,
     ``progress_bar_metrics``), registered as ``lightning_metrics``: taken after the last step and
     moved to a replacement that joins after it, whose script reads them after ``fit`` as the lost
@@ -202,31 +204,21 @@ def _load_callbacks(trainer: Any, callbacks: dict[str, Any]) -> None:
 
 
 def _logger_versions(trainer: Any) -> list[Any]:
-    return [_logger_version(logger) for logger in trainer.loggers]
+    return [host.logger_version(logger) for logger in trainer.loggers]
 
 
 def _set_logger_versions(trainer: Any, versions: list[Any]) -> None:
     for logger, version in zip(trainer.loggers, versions, strict=False):
-        _set_logger_version(logger, version)
-
-
-def _logger_version(logger: Any) -> Any:
-    """A logger's version (the directory it writes to) if it has one to set (CSV, TensorBoard)."""
-    return logger.version if hasattr(logger, "_version") and isinstance(logger.version, int | str) else None
-
-
-def _set_logger_version(logger: Any, version: Any) -> None:
-    if version is not None and hasattr(logger, "_version"):
-        logger._version = version
+        host.set_logger_version(logger, version)
 
 
 class _BatchEnd(Callback):
     """Keeps the fit loop's state at the ``on_train_batch_end`` that ends an optimizer step (each
-    batch's without accumulation) for ``_Progress`` (no state of its own)."""
+    batch's without accumulation) for ``Progress`` (no state of its own)."""
 
-    def __init__(self, progress: _Progress) -> None:
+    def __init__(self, progress: Progress) -> None:
         self._progress = progress
 
     def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
-        if not trainer.fit_loop._should_accumulate():  # the next step starts at the next batch
+        if not host.should_accumulate(trainer):  # the next step starts at the next batch
             self._progress._loops = copy.deepcopy(trainer.fit_loop.state_dict())

@@ -11,6 +11,7 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from torch.utils.data import DataLoader, IterableDataset
 
+from checkpointless.integrations.lightning import _compat as host
 from checkpointless.loaders.from_dataloader import loader_settings
 
 
@@ -101,7 +102,7 @@ def validation_inside_a_step(trainer: Any) -> str | None:
     if accumulate == 1 or not trainer.enable_validation:
         return None
     what = f"validation inside an accumulated step (accumulate_grad_batches={accumulate}, "
-    if getattr(trainer, "_val_check_time_interval", None) is not None:
+    if host.val_check_time_interval(trainer) is not None:
         return what + f"val_check_interval={trainer.val_check_interval!r}, time based)"
     every, batches = trainer.val_check_batch, trainer.num_training_batches
     if every is None or every == float("inf"):

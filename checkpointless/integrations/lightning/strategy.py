@@ -16,21 +16,17 @@ from torch.utils.data import DataLoader
 
 from checkpointless.control.env import ENV_STORE
 from checkpointless.devices import local_device
+from checkpointless.integrations.lightning import _compat as host
 from checkpointless.integrations.lightning.checkpoints import complete_saves, note_links
-from checkpointless.integrations.lightning.collectives import _Collectives
-from checkpointless.integrations.lightning.data import _TrainBatches
-from checkpointless.integrations.lightning.progress import (
-    _logger_version,
-    _Metrics,
-    _Progress,
-    _set_logger_version,
-)
+from checkpointless.integrations.lightning.collectives import Collectives
+from checkpointless.integrations.lightning.data import TrainBatches
+from checkpointless.integrations.lightning.progress import Metrics, Progress
 from checkpointless.integrations.lightning.refusals import (
     refused_loader,
     refused_settings,
     validation_inside_a_step,
 )
-from checkpointless.integrations.lightning.window import _Window
+from checkpointless.integrations.lightning.window import Window
 from checkpointless.session import Session
 
 log = logging.getLogger(__name__)
@@ -77,14 +73,14 @@ class CheckpointlessStrategy(ParallelStrategy):
         self._session_kwargs = session_kwargs
         self._session: Session | None = None
         self._trainer: Any = None
-        self._progress = _Progress()
-        self._metrics = _Metrics()  # the Trainer's as fit leaves them: for a replacement after the last step
-        self._comm = _Collectives(lambda: self._session)
+        self._progress = Progress()
+        self._metrics = Metrics()  # the Trainer's as fit leaves them: for a replacement after the last step
+        self._comm = Collectives(lambda: self._session)
         self._steps: Iterator[int] | None = None
         self._total = -1  # the job's steps (the Trainer's estimated_stepping_batches)
         self._start = 0  # the step the job starts at: a checkpoint's that fit(ckpt_path=...) resumes from
-        self._window: _Window | None = None  # the step under way, from its first micro-batch
-        self._batches: _TrainBatches | None = None
+        self._window: Window | None = None  # the step under way, from its first micro-batch
+        self._batches: TrainBatches | None = None
         self._finished = False
         self._joining = False  # a replacement, before its first step: its loop counters are aligned then
         self.digest: str | None = None
@@ -135,7 +131,7 @@ class CheckpointlessStrategy(ParallelStrategy):
         trainer = self._trainer
         if trainer is None or trainer.accumulate_grad_batches == 1:
             return False
-        return not trainer.fit_loop.epoch_loop._num_ready_batches_reached()
+        return not host.ready_batches_reached(trainer)
 
     def model_to_device(self) -> None:
         assert self.model is not None
@@ -181,12 +177,7 @@ class CheckpointlessStrategy(ParallelStrategy):
         # pair it with its peers' next collective. The launcher stops a job itself (Ctrl-C, SIGTERM).
         # Its SIGTERM handler (registered after this) broadcasts too, from wherever the signal
         # lands: it notes the signal only (Lightning then stops at the next batch).
-        epoch_loop = trainer.fit_loop.epoch_loop
-        if hasattr(epoch_loop, "_broadcast_sigterm_tensor"):
-            epoch_loop._broadcast_sigterm_tensor = lambda: None
-        connector = getattr(trainer, "_signal_connector", None)
-        if connector is not None and hasattr(connector, "_sigterm_notifier_fn"):
-            connector._sigterm_notifier_fn = _SigtermNoted(connector)
+        host.mute_sigterm_broadcast(trainer, _SigtermNoted)
         if self._progress.received and self._progress.snapshot["step"] >= 0:
             self._join(trainer)
             return
@@ -199,7 +190,7 @@ class CheckpointlessStrategy(ParallelStrategy):
             if isinstance(getattr(cb, "dirpath", None), str):
                 cb.dirpath = self.broadcast(cb.dirpath)
         for logger in trainer.loggers:
-            _set_logger_version(logger, self.broadcast(_logger_version(logger)))
+            host.set_logger_version(logger, self.broadcast(host.logger_version(logger)))
 
     def _join(self, trainer: Any) -> None:
         """A replacement: enter the Trainer's loop where the state it received was taken."""
@@ -209,7 +200,7 @@ class CheckpointlessStrategy(ParallelStrategy):
         # schedulers, scaler and loop counters over the state just received: it loaded the model
         # and the callbacks (before setup), the state received replaced them, and nothing is left
         # to load.
-        trainer._checkpoint_connector._loaded_checkpoint = {}
+        host.forget_loaded_checkpoint(trainer)
         if session.step != snapshot_step:
             # the job had done its last step (a rank died in Session.finish): nothing left to train.
             # The Trainer as fit left it on the source: fit returns at once, and the script's code
@@ -226,21 +217,21 @@ class CheckpointlessStrategy(ParallelStrategy):
         # Lightning may have made the train iterator already, at step 0: ``estimated_stepping_batches``
         # in ``configure_optimizers`` loads the train data (and prefetches a batch) before this
         # process had a rank. Made again at fit's start, it starts at the step received.
-        trainer.fit_loop._combined_loader = None
+        host.drop_train_iterator(trainer)
         self._joining = True
         log.info("[rank %d] joined at step %d (epoch %d)", session.rank, session.step, trainer.current_epoch)
 
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """Lightning's (its arguments differ between the versions covered), keeping the step to
         start at and the fit loop's state for a replacement that joins at the first step after the
-        checkpoint (``_Progress.resumed``)."""
+        checkpoint (``Progress.resumed``)."""
         checkpoint: dict[str, Any] = super().load_checkpoint(checkpoint_path, *args, **kwargs)
         self._start = int(checkpoint.get("global_step", 0))
         self._progress.resumed(checkpoint.get("loops", {}).get("fit_loop"))
         return checkpoint
 
     def process_dataloader(self, dataloader: object) -> object:
-        """The train loader, read as a function of the step (``_TrainBatches``); others as they are.
+        """The train loader, read as a function of the step (``TrainBatches``); others as they are.
         Lightning may ask for the train loader before the session exists (``estimated_stepping_batches``
         in ``configure_optimizers``, stage not set yet) and keep what it got for the whole ``fit``: it
         is wrapped then too, its length that of the job's ranks, as a ``DistributedSampler`` gives DDP."""
@@ -255,16 +246,16 @@ class CheckpointlessStrategy(ParallelStrategy):
         assert isinstance(dataloader, DataLoader)
         if self._batches is not None:
             self._batches.close()
-        self._batches = _TrainBatches(self, dataloader, ranks)
+        self._batches = TrainBatches(self, trainer, dataloader, ranks)
         return self._batches
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        """Lightning's (rank 0 writes), noted on every rank first (``_Progress.saved``)."""
+        """Lightning's (rank 0 writes), noted on every rank first (``Progress.saved``)."""
         self._progress.saved(checkpoint, str(filepath))
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     def remove_checkpoint(self, filepath: Any) -> None:
-        """Lightning's (rank 0 removes), noted on every rank first (``_Progress.removed``)."""
+        """Lightning's (rank 0 removes), noted on every rank first (``Progress.removed``)."""
         self._progress.removed(str(filepath))
         super().remove_checkpoint(filepath)
 
@@ -303,11 +294,11 @@ class CheckpointlessStrategy(ParallelStrategy):
             # a fit(ckpt_path=...) starts at the checkpoint's step, on every rank (a replacement
             # passes it too, and holds its own later position)
             self._steps = session.steps(self._total, start=self._start)
-        last = not trainer.fit_loop._should_accumulate()  # Lightning's own test
+        last = not host.should_accumulate(trainer)  # Lightning's own test
         # a failed attempt's first closure ran zero_grad: its count stays what one attempt makes it
         zero_grad = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.zero_grad
         if self._window is None:
-            self._window = _Window(zero_grad.state_dict())
+            self._window = Window(zero_grad.state_dict())
         window = self._window
         window.closures.append(closure)
 
@@ -344,7 +335,7 @@ class CheckpointlessStrategy(ParallelStrategy):
             self._comm.in_window = False
             return result
 
-    def _begin(self, window: _Window) -> None:
+    def _begin(self, window: Window) -> None:
         """The next attempt of the step under way (the replicas' consistency check runs first when due)."""
         assert self._steps is not None
         try:

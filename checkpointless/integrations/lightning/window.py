@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from checkpointless.session_base import Attempt
 
 
-class _Window:
+class Window:
     """The attempt of the optimizer step under way, open from its first micro-batch's closure to its
     update (one micro-batch without accumulation), and the closures run in it so far: after a
     recovery the next attempt runs them again, in order, before the Trainer's loop goes on."""
