@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -27,14 +26,6 @@ class GPTConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
-
-    @staticmethod
-    def for_params(n_params: int, *, vocab_size: int = 256, seq_len: int = 128) -> GPTConfig:
-        """A config of about ``n_params`` parameters (12 * L * d^2 dominates)."""
-        n_layer = 4 if n_params < 20e6 else 8
-        d = int(math.sqrt(max(n_params - 0, 1) / (12 * n_layer)))
-        d = max(64, (d // 64) * 64)
-        return GPTConfig(vocab_size=vocab_size, seq_len=seq_len, d_model=d, n_layer=n_layer, n_head=d // 64)
 
 
 class _Block(nn.Module):

@@ -268,13 +268,6 @@ class JobMetrics:
             self._gpu_util.labels(host=host, gpu=str(g["index"])).set(float(g["util_percent"]))
             self._gpu_mem.labels(host=host, gpu=str(g["index"])).set(int(g["mem_used_bytes"]))
 
-    def forget_rank(self, rank: int) -> None:
-        """Drop the per-rank step-time series of ``rank`` (e.g. after a shrink)."""
-        try:
-            self._step_time.remove(str(rank))
-        except KeyError:
-            pass
-
     # ------------------------------------------------------------------ internals
 
     def _prune(self, now: float) -> None:

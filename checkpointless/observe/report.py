@@ -18,12 +18,7 @@ from checkpointless.control.vocab import Event
 from checkpointless.observe.fault_list import fault_entries
 from checkpointless.observe.progress import StepStats
 
-__all__ = ["build_report", "durable_summary", "normal_step_time"]
-
-
-def normal_step_time(events: list[dict[str, Any]]) -> float:
-    """The median step time (see :class:`checkpointless.observe.progress.StepStats`)."""
-    return StepStats.of(events).step_time_s
+__all__ = ["build_report", "durable_summary"]
 
 
 def durable_summary(events: list[dict[str, Any]]) -> dict[str, Any] | None:

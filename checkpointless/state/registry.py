@@ -33,9 +33,6 @@ class StateRegistry:
             raise TypeError(f"state {name!r} has no state_dict/load_state_dict")
         self._items[name] = obj
 
-    def names(self) -> list[str]:
-        return list(self._items)
-
     def state_dict(self) -> dict[str, Any]:
         return {name: obj.state_dict() for name, obj in self._items.items()}
 
