@@ -229,14 +229,31 @@ def test_committed_compare_reading_is_accurate() -> None:
 
     res = json.loads((common.RESULTS / "compare.json").read_text())
     md = compare.markdown(res)
-    for j in res["jobs"]:
-        if j["name"].startswith("goodput-") and j["system"] == "torchrun":
-            n = j["extra"]["every"]
-            assert f'{j["label"]}: `{{"every": {n}' in md and j["label"] == f"torchrun N={n}"
+    torchrun = [j for j in res["jobs"] if j["name"].startswith("goodput-") and j["system"] == "torchrun"]
+    assert torchrun, "compare.json has no torchrun goodput run: the settings line read here renders nothing"
+    for j in torchrun:
+        n = j["extra"]["every"]
+        assert f'{j["label"]}: `{{"every": {n}' in md and j["label"] == f"torchrun N={n}"
     steps = {j["system"]: j["steps"] for j in res["jobs"] if j["name"].endswith("-ref")}
-    if steps.get("torchft") != steps.get("checkpointless"):
+    assert {"torchft", "checkpointless"} <= set(steps), f"compare.json's fault-free reference runs: {steps}"
+    if steps["torchft"] != steps["checkpointless"]:
         assert "checkpointless, plain_ddp, torchft" not in md
         assert f"({steps['checkpointless']} steps each) end in the same state" in md
+
+
+def test_every_committed_result_renders_its_section() -> None:
+    """Each benchmark of the page has its committed result, and its section (and the targets'
+    summary) renders a table with rows from it: a result whose shape changed fails here rather
+    than leaving a section empty."""
+    import run_all
+
+    results = run_all.load_results(common.RESULTS)
+    for key, _, mod in run_all.BENCHES:
+        assert key in results, f"bench/results/{key}.json is missing: its section would say 'not run'"
+        rows = [line for line in mod.markdown(results[key]).splitlines() if line.startswith("|")]
+        assert len(rows) >= 3, f"bench/{key}.py's section renders no table row from its committed result"
+    summary = [line for line in run_all.targets(results).splitlines() if line.startswith("|")]
+    assert len(summary) >= 3, "the targets' summary renders no row from the committed results"
 
 
 def test_paired_interval_and_its_verdict() -> None:

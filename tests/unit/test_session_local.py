@@ -41,15 +41,38 @@ def test_steps_requires_attempt() -> None:
 
 
 def test_attempt_reseeds_per_step_and_rank() -> None:
-    session = cl.Session(torch.nn.Linear(1, 1), seed=7)
-    draws = []
-    for _ in session.steps(2):
-        with session.attempt():
-            draws.append(torch.rand(1).item())
-    again = cl.Session(torch.nn.Linear(1, 1), seed=7)
-    for _ in again.steps(2):
-        with again.attempt():
-            assert torch.rand(1).item() == draws[again.step]
+    """Each attempt starts torch's, NumPy's and ``random``'s generators from ``step_seed(seed, step,
+    rank)``, whatever was drawn before it: the draws are that seed's, and differ between steps and
+    between ranks (a reseeding that ignored either would repeat them)."""
+    import random
+
+    import numpy as np
+
+    from checkpointless.session import step_seed
+
+    def draws(rank: int) -> list[tuple[float, float, float]]:
+        session = cl.Session(torch.nn.Linear(1, 1), seed=7)
+        session.rank = rank  # what a formation gives a process: its seeds follow it
+        out = []
+        for _ in session.steps(3):
+            torch.rand(5), np.random.rand(), random.random()  # drawn between attempts: no effect on the next
+            with session.attempt():
+                out.append((torch.rand(1).item(), float(np.random.rand()), random.random()))
+        return out
+
+    def expected(step: int, rank: int) -> tuple[float, float, float]:
+        s = step_seed(7, step, rank)
+        g = torch.Generator().manual_seed(s)
+        return (
+            torch.rand(1, generator=g).item(),
+            float(np.random.RandomState(s % 2**32).rand()),
+            random.Random(s).random(),
+        )
+
+    got = {rank: draws(rank) for rank in (0, 1)}
+    assert got == {rank: [expected(step, rank) for step in range(3)] for rank in (0, 1)}
+    every = [d for rank in got for d in got[rank]]
+    assert len(set(every)) == len(every) == 6  # no two (step, rank) draw alike
 
 
 def test_log_converts_scalars_and_refuses_misuse() -> None:
