@@ -1,6 +1,6 @@
 """A nanoGPT-style loop, ported: a small character model, gradient accumulation, gradient
 clipping, a learning-rate schedule computed from the step, evaluation every few steps, and a
-checkpoint of its own to resume from. docs/porting.md shows the changes and why.
+checkpoint of its own to resume from. docs/guide/porting.md shows the changes and why.
 
     checkpointless launch --workers 2 --spares 1 --fault exception:rank=0@step=9 --out runs/acc \\
         -- python examples/accumulate_eval.py --steps 30

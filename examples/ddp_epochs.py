@@ -1,6 +1,6 @@
 """A torchrun/DDP script of the common shape, ported: a ``Trainer`` class, a map-style dataset read
 by epochs (what a ``DataLoader`` with a ``DistributedSampler`` gave it), and a snapshot file the
-script writes itself. docs/porting.md shows the changes line by line.
+script writes itself. docs/guide/porting.md shows the changes line by line.
 
     checkpointless launch --workers 2 --spares 1 --fault kill:rank=1@step=7 --out runs/epochs \\
         -- python examples/ddp_epochs.py --epochs 4 --snapshot runs/epochs/snapshot.pt

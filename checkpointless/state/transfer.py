@@ -17,16 +17,14 @@ generation's group, source to receiver, in this order:
    both sides compute in a thread pool while the pieces are on the wire (the
    source checks each piece just before it posts it, the receiver just after it
    arrived, so the check reads bytes the wire left in the cache: 4 MiB pieces
-   were 0.79-0.84x raw gloo at 100 MB here, 64 MiB ones 0.71-0.77x, 1 MiB ones
-   0.69-0.73x). GMAC (AES-128-GCM
+   keep the closest to raw gloo of the sizes tried, ``bench/transfer.py``). GMAC (AES-128-GCM
    with the bytes as associated data, from ``cryptography``, i.e. OpenSSL) is a
    MAC: its key is ``F(ctx || b"G" || salt)[:16]``, fresh for every transfer,
    and its nonce is the (tensor index, piece index), unique under that key, so
    without the job's secret nobody can alter a tensor byte and keep its tag.
    It is faster than BLAKE3 on one core here (AES-NI and carry-less multiply)
    and releases the GIL: on a host whose cores the wire already keeps busy, the
-   check is what costs (``docs/benchmarks.md``, transfer throughput, the check
-   columns).
+   check is what costs (``bench/transfer.py``, the check columns).
 
 Devices: the header, the metadata and the trailer travel on the group's ``control`` group (gloo,
 CPU tensors: ``comm.Group``). A piece of a tensor the source holds off the CPU travels on the data
