@@ -104,7 +104,7 @@ def run_checkpointless(
 
     from checkpointless.config import JobConfig
     from checkpointless.control.coordinator import JobFailed
-    from checkpointless.faults import parse_faults
+    from checkpointless.fault_grammar import parse_faults
     from checkpointless.launch.demo import worker_command
     from checkpointless.launch.launcher import Launcher
 

@@ -112,7 +112,8 @@ from torch.distributed import TCPStore
 from checkpointless.control.auth import new_secret, write_secret_file
 from checkpointless.control.published import INTRUDER_KEYS
 from checkpointless.control.vocab import Event
-from checkpointless.launch.launcher import FULL_GC_EVERY, RELAYED_BYTES_PER_PASS, RELAYED_CHUNKS_PER_PASS
+from checkpointless.launch.events import RELAYED_BYTES_PER_PASS, RELAYED_CHUNKS_PER_PASS
+from checkpointless.launch.runtime import FULL_GC_EVERY
 from checkpointless.observe.event_log import KEEP_COMMITS, KEEP_USAGE
 
 SERIES_HANG_S = 2.0  # see the module docstring: the job default, 0.5 s, is the extra case
@@ -1214,7 +1215,7 @@ def _findings_common(res: dict[str, Any], first: int) -> list[str]:
             f"{n + 2}. **Python's full garbage collections.** The launcher freezes what exists when its loop starts "
             "(the process table) out of every collection and makes a full collection wait for "
             f"{FULL_GC_EVERY} of the middle "
-            "generation (`launcher._steady_gc`); the event log keeps no tuple per event (a tuple holding a dict "
+            "generation (`runtime.steady_gc`); the event log keeps no tuple per event (a tuple holding a dict "
             "stays tracked). Before, at 2,000 hosts, a full collection came about every second and took 0.2-0.6 s, "
             "none finding garbage (a third of the loop; a plan 0.7 s late when one fell after a host's loss). "
             "Measured in the whole run: "

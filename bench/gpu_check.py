@@ -205,7 +205,7 @@ def nccl_generations(device: str, generations: int = 5) -> dict[str, Any]:
 def _job(command: list[str], *, workers: int, spares: int, shards: int = 1, steps: int, faults: list[str],
          backend: str, device: str, out: Path) -> Any:  # fmt: skip
     from checkpointless.config import JobConfig, RecoveryConfig
-    from checkpointless.faults import parse_faults
+    from checkpointless.fault_grammar import parse_faults
     from checkpointless.launch.launcher import Launcher
 
     rc = RecoveryConfig(

@@ -73,7 +73,7 @@ REFERENCE_HANG_TIMEOUT_S = 10.0
 
 def run_job(faults: list[str], total_steps: int, spares: int, out: Path) -> Any:
     from checkpointless.config import JobConfig, RecoveryConfig
-    from checkpointless.faults import parse_faults
+    from checkpointless.fault_grammar import parse_faults
     from checkpointless.launch.demo import DemoModel, worker_command
     from checkpointless.launch.launcher import Launcher
 

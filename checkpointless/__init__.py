@@ -8,7 +8,7 @@ tests.
 from checkpointless.config import JobConfig, RecoveryConfig
 from checkpointless.devices import local_device
 from checkpointless.errors import CheckpointlessError, FatalError
-from checkpointless.faults import FaultSpec, parse_fault
+from checkpointless.fault_grammar import FaultSpec, parse_fault
 from checkpointless.session import Attempt, Session
 from checkpointless.session_base import Between
 from checkpointless.state import Stateful

@@ -6,7 +6,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 
-from checkpointless.faults import FaultSpec
+from checkpointless.fault_grammar import FaultSpec
 
 LEASE_FRACTION = 0.5
 """The default ``heartbeat_lease_s``, as a fraction of ``hang_timeout_s``."""

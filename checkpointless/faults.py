@@ -1,4 +1,4 @@
-"""Fault specifications and in-process fault injection.
+"""In-process fault injection (the specs' grammar: ``fault_grammar.py``).
 
 A fault is test infrastructure, not ad-hoc code (STYLE.md, 8): the schedule is
 parsed once, handed to every process of the job, and fired by the process that
@@ -40,205 +40,14 @@ per fault for recovery faults, so exactly one process fires it for each rank it 
 from __future__ import annotations
 
 import os
-import re
 import signal
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 from checkpointless.control import keys
 from checkpointless.control.vocab import Event
 from checkpointless.errors import InjectedFault
-
-KINDS = ("kill", "hang", "exception", "corrupt")
-_RECOVERY_SPECS = {
-    "recovery": "kill:spare@recovery",
-    "join": "kill:spare@join",
-    "source": "kill:source@recovery",
-}
-
-_SPEC = re.compile(
-    r"^(?P<kind>[a-z]+):rank=(?P<ranks>\d+(?:,\d+)*)@(?P<at>step|check|digests)=(?P<step>\d+)$"
-)
-_NODE_SPEC = re.compile(
-    r"^(?P<kind>kill|partition):node=(?P<node>\d+)@step=(?P<step>\d+)(?:,for=(?P<for>\d+(?:\.\d+)?))?$"
-)
-_CHECK_KINDS = ("kill", "hang")  # what can strike at a consistency check
-_PER_RANK = ("step", "check", "digests")  # moments that name their ranks (the rest are moments of a recovery)
-
-
-@dataclass(frozen=True, slots=True)
-class FaultSpec:
-    """One scheduled fault.
-
-    ``at`` is ``"step"`` (inside step ``step``, before the gradient reduction), ``"check"`` (at
-    the consistency check before step ``step``), or a moment of the next recovery (``ranks``
-    empty): ``"recovery"`` the spare receiving state, ``"join"`` the spare before its group
-    forms, ``"source"`` the survivor sending state.
-    """
-
-    kind: str
-    ranks: tuple[int, ...]
-    step: int | None
-    at: str = "step"  # "step", "check", or a moment of recovery: "recovery", "join", "source"
-    node: int | None = None  # a host fault: every process of host ``node`` (``ranks`` empty)
-    duration: float | None = None  # a partition's length in seconds (None: for good)
-
-    def __str__(self) -> str:
-        if self.at in _RECOVERY_SPECS:
-            return _RECOVERY_SPECS[self.at]
-        if self.node is not None:
-            cut = f",for={self.duration:g}" if self.duration is not None else ""
-            return f"{self.kind}:node={self.node}@{self.at}={self.step}{cut}"
-        return f"{self.kind}:rank={','.join(map(str, self.ranks))}@{self.at}={self.step}"
-
-    def to_json(self) -> dict[str, object]:
-        return {
-            "kind": self.kind,
-            "ranks": list(self.ranks),
-            "step": self.step,
-            "at": self.at,
-            "node": self.node,
-            "duration": self.duration,
-        }
-
-    @staticmethod
-    def from_json(d: dict[str, object]) -> FaultSpec:
-        ranks = d["ranks"]
-        step = d["step"]
-        assert isinstance(ranks, list)
-        return FaultSpec(
-            kind=str(d["kind"]),
-            ranks=tuple(int(r) for r in ranks),
-            step=None if step is None else int(str(step)),
-            at=str(d.get("at", "step")),
-            node=None if d.get("node") is None else int(str(d["node"])),
-            duration=None if d.get("duration") is None else float(str(d["duration"])),
-        )
-
-
-def parse_fault(spec: str) -> FaultSpec:
-    """Parse one ``--fault`` value; raise ``ValueError`` naming what is wrong."""
-    text = spec.strip()
-    for at, name in _RECOVERY_SPECS.items():
-        if text == name:
-            return FaultSpec(kind="kill", ranks=(), step=None, at=at)
-    kind = text.split(":", 1)[0]
-    node = _NODE_SPEC.match(text)
-    if node is not None:
-        if node["for"] is not None and node["kind"] != "partition":
-            raise ValueError(f"fault {spec!r}: only a partition lasts for a time (,for=T)")
-        return FaultSpec(kind=node["kind"], ranks=(), step=int(node["step"]), node=int(node["node"]),
-                         duration=None if node["for"] is None else float(node["for"]))  # fmt: skip
-    if text.split(":", 1)[-1].startswith("node=") or kind == "partition":
-        raise ValueError(
-            f"cannot parse fault {spec!r}: a host fault is kill:node=N@step=S or partition:node=N@step=S[,for=T]"
-        )
-    if kind not in KINDS:
-        raise ValueError(f"unknown fault kind {kind!r} in {spec!r} (expected one of {', '.join(KINDS)})")
-    m = _SPEC.match(text)
-    if m is None:
-        raise ValueError(
-            f"cannot parse fault {spec!r}: expected KIND:rank=R[,R...]@step=S, KIND:rank=R@check=S, KIND:rank=R@digests=S, "
-            "kill:node=N@step=S, "
-            f"{', '.join(_RECOVERY_SPECS.values())}"
-        )
-    ranks = tuple(int(r) for r in m["ranks"].split(","))
-    if len(set(ranks)) != len(ranks):
-        raise ValueError(f"fault {spec!r} names a rank twice")
-    if m["at"] in ("check", "digests") and kind not in _CHECK_KINDS:
-        raise ValueError(
-            f"fault {spec!r}: only {' and '.join(_CHECK_KINDS)} can strike at a consistency check"
-        )
-    return FaultSpec(kind=kind, ranks=ranks, step=int(m["step"]), at=m["at"])
-
-
-def parse_faults(specs: list[str]) -> list[FaultSpec]:
-    """Parse every ``--fault``; ``["none"]`` is the empty schedule."""
-    if any(s.strip() == "none" for s in specs):
-        if len(specs) > 1:
-            raise ValueError("--fault none cannot be combined with other faults")
-        return []
-    return [parse_fault(s) for s in specs]
-
-
-def validate_schedule(
-    faults: list[FaultSpec],
-    *,
-    workers: int,
-    spares: int,
-    steps: int,
-    durable: bool = False,
-    shards: int = 1,
-    consistency_every: int = 0,
-    nodes: int = 0,
-    nproc_per_node: int = 0,
-) -> None:
-    """Check a schedule against the job's shape; raise ``ValueError`` naming the problem.
-
-    ``nodes`` and ``nproc_per_node``: the job's worker hosts (0: one host, no host faults); host
-    ``n`` starts with ranks ``n * nproc_per_node`` to ``(n + 1) * nproc_per_node - 1``.
-
-    Without an elastic mode a job needs a spare for every rank that fails at once,
-    and at least one survivor to hold the state, unless the durable tier (``durable``)
-    is there to roll back to.
-    """
-    per_step: dict[int, set[int]] = {}  # ranks that need a replacement, by step
-    for f in faults:
-        if f.node is not None:
-            if nodes < 1:
-                raise ValueError(
-                    f"fault {f}: a host fault needs a job on several hosts (checkpointless cluster)"
-                )
-            if not 0 <= f.node < nodes:
-                raise ValueError(
-                    f"fault {f}: node {f.node} does not exist (--nodes {nodes}: nodes 0..{nodes - 1})"
-                )
-            f = FaultSpec(kind=f.kind, step=f.step, ranks=tuple(
-                range(f.node * nproc_per_node, (f.node + 1) * nproc_per_node)))  # fmt: skip
-        if f.at not in _PER_RANK:
-            if spares < 1:
-                raise ValueError(f"fault {f}: there is no spare to kill (--spares 0)")
-            continue
-        assert f.step is not None
-        for r in f.ranks:
-            if not 0 <= r < workers:
-                raise ValueError(f"fault {f}: rank {r} is out of range for --workers {workers}")
-        if f.step >= steps:
-            raise ValueError(f"fault {f}: step {f.step} is beyond --steps {steps} (steps are 0..{steps - 1})")
-        if f.at in ("check", "digests") and not (
-            f.step == 1 or (consistency_every > 0 and f.step > 0 and f.step % consistency_every == 0)
-        ):
-            raise ValueError(
-                f"fault {f}: no consistency check runs before step {f.step} (checks run before step 1 and "
-                f"every recovery.consistency_every={consistency_every} steps)"
-            )
-        if f.kind in ("exception", "corrupt"):
-            continue  # the rank stays alive (re-executes the step, or is re-synced) in place
-        ranks = per_step.setdefault(f.step, set())
-        if ranks & set(f.ranks):
-            raise ValueError(f"fault {f}: rank already faulted at step {f.step}")
-        ranks.update(f.ranks)
-    for step, ranks in per_step.items():
-        n_replaced = len(ranks)
-        if n_replaced > spares:
-            raise ValueError(
-                f"{n_replaced} ranks fail at step {step} but only {spares} spare(s) are configured "
-                "(elastic shrink without spares is not supported yet)"
-            )
-        if n_replaced >= workers and not durable:
-            raise ValueError(
-                f"every rank fails at step {step}: no live replica would hold the state "
-                "(set recovery.durable_every and durable_dir to roll back to a durable snapshot)"
-            )
-        for shard in range(shards):
-            copies = set(range(shard, workers, shards))
-            if copies <= ranks and not durable:
-                raise ValueError(
-                    f"ranks {', '.join(map(str, sorted(copies)))} (every copy of shard {shard}) fail at step "
-                    f"{step}: no live replica would hold that shard (set recovery.durable_every and "
-                    "durable_dir to roll back to a durable snapshot)"
-                )
+from checkpointless.fault_grammar import PER_RANK, FaultSpec
 
 
 def unfired(faults: list[FaultSpec], events: Iterable[dict[str, Any]]) -> list[str]:
@@ -255,7 +64,7 @@ def unfired(faults: list[FaultSpec], events: Iterable[dict[str, Any]]) -> list[s
     out: list[str] = []
     for i, f in enumerate(faults):
         hit = fired.get(i)
-        missed = hit is None or (f.at in _PER_RANK and not set(f.ranks) <= hit)
+        missed = hit is None or (f.at in PER_RANK and not set(f.ranks) <= hit)
         if missed and str(f) not in out:
             out.append(str(f))
     return out
@@ -298,7 +107,7 @@ class FaultInjector:
     ) -> None:
         # A step fault fires once per rank it names; a recovery fault once per job, whichever
         # recovery comes first (never again in a later one).
-        who = rank if fault.at in _PER_RANK and fault.node is None else -1
+        who = rank if fault.at in PER_RANK and fault.node is None else -1
         if self._claimer is None or not self._claimer.claim(keys.fault_fired(index, who)):
             return
         if on_fire is not None:

@@ -28,7 +28,8 @@ from checkpointless.ddp import BufferSync, GradientReducer, Trainable
 from checkpointless.devices import local_device
 from checkpointless.durable import DurableWriter
 from checkpointless.errors import FatalError
-from checkpointless.faults import FaultInjector, FaultSpec
+from checkpointless.fault_grammar import FaultSpec
+from checkpointless.faults import FaultInjector
 from checkpointless.fsdp import (
     Build,
     Generation,

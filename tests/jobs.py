@@ -10,7 +10,7 @@ from pathlib import Path
 
 from checkpointless.config import JobConfig, RecoveryConfig
 from checkpointless.control.coordinator import Coordinator
-from checkpointless.faults import parse_faults
+from checkpointless.fault_grammar import parse_faults
 from checkpointless.launch.demo import DemoModel, worker_command
 from checkpointless.launch.launcher import JobResult, Launcher
 

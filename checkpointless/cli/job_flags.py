@@ -17,7 +17,7 @@ from typing import Any, NoReturn
 
 from checkpointless.config import JobConfig, RecoveryConfig
 from checkpointless.errors import UsageError
-from checkpointless.faults import parse_faults, validate_schedule
+from checkpointless.fault_grammar import parse_faults, validate_schedule
 from checkpointless.launch.cluster import LocalCluster
 
 

@@ -30,23 +30,19 @@ What the launcher guarantees around a job:
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import json
 import logging
 import os
 import shutil
 import signal
-import socket
 import tempfile
-import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from types import FrameType, MappingProxyType
+from types import MappingProxyType
 from typing import Any
 
 from torch.distributed import TCPStore
@@ -58,21 +54,19 @@ from checkpointless.control.bell import ReportBell
 from checkpointless.control.coordinator import Coordinator, JobFailed
 from checkpointless.control.processes import ProcessBackend, ProcessTable
 from checkpointless.control.vocab import Event, Role, event
-from checkpointless.errors import JobInterrupted, LaunchError
+from checkpointless.errors import JobInterrupted
 from checkpointless.faults import unfired
+from checkpointless.launch.events import EventCollector, Rejections
 from checkpointless.launch.outputs import set_aside_previous_run, write_atomic, write_control_file
 from checkpointless.launch.remote import ClusterSpec, RemoteNodes
+from checkpointless.launch.runtime import steady_gc, stop_signals
+from checkpointless.launch.store import open_store
 from checkpointless.launch.supervisor import LocalSupervisor, Wakeups
 from checkpointless.observe.event_log import EventLog
 from checkpointless.observe.report import build_report
 from checkpointless.observe.usage import UsageRecorder
 
 log = logging.getLogger(__name__)
-
-MAX_REJECTED_KEYS = 64
-"""Messages not sealed with the job's secret are all counted (``report.json``'s ``rejected_messages``),
-and the first one of each key is kept as a ``message_rejected`` event, for at most this many keys:
-a stranger writing junk for as long as a job runs must not grow the launcher without bound."""
 
 
 @dataclass
@@ -89,91 +83,8 @@ class JobResult:
     write_error: str | None = None  # report.json / events.jsonl could not be written
 
 
-RELAYED_CHUNKS_PER_PASS = 1024
-"""Hosts' event chunks one collection reads at most while the job runs. A chunk of a host's beat
-carries its ranks' commits of a step as one event (``relay.pack_commits``), about 1 KB for 8 ranks:
-the bytes below bind first (at 256 chunks a pass, 2,000 hosts x 8 ranks at a step a second, the log
-took in 3,900 of the 16,000 commits a second, ``bench/control_scale.py``)."""
-RELAYED_SECONDS_PER_PASS = 0.15
-"""...and the time one collection spends on them while the job runs, checked after each slice of
-``RELAYED_SLICE`` chunks: the coordinator's decisions wait for it, its log may fall behind."""
-RELAYED_SLICE = 128
-RELAYED_BYTES_PER_PASS = 1 << 20
-"""...and their bytes, as estimated from the chunks read so far: a relay the coordinator falls behind
-merges its events into larger chunks (``launch/relay.py``), up to 32 KB each."""
 USAGE_HOSTS_PER_S = 100.0
 """``host_usage`` samples a second at most, across the job's hosts (each host's every 2 s below 200)."""
-
-
-FULL_GC_EVERY = 1000
-"""Collections of the middle generation between two full ones while the job runs (Python's: 10)."""
-
-
-@contextlib.contextmanager
-def _steady_gc() -> Iterator[None]:
-    """The launcher's loop with Python's garbage collector kept off its long-lived objects.
-
-    A full collection scans every object the collector tracks. At 2,000 hosts x 8 ranks the launcher
-    holds a few hundred thousand (the process table, the hosts' statuses, the events kept), and
-    Python's default schedule ran a full collection about every second, 0.2-0.6 s each on this
-    machine's loaded cores, none of which found garbage (``gc.callbacks`` in the
-    ``bench/control_scale.py`` coordinator): a third of the loop's time, and a plan 0.7 s late when
-    one fell between a host's loss and its plan. So what exists when the loop starts (the process
-    table, the modules) is frozen out of every collection (``gc.freeze``: freed as usual when its
-    count drops, never scanned), and a full collection comes after ``FULL_GC_EVERY`` collections of
-    the middle generation. Restored at the end: the launcher may run in a test's process."""
-    old = gc.get_threshold()
-    gc.freeze()
-    gc.set_threshold(old[0], old[1], max(old[2], FULL_GC_EVERY))
-    try:
-        yield
-    finally:
-        gc.set_threshold(*old)
-        gc.unfreeze()
-
-
-def open_store(host: str, port: int) -> TCPStore:
-    """Host the control store on ``host`` only; ``port`` 0 picks a free port.
-
-    c10d's server binds every interface when asked for a port, so the launcher
-    binds the listening socket itself and hands it over.
-    """
-    try:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(1024)
-    except OSError as e:
-        raise LaunchError(f"cannot listen on {host}:{port} for the control store (port in use?): {e}") from e
-    bound_port = sock.getsockname()[1]
-    fd = sock.detach()  # the store's server owns the descriptor from here on
-    try:
-        return TCPStore(
-            host, bound_port, is_master=True, wait_for_workers=False,
-            timeout=timedelta(seconds=30), master_listen_fd=fd,
-        )  # fmt: skip
-    except Exception as e:
-        os.close(fd)
-        raise LaunchError(f"cannot start the control store on {host}:{port}: {e}") from e
-
-
-@contextlib.contextmanager
-def _stop_signals() -> Iterator[None]:
-    """Turn SIGINT and SIGTERM into ``JobInterrupted`` in the main thread while a job runs."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum: int, frame: FrameType | None) -> None:
-        raise JobInterrupted(signum)
-
-    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
 
 
 class Launcher:
@@ -223,12 +134,8 @@ class Launcher:
         self._log = EventLog()
         self._after_finish: dict[str, str] = {}  # a rank's process that failed after the job's end
         self._control_file: Path | None = None  # <out>/control.json while the job runs
-        self._rejections = 0  # messages rejected (every one); the first of each key is in the events
-        self._rejected_keys: set[str] = set()
-        self._chunks_read: dict[str, int] = {}
-        self._next_host = 0  # where the next collection pass starts when hosts' chunks wait
-        self._chunk_bytes = 4096.0  # the relayed chunks' mean size (a moving average), for a pass's budget
-        self._drained: set[str] = set()  # exited processes whose every chunk was read
+        self._rejections = Rejections()  # values that failed their seal: the first of each key is an event
+        self._collector = EventCollector(self._log, self._rejections)
         self._secret = secret or new_secret()
         self._own_logdir = out_dir is None
         self._logdir = Path(out_dir / "logs") if out_dir else Path(tempfile.gettempdir())  # see run()
@@ -243,21 +150,12 @@ class Launcher:
 
     # -- events ---------------------------------------------------------------------
     def _record(self, ev: dict[str, Any]) -> None:
-        if ev.get("kind") == Event.MESSAGE_REJECTED and not self._first_rejection(str(ev.get("key"))):
+        if ev.get("kind") == Event.MESSAGE_REJECTED and not self._rejections.first(str(ev.get("key"))):
             return
         self._log.record(ev)
 
-    def _first_rejection(self, key: str) -> bool:
-        """Count one rejected message on ``key``; whether it is the first of its key to be kept (at
-        most ``MAX_REJECTED_KEYS`` keys: the rest are only counted)."""
-        self._rejections += 1
-        if key in self._rejected_keys or len(self._rejected_keys) >= MAX_REJECTED_KEYS:
-            return False
-        self._rejected_keys.add(key)
-        return True
-
     def _reject(self, key: str) -> None:
-        if key not in self._rejected_keys:
+        if key not in self._rejections.keys:
             log.warning("ignored a value on %r that is not sealed with this job's secret (later ones are "
                         "counted, not logged)", key)  # fmt: skip
         self._record(event(Event.MESSAGE_REJECTED, proc="coordinator", key=key))
@@ -265,121 +163,9 @@ class Launcher:
     def _collect_events(
         self, announced: dict[str, int] | None = None, relayed: dict[str, int] | None = None
     ) -> None:
-        """Move the processes' new event chunks from the store into the log (and the file).
-
-        ``announced``: how many chunks each process's last heartbeat says it wrote; ``relayed``:
-        how many each host's relay says it wrote (several hosts: ``launch/relay.py``). Those are
-        read in one round trip (they exist: chunks are written before the value that counts them);
-        a process or host not in them (at the end, or not heartbeating) is probed chunk by chunk
-        until a gap.
-        """
-        if self.remote is not None:
-            self._collect_relayed(relayed or {}, final=announced is None)
-        announced = announced or {}
-        children = self.children
-        known: list[tuple[str, int]] = [
-            (name, i)
-            for name in children
-            if name in announced
-            for i in range(self._chunks_read.get(name, 0), announced[name])
-        ]
-        raws = self.store.get_sealed_present([keys.events(name, i) for name, i in known])
-        for (name, i), raw in zip(known, raws, strict=True):
-            self._record_chunk(name, keys.events(name, i), raw)
-            self._chunks_read[name] = i + 1
-        for name, child in children.items():
-            if name in announced or name in self._drained or child.relayed:
-                continue
-            gone = not child.alive()  # seen before reading: a process that is gone writes no more
-            seen = self._chunks_read.get(name, 0)
-            while True:  # chunks are numbered from 0 and written in order: read until a gap
-                key = keys.events(name, seen)
-                sealed = self.store.get_sealed(key)
-                if sealed is None or not self._record_chunk(name, key, sealed):
-                    break  # not written yet, or forged (the real chunk will overwrite it)
-                seen += 1
-            self._chunks_read[name] = seen
-            if gone:  # read to its end once after its exit: never probed again (a long job's
-                self._drained.add(name)  # dead processes would cost a round trip each, 5 times a second)
-        self._log.flush()
-
-    def _collect_relayed(self, relayed: dict[str, int], *, final: bool) -> None:
-        """The hosts' relayed event chunks: those announced in one round trip; at the end (no
-        announcement) each live host's probed until a gap."""
-        assert self.remote is not None
-        unread = [(h, self._chunks_read.get(f"@{h}", 0), n) for h, n in sorted(relayed.items())]
-        unread = [(h, first, n) for h, first, n in unread if n > first]
-        cap = max(1, min(RELAYED_CHUNKS_PER_PASS, int(RELAYED_BYTES_PER_PASS / self._chunk_bytes)))
-        each = max(1, cap // max(1, len(unread))) if not final else 1 << 62
-        start = 0
-        if not final and unread:
-            # an overloaded coordinator lets its event log fall behind, not its decisions: a
-            # host's oldest unread chunk, from each host in turn (a host's chunks stay in order),
-            # up to the pass's bounds in chunks, bytes and time; the next hosts at the next pass
-            start = self._next_host % len(unread)
-            unread = (unread[start:] + unread[:start])[:cap]
-        known = [(h, i) for h, first, n in unread for i in range(first, min(n, first + each))]
-        advanced: dict[str, str] = {}
-        forged: set[str] = set()
-        began = time.monotonic()
-        touched: set[str] = set()
-        # a slice at a time: the last collection reads every host's backlog (up to 64 KB each, 128 MB
-        # at 2,000 hosts), which read in one call stood in memory whole, as bytes and as events
-        for lo in range(0, len(known), RELAYED_SLICE):
-            if not final and lo and time.monotonic() - began > RELAYED_SECONDS_PER_PASS:
-                break
-            part = known[lo : lo + RELAYED_SLICE]
-            touched.update(h for h, _ in part)
-            raws = self.store.get_sealed_present([keys.node_events(h, i) for h, i in part])
-            if raws:
-                self._chunk_bytes = 0.8 * self._chunk_bytes + 0.2 * sum(map(len, raws)) / len(raws)
-            for (host, i), raw in zip(part, raws, strict=True):
-                if host in forged or not self._record_chunk(host, keys.node_events(host, i), raw, relay=True):
-                    forged.add(host)  # the real chunk overwrites it: read from there at the next pass
-                    continue
-                self._chunks_read[f"@{host}"] = i + 1
-                advanced[keys.node_read(host)] = str(i + 1)
-        if final:
-            for host in self.remote.hosts:
-                seen = self._chunks_read.get(f"@{host}", 0)
-                while True:
-                    key = keys.node_events(host, seen)
-                    sealed = self.store.get_sealed(key)
-                    if sealed is None or not self._record_chunk(host, key, sealed, relay=True):
-                        break
-                    seen += 1
-                self._chunks_read[f"@{host}"] = seen
-        else:  # the relays delete what was read (one write for every host, not a delete per chunk)
-            self.store.multi_set(advanced)
-            self._next_host = start + len(touched)
-
-    def _record_chunk(self, name: str, key: str, raw: bytes, *, relay: bool = False) -> bool:
-        """Record the events of one sealed chunk of process ``name`` (``relay``: of host ``name``'s
-        relay, whose lines name their processes) and delete it; False if forged."""
-        text = self.store.open(key, raw)
-        if text is None:
-            return False
-        lines = [line for line in text.splitlines() if line.strip()]
-        try:  # one decode a chunk: its events share their keys' strings (a third less memory kept)
-            evs = json.loads("[" + ",".join(lines) + "]")
-        except ValueError:
-            evs = [json.loads(line) for line in lines]  # says which line is wrong
-        for ev in evs:
-            if not relay:
-                ev["proc"] = name  # a chunk speaks for the process whose key it is under
-            if ev.get("kind") == Event.MESSAGE_REJECTED and not self._first_rejection(str(ev.get("key"))):
-                continue  # counted (a process's or a relay's rejection as the coordinator's own)
-            clock: str | None = None
-            sent: float | None = None
-            if self._coord is not None and isinstance(ev.get("t"), (int, float)):
-                # on the coordinator's clock (control/clock.py); again at the end, when the
-                # estimate is at its best. A relayed process keeps its host's clock
-                clock, sent = name if relay else self._coord.clock_of(name), float(ev["t"])
-                ev["t"] = self._coord.clocks.to_coordinator(clock, sent)
-            self._log.record(ev, clock, sent)
-        if not relay:  # a relay deletes its own, once told they were read (``keys.node_read``)
-            self.store.delete(key)
-        return True
+        """Move the processes' new event chunks from the store into the log (``EventCollector``)."""
+        hosts = list(self.remote.hosts) if self.remote is not None else None
+        self._collector.collect(self.store, self.children, hosts, self._coord, announced, relayed)
 
     @property
     def events(self) -> list[dict[str, Any]]:
@@ -451,7 +237,7 @@ class Launcher:
         error: str | None = None
         interrupted: int | None = None
         try:
-            with _stop_signals():
+            with stop_signals():
                 try:
                     self._run(coord)
                 except JobFailed as e:
@@ -486,7 +272,7 @@ class Launcher:
         report["job_id"] = self.job_id
         report["unfired_faults"] = unfired(self.job.faults, events)  # the CLI fails a run that has any
         report["after_finish"] = self._after_finish  # and one whose script failed after training
-        report["rejected_messages"] = {"count": self._rejections, "keys": sorted(self._rejected_keys)}
+        report["rejected_messages"] = self._rejections.report()
         report["hosts"] = self._log.usage.result()
         if self._log.thinned:
             report["events_not_in_memory"] = self._log.thinned  # in events.jsonl (arrival order) only
@@ -539,7 +325,7 @@ class Launcher:
 
     def _run(self, coord: Coordinator) -> None:
         self._start(coord)
-        with _steady_gc():
+        with steady_gc():
             self._loop(coord)
 
     def _loop(self, coord: Coordinator) -> None:

@@ -161,7 +161,7 @@ class Relay:
     ) -> None:
         """``names``: the processes of this host (the agent's children, alive or not); ``lease_s``:
         how long one attempt to reconnect to the control store may take."""
-        from checkpointless.launch.launcher import open_store
+        from checkpointless.launch.store import open_store
 
         self.host, self.coordinator, self._secret = host, coordinator, secret
         self._names, self._interval, self._lease = names, interval, lease_s

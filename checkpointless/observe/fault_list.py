@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from checkpointless.control.vocab import Event, Reason, Role
-from checkpointless.faults import FaultSpec
+from checkpointless.fault_grammar import FaultSpec
 from checkpointless.observe.fields import integer as _int
 from checkpointless.observe.fields import number as _num
 from checkpointless.observe.fields import text as _str

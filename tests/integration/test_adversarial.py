@@ -35,7 +35,7 @@ from checkpointless.config import JobConfig, RecoveryConfig
 from checkpointless.control import keys
 from checkpointless.control.coordinator import Coordinator, JobFailed
 from checkpointless.corpus.shm_cache import ShmBatchCache
-from checkpointless.faults import parse_faults
+from checkpointless.fault_grammar import parse_faults
 from checkpointless.launch.launcher import JobResult, Launcher, open_store
 from tests.jobs import logs_of
 

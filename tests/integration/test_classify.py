@@ -83,7 +83,7 @@ def test_a_mistake_every_rank_makes_outside_the_step_leads_with_its_error() -> N
 
 def _launch(steps: int | None, faults: list[str], script_steps: int = 8) -> Any:
     from checkpointless.config import JobConfig, RecoveryConfig
-    from checkpointless.faults import parse_faults
+    from checkpointless.fault_grammar import parse_faults
     from checkpointless.launch.launcher import Launcher
 
     job = JobConfig(workers=2, spares=1, faults=parse_faults(faults),

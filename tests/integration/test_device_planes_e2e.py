@@ -11,7 +11,7 @@ import pytest
 
 from checkpointless.config import JobConfig, RecoveryConfig
 from checkpointless.control.vocab import Event
-from checkpointless.faults import parse_faults
+from checkpointless.fault_grammar import parse_faults
 from checkpointless.launch.launcher import Launcher
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "pretend_device.py"

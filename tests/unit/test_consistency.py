@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 from checkpointless.ddp import BufferSync
-from checkpointless.faults import FaultInjector, FaultSpec, parse_fault, validate_schedule
+from checkpointless.fault_grammar import FaultSpec, parse_fault, validate_schedule
+from checkpointless.faults import FaultInjector
 from checkpointless.observe.report import build_report
 from checkpointless.state import combined_digest, entry_digests, first_difference
 

@@ -48,7 +48,7 @@ def test_every_error_has_the_root_except_the_interrupt() -> None:
         ("checkpointless.control.plan", "PlanError"),
         ("checkpointless.control.coordinator", "JobFailed"),
         ("checkpointless.control.client", "JobStopped"),
-        ("checkpointless.launch.launcher", "LaunchError"),
+        ("checkpointless.launch.store", "LaunchError"),
         ("checkpointless.recipes.config", "RecipeError"),
         ("checkpointless.faults", "InjectedFault"),
     ],

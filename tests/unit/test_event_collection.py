@@ -83,7 +83,7 @@ def test_relayed_chunks_are_read_in_bounded_passes_fairly_in_order_and_the_count
     counts read go back in one ``multi_set`` (the relays delete those chunks), none deleted here."""
     from types import SimpleNamespace
 
-    from checkpointless.launch.launcher import RELAYED_CHUNKS_PER_PASS
+    from checkpointless.launch.events import RELAYED_CHUNKS_PER_PASS
 
     class _Multi(FakeStore):
         multi_sets = 0
@@ -131,7 +131,7 @@ def test_a_pass_over_its_time_stops_after_a_slice_and_the_next_starts_with_the_h
     host's chunks in order, nothing read twice."""
     from types import SimpleNamespace
 
-    from checkpointless.launch import launcher as launcher_mod
+    from checkpointless.launch import events as launcher_mod
 
     monkeypatch.setattr(launcher_mod, "RELAYED_SECONDS_PER_PASS", 0.0)
     raw = FakeStore()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from checkpointless.faults import FaultSpec, parse_fault, parse_faults, validate_schedule
+from checkpointless.fault_grammar import FaultSpec, parse_fault, parse_faults, validate_schedule
 
 pytestmark = pytest.mark.timeout(30)
 

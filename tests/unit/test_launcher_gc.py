@@ -1,5 +1,5 @@
 """The launcher's loop keeps Python's garbage collector off its long-lived objects
-(``launcher._steady_gc``), and the event log keeps no object per event that the collector must scan."""
+(``runtime.steady_gc``), and the event log keeps no object per event that the collector must scan."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import gc
 
 import pytest
 
-from checkpointless.launch.launcher import FULL_GC_EVERY, _steady_gc
+from checkpointless.launch.runtime import FULL_GC_EVERY, steady_gc
 from checkpointless.observe.event_log import EventLog
 
 pytestmark = pytest.mark.timeout(30)
@@ -17,7 +17,7 @@ def test_the_loop_freezes_what_exists_and_spaces_full_collections_then_restores_
     before = gc.get_threshold()
     frozen = gc.get_freeze_count()
     table = [{"name": f"w{i}", "hb": {"seq": i}} for i in range(1000)]  # a process table
-    with _steady_gc():
+    with steady_gc():
         assert gc.get_freeze_count() >= frozen + len(table)
         assert gc.get_threshold()[2] >= FULL_GC_EVERY
     assert gc.get_threshold() == before

@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from checkpointless.faults import parse_faults, unfired
+from checkpointless.fault_grammar import parse_faults
+from checkpointless.faults import unfired
 from checkpointless.observe.console import count_faults, stderr_console, summary_table
 from checkpointless.observe.fault_list import derive_faults, signal_name
 from checkpointless.observe.live_metrics import MetricsFeed
