@@ -10,6 +10,7 @@ import importlib
 import importlib.metadata
 import inspect
 import re
+import warnings
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -110,10 +111,14 @@ def test_the_pins_ran_on_the_installed_releases_inside_the_extras(extra: str, te
             f"{dist} {major}.{minor} is outside the extra's {ranges[dist]}"
         )
         installed = tuple(int(x) for x in importlib.metadata.version(dist).split(".")[:2])
-        assert installed == (major, minor), (
-            f"{dist} {installed[0]}.{installed[1]} is installed, the pins record {major}.{minor}: if these "
-            "pins pass on it, record it in TESTED"
-        )
+        # a fresh install takes the newest release inside the extra: the pins above decide whether
+        # it still works; a release they never ran on is said, not failed (as torch's gate does)
+        if installed != (major, minor):
+            warnings.warn(
+                f"{dist} {installed[0]}.{installed[1]} is installed, the pins record {major}.{minor}: if "
+                "these pins pass on it, record it in TESTED",
+                stacklevel=1,
+            )
 
 
 def _host_members() -> set[str]:
