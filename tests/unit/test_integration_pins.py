@@ -10,8 +10,8 @@ import importlib
 import importlib.metadata
 import inspect
 import re
-import warnings
 import tomllib
+import warnings
 from pathlib import Path
 from typing import Any
 
