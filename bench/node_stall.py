@@ -178,7 +178,7 @@ def markdown(res: dict[str, Any]) -> str:
     note = (
         f" {len(stalls)} stall(s) over 30 s ({', '.join(f'{x:.1f}' for x in stalls)} s): a survivor blocked in "
         "a gloo send to a cut-off peer waits for the 60 s collective timeout although its generation was "
-        "aborted (gloo does not fail a queued unbound-buffer send when its pair breaks; docs/design.md)."
+        "aborted (gloo does not fail a queued unbound-buffer send when its pair breaks; docs/design/hosts.md)."
         if stalls
         else ""
     )

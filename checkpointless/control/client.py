@@ -462,8 +462,8 @@ class ControlClient:
         store = self.store
         if self._relayed:
             # read from the host's relay, which copies each plan once for the host's processes
-            # (``launch/relay_plans.py``): 16,000 reads of a 0.6 MB plan at 2,000 hosts x 8 ranks were
-            # 10 GB out of the control store's one thread per recovery; it reads one per host
+            # (``launch/relay_plans.py``): a read per rank of a plan that grows with the ranks was too
+            # much for the control store's one thread at scale (bench/control_scale.py); one per host
             if self._plans is None:
                 main = _Redial(self._hb_addr, self.timeout, self._lease)
                 self._plans = SignedStore(main, self._secret, self._rejected, namespace=self._ns)

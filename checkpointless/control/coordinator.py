@@ -227,7 +227,8 @@ class Coordinator:
             self._last_sweep = now
         if not steady and self._check_exits(now):
             # a failure waits for these ranks: its plan at once, before this tick's reads (reading
-            # every host's value is most of a tick at 2,000 hosts: the plan came a tick late)
+            # every host's value is most of a tick at scale, bench/control_scale.py: the plan came
+            # a tick late)
             course.try_recover(now)
         if poll:
             self._last_poll = now

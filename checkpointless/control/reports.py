@@ -55,8 +55,8 @@ class FailureReports:
         name = self._store.name(keys.fail_ranks(gen))
         if not self._store.raw.check([name]):
             return []
-        out: dict[int, None] = {}  # in the order listed, once each (a list's ``in`` was quadratic:
-        # 6.6 s of the coordinator's loop for 16,000 reports at 2,000 hosts, bench/control_scale.py)
+        out: dict[int, None] = {}  # in the order listed, once each (a list's ``in`` was quadratic in
+        # the reports: most of the coordinator's loop at scale, bench/control_scale.py)
         for word in bytes(self._store.raw.get(name)).decode(errors="replace").split(","):
             if word.strip().isdigit() and int(word) in members:
                 out[int(word)] = None

@@ -159,9 +159,6 @@ class Hosts:
         """Cut host ``i`` off the network, its processes alive (a partition)."""
         _ip("link", "set", self.topology.host_veths[i], "down")
 
-    def heal(self, i: int) -> None:
-        _ip("link", "set", self.topology.host_veths[i], "up")
-
     def pids(self, i: int) -> list[int]:
         return [int(p) for p in _ip("netns", "pids", self.topology.namespaces[i], check=False).stdout.split()]
 
