@@ -675,6 +675,9 @@ class Session(Member):
         """
         client = self._client
         if client is not None:
+            # done with its loop before the final check: a rank whose loop ended early (its peers
+            # still in a step, waiting for it in a collective) is named by the coordinator at once
+            client.update(phase=Phase.DONE)
             self._final_check()
         digest = self.state_digest()
         if self._durable is not None:
@@ -762,7 +765,7 @@ class Session(Member):
         # last commits, left to the heartbeat thread's next beat, are shipped before it goes
         with contextlib.suppress(RuntimeError, OSError):
             self._client.flush()
-        if self._loop_done:
+        if self._loop_done and not self._fatal_sent:  # a fatal report stands as the reason
             with contextlib.suppress(RuntimeError, OSError):  # the launcher may be gone already
                 self._client.report_fatal(
                     self.rank,

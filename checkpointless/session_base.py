@@ -143,6 +143,7 @@ class SessionBase:
         self._buffers = BufferSync(torch.nn.Module())
         self._committed = -1
         self._first_commit = 0  # the first step the job commits (``steps(start=)``)
+        self._fatal_sent = False  # this process reported a mistake no recovery can fix (``_fatal``)
         self._steps_started = False  # ``steps`` was called (its first call reads ``start``)
         self._starts: dict[int, int] = {}  # every member's ``steps(start=)``, as last exchanged
         self._next_step = 0
@@ -238,6 +239,7 @@ class SessionBase:
         if self._client is not None:
             log.error("[gen %d rank %d] %s", self.generation, self.rank, message)
             self._client.report_fatal(self.rank, text)
+            self._fatal_sent = True  # the process's exit must not overwrite it (``Session._at_exit``)
         raise FatalError(text)
 
     def _fault_fired(self, index: int, fault: FaultSpec, rank: int, step: int) -> None:
