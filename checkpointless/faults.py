@@ -6,27 +6,7 @@ is hit, with a real signal (``SIGKILL``, ``SIGSTOP``) or a real exception, at a
 fixed point inside the training step (just before the gradient reduction, when
 the peers are already waiting in the collective: the worst moment).
 
-Grammar of a spec (``--fault`` on the command line)::
-
-    KIND:rank=R@step=S          KIND in kill | hang | exception | corrupt
-    KIND:rank=R1,R2@step=S      several ranks at the same step
-    kill:node=N@step=S          SIGKILL host N's agent and every process of that host at once, inside
-                                step S (a power loss; ``checkpointless cluster`` and multi-host jobs)
-    partition:node=N@step=S[,for=T]
-                                cut host N off the network inside step S, its processes alive (its
-                                interface down, as root in its network namespace), for T seconds or
-                                for good; the host must fence itself (multi-host jobs)
-    KIND:rank=R@check=S         KIND in kill | hang: at the replicas' consistency check before
-                                step S, just before the digests are exchanged (the peers wait in
-                                that collective); S is 1 or a multiple of recovery.consistency_every
-    kill:spare@recovery         kill the spare that receives state in the next recovery
-    kill:spare@join             kill the spare taking a rank before its generation's group forms
-    kill:source@recovery        kill the survivor that sends state in the next recovery
-    none                        no fault at all
-
-``corrupt`` flips the lowest bit of the first element of the rank's first
-parameter (silent data corruption: the process runs on, its replica now differs;
-the replicas' consistency check finds it).
+The grammar of a spec (``--fault``, ``recovery.faults``) and its checks are ``fault_grammar.py``'s.
 
 Every fault fires once: a replacement that re-executes the step is not hit again.
 A fault that never fired (the script ran fewer steps than ``--steps``, no recovery

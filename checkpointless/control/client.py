@@ -304,14 +304,10 @@ class ControlClient:
                 else:
                     # a key's existence proves nothing (anyone can list and write the store's keys):
                     # it is the hint to open the value, and only a value sealed by this job decides
-                    aborted = (
-                        watch is not None
-                        and self._hb_store.raw.check([self._hb_store.name(key)])
-                        and self._hb_store.is_set(key)
-                    )
+                    # (``is_set`` is one ``check`` round trip while the key is absent)
+                    aborted = watch is not None and self._hb_store.is_set(key)
                     acked = sent
-                    stop = self._hb_store.name(keys.JOB_STOP)
-                    if not self._job_stopped and self._hb_store.raw.check([stop]):
+                    if not self._job_stopped:
                         self._job_stopped = self._hb_store.is_set(keys.JOB_STOP)
             except (RuntimeError, OSError) as e:
                 self._lost(e)

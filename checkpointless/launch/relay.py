@@ -372,12 +372,13 @@ class Relay:
             key = keys.abort(gen) if gen >= 0 else keys.LATEST_GEN
             # existence is the hint (one round trip, the lease's), the sealed value the decision:
             # anyone who reaches the store can list its keys and write an abort under the job's names
-            if up.raw.check([up.name(key)]) and gen >= 0 and up.is_set(key):
+            if gen < 0:
+                up.raw.check([up.name(key)])  # the round trip alone
+            elif up.is_set(key):  # one ``check`` round trip while the key is absent
                 self._aborted.append(gen)
         del self._aborted[:-8]  # a process watches its current generation only
         if not self._stopped and self._seq % _STOP_EVERY == 1:  # in the lease the ranks read
-            stop = keys.JOB_STOP
-            self._stopped = bool(up.raw.check([up.name(stop)])) and up.is_set(stop)
+            self._stopped = up.is_set(keys.JOB_STOP)
         if self._seq >= self._read_at:
             full = self._unread >= WINDOW_BYTES and bool(self._held)
             moved = self._delete_read(up) if self._deleted < self._chunks else False
