@@ -455,7 +455,6 @@ def _check_rejected(result: JobResult, stranger: dict[str, Any], expected: set[s
     assert stranger["first_t"] < min(e["t"] for e in committed), "the attack began after training did"
     assert stranger["last_t"] > max(e["t"] for e in committed), "the attack ended before training did"
     assert stranger["rounds"] >= 10, stranger
-    assert stranger["error"] == "", stranger
 
 
 @pytest.mark.timeout(120)

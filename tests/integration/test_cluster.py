@@ -137,8 +137,12 @@ def test_a_partitioned_host_fences_itself_and_nothing_of_it_is_accepted(
     for name in ("w2", "w3"):
         assert "no answer from the control store" in (out / "logs" / "host1" / f"{name}.log").read_text()
     # (a host's commits come packed, one event per step: ``unpacked`` gives each rank's)
-    stale = [e for e in unpacked(events) if e.get("proc") in ("w2", "w3") and e["t"] > t_cut + 0.5]
-    assert stale == [], stale  # 0 stale commits, 0 accepted writes of the cut-off processes
+    # 0 stale commits, 0 accepted writes of the cut-off processes. What one of them saw of the cut
+    # generation's collective (its neighbour's socket closing as that one gave up its rank) may
+    # reach the log through its host's relay once the link is back: an observation, nothing more.
+    after = [e for e in unpacked(events) if e.get("proc") in ("w2", "w3") and e["t"] > t_cut + 0.5]
+    stale = [e for e in after if not (e["kind"] == "fault_detected" and e["gen"] == 0)]
+    assert stale == [], stale
     assert not [
         e
         for e in unpacked(events)
@@ -327,11 +331,13 @@ def test_a_stranger_on_a_hosts_network_cannot_steer_the_job(tmp_path: Path, faul
     assert ref.returncode == 0, ref.stderr[-3000:]
     assert _digest(text) == _digest(ref.stderr) != "None"
     attack = json.loads(status.read_text())
-    assert attack["rounds"] >= 10, attack  # it ran until the job ended (its store went away)
+    events_ = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    # it attacked while the job trained, until training was over (the cluster's end kills it)
+    last_commit = max(e["t"] for e in unpacked(events_) if e["kind"] == "step_committed")
+    assert attack["rounds"] >= 5 and attack["last_t"] > last_commit, (attack, last_commit)
     assert not any(r["joined"] for r in attack["pg"]), attack["pg"]
     report = json.loads((out / "report.json").read_text())
     assert report["rejected_messages"]["count"] > 0, report["rejected_messages"]
-    events_ = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
     assert [e["host"] for e in events_ if e["kind"] == "host_lost"] == (["host1"] if fault != "none" else [])
     if fault == "none":
         assert report["generations"] == 0, report["generations"]
