@@ -52,7 +52,7 @@ import common
 import split
 from baselines import plain_ddp, torchft_ddp, torchrun_dcp
 
-from checkpointless.control.vocab import Event
+from checkpointless.protocol.vocab import Event
 
 OUT = common.OUT / "compare"
 TORCHFT_EXTRA = 300

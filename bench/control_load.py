@@ -36,7 +36,7 @@ from typing import Any
 
 import common
 
-from checkpointless.control.vocab import Event
+from checkpointless.protocol.vocab import Event
 
 RECIPE = common.REPO / "recipes" / "llama-tiny.yaml"
 SETS = ["data.eval_every=0", "optim.warmup_steps=2"]

@@ -22,7 +22,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from checkpointless.control.vocab import Event
+from checkpointless.protocol.vocab import Event
 
 
 def commit_cost(n: int) -> list[float]:

@@ -111,10 +111,10 @@ from torch.distributed import TCPStore
 
 from checkpointless.control.auth import new_secret, write_secret_file
 from checkpointless.control.published import INTRUDER_KEYS
-from checkpointless.control.vocab import Event
 from checkpointless.launch.events import RELAYED_BYTES_PER_PASS, RELAYED_CHUNKS_PER_PASS
 from checkpointless.launch.runtime import FULL_GC_EVERY
 from checkpointless.observe.event_log import KEEP_COMMITS, KEEP_USAGE
+from checkpointless.protocol.vocab import Event
 
 SERIES_HANG_S = 2.0  # see the module docstring: the job default, 0.5 s, is the extra case
 #: (worker hosts, hang_timeout_s) measured; 300 hosts locates the knee between 100 and 1,000

@@ -31,7 +31,7 @@ from typing import Any
 import common
 import split
 
-from checkpointless.control.vocab import Event
+from checkpointless.protocol.vocab import Event
 
 RECIPE = common.REPO / "recipes" / "llama-tiny.yaml"
 COMMON_SET = ["data.eval_every=0", "optim.warmup_steps=2"]

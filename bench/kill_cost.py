@@ -26,7 +26,7 @@ import common
 import compare
 
 from checkpointless.config import RecoveryConfig
-from checkpointless.control.vocab import Event
+from checkpointless.protocol.vocab import Event
 
 OUT = common.OUT / "kill_cost"
 SETTINGS = {"nice 0 (default)": 0, "nice 10": 10}

@@ -39,7 +39,7 @@ from typing import Any
 import common
 import split
 
-from checkpointless.control.vocab import Event, Reason
+from checkpointless.protocol.vocab import Event, Reason
 
 MODEL = {
     "seed": 0,

@@ -38,12 +38,12 @@ from typing import Any
 import common
 from torch.distributed import DistStoreError, TCPStore
 
-from checkpointless.control import keys
 from checkpointless.control.auth import SignedStore, job_namespace, read_secret_file
 from checkpointless.control.plan import Plan
-from checkpointless.control.vocab import Event, Phase, Reason, Role, event
 from checkpointless.launch.relay import _STOP_EVERY as STOP_EVERY
 from checkpointless.launch.relay import CHUNK_BYTES, HOLD_BYTES, WINDOW_BYTES
+from checkpointless.protocol import keys
+from checkpointless.protocol.vocab import Event, Phase, Reason, Role, event
 
 NPROC = 8  # ranks per host
 SPARE_NODES = 1

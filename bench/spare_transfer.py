@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from checkpointless.control.vocab import Event
+from checkpointless.protocol.vocab import Event
 
 
 def once(out: Path) -> float:

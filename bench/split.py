@@ -20,7 +20,7 @@ import statistics
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from checkpointless.control.vocab import Event
+from checkpointless.protocol.vocab import Event
 
 PHASES = ("pre_fault", "detect", "plan", "join", "transfer", "resume")
 

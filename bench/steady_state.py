@@ -41,7 +41,7 @@ from typing import Any
 
 import common
 
-from checkpointless.control.vocab import Event
+from checkpointless.protocol.vocab import Event
 
 MODEL = {
     "seed": 0,

@@ -12,10 +12,10 @@ from typing import Any
 import torch
 
 from checkpointless.comm import CollectiveError
-from checkpointless.control import keys
 from checkpointless.control.plan import ReplicaMap
-from checkpointless.control.vocab import Event
 from checkpointless.lifecycle import ModelLifecycle
+from checkpointless.protocol import keys
+from checkpointless.protocol.vocab import Event
 from checkpointless.replicas import own_lineage, vote
 from checkpointless.state import (
     combined_digest,

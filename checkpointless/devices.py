@@ -20,8 +20,8 @@ import os
 import torch
 
 from checkpointless.config import JobConfig
-from checkpointless.control.env import ENV_CONFIG, ENV_LOCAL_INDEX
 from checkpointless.errors import UsageError
+from checkpointless.protocol.env import ENV_CONFIG, ENV_LOCAL_INDEX
 
 
 def local_index() -> int:

@@ -55,8 +55,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from checkpointless.control.vocab import Event
 from checkpointless.errors import IntegrityError
+from checkpointless.protocol.vocab import Event
 
 if TYPE_CHECKING:
     import torch

@@ -24,10 +24,10 @@ import signal
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
-from checkpointless.control import keys
-from checkpointless.control.vocab import Event
 from checkpointless.errors import InjectedFault
 from checkpointless.fault_grammar import PER_RANK, FaultSpec
+from checkpointless.protocol import keys
+from checkpointless.protocol.vocab import Event
 
 
 def unfired(faults: list[FaultSpec], events: Iterable[dict[str, Any]]) -> list[str]:
@@ -70,7 +70,7 @@ class FaultInjector:
         node: int | None = None,
         agent_pid: int = 0,
     ) -> None:
-        """``node``: this process's host in the job (``control.env.ENV_NODE``), ``agent_pid`` its
+        """``node``: this process's host in the job (``protocol.env.ENV_NODE``), ``agent_pid`` its
         agent's process: what a host fault kills."""
         self._faults = list(enumerate(faults))
         self._claimer = claimer

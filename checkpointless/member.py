@@ -17,19 +17,19 @@ import torch
 
 from checkpointless.comm import CollectiveError, Group, is_collective_failure
 from checkpointless.consistency import ReplicaConsistency
-from checkpointless.control import keys
 from checkpointless.control.auth import pg_token
 from checkpointless.control.client import (
     connect,
 )
 from checkpointless.control.plan import Plan, ReplicaMap
-from checkpointless.control.vocab import Event, Phase, Reason
 from checkpointless.durable import load as load_durable
+from checkpointless.errors import IntegrityError
 from checkpointless.fsdp import Generation
+from checkpointless.protocol import keys
+from checkpointless.protocol.vocab import Event, Phase, Reason
 from checkpointless.replicas import choose_sources, own_lineage
 from checkpointless.sockets import release_formation, sockets
 from checkpointless.state import (
-    IntegrityError,
     combined_digest,
     frozen,
     recv_state,

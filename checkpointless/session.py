@@ -72,10 +72,19 @@ import torch.distributed as dist
 
 from checkpointless.comm import CollectiveError, Group
 from checkpointless.config import JobConfig
-from checkpointless.control import keys
 from checkpointless.control.auth import secret_from_env
 from checkpointless.control.client import ControlClient, JobStopped, die_with_parent
-from checkpointless.control.env import (
+from checkpointless.ddp import reduce_unbucketed
+from checkpointless.durable import DurableWriter
+from checkpointless.errors import FatalError, IntegrityError
+from checkpointless.faults import FaultInjector
+from checkpointless.fsdp import (
+    Build,
+    Generation,
+)
+from checkpointless.member import Member, _release_frames
+from checkpointless.protocol import keys
+from checkpointless.protocol.env import (
     ENV_AGENT_PID,
     ENV_CONFIG,
     ENV_NODE,
@@ -84,19 +93,9 @@ from checkpointless.control.env import (
     ENV_ROLE,
     ENV_STORE,
 )
-from checkpointless.control.vocab import Event, Phase, Reason, Role
-from checkpointless.ddp import reduce_unbucketed
-from checkpointless.durable import DurableWriter
-from checkpointless.errors import FatalError
-from checkpointless.faults import FaultInjector
-from checkpointless.fsdp import (
-    Build,
-    Generation,
-)
-from checkpointless.member import Member, _release_frames
+from checkpointless.protocol.vocab import Event, Phase, Reason, Role
 from checkpointless.session_base import Attempt, Between
 from checkpointless.state import (
-    IntegrityError,
     Stateful,
     combined_digest,
     digest_state,

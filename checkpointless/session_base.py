@@ -19,11 +19,9 @@ import torch
 
 from checkpointless.comm import Group
 from checkpointless.config import JobConfig
-from checkpointless.control import keys
 from checkpointless.control.client import (
     ControlClient,
 )
-from checkpointless.control.vocab import Event
 from checkpointless.ddp import BufferSync, GradientReducer, Trainable
 from checkpointless.devices import local_device
 from checkpointless.durable import DurableWriter
@@ -34,6 +32,8 @@ from checkpointless.fsdp import (
     Build,
     Generation,
 )
+from checkpointless.protocol import keys
+from checkpointless.protocol.vocab import Event
 from checkpointless.replicas import own_lineage
 from checkpointless.state import (
     Stateful,

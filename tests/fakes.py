@@ -23,8 +23,8 @@ from typing import Any
 
 from torch.distributed import DistStoreError
 
-from checkpointless.control import keys
 from checkpointless.control.auth import SignedStore
+from checkpointless.protocol import keys
 
 
 class FakeStore:

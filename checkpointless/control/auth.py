@@ -44,7 +44,7 @@ from typing import Any
 
 from torch.distributed import DistStoreError
 
-from checkpointless.control.env import ENV_SECRET_FD
+from checkpointless.protocol.env import ENV_SECRET_FD
 
 SECRET_BYTES = 32
 

@@ -30,12 +30,12 @@ from typing import Any
 from torch.distributed import DistNetworkError, TCPStore
 
 from checkpointless.config import JobConfig, RecoveryConfig
-from checkpointless.control import keys
 from checkpointless.control.auth import SignedStore, job_namespace
-from checkpointless.control.env import ENV_CONFIG
 from checkpointless.control.plan import Plan
-from checkpointless.control.vocab import Event, Phase, event, wall_clock
 from checkpointless.errors import JobStopped
+from checkpointless.protocol import keys
+from checkpointless.protocol.env import ENV_CONFIG
+from checkpointless.protocol.vocab import Event, Phase, event, wall_clock
 
 log = logging.getLogger(__name__)
 

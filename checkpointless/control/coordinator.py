@@ -32,7 +32,6 @@ from collections.abc import Callable
 from typing import Any
 
 from checkpointless.config import JobConfig
-from checkpointless.control import keys
 from checkpointless.control.auth import SignedStore
 from checkpointless.control.clock import ClockOffsets
 from checkpointless.control.course import CourseParts, Failure, FailureCourse
@@ -46,8 +45,9 @@ from checkpointless.control.processes import ProcessHandle, ProcessTable, Proces
 from checkpointless.control.published import IntruderWatch, Published
 from checkpointless.control.reports import FailureReports
 from checkpointless.control.spares import SparePool
-from checkpointless.control.vocab import Event, Phase, Reason, Role, event
 from checkpointless.errors import JobFailed
+from checkpointless.protocol import keys
+from checkpointless.protocol.vocab import Event, Phase, Reason, Role, event
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from checkpointless.config import JobConfig
-from checkpointless.control import keys
 from checkpointless.control.exits import ExitJudge
 from checkpointless.control.outcome import Outcome
 from checkpointless.control.pace import Pace
@@ -29,9 +28,10 @@ from checkpointless.control.processes import ProcessTable
 from checkpointless.control.published import Published
 from checkpointless.control.reports import FailureReports
 from checkpointless.control.spares import SparePool
-from checkpointless.control.vocab import Event, Phase, Reason, Role
 from checkpointless.durable import job_key, latest_complete
 from checkpointless.errors import JobFailed
+from checkpointless.protocol import keys
+from checkpointless.protocol.vocab import Event, Phase, Reason, Role
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from typing import Any
 
 from checkpointless.config import RecoveryConfig
 from checkpointless.control.processes import ProcessView
-from checkpointless.control.vocab import Phase
+from checkpointless.protocol.vocab import Phase
 
 #: a silent process that used at least this share of one core in a sampling window (and at least
 #: one 10 ms tick of /proc's) is busy, not hung: a stopped process uses none, a blocked one next to

@@ -7,13 +7,13 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
-from checkpointless.control import keys
 from checkpointless.control.auth import SignedStore
 from checkpointless.control.detection import hint, same_error
 from checkpointless.control.processes import ProcessTable, ProcessView
 from checkpointless.control.spares import SparePool
-from checkpointless.control.vocab import Event, Reason, Role
 from checkpointless.errors import JobFailed
+from checkpointless.protocol import keys
+from checkpointless.protocol.vocab import Event, Reason, Role
 
 
 class ExitJudge:

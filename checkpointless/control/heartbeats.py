@@ -18,10 +18,10 @@ from collections.abc import Callable
 from typing import Any
 
 from checkpointless.config import RecoveryConfig
-from checkpointless.control import keys
 from checkpointless.control.auth import SignedStore
 from checkpointless.control.clock import ClockOffsets
 from checkpointless.control.processes import ProcessTable, ProcessView
+from checkpointless.protocol import keys
 
 log = logging.getLogger(__name__)
 

@@ -7,10 +7,10 @@ import hashlib
 import json
 from typing import Any
 
-from checkpointless.control import keys
 from checkpointless.control.auth import SignedStore
-from checkpointless.control.plan import first_difference
 from checkpointless.errors import JobFailed
+from checkpointless.protocol import keys
+from checkpointless.state.digests import first_difference
 
 
 class Outcome:

@@ -297,13 +297,3 @@ def _restore_plan(
         restore=step,
         hosts=where,
     )
-
-
-def first_difference(a: list[tuple[str, str]], b: list[tuple[str, str]]) -> str | None:
-    """The path of the first entry that differs between two ``entry_digests`` (None if none does)."""
-    db = dict(b)
-    for path, d in a:
-        if db.get(path) != d:
-            return path
-    extra = [p for p, _ in b if p not in dict(a)]
-    return extra[0] if extra else None

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from checkpointless.control.vocab import Phase, Role
+from checkpointless.protocol.vocab import Phase, Role
 
 
 class ProcessHandle(Protocol):

@@ -16,11 +16,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from checkpointless.control import keys
 from checkpointless.control.auth import SignedStore
 from checkpointless.control.plan import Plan
 from checkpointless.control.processes import ProcessTable
-from checkpointless.control.vocab import Event, Role
+from checkpointless.protocol import keys
+from checkpointless.protocol.vocab import Event, Role
 
 log = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from checkpointless.control import keys
 from checkpointless.control.auth import SignedStore
+from checkpointless.protocol import keys
 
 
 class FailureReports:

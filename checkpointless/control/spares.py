@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from checkpointless.config import RecoveryConfig
 from checkpointless.control.processes import ProcessHandle, ProcessTable
-from checkpointless.control.vocab import Event, Role
+from checkpointless.protocol.vocab import Event, Role
 
 log = logging.getLogger(__name__)
 

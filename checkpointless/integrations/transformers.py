@@ -73,9 +73,9 @@ from typing import Any
 import torch
 
 from checkpointless.config import JobConfig
-from checkpointless.control.env import ENV_CONFIG, ENV_STORE
 from checkpointless.integrations import _hf_compat as hf
 from checkpointless.integrations import hf_eval
+from checkpointless.protocol.env import ENV_CONFIG, ENV_STORE
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from checkpointless.control.vocab import Event
 from checkpointless.corpus.synthetic import SyntheticTokens
+from checkpointless.protocol.vocab import Event
 
 
 @dataclass(kw_only=True, slots=True)

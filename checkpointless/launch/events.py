@@ -15,10 +15,10 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from checkpointless.control import keys
 from checkpointless.control.auth import SignedStore
-from checkpointless.control.vocab import Event
 from checkpointless.observe.event_log import EventLog
+from checkpointless.protocol import keys
+from checkpointless.protocol.vocab import Event
 
 if TYPE_CHECKING:
     from checkpointless.control.coordinator import Coordinator

@@ -29,15 +29,15 @@ from pathlib import Path
 from typing import Any
 
 from checkpointless.config import JobConfig
-from checkpointless.control import keys
 from checkpointless.control.auth import SignedStore, job_namespace
 from checkpointless.control.client import SLOW_STORE_CAP, redial, store_accepts
-from checkpointless.control.env import ENV_AGENT_PID, ENV_CLOCK_SKEW, ENV_HOST_ADDR, ENV_NODE, ENV_RELAY
 from checkpointless.errors import LaunchError
 from checkpointless.launch.relay import Relay
 from checkpointless.launch.remote import host_timeout, status_interval
 from checkpointless.launch.supervisor import LocalSupervisor, Wakeups
 from checkpointless.observe.usage import UsageSampler
+from checkpointless.protocol import keys
+from checkpointless.protocol.env import ENV_AGENT_PID, ENV_CLOCK_SKEW, ENV_HOST_ADDR, ENV_NODE, ENV_RELAY
 from checkpointless.sockets import interface_of
 
 log = logging.getLogger(__name__)

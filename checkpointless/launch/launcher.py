@@ -48,12 +48,10 @@ from typing import Any
 from torch.distributed import TCPStore
 
 from checkpointless.config import JobConfig
-from checkpointless.control import keys
 from checkpointless.control.auth import SignedStore, control_token, job_namespace, new_secret
 from checkpointless.control.bell import ReportBell
 from checkpointless.control.coordinator import Coordinator, JobFailed
 from checkpointless.control.processes import ProcessBackend, ProcessTable
-from checkpointless.control.vocab import Event, Role, event
 from checkpointless.errors import JobInterrupted
 from checkpointless.faults import unfired
 from checkpointless.launch.events import EventCollector, Rejections
@@ -65,6 +63,8 @@ from checkpointless.launch.supervisor import LocalSupervisor, Wakeups
 from checkpointless.observe.event_log import EventLog
 from checkpointless.observe.report import build_report
 from checkpointless.observe.usage import UsageRecorder
+from checkpointless.protocol import keys
+from checkpointless.protocol.vocab import Event, Role, event
 
 log = logging.getLogger(__name__)
 

@@ -63,11 +63,11 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from checkpointless.control import keys
 from checkpointless.control.auth import SignedStore, job_namespace
 from checkpointless.control.client import redial
-from checkpointless.control.vocab import Event, Phase
 from checkpointless.launch.relay_plans import PlanCopier
+from checkpointless.protocol import keys
+from checkpointless.protocol.vocab import Event, Phase
 
 log = logging.getLogger(__name__)
 

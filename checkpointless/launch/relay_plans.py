@@ -15,8 +15,8 @@ from datetime import timedelta
 
 from torch.distributed import DistStoreError
 
-from checkpointless.control import keys
 from checkpointless.control.auth import SignedStore
+from checkpointless.protocol import keys
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ process's agent last reported; a kill is an order to that agent, confirmed when 
 the exit. Per tick the coordinator reads one status key per host (one round trip for all hosts),
 never one per process.
 
-The protocol (every value sealed with the job's secret, ``control/keys.py``):
+The protocol (every value sealed with the job's secret, ``protocol/keys.py``):
 
 1. The launcher publishes ``job/config`` and a hello under a plain key name (``keys.CLUSTER_HELLO``),
    sealed: an agent with another secret finds it and stops at once ("wrong secret").
@@ -36,11 +36,11 @@ from pathlib import Path
 from typing import Any
 
 from checkpointless.config import JobConfig
-from checkpointless.control import keys
 from checkpointless.control.auth import SignedStore
 from checkpointless.control.processes import ProcessTable
-from checkpointless.control.vocab import Event, Role
 from checkpointless.errors import JobFailed
+from checkpointless.protocol import keys
+from checkpointless.protocol.vocab import Event, Role
 
 log = logging.getLogger(__name__)
 

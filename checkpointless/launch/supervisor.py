@@ -1,7 +1,7 @@
 """The local supervisor: the job's processes on one host (the ``ProcessBackend`` of a job on one
 host, and the part of a host's agent that runs its processes on several).
 
-It starts every worker and spare of its host (the environment contract of ``control/env.py``,
+It starts every worker and spare of its host (the environment contract of ``protocol/env.py``,
 the job's secret on a private pipe, the process's slot on the host), sees their exits at once
 (a pidfd each), kills them when told, reads their log tails and CPU time for the coordinator,
 stops them all at the end (politely, then by force) and frees the node's shared-memory batch
@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from checkpointless.config import JobConfig
-from checkpointless.control.env import (
+from checkpointless.errors import LaunchError
+from checkpointless.protocol.env import (
     ENV_CONFIG,
     ENV_JOB_ID,
     ENV_LOCAL_INDEX,
@@ -40,8 +41,7 @@ from checkpointless.control.env import (
     ENV_SECRET_FD,
     ENV_STORE,
 )
-from checkpointless.control.vocab import Role
-from checkpointless.errors import LaunchError
+from checkpointless.protocol.vocab import Role
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ class _Child:
     ) -> None:
         self.name, self.popen, self.log_file, self.log_path = name, popen, log_file, log_path
         self.host = host or socket.gethostname()  # the agent's host
-        self.slot = slot  # its place on the host (``control.env.ENV_LOCAL_INDEX``): which GPU it uses
+        self.slot = slot  # its place on the host (``protocol.env.ENV_LOCAL_INDEX``): which GPU it uses
 
     @property
     def pid(self) -> int:

@@ -10,9 +10,9 @@ from rich.console import Console
 from rich.table import Table
 
 from checkpointless.control.coordinator import Coordinator
-from checkpointless.control.vocab import Role
 from checkpointless.observe import fault_list
 from checkpointless.observe.progress import STEP_WINDOW, StepStats
+from checkpointless.protocol.vocab import Role
 
 _NOT_A_TERMINAL_WIDTH = 1000
 """Columns of the console when stderr is not a terminal (a pipe, a CI log): rich would assume 80

@@ -33,11 +33,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
-from checkpointless.control.vocab import Event
 from checkpointless.observe.fault_list import FAULT_EVENT_KINDS
 from checkpointless.observe.fields import integer
 from checkpointless.observe.progress import STEP_WINDOW, StepStats
 from checkpointless.observe.usage import UsageSummary
+from checkpointless.protocol.vocab import Event
 
 __all__ = ["KEEP_COMMITS", "KEEP_USAGE", "EventLog"]
 

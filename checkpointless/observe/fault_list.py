@@ -56,13 +56,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from checkpointless.control.vocab import Event, Reason, Role
 from checkpointless.fault_grammar import FaultSpec
 from checkpointless.observe.fields import integer as _int
 from checkpointless.observe.fields import number as _num
 from checkpointless.observe.fields import text as _str
 from checkpointless.observe.fields import unpacked
 from checkpointless.observe.progress import StepStats
+from checkpointless.protocol.vocab import Event, Reason, Role
 
 __all__ = [
     "FAULT_CAUSES",

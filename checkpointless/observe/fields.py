@@ -9,7 +9,7 @@ import math
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from checkpointless.control.vocab import Event
+from checkpointless.protocol.vocab import Event
 
 __all__ = ["commits", "integer", "number", "text", "unpacked"]
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 from checkpointless.control.coordinator import Coordinator
-from checkpointless.control.vocab import Event
 from checkpointless.observe.fault_list import FAULT_EVENT_KINDS, derive_faults
 from checkpointless.observe.fields import commits, integer, number
 from checkpointless.observe.metrics import JobMetrics
 from checkpointless.observe.progress import STEP_WINDOW, StepStats
+from checkpointless.protocol.vocab import Event
 
 
 class MetricsFeed:

@@ -25,11 +25,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from checkpointless.control.vocab import Event, Role
 from checkpointless.observe.fault_list import derive_faults, fault_entries
 from checkpointless.observe.fields import integer as _int
 from checkpointless.observe.fields import number as _num
 from checkpointless.observe.fields import unpacked
+from checkpointless.protocol.vocab import Event, Role
 
 __all__ = ["RunData", "format_summary", "load_run", "write_report"]
 

@@ -32,8 +32,8 @@ import math
 from collections import Counter, defaultdict
 from typing import Any
 
-from checkpointless.control.vocab import Event
 from checkpointless.observe.fields import commits, integer, number
+from checkpointless.protocol.vocab import Event
 
 __all__ = ["STEP_WINDOW", "StepStats"]
 

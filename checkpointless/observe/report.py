@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from checkpointless.control.vocab import Event
 from checkpointless.observe.fault_list import fault_entries
 from checkpointless.observe.progress import StepStats
+from checkpointless.protocol.vocab import Event
 
 __all__ = ["build_report", "durable_summary"]
 

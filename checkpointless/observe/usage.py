@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from checkpointless.control.vocab import Event
+from checkpointless.protocol.vocab import Event
 
 
 def _cpu_times() -> tuple[int, int] | None:

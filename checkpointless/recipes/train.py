@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from checkpointless.control.env import ENV_JOB_ID, ENV_STORE
-from checkpointless.control.vocab import Event
+from checkpointless.protocol.env import ENV_JOB_ID, ENV_STORE
+from checkpointless.protocol.vocab import Event
 from checkpointless.recipes.precision import MasterWeightAdamW
 
 if TYPE_CHECKING:

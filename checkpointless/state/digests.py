@@ -115,3 +115,13 @@ def digest_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
                     h.update(repr(v).encode())
     h.update(int(step).to_bytes(8, "little", signed=True))
     return h.hexdigest()
+
+
+def first_difference(a: list[tuple[str, str]], b: list[tuple[str, str]]) -> str | None:
+    """The path of the first entry that differs between two ``entry_digests`` (None if none does)."""
+    db = dict(b)
+    for path, d in a:
+        if db.get(path) != d:
+            return path
+    extra = [p for p, _ in b if p not in dict(a)]
+    return extra[0] if extra else None

@@ -32,11 +32,11 @@ from typing import Any
 import pytest
 
 from checkpointless.config import JobConfig, RecoveryConfig
-from checkpointless.control import keys
 from checkpointless.control.coordinator import Coordinator, JobFailed
 from checkpointless.corpus.shm_cache import ShmBatchCache
 from checkpointless.fault_grammar import parse_faults
 from checkpointless.launch.launcher import JobResult, Launcher, open_store
+from checkpointless.protocol import keys
 from tests.jobs import logs_of
 
 pytestmark = pytest.mark.slow

@@ -525,9 +525,9 @@ def test_an_agent_dialling_a_port_that_is_no_store_gives_up_at_its_join_timeout(
 @pytest.mark.timeout(120)
 def test_an_agent_with_another_secret_is_told_so(tmp_path: Path) -> None:
     """A coordinator's hello is sealed with the job's secret: an agent with another one stops at once."""
-    from checkpointless.control import keys
     from checkpointless.control.auth import SignedStore, new_secret, write_secret_file
     from checkpointless.launch.launcher import open_store
+    from checkpointless.protocol import keys
 
     store = open_store("127.0.0.1", 0)
     SignedStore(store, new_secret()).set(keys.CLUSTER_HELLO, "checkpointless")

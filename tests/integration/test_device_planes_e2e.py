@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from checkpointless.config import JobConfig, RecoveryConfig
-from checkpointless.control.vocab import Event
 from checkpointless.fault_grammar import parse_faults
 from checkpointless.launch.launcher import Launcher
+from checkpointless.protocol.vocab import Event
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "pretend_device.py"
 

@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 
 from checkpointless.control.coordinator import Coordinator
-from checkpointless.control.vocab import Event
 from checkpointless.launch.demo import DemoModel, worker_command
 from checkpointless.launch.launcher import JobResult
+from checkpointless.protocol.vocab import Event
 from tests.jobs import TINY, logs_of, reference_digest, run_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]

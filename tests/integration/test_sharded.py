@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from checkpointless.control.vocab import Event
 from checkpointless.launch.launcher import JobResult, Launcher
+from checkpointless.protocol.vocab import Event
 from tests.jobs import abort_once_at, assert_left_in_place, held, kill_while_starting, logs_of, run_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]

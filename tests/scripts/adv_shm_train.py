@@ -17,8 +17,8 @@ import time
 import torch
 
 import checkpointless as cl
-from checkpointless.control.env import ENV_JOB_ID
 from checkpointless.corpus.shm_cache import ShmBatchCache
+from checkpointless.protocol.env import ENV_JOB_ID
 
 
 def main() -> None:

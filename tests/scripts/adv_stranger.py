@@ -4,7 +4,7 @@ Usage: adv_stranger.py HOST PORT STATUS_JSON [MAX_SECONDS [ATTACKS]]
 
 It connects to the store with a plain ``TCPStore`` client (retrying until the
 store is up), then, every ``PERIOD_S`` until killed (or MAX_SECONDS), writes every
-key of the protocol (``checkpointless/control/keys.py``): on even rounds sealed
+key of the protocol (``checkpointless/protocol/keys.py``): on even rounds sealed
 with a secret of its own (as a process of another job would), on odd rounds
 unsealed (plain JSON or garbage). It bumps the counters a real reporter bumps,
 and puts event chunks in the slots the launcher reads next. A thread tries to
@@ -39,9 +39,9 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed import TCPStore
 
-from checkpointless.control import keys
 from checkpointless.control.auth import SignedStore, new_secret
 from checkpointless.control.plan import Plan
+from checkpointless.protocol import keys
 
 FAKE_DIGEST = "0" * 64
 PROCS = ("w0", "w1", "s0", "s1")

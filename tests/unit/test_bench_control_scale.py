@@ -19,11 +19,11 @@ import common  # noqa: E402
 import control_scale  # noqa: E402
 import scale_sim  # noqa: E402
 
-from checkpointless.control import keys  # noqa: E402
 from checkpointless.control.auth import SignedStore, job_namespace, new_secret, write_secret_file  # noqa: E402
-from checkpointless.control.vocab import Event, Phase, Role  # noqa: E402
 from checkpointless.launch.relay import FORWARDED, pack_commits  # noqa: E402
 from checkpointless.observe.fields import commits  # noqa: E402
+from checkpointless.protocol import keys  # noqa: E402
+from checkpointless.protocol.vocab import Event, Phase, Role  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -10,10 +10,10 @@ from datetime import timedelta
 import pytest
 
 from checkpointless.control import client as client_module
-from checkpointless.control import keys
 from checkpointless.control.auth import SignedStore, job_namespace
 from checkpointless.control.client import ControlClient
-from checkpointless.control.vocab import Event
+from checkpointless.protocol import keys
+from checkpointless.protocol.vocab import Event
 from tests.fakes import FakeStore
 
 pytestmark = pytest.mark.timeout(60)

@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 
 from checkpointless.config import JobConfig
-from checkpointless.control import keys
 from checkpointless.control.auth import SignedStore, job_namespace, new_secret
 from checkpointless.launch.host_agent import HostAgent, LaunchError
 from checkpointless.launch.launcher import open_store
 from checkpointless.launch.remote import RemoteNodes
+from checkpointless.protocol import keys
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -20,10 +20,10 @@ from typing import Any
 import pytest
 
 from checkpointless.config import JobConfig, RecoveryConfig
-from checkpointless.control import keys
 from checkpointless.control.auth import SignedStore
 from checkpointless.control.coordinator import Coordinator, JobFailed
 from checkpointless.control.plan import Plan
+from checkpointless.protocol import keys
 from tests.fakes import FakeProcess, FakeStore, FakeWorker, ManualClock
 
 pytestmark = pytest.mark.timeout(30)

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from checkpointless.config import JobConfig
-from checkpointless.control import keys
 from checkpointless.control.auth import SignedStore
 from checkpointless.launch.launcher import Launcher
+from checkpointless.protocol import keys
 from tests.fakes import FakeStore
 
 pytestmark = pytest.mark.timeout(30)

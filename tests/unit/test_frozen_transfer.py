@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from checkpointless.comm import Group
-from checkpointless.state import IntegrityError, StateRegistry, digest_state, frozen, recv_state, send_state
+from checkpointless.errors import IntegrityError
+from checkpointless.state import StateRegistry, digest_state, frozen, recv_state, send_state
 from tests.unit.test_state import run_pair
 
 pytestmark = pytest.mark.timeout(60)

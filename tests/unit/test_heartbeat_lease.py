@@ -17,9 +17,9 @@ import pytest
 from torch.distributed import TCPStore
 
 from checkpointless.config import RecoveryConfig
-from checkpointless.control import keys
 from checkpointless.control.auth import SignedStore, job_namespace
 from checkpointless.launch.relay import Relay
+from checkpointless.protocol import keys
 from tests.netcut import CutProxy
 
 pytestmark = pytest.mark.timeout(90)

@@ -38,6 +38,7 @@ def test_core_modules_never_import_the_layers_above_them() -> None:
     core = [
         *(p for p in root.glob("*.py") if p.name != "__main__.py"),
         *(root / "control").glob("*.py"),
+        *(root / "protocol").glob("*.py"),
         *(root / "loaders").glob("*.py"),
         *(root / "corpus").glob("*.py"),
     ]
@@ -59,10 +60,11 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # The design's layers, from the bottom up: a layer may use the ones below it, never above. Each
     # entry names modules or folders under checkpointless/, placed as docs/design/modules.md places
     # them ("" is the package's own __init__, the session's public face); every module is placed.
+    ("protocol", ("protocol",)),
     ("config", ("errors", "_compat", "config", "devices", "fault_grammar")),
-    ("control", ("control",)),
     ("comm", ("comm", "sockets")),
     ("state", ("state", "ddp", "fsdp", "durable", "replicas", "shards")),
+    ("control", ("control",)),
     ("loaders", ("loaders",)),
     ("recovery", ("", "session", "session_base", "member", "lifecycle", "consistency")),
     ("corpus", ("corpus",)),
@@ -291,7 +293,6 @@ def _package_sources() -> dict[str, str]:
 
 
 INJECTOR = "the session holds the fault injector of faults.py (issue 41 item 2: the grammar apart; the injector passed in)"
-ENV = "reads the CHECKPOINTLESS_* names of control/env.py (issue 41 item 2: environment names in the protocol package)"
 PRIVATE = "a private name crosses a file (issue 41 item 6: public names for what crosses a file)"
 
 
@@ -303,11 +304,7 @@ KNOWN_LAYOUT: dict[tuple[str, ...], str] = {
     # (rule, module, what) -> why it is still there. The list may only shrink.
     **_known("layer", "session", INJECTOR, ["faults"]),
     **_known("layer", "session_base", INJECTOR, ["faults"]),
-    **_known("layer", "devices", ENV, ["control.env"]),
-    **_known("layer", "control.course", "a failure's course (the coordinator's, moved out of coordinator.py) finds the newest complete durable snapshot with durable.py's job_key and latest_complete, while durable.py imports control/vocab.py: control and state in a circle of folders (issue 41 item 2)", ["durable"]),
     ("function circle", f"{PACKAGE}.recipes.config", f"{PACKAGE}.recipes.models"): "recipes/config.py builds the model of a recipe (build_hf_model) inside a function, recipes/models.py reads ModelConfig",
-    **_known("re-export", "state", "first_difference belongs beside the digests (issue 41 item 2)", ["control.plan"]),
-    **_known("re-export", "state", "IntegrityError is errors.py's, the package's one hierarchy: imported from there", ["errors"]),
     **_known("private name", "analysis.montecarlo", PRIVATE, ["analysis.goodput_model._check_positive"]),
     **_known("private name", "analysis.simulate", PRIVATE, [
         "analysis.goodput_model._INT_FIELDS", "analysis.montecarlo._failure_times",
@@ -414,6 +411,7 @@ def test_the_layout_rules_can_fail() -> None:
         ("layer", "checkpointless.config", "checkpointless.session"),  # a type-only import
         ("layer", "checkpointless.session", "checkpointless.corpus.loader"),
         ("layer", "checkpointless.state.codec", "checkpointless.launch.cli"),
+        ("layer", "checkpointless.state", "checkpointless.control.plan"),
     }
     assert set(circles(found)) == {
         ("circle", "checkpointless.corpus.loader", "checkpointless.corpus.sampling"),
@@ -431,7 +429,7 @@ def test_event_kinds_and_reasons_are_named_from_the_vocabulary() -> None:
     """No emitter or reader in the package or the benchmarks spells an event kind or a reason as a string."""
     import ast
 
-    from checkpointless.control.vocab import Event, Phase, Reason
+    from checkpointless.protocol.vocab import Event, Phase, Reason
 
     # values that are also words of another vocabulary (fault kinds, roles, key names, dry-run rows)
     shared = {"exception", "fatal", "spare", "done", "starting", "start_failure", "compute"}

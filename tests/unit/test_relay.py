@@ -14,14 +14,14 @@ from typing import Any
 import pytest
 
 from checkpointless.config import JobConfig
-from checkpointless.control import keys
 from checkpointless.control.auth import SignedStore, job_namespace
 from checkpointless.control.client import ControlClient
 from checkpointless.control.coordinator import Coordinator
-from checkpointless.control.vocab import Event
 from checkpointless.launch.launcher import open_store
 from checkpointless.launch.relay import Relay
 from checkpointless.observe.fields import commits
+from checkpointless.protocol import keys
+from checkpointless.protocol.vocab import Event
 
 pytestmark = pytest.mark.timeout(60)
 

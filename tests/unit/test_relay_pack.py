@@ -14,9 +14,7 @@ from typing import Any
 
 import pytest
 
-from checkpointless.control import keys
 from checkpointless.control.auth import SignedStore
-from checkpointless.control.vocab import Event
 from checkpointless.launch import relay as relay_mod
 from checkpointless.launch.relay import Relay, pack_commits
 from checkpointless.observe.event_log import EventLog
@@ -25,6 +23,8 @@ from checkpointless.observe.live_metrics import MetricsFeed
 from checkpointless.observe.metrics import JobMetrics
 from checkpointless.observe.plot import RunData, _commits_by_rank, _train_loss
 from checkpointless.observe.report import build_report
+from checkpointless.protocol import keys
+from checkpointless.protocol.vocab import Event
 from tests.unit.test_relay import SECRET, _client, _relay_value, coordinator  # noqa: F401 (fixture)
 from tests.unit.test_report import CASES, _mixed_run, host_lost
 

@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 
-from checkpointless.control import keys
 from checkpointless.control.auth import SignedStore
-from checkpointless.control.vocab import Event
 from checkpointless.launch import relay as relay_mod
 from checkpointless.launch.relay import Relay
 from checkpointless.observe.event_log import EventLog
+from checkpointless.protocol import keys
+from checkpointless.protocol.vocab import Event
 from tests.unit.test_relay import _client, _relay_value, _until, coordinator, relay  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.timeout(60)

@@ -9,11 +9,11 @@ import pytest
 import torch.distributed as dist
 
 from checkpointless.config import JobConfig
-from checkpointless.control import keys
 from checkpointless.control.auth import SignedStore, new_secret
 from checkpointless.control.processes import ProcessTable
-from checkpointless.control.vocab import Role
 from checkpointless.launch.remote import RemoteNodes, host_timeout
+from checkpointless.protocol import keys
+from checkpointless.protocol.vocab import Role
 
 
 class Clock:

@@ -27,10 +27,10 @@ from torch.distributed import TCPStore
 
 from checkpointless.comm import CollectiveError, Group
 from checkpointless.ddp import GradientReducer
+from checkpointless.errors import IntegrityError
 from checkpointless.models.tiny_gpt import GPTConfig, TinyGPT
 from checkpointless.session_base import _Progress
 from checkpointless.state import (
-    IntegrityError,
     StateRegistry,
     codec,
     digest_state,

@@ -14,7 +14,6 @@ from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning_utilities.core.rank_zero import rank_zero_only  # Lightning's, re-exported
 from torch.utils.data import DataLoader
 
-from checkpointless.control.env import ENV_STORE
 from checkpointless.devices import local_device
 from checkpointless.integrations.lightning import _compat as host
 from checkpointless.integrations.lightning.checkpoints import complete_saves, note_links
@@ -27,6 +26,7 @@ from checkpointless.integrations.lightning.refusals import (
     validation_inside_a_step,
 )
 from checkpointless.integrations.lightning.window import Window
+from checkpointless.protocol.env import ENV_STORE
 from checkpointless.session import Session
 
 log = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ def _job_workers() -> int:
     if not under_launcher():
         return 1
     from checkpointless.config import JobConfig
-    from checkpointless.control.env import ENV_CONFIG
+    from checkpointless.protocol.env import ENV_CONFIG
 
     return JobConfig.from_json(os.environ[ENV_CONFIG]).workers
 

@@ -13,7 +13,7 @@ import time
 from enum import StrEnum
 from typing import Any
 
-from checkpointless.control.env import ENV_CLOCK_SKEW
+from checkpointless.protocol.env import ENV_CLOCK_SKEW
 
 
 class Event(StrEnum):
