@@ -26,7 +26,7 @@ growing as a training process's does), any other order (kill, ping, stop) answer
 status, and ``node/<host>/status`` every status interval with the lease round trip after it. Its
 relay (``launch/relay.py``) does what the agent's does, every heartbeat interval (0.1 s): the host's
 new events as one sealed chunk ``node/<host>/events/<i>`` (each line naming its process: at each step
-one ``steps_committed`` event with its 8 ranks' commits, packed as ``relay.pack_commits`` packs them,
+one ``steps_committed`` event with its 8 ranks' commits, packed as ``relay_wire.pack_commits`` packs them,
 and any other event of theirs), then one sealed value
 ``node/<host>/relay`` = {seq, t, chunks, procs} with the latest heartbeat of each of its 8 processes
 (the fields ``Session`` puts in: rank, gen, phase, committed, step, attempt, step_time_s, loss, total,
@@ -1199,7 +1199,7 @@ def _findings_common(res: dict[str, Any], first: int) -> list[str]:
         "dropped and counted (`events_dropped`, the report's `step_commits_dropped`). "
         + (
             "Each host's relay packs its ranks' commits of one step into one `steps_committed` event "
-            "(`relay.pack_commits`, since 2026-12-05: at 2,000 hosts the log took in 3,664 of the 16,000 "
+            "(`relay_wire.pack_commits`, since 2026-12-05: at 2,000 hosts the log took in 3,664 of the 16,000 "
             "commits a second sent one event each)."
             if any(_g(r, "steady", "coordinator", "commits_per_s") is not None for r in series)
             else "Commits aggregated per host and step are what would bring the log within reach of 16,000 a second."

@@ -43,6 +43,7 @@ from checkpointless.control.plan import Plan
 from checkpointless.launch.relay import _STOP_EVERY as STOP_EVERY
 from checkpointless.launch.relay import CHUNK_BYTES, HOLD_BYTES, WINDOW_BYTES
 from checkpointless.protocol import keys
+from checkpointless.protocol.relay_wire import forwarded_template, packed_text, relay_value_text
 from checkpointless.protocol.vocab import Event, Phase, Reason, Role, event
 
 NPROC = 8  # ranks per host
@@ -108,48 +109,40 @@ def protocol_rates(hosts: int, hang: float, step_s: float, protocol: str = RELAY
 
 
 # -- the simulated hosts ---------------------------------------------------------------
+# a process's heartbeat (``ControlClient``'s fields), as json.dumps writes it: per-rank, on the
+# coordinator's store
 _HB_BARE = '{"seq": %d, "phase": "%s", "t": %r, "chunks": %d}'
 _HB_JOINED = '{"seq": %d, "phase": "%s", "rank": %d, "gen": %d, "committed": %d, "total": %d, "start": 0, "t": %r, "chunks": %d}'
 _HB_STEPPING = (
     '{"seq": %d, "phase": "%s", "rank": %d, "gen": %d, "committed": %d, "total": %d, "start": 0, "step": %d, '
     '"attempt": %d, "step_time_s": %r, "loss": %r, "t": %r, "chunks": %d}'
 )
-# a relay forwards its processes' heartbeats inside one value it writes with separators=(",", ":")
-_HB_TEMPLATES = {
-    PER_RANK: (_HB_BARE, _HB_JOINED, _HB_STEPPING),
-    # forwarded by a relay: only the fields the coordinator reads (``relay.FORWARDED``; ``%.0s`` takes
-    # an argument and writes nothing)
-    RELAY: (
-        '{"seq":%d,"phase":"%s"%.0s%.0s}',
-        '{"seq":%d,"phase":"%s","rank":%d,"gen":%d,"committed":%d,"total":%d%.0s%.0s}',
-        '{"seq":%d,"phase":"%s","rank":%d,"gen":%d,"committed":%d,"total":%d,"step":%d,"attempt":%d,'
-        '"step_time_s":%r%.0s%.0s%.0s}',
-    ),
+# relayed: the fields its relay forwards (``relay_wire.forwarded``), a report last while it has one
+_BARE = ("seq", "phase")
+_JOINED = (*_BARE, "rank", "gen", "committed", "total")
+_STEPPING = (*_JOINED, "step", "attempt", "step_time_s")
+_FORWARDED = {
+    (fields, reported): forwarded_template((*fields, "report") if reported else fields)
+    for fields in (_BARE, _JOINED, _STEPPING)
+    for reported in (False, True)
 }
-_RELAY_VALUE = '{"seq":%d,"t":%r,"chunks":%d,"procs":{%s}}'  # launch/relay.py's, its heartbeats inside
-
 
 _STEP_EVENT = (  # vocab.event(STEP_COMMITTED, ...) as json.dumps writes it, one line
     '{"t": %r, "kind": "step_committed", "proc": "%s", "rank": %d, "gen": %d, "step": %d, "step_time_s": %r, '
     '"loss": %r}\n'
 )
-# a host's commits of one step as its relay packs them (``relay.pack_commits``), as json.dumps writes it
-_PACKED_EVENT = '{"t": %r, "kind": "steps_committed", "proc": "agent %s", "host": "%s", "gen": %d, "step": %d, "ranks": [%s]}\n'
-_PACKED_ROW = '{"dt": %r, "proc": "%s", "rank": %d, "step_time_s": %r, "loss": %r}'
+_ROW = '"proc": "%s", "rank": %d, "step_time_s": %r, "loss": %r'  # its fields in a packed row
 
 
 def packed_commits(host: str, gen: int, step: int, rows: list[tuple[float, str, int, float, float]]) -> str:
     """The line a relay writes for its host's commits ``(t, proc, rank, step_time_s, loss)`` of one
-    step (one commit: the rank's own ``step_committed`` line), as ``relay.pack_commits`` and
+    step (one commit: the rank's own ``step_committed`` line), as ``relay_wire.pack_commits`` and
     ``json.dumps`` make it (``tests/unit/test_bench_control_scale.py`` compares them)."""
     if len(rows) == 1:
         t, proc, rank, step_time, loss = rows[0]
         return _STEP_EVENT % (t, proc, rank, gen, step, step_time, loss)
-    last = max(r[0] for r in rows)
-    inner = ", ".join(
-        _PACKED_ROW % (round(t - last, 6), proc, rank, st, loss) for t, proc, rank, st, loss in rows
-    )
-    return _PACKED_EVENT % (last, host, host, gen, step, inner)
+    fields = [(t, _ROW % (proc, rank, st, loss)) for t, proc, rank, st, loss in rows]
+    return packed_text(host, gen, step, fields) + "\n"
 
 
 class FastSealer:
@@ -380,7 +373,6 @@ class Simulator:
         self.by_index = {ag.index: ag for ag in self.agents}
         self.protocol = a.protocol
         self.relayed = a.protocol == RELAY
-        self._hb_bare, self._hb_joined, self._hb_stepping = _HB_TEMPLATES[a.protocol]
         self.hb_s, _, self.status_s = intervals(a.hang_timeout)
         self.step_s = a.step_s
         self.join_timeout = a.join_timeout
@@ -802,18 +794,33 @@ class Simulator:
 
     def _hb_text(self, p: SimProc) -> str:
         """A new heartbeat of ``p``: the fields ``Session`` and ``member.py`` put in (the JSON
-        ``json.dumps`` would write, from a template: a third of the simulator's time went there)."""
+        ``json.dumps`` would write, from a template: a third of the simulator's time went there);
+        relayed, the fields its relay forwards, as its relay value holds them."""
         p.seq += 1
+        if self.relayed:
+            return self._forwarded_text(p)
         if p.rank is None:
-            return self._hb_bare % (p.seq, p.phase, time.time(), p.chunks)
+            return _HB_BARE % (p.seq, p.phase, time.time(), p.chunks)
         if not p.attempt:
-            text = self._hb_joined % (p.seq, p.phase, p.rank, p.gen, p.committed, TOTAL_STEPS, time.time(),
-                                      p.chunks)  # fmt: skip
-        else:
-            step = p.committed + 1 if p.phase == Phase.COMPUTE else p.committed
-            text = self._hb_stepping % (p.seq, p.phase, p.rank, p.gen, p.committed, TOTAL_STEPS, step, p.attempt,
-                                        p.step_time, p.loss, time.time(), p.chunks)  # fmt: skip
-        return text[:-1] + ',"report":' + p.report + "}" if p.report else text
+            return _HB_JOINED % (p.seq, p.phase, p.rank, p.gen, p.committed, TOTAL_STEPS, time.time(),
+                                 p.chunks)  # fmt: skip
+        step = p.committed + 1 if p.phase == Phase.COMPUTE else p.committed
+        return _HB_STEPPING % (p.seq, p.phase, p.rank, p.gen, p.committed, TOTAL_STEPS, step, p.attempt,
+                               p.step_time, p.loss, time.time(), p.chunks)  # fmt: skip
+
+    @staticmethod
+    def _forwarded_text(p: SimProc) -> str:
+        """``p``'s heartbeat as its relay forwards it (``relay_wire.forwarded_template``: the
+        arguments in ``FORWARDED``'s order)."""
+        report = (p.report,) if p.report else ()
+        if p.rank is None:
+            return _FORWARDED[_BARE, bool(report)] % (p.seq, p.phase, *report)
+        if not p.attempt:
+            return _FORWARDED[_JOINED, bool(report)] % (p.seq, p.phase, p.rank, p.gen, p.committed, TOTAL_STEPS,
+                                                        *report)  # fmt: skip
+        step = p.committed + 1 if p.phase == Phase.COMPUTE else p.committed
+        return _FORWARDED[_STEPPING, bool(report)] % (p.seq, p.phase, p.rank, p.gen, p.committed, step, p.attempt,
+                                                      p.step_time, TOTAL_STEPS, *report)  # fmt: skip
 
     def _heartbeat(self, ag: SimAgent, p: SimProc, purpose: str) -> None:
         """``per-rank``: ``ControlClient._flush``'s heartbeat, on the coordinator's store. Relayed, a
@@ -873,11 +880,11 @@ class Simulator:
         for p in ag.procs.values():
             if p.alive:
                 p.hb = self._hb_text(p)
-            beats.append(f'"{p.name}":{p.hb}')  # an exited process: its last heartbeat
+            beats.append((p.name, p.hb))  # an exited process: its last heartbeat
         if beats:
             self._size("heartbeat", len(ag.procs[next(iter(ag.procs))].hb))
         ag.relay_seq += 1
-        value = _RELAY_VALUE % (ag.relay_seq, time.time(), ag.chunks, ",".join(beats))
+        value = relay_value_text(ag.relay_seq, time.time(), ag.chunks, beats)
         self._size("relay", self._set(ag.conn, "relay", keys.node_relay(ag.host), value))
 
     def _queue_commits(self, gen: int) -> None:

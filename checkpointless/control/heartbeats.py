@@ -22,6 +22,7 @@ from checkpointless.control.auth import SignedStore
 from checkpointless.control.clock import ClockOffsets
 from checkpointless.control.processes import ProcessTable, ProcessView
 from checkpointless.protocol import keys
+from checkpointless.protocol.relay_wire import RelayValue, read_relay_value
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ class HeartbeatReader:
         self._last_read: float | None = None  # when the last read returned (``_forgive_own_stall``)
         self._fresh = 0  # processes whose heartbeat the current read brought
         # host -> (raw relay value, its parsed value, when the coordinator last read it)
-        self._relays: dict[str, tuple[bytes, dict[str, Any], float]] = {}
+        self._relays: dict[str, tuple[bytes, RelayValue, float]] = {}
 
     def read(self, now: float) -> list[News]:
         """One read of every live process's heartbeat; the processes whose heartbeat moved."""
@@ -66,7 +67,7 @@ class HeartbeatReader:
 
     def relay_chunks(self) -> dict[str, int]:
         """How many event chunks each host's relay says it has written (several hosts)."""
-        return {h: int(v[1].get("chunks", 0)) for h, v in self._relays.items()}
+        return {h: v[1].chunks for h, v in self._relays.items()}
 
     def _read_direct(self, direct: list[tuple[str, ProcessView]], now: float, news: list[News]) -> None:
         began = time.time()  # wall clock: heartbeats carry their senders' (ClockOffsets)
@@ -92,7 +93,7 @@ class HeartbeatReader:
         self, by_host: dict[str, list[tuple[str, ProcessView]]], now: float, news: list[News]
     ) -> None:
         """Several hosts: each host's processes' heartbeats, in the one value its agent's relay
-        forwards every heartbeat interval (``launch/relay.py``): a key per host, not per rank. A
+        forwards every heartbeat interval (``protocol.relay_wire.read_relay_value``): a key per host, not per rank. A
         host's clock offset is learnt from the relay's own time and holds for its processes."""
         began = time.time()
         known = [h for h in by_host if h in self._relays]
@@ -111,15 +112,14 @@ class HeartbeatReader:
             text = self._store.open(key, raw)
             if text is None:
                 continue  # forged: keep the last real one
-            value = json.loads(text)
-            if old is not None and int(value.get("seq", 0)) <= int(old[1].get("seq", 0)):
+            value = read_relay_value(text)
+            if old is not None and value.seq <= old[1].seq:
                 continue  # a replay must not hide a hang
             self._relays[host] = (raw, value, began)
-            if isinstance(value.get("t"), (int, float)):
-                self.clocks.observe(host, float(value["t"]), after, time.time())
-            beats = value.get("procs") or {}
+            if value.t is not None:
+                self.clocks.observe(host, value.t, after, time.time())
             for name, p in procs:
-                hb = beats.get(name)
+                hb = value.procs.get(name)
                 if isinstance(hb, dict) and int(hb.get("seq", 0)) > int(p.hb.get("seq", 0)):
                     self._take(name, p, hb, b"relayed", now, news)
 

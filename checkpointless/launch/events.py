@@ -31,7 +31,7 @@ a stranger writing junk for as long as a job runs must not grow the launcher wit
 
 RELAYED_CHUNKS_PER_PASS = 1024
 """Hosts' event chunks one collection reads at most while the job runs. A chunk of a host's beat
-carries its ranks' commits of a step as one event (``relay.pack_commits``), about 1 KB for 8 ranks:
+carries its ranks' commits of a step as one event (``relay_wire.pack_commits``), about 1 KB for 8 ranks:
 the bytes below bind first (at 256 chunks a pass the log fell behind the commits of many hosts,
 ``bench/control_scale.py``)."""
 RELAYED_SECONDS_PER_PASS = 0.15

@@ -11,7 +11,8 @@ against it (``ControlClient(relay=...)``), and every heartbeat interval the rela
 2. writes the host's new events as one chunk (``node/<host>/events/<i>``, each line naming its
    process: the relay vouches for it, as the key of a process's own chunk did; its ranks' commits of
    one step packed into one ``steps_committed`` event, ``pack_commits``), then one value with
-   every process's latest heartbeat (``node/<host>/relay``): both ``set``s, no reply awaited;
+   every process's latest heartbeat (``node/<host>/relay``): both ``set``s, no reply awaited (both
+   formats: ``protocol/relay_wire.py``);
 3. makes one round trip to the coordinator's store: it renews the host's lease, proves that the
    writes before it arrived, and asks whether the generation its ranks are in was aborted, which it
    passes on in its own store where the ranks look for it (``ControlClient.watch_abort``); once a
@@ -67,17 +68,11 @@ from checkpointless.control.auth import SignedStore, job_namespace
 from checkpointless.control.client import redial
 from checkpointless.launch.relay_plans import PlanCopier
 from checkpointless.protocol import keys
+from checkpointless.protocol.relay_wire import forwarded, pack_commits, relay_value
 from checkpointless.protocol.vocab import Event, Phase
 
 log = logging.getLogger(__name__)
 
-
-FORWARDED = ("seq", "phase", "rank", "gen", "committed", "step", "attempt", "step_time_s", "total", "report")
-"""The fields of a heartbeat the relay forwards: those the coordinator reads (``control/heartbeats.py``,
-``detection.py``, ``coordinator.py``). Its clock (``t``: the relay's own stands for the host's), its
-chunk count (the relay's business) and its metrics (loss and the like: they reach the log in the
-step's ``step_committed`` event) stay on the host: the coordinator parses every host's value at
-every poll, 2,000 of them at 2,000 hosts."""
 
 _STOP_EVERY = 10
 """Beats between two looks at the job's stop key (a second at the default interval): each rank asks
@@ -107,42 +102,6 @@ def _is_commit(line: str) -> bool:
     """Whether an event line (``json.dumps`` of the event) is a ``step_committed`` event or a
     ``steps_committed`` one (``pack_commits``)."""
     return f'"kind": "{Event.STEP_COMMITTED}"' in line or f'"kind": "{Event.STEPS_COMMITTED}"' in line
-
-
-def pack_commits(
-    host: str, evs: list[tuple[str, dict[str, Any]]]
-) -> list[tuple[tuple[str, ...], dict[str, Any]]]:
-    """``(process, event)`` read in one beat, with the processes each speaks for: the
-    ``step_committed`` events of one generation and step packed into one ``steps_committed``
-    event (``observe.fields.commits`` unpacks it), where the first of them was; a commit alone and
-    every other event as they came. A host's ranks commit each step within a beat of one another:
-    the coordinator takes in one event per host and step, not one per rank (its event log fell
-    behind at 2,000 hosts x 8 ranks, ``bench/control_scale.py``). A row keeps the rank's own
-    fields; its time is ``dt`` from the event's ``t``, the latest of the rows, so the coordinator
-    converts one time per event to its clock."""
-    out: list[tuple[tuple[str, ...], dict[str, Any]]] = []
-    packs: dict[tuple[Any, Any], list[tuple[str, dict[str, Any]]]] = {}
-    slots: dict[tuple[Any, Any], int] = {}  # (gen, step) -> where its first commit came
-    for name, ev in evs:
-        if ev.get("kind") == Event.STEP_COMMITTED and isinstance(ev.get("t"), int | float):
-            at = (ev.get("gen"), ev.get("step"))
-            packs.setdefault(at, []).append((name, ev))
-            if at in slots:
-                continue
-            slots[at] = len(out)
-        out.append(((name,), ev))
-    for at, rows in packs.items():
-        if len(rows) == 1:
-            continue
-        t = max(float(e["t"]) for _, e in rows)
-        packed = [{"dt": round(float(e["t"]) - t, 6),
-                   **{k: v for k, v in e.items() if k not in ("t", "kind", "gen", "step")}} for _, e in rows]  # fmt: skip
-        out[slots[at]] = (
-            tuple(name for name, _ in rows),
-            {"t": t, "kind": Event.STEPS_COMMITTED, "proc": f"agent {host}", "host": host,
-             "gen": at[0], "step": at[1], "ranks": packed},
-        )  # fmt: skip
-    return out
 
 
 class Relay:
@@ -225,7 +184,7 @@ class Relay:
             seq = int(hb.get("seq", 0))
             if seq <= self._seen.get(name, 0):
                 continue  # nothing new (or a replay)
-            self._seen[name], self._hb[name] = seq, {k: hb[k] for k in FORWARDED if k in hb}
+            self._seen[name], self._hb[name] = seq, forwarded(hb)
             awaiting = hb.get("awaiting")
             if type(awaiting) is int and awaiting >= 0:
                 self.plans.awaiting[name] = awaiting
@@ -355,13 +314,9 @@ class Relay:
                 up.set(key, text)
         self._write_chunks(up, final=final)
         self._seq += 1
-        value = {
-            "seq": self._seq,
-            "t": time.time() + self._skew,
-            "chunks": self._chunks,
-            "procs": {n: self._hb[n] for n in names if n in self._hb},
-        }
-        up.set(keys.node_relay(self.host), json.dumps(value, separators=(",", ":")))
+        value = relay_value(self._seq, time.time() + self._skew, self._chunks,
+                            {n: self._hb[n] for n in names if n in self._hb})  # fmt: skip
+        up.set(keys.node_relay(self.host), value)
         self.forwarded += 1
         # the round trip: the host's lease, and the aborts of its ranks' generations
         gens = sorted({int(hb["gen"]) for hb in self._hb.values()

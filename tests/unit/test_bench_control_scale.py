@@ -20,9 +20,15 @@ import control_scale  # noqa: E402
 import scale_sim  # noqa: E402
 
 from checkpointless.control.auth import SignedStore, job_namespace, new_secret, write_secret_file  # noqa: E402
-from checkpointless.launch.relay import FORWARDED, pack_commits  # noqa: E402
 from checkpointless.observe.fields import commits  # noqa: E402
 from checkpointless.protocol import keys  # noqa: E402
+from checkpointless.protocol.relay_wire import (  # noqa: E402
+    FORWARDED,
+    forwarded,
+    pack_commits,
+    read_relay_value,
+    relay_value,
+)
 from checkpointless.protocol.vocab import Event, Phase, Role  # noqa: E402
 
 pytestmark = pytest.mark.timeout(60)
@@ -83,6 +89,37 @@ def test_a_relayed_host_writes_one_value_and_one_chunk_per_beat(tmp_path: Path) 
     sim._relay(ag)  # no new events: no chunk, a new heartbeat of each process
     value = json.loads(read(keys.node_relay(ag.host)))
     assert ag.conn.values == {} and value["chunks"] == 1 and value["procs"]["w3"]["seq"] == hb["seq"] + 1
+
+
+def test_a_simulated_relay_value_is_the_bytes_the_relay_writes(tmp_path: Path) -> None:
+    """The simulator writes its relay values from templates (``relay_wire.forwarded_template``): the
+    bytes ``relay_wire.relay_value`` writes of the same heartbeats, each process in every state."""
+    sim, store = _simulator(tmp_path, scale_sim.RELAY)
+    ag = sim.agents[0]
+    ag.conn = _Writes()  # type: ignore[assignment]
+    for k in range(6):
+        sim._on_order(ag, {"op": "spawn", "name": f"w{k}", "role": Role.WORKER})
+    sim._run_work(float("inf"))
+    report = json.dumps(
+        {"gen": 0, "rank": 1, "committed": 2, "reason": "x", "has_state": True}, separators=(",", ":")
+    )
+    for k, p in enumerate(ag.procs.values()):  # bare, joined, stepping; each without a report, then with
+        if k % 3:
+            p.rank, p.gen, p.committed, p.phase = k, 0, 2, Phase.COMPUTE
+        if k % 3 == 2:
+            p.attempt, p.step_time = 3, 0.987654
+        p.report = report if k >= 3 else ""
+    sim._relay(ag)
+    key = keys.node_relay(ag.host)
+    text = store.open(key, ag.conn.values.pop(store.name(key)))  # type: ignore[attr-defined]
+    assert text is not None
+    value = read_relay_value(text)
+    assert relay_value(value.seq, value.t or 0.0, value.chunks, value.procs) == text
+    shapes = set()
+    for hb in value.procs.values():
+        assert list(hb) == list(forwarded(hb))  # in the relay's order
+        shapes.add(tuple(hb))
+    assert len(shapes) == 6
 
 
 def test_the_relay_protocol_asks_far_fewer_calls_of_the_store() -> None:

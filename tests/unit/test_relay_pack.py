@@ -1,4 +1,4 @@
-"""A host's step commits packed into one event (``launch/relay.py``'s ``pack_commits``) and unpacked
+"""A host's step commits packed into one event (``protocol/relay_wire.py``'s ``pack_commits``) and unpacked
 by every reader (``observe.fields.commits``): the report, the fault list, the plot's series, the live
 metrics and the event log say of a packed run what they say of the same run unpacked."""
 
@@ -16,7 +16,7 @@ import pytest
 
 from checkpointless.control.auth import SignedStore
 from checkpointless.launch import relay as relay_mod
-from checkpointless.launch.relay import Relay, pack_commits
+from checkpointless.launch.relay import Relay
 from checkpointless.observe.event_log import EventLog
 from checkpointless.observe.fields import commits
 from checkpointless.observe.live_metrics import MetricsFeed
@@ -24,6 +24,7 @@ from checkpointless.observe.metrics import JobMetrics
 from checkpointless.observe.plot import RunData, _commits_by_rank, _train_loss
 from checkpointless.observe.report import build_report
 from checkpointless.protocol import keys
+from checkpointless.protocol.relay_wire import pack_commits
 from checkpointless.protocol.vocab import Event
 from tests.unit.test_relay import SECRET, _client, _relay_value, coordinator  # noqa: F401 (fixture)
 from tests.unit.test_report import CASES, _mixed_run, host_lost
