@@ -51,20 +51,20 @@ bench-install: install
 	$(PIP) install -q -e ".[bench]" "$(TORCH_SPEC)"
 
 bench: bench-install
-	OMP_NUM_THREADS=1 $(PY) bench/run_all.py
+	OMP_NUM_THREADS=1 $(PY) -m bench.run_all
 
 bench-quick: bench-install
-	OMP_NUM_THREADS=1 $(PY) bench/run_all.py --quick
+	OMP_NUM_THREADS=1 $(PY) -m bench.run_all --quick
 
 # On a machine with CUDA (one GPU is enough; under 10 minutes on one H200): writes
 # bench/results/gpu_check.json. Uses the venv where it exists, else python3 (a GPU image's torch);
 # without CUDA it stops at once with one line. GPU_CHECK_ARGS="--quick" or "--cpu" (a rehearsal).
 GPU_PY ?= $(shell test -x $(PY) && echo $(PY) || echo python3)
 gpu-check:
-	OMP_NUM_THREADS=1 PYTHONPATH=$(CURDIR) $(GPU_PY) bench/gpu_check.py $(GPU_CHECK_ARGS)
+	OMP_NUM_THREADS=1 PYTHONPATH=$(CURDIR) $(GPU_PY) -m bench.gpu_check $(GPU_CHECK_ARGS)
 
 bench-render:
-	$(PY) bench/run_all.py --render
+	$(PY) -m bench.run_all --render
 
 # The documentation site (Sphinx, MyST Markdown, furo) into docs/_build/html, warnings as errors. The
 # benchmark pages (from bench/results/*.json) and the command-line reference (from each command's

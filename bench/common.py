@@ -1,7 +1,7 @@
 """Shared helpers of the benchmarks: statistics, machine description, output paths, process hygiene.
 
-Every benchmark script is run as a script (``python bench/NAME.py``), so ``bench/`` is on
-``sys.path`` and the scripts import this module as ``common``.
+Every benchmark runs as a module from the repository's root (``python -m bench.NAME``) and
+imports this one as ``from bench import common``.
 """
 
 from __future__ import annotations
@@ -41,10 +41,12 @@ def pin_threads() -> None:
 
 
 def child_env(**extra: str) -> dict[str, str]:
+    """A child process's environment: one intra-op thread, unbuffered output, and the repository's
+    root on ``PYTHONPATH`` (a worker started as ``python -m bench.NAME`` imports ``bench``)."""
     env = dict(os.environ)
     env.update(THREAD_ENV)
     env["PYTHONUNBUFFERED"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(BENCH_DIR), env.get("PYTHONPATH", "")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     env.update(extra)
     return env
 

@@ -25,7 +25,7 @@ every metric from it. Experiments:
    committed steps per second (and global batches per second) against the system's own
    fault-free rate and plain DDP's.
 
-Usage: ``python bench/compare.py [--quick]`` -> ``bench/out/compare/{compare.json,compare.md,compare.png}``.
+Usage: ``python -m bench.compare [--quick]`` -> ``bench/out/compare/{compare.json,compare.md,compare.png}``.
 The full mode takes about two hours on 2 cores (8 goodput jobs of 10 minutes; ``--goodput-s`` and
 ``--reps`` shorten it); ``--quick`` (one repetition, 12 s windows) about 4 minutes. ``--reanalyse`` recomputes the outputs from the
 logs of an earlier run.
@@ -45,13 +45,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import baselines
-import common
-import split
-from baselines import plain_ddp, torchft_ddp, torchrun_dcp
-
+from bench import baselines, common, split
+from bench.baselines import plain_ddp, torchft_ddp, torchrun_dcp
 from checkpointless.protocol.vocab import Event
 
 OUT = common.OUT / "compare"

@@ -9,7 +9,7 @@ times each, and takes the step time of the same model from the last ``steady_sta
 ``large_state`` results in ``bench/results/`` (a measured step, not an assumed one). The 32-byte
 all-gather is not timed here (a few hundred microseconds on loopback gloo); the hashing is the cost.
 
-Usage: ``python bench/consistency.py [--quick]`` -> ``bench/out/consistency.json``.
+Usage: ``python -m bench.consistency [--quick]`` -> ``bench/out/consistency.json``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import common
+from bench import common
 
 SIZES: dict[str, dict[str, int]] = {
     "10.9M params": {"vocab_size": 256, "d_model": 384, "n_layer": 6, "n_head": 6, "global_batch": 8},

@@ -18,7 +18,7 @@ session each (``fsdp2_plain.py --session-each``; with Linux's scheduling autogro
 each: how the launcher started its children before it gave them a process group each instead),
 ``AB_STEPS`` steps, alternating ``AB_REPS`` pairs, the median gap between rank 0's steps.
 
-Usage: ``python bench/control_load.py [--quick]`` -> ``bench/out/control_load.json``.
+Usage: ``python -m bench.control_load [--quick]`` -> ``bench/out/control_load.json``.
 """
 
 from __future__ import annotations
@@ -34,8 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import common
-
+from bench import common
 from checkpointless.protocol.vocab import Event
 
 RECIPE = common.REPO / "recipes" / "llama-tiny.yaml"

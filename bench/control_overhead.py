@@ -6,7 +6,7 @@
    neighbours *destroy* their group (what ``Group.abort`` does), versus only calling
    ``ProcessGroupGloo.abort()`` (the old behaviour: it waits for the collective timeout).
 
-Usage: ``OMP_NUM_THREADS=1 python bench/control_overhead.py [--commits N] [--timeout S]``
+Usage: ``OMP_NUM_THREADS=1 python -m bench.control_overhead [--commits N] [--timeout S]``
 """
 
 from __future__ import annotations

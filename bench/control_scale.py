@@ -64,7 +64,7 @@ reports go first, the periodic beats (relay values; per-rank: heartbeats) get wh
 first. Simulators, ackers and the coordinator share the machine's cores at the same priority, with
 whatever else runs there (the load average is recorded per case).
 
-Usage: ``python bench/control_scale.py [--quick] [--hosts 10,100] [--protocol per-rank] [--out DIR]``
+Usage: ``python -m bench.control_scale [--quick] [--hosts 10,100] [--protocol per-rank] [--out DIR]``
 -> ``bench/out/control_scale.json`` and ``bench/results/control_scale.json`` (with ``--out DIR``:
 ``DIR/control_scale.json`` only).
 """
@@ -90,9 +90,11 @@ from datetime import timedelta
 from pathlib import Path
 from typing import IO, Any
 
-import common
-from scale_coord import coordinator_main
-from scale_sim import (
+from torch.distributed import TCPStore
+
+from bench import common
+from bench.scale_coord import coordinator_main
+from bench.scale_sim import (
     NPROC,
     PER_RANK,
     PROTOCOLS,
@@ -107,8 +109,6 @@ from scale_sim import (
     raise_nofile,
     simulator_main,
 )
-from torch.distributed import TCPStore
-
 from checkpointless.control.auth import new_secret, write_secret_file
 from checkpointless.control.published import INTRUDER_KEYS
 from checkpointless.launch.events import RELAYED_BYTES_PER_PASS, RELAYED_CHUNKS_PER_PASS
@@ -132,7 +132,7 @@ run (``ctl/census.jsonl``: the store's keys fall from 65,000 to 14,000 meanwhile
 coordinator's heap grows); a soak of 180 s fitted that catch-up (25-35 MB/min), not a leak."""
 QUICK_WARMUP_S, QUICK_WINDOW_S, QUICK_PROFILE_S = 5.0, 10.0, 6.0
 _TICK = os.sysconf("SC_CLK_TCK")
-_SELF = Path(__file__).resolve()
+_SELF = "bench.control_scale"  # run with ``-m``: its roles in processes of their own
 
 #: published figures for the page's "on paper" part (each with the address it comes from)
 PUBLISHED: list[dict[str, str]] = [
@@ -572,7 +572,7 @@ def measure(hosts: int, dest: Path, params: Params) -> dict[str, Any]:
         clog = open(d / "coordinator.log", "wb")  # noqa: SIM115 (closed in finally)
         logs.append(clog)
         coord = subprocess.Popen(
-            [common.PYTHON, str(_SELF), "--role", "coordinator", "--hosts", str(hosts), "--secret-file",
+            [common.PYTHON, "-m", _SELF, "--role", "coordinator", "--hosts", str(hosts), "--secret-file",
              str(secret_file), "--out", str(d), "--hang-timeout", str(params.hang_timeout), "--join-timeout",
              str(join_timeout), "--timeout", "7200"],
             stdout=clog, stderr=subprocess.STDOUT, env=env, cwd=common.REPO,
@@ -601,9 +601,9 @@ def measure(hosts: int, dest: Path, params: Params) -> dict[str, Any]:
                            "--nice", str(params.nice), "--protocol", params.protocol, "--step-s",
                            str(params.step_s)]  # fmt: skip
             sims.append(SimHandle(
-                [common.PYTHON, str(_SELF), "--role", "simulator", *common_args, "--join-timeout",
+                [common.PYTHON, "-m", _SELF, "--role", "simulator", *common_args, "--join-timeout",
                  str(join_timeout)], log, env))  # fmt: skip
-            ackers.append(SimHandle([common.PYTHON, str(_SELF), "--role", "acker", *common_args], log, env))
+            ackers.append(SimHandle([common.PYTHON, "-m", _SELF, "--role", "acker", *common_args], log, env))
         snaps: list[dict[str, Any]] = []
 
         def running() -> bool:
@@ -1071,7 +1071,7 @@ def markdown(res: dict[str, Any]) -> str:
         f"{res['params']['series_hang_timeout_s']:g} s (the method says why), the job's default 0.5 s at 100 hosts. "
         f"Steady window {res['params']['window_s']:g} s after {res['params']['warmup_s']:g} s of warm-up; then "
         f"{res['params']['profile_s']:g} s of sampling profile; then one worker host loses power (t = 0 below). "
-        "Alone: `OMP_NUM_THREADS=1 python bench/control_scale.py` (every case) or `--quick` (10 and 100 hosts); "
+        "Alone: `OMP_NUM_THREADS=1 python -m bench.control_scale` (every case) or `--quick` (10 and 100 hosts); "
         "`--hosts 10,100 --hang-timeout 0.5` for other cases, `--protocol per-rank` for the protocol before the "
         "relay.",
         "",
@@ -1569,7 +1569,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     git = common.git_state()
     res = run(a.quick, out, cases, params)
-    res["_command"] = "OMP_NUM_THREADS=1 python bench/control_scale.py" + "".join(
+    res["_command"] = "OMP_NUM_THREADS=1 python -m bench.control_scale" + "".join(
         f" {x}" for x in (argv or sys.argv[1:])
     )
     res["_date"] = res["machine"]["date"]

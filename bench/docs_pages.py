@@ -3,8 +3,8 @@
 ``write_pages(results_dir, out_dir)`` writes ``index.md`` (the run, the summary against the targets,
 one line per report) and one page per benchmark (``KEY.md``: the command, date and commit that
 measured it, its method, its tables) plus ``simulate.md``. The documentation build calls it at
-every build (``docs/_ext/bench_pages.py``), so the pages cannot drift from the JSON; ``python
-bench/run_all.py --render`` writes the same pages.
+every build (``docs/_ext/bench_pages.py``), so the pages cannot drift from the JSON; ``python -m
+bench.run_all --render`` writes the same pages.
 
 A report is **stale** when a commit after the one it measured changed the code it measures
 (``staleness.py``). ``_dirty`` (the tree had uncommitted files when it ran) is shown as recorded.
@@ -17,9 +17,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import common
-import run_all
-from staleness import plural, stale_note, staleness
+from bench import common, run_all
+from bench.staleness import plural, stale_note, staleness
 
 
 def _measured(res: dict[str, Any]) -> str:
@@ -79,7 +78,7 @@ def pages(results_dir: Path = common.RESULTS, repo: Path = common.REPO) -> dict[
         "names the command, date and commit that measured it, and is marked stale when a later commit "
         "changed the code it measures. `make bench` reruns everything (about 90 minutes on the 2-core "
         "machine), `make bench-quick` a smoke run of every benchmark (about 15); both install the `bench` "
-        "extra (with torchft, a baseline). `OMP_NUM_THREADS=1 python bench/run_all.py --only KEY` reruns "
+        "extra (with torchft, a baseline). `OMP_NUM_THREADS=1 python -m bench.run_all --only KEY` reruns "
         "one report.",
         "",
     ]
@@ -88,7 +87,7 @@ def pages(results_dir: Path = common.RESULTS, repo: Path = common.REPO) -> dict[
             f"- **Machine:** {machine.get('nproc', '?')} CPUs, torch {machine.get('torch', '?')}, "
             f"Python {machine.get('python', '?')}, {machine.get('platform', '?')}. A shared VM: absolute "
             "times are noisy, hence medians, p95, intervals and interleaved repetitions.",
-            f"- **Last run:** `OMP_NUM_THREADS=1 python bench/run_all.py {' '.join(run.get('argv', []))}`"
+            f"- **Last run:** `OMP_NUM_THREADS=1 python -m bench.run_all {' '.join(run.get('argv', []))}`"
             f" on {str(machine.get('date', '?'))[:10]}; {run_all.code_version(machine)}.",
             "- Every process runs with `OMP_NUM_THREADS=1`; collectives are gloo over loopback TCP.",
             "",

@@ -1,6 +1,6 @@
 """The GPU check: checkpointless on CUDA, in one script that runs in under 10 minutes on one H200.
 
-``python bench/gpu_check.py`` (``make gpu-check``) on a machine with CUDA. It writes
+``python -m bench.gpu_check`` (``make gpu-check``) on a machine with CUDA. It writes
 ``bench/results/gpu_check.json`` (with the git commit) and prints a summary; without CUDA it
 exits at once with one line (exit 2). Every part is recorded as ok, failed (with its error) or
 skipped, and the script exits 1 if any part failed.
@@ -39,7 +39,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import common
+from bench import common
 
 RECIPE = common.REPO / "recipes" / "llama-tiny.yaml"
 TINY_GPT = ["model.family=tiny_gpt", "model.num_key_value_heads=null", "model.intermediate_size=512",
@@ -285,7 +285,7 @@ def hsdp(device: str, backend: str, quick: bool, out: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="bench/gpu_check.py", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.gpu_check", description=__doc__.split("\n\n")[0])
     p.add_argument("--cpu", action="store_true", help="rehearse on the CPU (no CUDA; NCCL parts skipped)")
     p.add_argument("--quick", action="store_true", help="shorter jobs")
     p.add_argument("--out", type=Path, default=None,

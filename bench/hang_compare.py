@@ -20,8 +20,8 @@ paired ratio checkpointless / torchft at the same timeout, per repetition, is su
 geometric mean with a 95% t interval. A fault-free job per configuration counts false failures
 (checkpointless: faults detected; torchft: commits made with fewer than both groups).
 
-Usage: ``OMP_NUM_THREADS=1 python bench/hang_compare.py [--quick] [--reps N]`` ->
-``bench/out/hang_compare.json`` (``bench/run_all.py --only hang_compare`` also renders it into the page).
+Usage: ``OMP_NUM_THREADS=1 python -m bench.hang_compare [--quick] [--reps N]`` ->
+``bench/out/hang_compare.json`` (``python -m bench.run_all --only hang_compare`` also renders it into the page).
 """
 
 from __future__ import annotations
@@ -33,9 +33,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import common
-import compare
-from baselines import THREAD_ENV, torchft_ddp
+from bench import common, compare
+from bench.baselines import THREAD_ENV, torchft_ddp
 
 STEPS = 60
 HANG_STEP = 30
@@ -66,7 +65,7 @@ def _false_failures(job: dict[str, Any], recs: list[dict[str, Any]]) -> int:
 
 
 def run(quick: bool, out: Path, reps: int | None = None) -> dict[str, Any]:
-    import baselines
+    from bench import baselines
 
     common.pin_threads()
     os.environ.update(THREAD_ENV)

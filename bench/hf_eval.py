@@ -14,7 +14,7 @@ a 95% t interval on the logs (``common.paired_interval``). The metrics are print
 little between the three, as their training does (the sample order of ``session.loader`` and of a
 ``DistributedSampler`` differ, one process trains on batches of its own).
 
-Usage: ``python bench/hf_eval.py [--quick]`` -> ``bench/out/hf_eval.json``.
+Usage: ``python -m bench.hf_eval [--quick]`` -> ``bench/out/hf_eval.json``.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import common
-from baselines import child_env, end_group, start
+from bench import common
+from bench.baselines import child_env, end_group, start
 
 SCRIPT = common.BENCH_DIR / "baselines" / "hf_eval.py"
 WORKERS = 2

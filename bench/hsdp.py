@@ -13,7 +13,7 @@ workers:
   no control store), ``STEADY_STEPS`` steps each, alternating A/B ``REPS`` times; the step time
   is the median gap between consecutive steps of rank 0 after ``WARMUP`` steps.
 
-Usage: ``python bench/hsdp.py [--quick]`` -> ``bench/out/hsdp.json``.
+Usage: ``python -m bench.hsdp [--quick]`` -> ``bench/out/hsdp.json``.
 """
 
 from __future__ import annotations
@@ -28,9 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import common
-import split
-
+from bench import common, split
 from checkpointless.protocol.vocab import Event
 
 RECIPE = common.REPO / "recipes" / "llama-tiny.yaml"

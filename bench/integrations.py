@@ -34,7 +34,7 @@ geometric mean with a 95% t interval on their logs (``common.paired_interval``).
 coordinator and its waiting ranks' heartbeat threads still run (about 1% of a core,
 ``control_load.py``): a cost of checkpointless that lands on the plain side's steps, not its own.
 
-Usage: ``python bench/integrations.py [--quick]`` -> ``bench/out/integrations.json``.
+Usage: ``python -m bench.integrations [--quick]`` -> ``bench/out/integrations.json``.
 """
 
 from __future__ import annotations
@@ -53,8 +53,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import common
-from baselines import child_env, end_group, start
+from bench import common
+from bench.baselines import child_env, end_group, start
 
 SCRIPTS = {
     "hf": common.BENCH_DIR / "baselines" / "hf_trainer.py",

@@ -8,7 +8,7 @@ workers for the cores. ``RecoveryConfig.spare_start_nice`` can start spares nice
 takes only the CPU training leaves idle; this benchmark runs both settings, interleaved, ``reps``
 times, and reports when the refilled spare was ready.
 
-Usage: ``python bench/kill_cost.py [--quick] [--reps N] [--window S] [--interval S]``
+Usage: ``python -m bench.kill_cost [--quick] [--reps N] [--window S] [--interval S]``
 -> ``bench/out/kill_cost/kill_cost.json`` (+ markdown for docs/benchmarks.md).
 """
 
@@ -16,15 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import common
-import compare
-
+from bench import common, compare
 from checkpointless.config import RecoveryConfig
 from checkpointless.protocol.vocab import Event
 
@@ -131,7 +126,7 @@ def run_bench(quick: bool, out: Path) -> dict[str, Any]:
     """Entry point for ``bench/run_all.py``: 2 repetitions of 40 s windows, a kill every 10 s (quick: 1 of 20 s)."""
     import os
 
-    import baselines
+    from bench import baselines
 
     common.pin_threads()
     os.environ.update(baselines.THREAD_ENV)

@@ -20,7 +20,7 @@ surviving or restarted rank, lost steps). One repetition per cell (a cell costs 
 read differences under about 10% as noise (``compare``'s 5-repetition ranges on the small model
 are that wide).
 
-Usage: ``python bench/large_state.py [--quick]`` -> ``bench/out/large_state.json``.
+Usage: ``python -m bench.large_state [--quick]`` -> ``bench/out/large_state.json``.
 """
 
 from __future__ import annotations
@@ -32,13 +32,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import baselines
-import common
-import compare
-import split
-from baselines import torchft_ddp
+from bench import baselines, common, compare, split
+from bench.baselines import torchft_ddp
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ every final state is compared with the fault-free run's (``final_state_sha256``)
 a normal step) and ``detection_s``. The node stalls are also paired with the single-host stall of
 the same repetition and fault (ratio, geometric mean and 95% interval).
 
-Usage: ``python bench/node_stall.py [--quick]`` (root: network namespaces) ->
+Usage: ``python -m bench.node_stall [--quick]`` (root: network namespaces) ->
 ``bench/out/node_stall.json``.
 """
 
@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import common
+from bench import common
 
 STEPS = 30
 FAULT_STEPS = (8, 20)

@@ -22,7 +22,7 @@ gap between its two commits:
 whose sum minus one normal step is the stall. Every faulted job's ``final_state_sha256`` is
 compared with a fault-free job of the same length.
 
-Usage: ``python bench/recovery_stall.py [--quick]`` (writes ``bench/out/recovery_stall.json``).
+Usage: ``python -m bench.recovery_stall [--quick]`` (writes ``bench/out/recovery_stall.json``).
 """
 
 from __future__ import annotations
@@ -36,9 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import common
-import split
-
+from bench import common, split
 from checkpointless.protocol.vocab import Event, Reason
 
 MODEL = {
@@ -142,7 +140,7 @@ def kill_floor(rows: list[dict[str, Any]], out_dir: Path, quick: bool) -> dict[s
     into the same kind of tensors (``bench/transfer.py``'s ``wire_into``, measured right after the
     jobs between two processes of the same size of state) + one normal step. Also the transfer inside
     each recovery against that raw speed. Per fault ratios; their geometric mean with a 95% interval."""
-    import transfer
+    from bench import transfer
 
     sized = [r for r in rows if r.get("bytes") and r.get("survivor_gap_s")]
     if not sized:

@@ -36,7 +36,7 @@ the per-shard state transfer (one shard over one peer link), the checkpoint writ
 replica's shards, deduplicated) and load (read once per shard, then broadcast). A sensitivity
 table re-evaluates the sweep with each assumption changed.
 
-Usage: ``python bench/scale.py [--quick]`` (writes ``bench/out/scale.json`` and
+Usage: ``python -m bench.scale [--quick]`` (writes ``bench/out/scale.json`` and
 ``bench/out/scale/goodput.png``; the plot shows the linear fit's sweep, solid, and the power-law
 fit's, dashed).
 """
@@ -58,14 +58,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-BENCH_DIR = Path(__file__).resolve().parent
-REPO = BENCH_DIR.parent
-if str(REPO) not in sys.path:  # run as a script: make the package importable without installing
-    sys.path.insert(0, str(REPO))
-
-import common  # noqa: E402
-
-from checkpointless.analysis.simulate import (  # noqa: E402
+from bench import common
+from checkpointless.analysis.simulate import (
     DEFAULT_SWEEP_SIZES,
     ClusterParams,
     checkpoint_restart_interval,
@@ -81,7 +75,7 @@ REPS_QUICK = 3
 SWEEP_SIZES: tuple[int, ...] = DEFAULT_SWEEP_SIZES  # 1,000 .. 100,000, includes 16,384
 MC_HOURS_FULL = 20_000.0
 MC_HOURS_QUICK = 2_000.0
-RECIPE = REPO / "recipes" / "llama3-70b.yaml"
+RECIPE = common.REPO / "recipes" / "llama3-70b.yaml"
 
 # -- documented defaults, used when a measurement file is missing ----------------------
 #: Fallbacks for measurements of other benchmarks (typical values of their earlier runs here).
@@ -220,7 +214,7 @@ def measure_formation_once(world: int, reps: int, timeout_s: float | None = None
         "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
     )
     total = reps + 1
-    env = common.child_env(PYTHONPATH=os.pathsep.join([str(REPO), str(BENCH_DIR)]))
+    env = common.child_env()
     procs: list[subprocess.Popen[Any]] = []
     logs: list[Any] = []
     stack = contextlib.ExitStack()
@@ -228,9 +222,11 @@ def measure_formation_once(world: int, reps: int, timeout_s: float | None = None
         for rank in range(world):
             log = stack.enter_context(tempfile.TemporaryFile())  # noqa: SIM115 (closed by the stack)
             logs.append(log)
-            cmd = [common.PYTHON, str(Path(__file__).resolve()), "--_worker", str(store.port), str(rank)]
+            cmd = [common.PYTHON, "-m", "bench.scale", "--_worker", str(store.port), str(rank)]
             cmd += [str(world), str(total)]
-            procs.append(subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT))
+            procs.append(
+                subprocess.Popen(cmd, env=env, cwd=common.REPO, stdout=log, stderr=subprocess.STDOUT)
+            )
         _wait_keys(store, [f"ready/{r}" for r in range(world)], procs, deadline)
         times: list[float] = []
         lags: list[float] = []

@@ -21,8 +21,7 @@ from collections import Counter, deque
 from pathlib import Path
 from typing import Any
 
-from scale_sim import NPROC, SPARE_NODES, raise_nofile
-
+from bench.scale_sim import NPROC, SPARE_NODES, raise_nofile
 from checkpointless.control.auth import job_namespace, read_secret_file
 
 

@@ -35,9 +35,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import common
 from torch.distributed import DistStoreError, TCPStore
 
+from bench import common
 from checkpointless.control.auth import SignedStore, job_namespace, read_secret_file
 from checkpointless.control.plan import Plan
 from checkpointless.launch.relay import _STOP_EVERY as STOP_EVERY

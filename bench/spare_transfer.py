@@ -5,7 +5,7 @@ kills rank 1 at step 6, and reads the ``transfer_ended`` event: bytes / seconds 
 own tensors, repetition by repetition (``seconds`` from the header's arrival, as ``bench/transfer.py``
 times after a barrier; ``waited_s``, the spare's wait for the source to begin, is printed beside it).
 
-Usage: ``OMP_NUM_THREADS=1 python bench/spare_transfer.py [--reps 3]`` (prints one line a repetition
+Usage: ``OMP_NUM_THREADS=1 python -m bench.spare_transfer [--reps 3]`` (prints one line a repetition
 and the median; run it on two trees to compare, e.g. with and without a change).
 """
 

@@ -107,7 +107,7 @@ def staleness(key: str, res: dict[str, Any], repo: Path = REPO) -> dict[str, Any
 
 def stale_note(key: str, st: dict[str, Any]) -> str:
     """The line under a report's provenance: current, stale (and since when), or unknown."""
-    rerun = f"`OMP_NUM_THREADS=1 python bench/run_all.py --only {key}`"
+    rerun = f"`OMP_NUM_THREADS=1 python -m bench.run_all --only {key}`"
     if st["state"] == "unknown":
         return f"*Whether the code it measures changed since is unknown: {st['why']}.*"
     if st["state"] == "current":

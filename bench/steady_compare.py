@@ -7,7 +7,7 @@ commits of one process (``baselines.analyse``), the first ``WARMUP`` steps' star
 neither. The order of the systems alternates between the two sizes to spread the machine's
 drifting load. Reported: median step time and its ratio to plain DDP of the same size.
 
-Usage: ``python bench/steady_compare.py [--quick]`` -> ``bench/out/steady_compare.json``.
+Usage: ``python -m bench.steady_compare [--quick]`` -> ``bench/out/steady_compare.json``.
 """
 
 from __future__ import annotations
@@ -19,9 +19,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import common
-import compare
-from baselines import THREAD_ENV, torchft_ddp
+from bench import common, compare
+from bench.baselines import THREAD_ENV, torchft_ddp
 
 STEPS = 260
 QUICK_STEPS = 60

@@ -22,7 +22,7 @@ checkpointless, a timestamp after the same loop body for DDP), per rank, with th
 The in-step time (``step_time_s`` of ``step_committed``, the same span timed in the DDP script) is
 reported too, and the paired per-repetition ratio.
 
-Usage: ``python bench/steady_state.py [--quick]`` (writes ``bench/out/steady_state.json``).
+Usage: ``python -m bench.steady_state [--quick]`` (writes ``bench/out/steady_state.json``).
 """
 
 from __future__ import annotations
@@ -39,8 +39,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import common
-
+from bench import common
 from checkpointless.protocol.vocab import Event
 
 MODEL = {
@@ -121,7 +120,7 @@ def run_ddp(steps: int, work: Path) -> dict[str, Any]:
     try:
         for rank in (0, 1):
             cmd = [
-                common.PYTHON, str(Path(__file__).resolve()), "--ddp-worker", str(rank),
+                common.PYTHON, "-m", "bench.steady_state", "--ddp-worker", str(rank),
                 "--port", str(store.port), "--steps", str(steps), "--out", str(work / f"ddp{rank}.json"),
             ]  # fmt: skip
             log = open(work / f"ddp{rank}.log", "wb")  # noqa: SIM115 (closed right after start)

@@ -22,7 +22,7 @@ receives. Per repetition, after a barrier, the receiver times:
 The floor is a plain in-memory copy of the same bytes in one process (``clone()`` and ``copy_``
 into a preallocated buffer), single-threaded like every worker.
 
-Usage: ``python bench/transfer.py [--quick] [--sizes BYTES,...] [--reps N]`` (writes
+Usage: ``python -m bench.transfer [--quick] [--sizes BYTES,...] [--reps N]`` (writes
 ``bench/out/transfer.json`` and prints the tables).
 """
 
@@ -38,7 +38,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import common
+from bench import common
 
 CHUNK_BYTES = 16 * 2**20  # the state is a dict of float32 tensors of at most 16 MiB (like a model's)
 MB = 10**6
@@ -203,7 +203,7 @@ def run(
     try:
         for rank in (0, 1):
             cmd = [
-                common.PYTHON, str(Path(__file__).resolve()), "--worker", str(rank),
+                common.PYTHON, "-m", "bench.transfer", "--worker", str(rank),
                 "--port", str(store.port), "--sizes", ",".join(map(str, sizes)), "--reps", str(reps),
                 "--out", str(work / f"rank{rank}.json"),
             ]  # fmt: skip

@@ -319,11 +319,12 @@ def analyse(
 
 # -- processes ------------------------------------------------------------------------
 def child_env(**extra: str) -> dict[str, str]:
+    """A child process's environment: one intra-op thread, unbuffered output, and the repository's
+    root on ``PYTHONPATH`` (a worker started as ``python -m bench.NAME`` imports ``bench``)."""
     env = dict(os.environ)
     env.update(THREAD_ENV)
     env["PYTHONUNBUFFERED"] = "1"
-    paths = [str(BENCH_DIR), str(REPO), env.get("PYTHONPATH", "")]
-    env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     env.update(extra)
     return env
 

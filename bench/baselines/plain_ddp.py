@@ -16,10 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: make ``baselines`` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from baselines import (
+from bench.baselines import (
     PYTHON,
     WORLD,
     RunResult,
@@ -90,7 +87,7 @@ def run(
                 RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
             )  # fmt: skip
-            cmd = [PYTHON, str(Path(__file__).resolve()), "--worker", json.dumps(cfg)]
+            cmd = [PYTHON, "-m", "bench.baselines.plain_ddp", "--worker", json.dumps(cfg)]
             procs.append(start(cmd, run_dir / f"rank{rank}.out", env))
         deadline = time.monotonic() + timeout_s
         while True:

@@ -30,10 +30,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script: make ``baselines`` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from baselines import (
+from bench.baselines import (
     PYTHON,
     WORLD,
     PeriodicKiller,
@@ -213,7 +210,7 @@ def run(
         "lighthouse": f"http://127.0.0.1:{port}",
         "pg_timeout_s": pg_timeout_s,
     }
-    cmd = [PYTHON, str(Path(__file__).resolve()), "--worker", json.dumps(cfg)]
+    cmd = [PYTHON, "-m", "bench.baselines.torchft_ddp", "--worker", json.dumps(cfg)]
     killer = PeriodicKiller(run_dir, kill_every_s, rank=1)
     attempts = dict.fromkeys(range(WORLD), 0)
     procs: dict[int, Any] = {}

@@ -28,10 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-if __package__ in (None, ""):  # run as a script by torchrun: make ``baselines`` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from baselines import (
+from bench.baselines import (
     PYTHON,
     WORLD,
     PeriodicKiller,
@@ -194,7 +191,7 @@ def run(
     cmd = [
         PYTHON, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}",
         f"--max-restarts={max_restarts}", "--monitor-interval=0.1",
-        str(Path(__file__).resolve()), "--worker", json.dumps(cfg),
+        "--module", "bench.baselines.torchrun_dcp", "--worker", json.dumps(cfg),
     ]  # fmt: skip
     killer = PeriodicKiller(run_dir, kill_every_s, rank=1)
     t_start = time.time()

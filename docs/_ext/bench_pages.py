@@ -1,10 +1,9 @@
 """Sphinx extension: the benchmark pages (``docs/benchmarks/``), rendered from
-``bench/results/*.json`` by ``bench/docs_pages.py`` as the build starts, so they cannot drift from
+``bench/results/*.json`` by ``bench.docs_pages`` as the build starts, so they cannot drift from
 the results. The folder is git-ignored: nothing in it is edited by hand."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,10 +13,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _render(app: Sphinx) -> None:
-    bench = str(REPO / "bench")
-    if bench not in sys.path:
-        sys.path.insert(0, bench)
-    import docs_pages
+    from bench import docs_pages  # the repository's root is on the path (docs/conf.py)
 
     docs_pages.write_pages(Path(app.srcdir) / "benchmarks", REPO / "bench" / "results", REPO / "docs")
 

@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-if str(BENCH) not in sys.path:
-    sys.path.insert(0, str(BENCH))
-
-from baselines import analyse, read_logs, torchrun_dcp  # noqa: E402
-
-from checkpointless.launch.demo import DemoModel  # noqa: E402
+from bench.baselines import analyse, read_logs, torchrun_dcp
+from checkpointless.launch.demo import DemoModel
 
 TINY = DemoModel(
     steps=12, seed=0, vocab_size=32, seq_len=16, d_model=32, n_layer=1, n_head=2, global_batch=4, eval_every=0
@@ -46,7 +40,7 @@ def test_torchrun_dcp_resumes_from_checkpoint_after_kill(tmp_path: Path) -> None
 @pytest.mark.timeout(180)
 def test_torchft_survivor_continues_and_replacement_heals(tmp_path: Path) -> None:
     pytest.importorskip("torchft")
-    from baselines import torchft_ddp
+    from bench.baselines import torchft_ddp
 
     if (why := torchft_ddp.available()) is not None:
         pytest.skip(why)

@@ -4,19 +4,13 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-if str(BENCH) not in sys.path:
-    sys.path.insert(0, str(BENCH))
-
-import scale  # noqa: E402
-
-from checkpointless.analysis.simulate import ClusterParams, sweep, young_daly_interval  # noqa: E402
+from bench import scale
+from checkpointless.analysis.simulate import ClusterParams, sweep, young_daly_interval
 
 pytestmark = [pytest.mark.timeout(120)]
 

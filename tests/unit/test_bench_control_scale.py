@@ -5,31 +5,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-if str(BENCH) not in sys.path:
-    sys.path.insert(0, str(BENCH))
-
-import common  # noqa: E402
-import control_scale  # noqa: E402
-import scale_sim  # noqa: E402
-
-from checkpointless.control.auth import SignedStore, job_namespace, new_secret, write_secret_file  # noqa: E402
-from checkpointless.observe.fields import commits  # noqa: E402
-from checkpointless.protocol import keys  # noqa: E402
-from checkpointless.protocol.relay_wire import (  # noqa: E402
+from bench import common, control_scale, scale_sim
+from checkpointless.control.auth import SignedStore, job_namespace, new_secret, write_secret_file
+from checkpointless.observe.fields import commits
+from checkpointless.protocol import keys
+from checkpointless.protocol.relay_wire import (
     FORWARDED,
     forwarded,
     pack_commits,
     read_relay_value,
     relay_value,
 )
-from checkpointless.protocol.vocab import Event, Phase, Role  # noqa: E402
+from checkpointless.protocol.vocab import Event, Phase, Role
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -5,18 +5,12 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-if str(BENCH) not in sys.path:
-    sys.path.insert(0, str(BENCH))
-
-import common  # noqa: E402
-import scale  # noqa: E402
+from bench import common, scale
 
 XS = [2.0, 4.0, 8.0, 16.0]
 
@@ -96,7 +90,7 @@ def _results_dir(tmp_path: Path) -> Path:
 
 
 def test_render_from_results_has_no_absolute_paths(tmp_path: Path) -> None:
-    import run_all
+    from bench import run_all
 
     results = _results_dir(tmp_path)
     doc = tmp_path / "benchmarks.md"
@@ -115,7 +109,7 @@ def test_render_from_results_has_no_absolute_paths(tmp_path: Path) -> None:
 
 
 def test_render_without_results_fails_cleanly(tmp_path: Path) -> None:
-    import run_all
+    from bench import run_all
 
     assert run_all.main(["--render", "--results", str(tmp_path), "--doc", str(tmp_path / "x.md")]) == 2
     assert not (tmp_path / "x.md").exists()
@@ -136,7 +130,7 @@ def test_power_sweep_uses_power_formation(tmp_path: Path) -> None:
 
 
 def test_slim_drops_raw_series() -> None:
-    import run_all
+    from bench import run_all
 
     res = {
         "jobs": [{"analysis": {"curve": [[0.0, 1]] * 1000, "faults": []}}],
@@ -185,7 +179,7 @@ def test_every_result_run_all_writes_carries_its_commit(
 ) -> None:
     import types
 
-    import run_all
+    from bench import run_all
 
     fake = types.ModuleType("fake")
     fake.__doc__ = "A stand-in benchmark."
@@ -203,7 +197,7 @@ def test_every_result_run_all_writes_carries_its_commit(
 
 
 def test_render_gives_each_section_its_commit(tmp_path: Path) -> None:
-    import run_all
+    from bench import run_all
 
     results = _results_dir(tmp_path)
     doc = tmp_path / "benchmarks.md"
@@ -225,7 +219,7 @@ def test_render_gives_each_section_its_commit(tmp_path: Path) -> None:
 def test_committed_compare_reading_is_accurate() -> None:
     """The settings line of the goodput runs shows what they ran with (torchrun's tuned N, not the
     recovery jobs' N=50), and fault-free runs of different lengths are not said to end alike."""
-    import compare
+    from bench import compare
 
     res = json.loads((common.RESULTS / "compare.json").read_text())
     md = compare.markdown(res)
@@ -245,7 +239,7 @@ def test_every_committed_result_renders_its_section() -> None:
     """Each benchmark of the page has its committed result, and its section (and the targets'
     summary) renders a table with rows from it: a result whose shape changed fails here rather
     than leaving a section empty."""
-    import run_all
+    from bench import run_all
 
     results = run_all.load_results(common.RESULTS)
     for key, _, mod in run_all.BENCHES:

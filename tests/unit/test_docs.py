@@ -119,14 +119,9 @@ def test_readme_links_exist() -> None:
 
 
 def _staleness_module() -> ModuleType:
-    # bench/ is not a package: load the one file, which imports no other bench module
-    import importlib.util
+    from bench import staleness
 
-    spec = importlib.util.spec_from_file_location("bench_staleness", REPO / "bench" / "staleness.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return staleness
 
 
 def test_a_report_is_stale_once_a_later_commit_changes_the_code_it_measures(tmp_path: Path) -> None:
