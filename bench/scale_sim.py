@@ -43,7 +43,12 @@ from checkpointless.control.plan import Plan
 from checkpointless.launch.relay import _STOP_EVERY as STOP_EVERY
 from checkpointless.launch.relay import CHUNK_BYTES, HOLD_BYTES, WINDOW_BYTES
 from checkpointless.protocol import keys
-from checkpointless.protocol.relay_wire import forwarded_template, packed_text, relay_value_text
+from checkpointless.protocol.relay_wire import (
+    forwarded_template,
+    packed_row_template,
+    packed_text,
+    relay_value_text,
+)
 from checkpointless.protocol.vocab import Event, Phase, Reason, Role, event
 
 NPROC = 8  # ranks per host
@@ -131,7 +136,8 @@ _STEP_EVENT = (  # vocab.event(STEP_COMMITTED, ...) as json.dumps writes it, one
     '{"t": %r, "kind": "step_committed", "proc": "%s", "rank": %d, "gen": %d, "step": %d, "step_time_s": %r, '
     '"loss": %r}\n'
 )
-_ROW = '"proc": "%s", "rank": %d, "step_time_s": %r, "loss": %r'  # its fields in a packed row
+# its row in a host's packed event
+_ROW = packed_row_template('"proc": "%s", "rank": %d, "step_time_s": %r, "loss": %r')
 
 
 def packed_commits(host: str, gen: int, step: int, rows: list[tuple[float, str, int, float, float]]) -> str:
@@ -141,8 +147,8 @@ def packed_commits(host: str, gen: int, step: int, rows: list[tuple[float, str, 
     if len(rows) == 1:
         t, proc, rank, step_time, loss = rows[0]
         return _STEP_EVENT % (t, proc, rank, gen, step, step_time, loss)
-    fields = [(t, _ROW % (proc, rank, st, loss)) for t, proc, rank, st, loss in rows]
-    return packed_text(host, gen, step, fields) + "\n"
+    args = [(t, (proc, rank, st, loss)) for t, proc, rank, st, loss in rows]
+    return packed_text(host, gen, step, _ROW, args) + "\n"
 
 
 class FastSealer:

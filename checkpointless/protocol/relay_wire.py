@@ -11,8 +11,8 @@ A host's ranks commit each step within a beat of one another: the relay packs th
 (``pack_commits``), whose ``ranks`` rows hold each rank's own fields and its time as ``dt``
 seconds from the event's ``t``; ``unpack_commits`` gives the ranks' events back.
 
-``forwarded_template``, ``relay_value_text`` and ``packed_text`` write the same bytes from
-%-templates, for a writer of many (the benchmarks' simulated hosts).
+``forwarded_template``, ``relay_value_text``, ``packed_row_template`` and ``packed_text`` write
+the same bytes from %-templates, for a writer of many (the benchmarks' simulated hosts).
 """
 
 from __future__ import annotations
@@ -174,10 +174,19 @@ def relay_value_text(seq: int, t: float, chunks: int, beats: Iterable[tuple[str,
     return _RELAY_VALUE % (seq, t, chunks, ",".join(f'"{name}":{text}' for name, text in beats))
 
 
-def packed_text(host: str, gen: int, step: int, rows: Sequence[tuple[float, str]]) -> str:
+def packed_row_template(fields: str) -> str:
+    """A %-template of a row of ``pack_commits``' event: its ``dt``, then ``fields``, a template of
+    the commit's own fields (all but ``t``, ``kind``, ``gen`` and ``step``, in the commit's order)
+    as ``json.dumps`` writes them inside the braces (``'"proc": "%s", "rank": %d'``)."""
+    return '{"dt": %r, ' + fields + "}"
+
+
+def packed_text(
+    host: str, gen: int, step: int, row: str, rows: Sequence[tuple[float, tuple[Any, ...]]]
+) -> str:
     """``json.dumps`` of ``pack_commits``' event for two commits or more of one step: ``rows`` holds
-    each commit's time and its other fields but ``kind``, ``gen`` and ``step`` as ``json.dumps``
-    writes them inside the braces (``'"proc": "w0", "rank": 0, ...'``), in the commit's order."""
-    t = max(r[0] for r in rows)
-    inner = ", ".join(f'{{"dt": {round(rt - t, 6)!r}, {fields}}}' for rt, fields in rows)
+    each commit's time and the arguments of its fields in ``row`` (``packed_row_template``), in the
+    commits' order."""
+    t = max([r[0] for r in rows])
+    inner = ", ".join([row % (round(rt - t, 6), *args) for rt, args in rows])
     return _PACKED % (t, host, host, gen, step, inner)
