@@ -20,9 +20,9 @@ newest snapshot complete for every shard, of this job's shape and seed, at or be
 step the job committed (``latest_complete``); the ranks load their own run's newest one at or
 before that step which verifies (``Session._restore_durable``).
 
-A snapshot's state is flattened the way the transfer flattens it (``state.codec._encode_state``): the
+A snapshot's state is flattened the way the transfer flattens it (``state.codec.encode_state``): the
 DCP state dict holds the tensors as ``t0, t1, ...`` and the manifest holds the metadata skeleton,
-the BLAKE3 digest of the tensors and the size of every data file. Loading decodes the skeleton
+the digest of the tensors (``state.digests.snapshot_digest``) and the size of every data file. Loading decodes the skeleton
 with the transfer's safe decoder, allocates exactly the tensors it declares, lets DCP fill them,
 and checks the digest before anything is handed to the model: a partial snapshot (no manifest) is
 never chosen, one whose files are gone or truncated is skipped without being read, and a corrupt
@@ -216,11 +216,11 @@ def _read(data: Path, meta: str, digest: object, where: str) -> Any:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from checkpointless.state.codec import _decode_meta, _unflatten
-    from checkpointless.state.digests import _hash_tensors
+    from checkpointless.state.codec import decode_meta, unflatten
+    from checkpointless.state.digests import snapshot_digest
 
     try:
-        skeleton, refs = _decode_meta(meta.encode("ascii"))
+        skeleton, refs = decode_meta(meta.encode("ascii"))
         tensors = [torch.empty(r.shape, dtype=r.dtype) for r in refs]
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
@@ -229,9 +229,9 @@ def _read(data: Path, meta: str, digest: object, where: str) -> Any:
         raise IntegrityError(" ".join(f"{where}: {e}".split())) from None
     except (OSError, ValueError, KeyError, RuntimeError, CheckpointException) as e:
         raise IntegrityError(f"{where}: cannot be read: {_one_line(e)}") from None
-    if _hash_tensors(tensors) != digest:
+    if snapshot_digest(tensors) != digest:
         raise IntegrityError(f"{where}: its tensors do not match the manifest's digest (corrupt); not loaded")
-    return _unflatten(skeleton, tensors)
+    return unflatten(skeleton, tensors)
 
 
 def _write(
@@ -241,7 +241,7 @@ def _write(
     stays complete and intact until the new data is checked, and is never complete without its data."""
     import torch.distributed.checkpoint as dcp
 
-    from checkpointless.state.digests import _hash_tensors
+    from checkpointless.state.digests import snapshot_digest
 
     step_dir = _step_dir(run_dir, step)
     final, manifest = step_dir / f"shard-{shard}", _manifest(run_dir, step, shard)
@@ -253,7 +253,7 @@ def _write(
         with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
             warnings.simplefilter("ignore", UserWarning)
             dcp.save({f"t{i}": t for i, t in enumerate(tensors)}, checkpoint_id=str(tmp), no_dist=True)
-        digest = _hash_tensors(tensors)
+        digest = snapshot_digest(tensors)
         _read(tmp, meta.decode("ascii"), digest, f"durable snapshot of step {step}, shard {shard}, read back")
         files = {p.name: p.stat().st_size for p in tmp.iterdir()}
         record = {
@@ -328,9 +328,9 @@ class DurableWriter:
             return False
         from torch.distributed.checkpoint.api import CheckpointException
 
-        from checkpointless.state.codec import _encode_state
+        from checkpointless.state.codec import encode_state
 
-        meta, tensors = _encode_state(state)
+        meta, tensors = encode_state(state)
         staged = [t.detach().to("cpu", copy=True).contiguous() for t in tensors]
         shard = self.shard
         size = sum(t.numel() * t.element_size() for t in staged)

@@ -63,7 +63,15 @@ _NP_DTYPES: dict[str, np.dtype[Any]] = {
 
 
 @dataclass(frozen=True, slots=True)
-class _TensorRef:
+class TensorRef:
+    """A tensor in a decoded skeleton (``decode_meta``): what the metadata declares of it, so
+    that the receiver (or a durable snapshot's reader) allocates it before its bytes arrive.
+
+    ``index``: its place in the list of tensors ``encode_state`` returned;
+    ``dtype`` and ``shape``: checked against the dtypes a tensor may have and the size limits;
+    ``on_accelerator``: the source held it off the CPU (the receiver places it on its own
+    accelerator, if it has one)."""
+
     index: int
     dtype: torch.dtype
     shape: tuple[int, ...]
@@ -148,8 +156,10 @@ class _Encoder:
         raise TypeError(f"{_fmt_path(path)}: cannot transfer {what} of type {t.__name__}")
 
 
-def _encode_state(state: dict[str, Any]) -> tuple[bytes, list[torch.Tensor]]:
-    """The metadata of ``state`` (UTF-8 JSON) and its tensors, in index order.
+def encode_state(state: dict[str, Any]) -> tuple[bytes, list[torch.Tensor]]:
+    """The metadata of ``state`` (UTF-8 JSON, the module docstring's encoding) and its tensors
+    (detached, not copied), in index order: what the transfer sends and a durable snapshot
+    writes. ``decode_meta`` reads the metadata back, ``unflatten`` puts the tensors in place.
 
     Raises ``TypeError`` (naming the path) for a value of a type the metadata
     cannot carry, ``ValueError`` for metadata above ``MAX_META_BYTES``.
@@ -198,10 +208,10 @@ def _unb64(v: Any) -> bytes:
 
 
 class _Decoder:
-    """Builds a state from decoded JSON: only the types of the encoding, tensors as ``_TensorRef``."""
+    """Builds a state from decoded JSON: only the types of the encoding, tensors as ``TensorRef``."""
 
     def __init__(self, n_tensors: int) -> None:
-        self.refs: list[_TensorRef | None] = [None] * n_tensors
+        self.refs: list[TensorRef | None] = [None] * n_tensors
 
     def value(self, v: Any, depth: int, in_key: bool = False) -> Any:
         if depth > _MAX_DEPTH:
@@ -263,17 +273,19 @@ class _Decoder:
                 raise IntegrityError(f"tensor {index}: bad device flag {reprlib.repr(args[3])}")
             if self.refs[index] is not None:
                 raise IntegrityError(f"tensor {index} appears twice")
-            ref = _TensorRef(index, _TORCH_DTYPES[args[1]], _shape(args[2]), args[3])
+            ref = TensorRef(index, _TORCH_DTYPES[args[1]], _shape(args[2]), args[3])
             self.refs[index] = ref
             return ref
         raise IntegrityError(f"unexpected value {reprlib.repr(v)}")
 
 
-def _decode_meta(meta: bytes) -> tuple[dict[str, Any], list[_TensorRef]]:
-    """The state skeleton in ``meta`` (tensors as ``_TensorRef``) and its refs in index order.
+def decode_meta(meta: bytes) -> tuple[dict[str, Any], list[TensorRef]]:
+    """The state skeleton in ``meta`` (``encode_state``'s metadata; tensors as ``TensorRef``)
+    and its refs in index order, every index referenced exactly once.
 
-    Builds nothing but the types of the encoding; raises ``IntegrityError`` on
-    anything malformed.
+    Safe on untrusted bytes: builds nothing but the types of the encoding, looks no name up
+    but in fixed tables, bounds the nesting and the tensor count by the metadata's size, and
+    raises ``IntegrityError`` on anything malformed.
     """
     try:
         doc = json.loads(meta.decode("utf-8"), object_pairs_hook=_JSONObject, parse_constant=_reject_constant)
@@ -306,48 +318,20 @@ def _decode_meta(meta: bytes) -> tuple[dict[str, Any], list[_TensorRef]]:
         raise IntegrityError(f"malformed metadata: {type(e).__name__}: {e}"[:300]) from None
 
 
-def _unflatten(obj: Any, tensors: list[torch.Tensor]) -> Any:
-    """Put the received tensors in place of the skeleton's ``_TensorRef``s."""
+def unflatten(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    """The state of ``decode_meta``'s skeleton ``obj`` with ``tensors[ref.index]`` in place of
+    each ``TensorRef`` (the tensors themselves, not copies); dicts keep their type and an
+    ``OrderedDict`` its ``_metadata``. ``obj`` is not changed."""
     t = type(obj)
-    if t is _TensorRef:
+    if t is TensorRef:
         return tensors[obj.index]
     if t is dict or t is OrderedDict:
-        out = t((k, _unflatten(v, tensors)) for k, v in obj.items())
+        out = t((k, unflatten(v, tensors)) for k, v in obj.items())
         if hasattr(obj, "_metadata"):
             out._metadata = obj._metadata  # type: ignore[attr-defined]
         return out
     if t is list:
-        return [_unflatten(v, tensors) for v in obj]
+        return [unflatten(v, tensors) for v in obj]
     if t is tuple:
-        return tuple(_unflatten(v, tensors) for v in obj)
+        return tuple(unflatten(v, tensors) for v in obj)
     return obj
-
-
-def _receive_buffers(skeleton: Any, into: Any, n: int) -> list[torch.Tensor | None]:
-    """For each tensor of ``skeleton``, the tensor at the same path of ``into`` that can receive it."""
-    out: list[torch.Tensor | None] = [None] * n
-    seen: set[int] = set()
-
-    def walk(sk: Any, mine: Any) -> None:
-        if type(sk) is _TensorRef:
-            if (
-                isinstance(mine, torch.Tensor)
-                and mine.dtype == sk.dtype
-                and tuple(mine.shape) == sk.shape
-                and mine.is_contiguous()
-                and (mine.device.type != "cpu") == sk.on_accelerator
-                and mine.data_ptr() not in seen
-            ):
-                if mine.numel():
-                    seen.add(mine.data_ptr())
-                out[sk.index] = mine.detach()
-        elif isinstance(sk, dict) and isinstance(mine, dict):
-            for k, v in sk.items():
-                if k in mine:
-                    walk(v, mine[k])
-        elif isinstance(sk, list | tuple) and isinstance(mine, list | tuple) and len(sk) == len(mine):
-            for a, b in zip(sk, mine, strict=True):
-                walk(a, b)
-
-    walk(skeleton, into)
-    return out

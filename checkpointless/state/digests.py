@@ -14,8 +14,9 @@ import numpy as np
 import torch
 
 
-def _bytes_of(t: torch.Tensor) -> memoryview:
-    """The raw bytes of a contiguous CPU tensor, without a copy."""
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The raw bytes of ``t``, a contiguous CPU tensor, as a view (no copy: valid while ``t``
+    lives); a bool tensor's as one byte per value, an empty tensor's empty."""
     flat = t.reshape(-1)
     if flat.dtype == torch.bool:
         flat = flat.view(torch.uint8)
@@ -25,8 +26,10 @@ def _bytes_of(t: torch.Tensor) -> memoryview:
 _POOL: ThreadPoolExecutor | None = None
 
 
-def _pool() -> ThreadPoolExecutor:
-    """Threads that hash tensors while the transfer runs (hashlib releases the GIL)."""
+def hash_pool() -> ThreadPoolExecutor:
+    """The process's threads that hash tensors (BLAKE3, hashlib and GMAC release the GIL), so
+    digests run beside the transfer's wire: created on first use, between 2 and 8 threads,
+    shared by every caller and never shut down."""
     global _POOL
     if _POOL is None:
         _POOL = ThreadPoolExecutor(
@@ -37,22 +40,25 @@ def _pool() -> ThreadPoolExecutor:
 
 def _tensor_digest(t: torch.Tensor) -> bytes:
     """BLAKE3 of one contiguous tensor's bytes (32 bytes)."""
-    return blake3.blake3(_bytes_of(t if t.device.type == "cpu" else t.cpu())).digest()
+    return blake3.blake3(tensor_bytes(t if t.device.type == "cpu" else t.cpu())).digest()
 
 
-def _hash_tensors(tensors: list[torch.Tensor]) -> str:
-    """SHA-256 over the tensors' BLAKE3 digests, in hex: a durable snapshot's digest (it must
-    not depend on a key or a salt, so the transfer uses ``_seal_tensors`` instead)."""
-    digests = list(_pool().map(_tensor_digest, [t.contiguous() for t in tensors]))
+def snapshot_digest(tensors: list[torch.Tensor]) -> str:
+    """SHA-256 over the BLAKE3 digests of each tensor's bytes, in order, in hex: a durable
+    snapshot's digest, the same on any machine for the same tensors (no key, no salt: the
+    transfer seals its tensors under the job's key instead). Hashed in ``hash_pool``."""
+    digests = list(hash_pool().map(_tensor_digest, [t.contiguous() for t in tensors]))
     return hashlib.sha256(b"".join(digests)).hexdigest()
 
 
-def _leaf_digest(value: Any) -> str:
-    """BLAKE3 of one leaf: a tensor's dtype, shape and bytes; anything else by its ``repr``."""
+def leaf_digest(value: Any) -> str:
+    """BLAKE3 of one leaf of a state, in hex: a tensor's dtype, shape and bytes (copied to the
+    CPU), a numpy array's likewise, anything else its ``repr``: what replicas compare
+    (``entry_digests``) and what a frozen parameter is offered by (``state.frozen``)."""
     if isinstance(value, torch.Tensor):
         t = value.detach().contiguous().cpu()
         h = blake3.blake3(f"{t.dtype}{list(t.shape)}".encode())
-        h.update(_bytes_of(t))
+        h.update(tensor_bytes(t))
         return h.hexdigest()
     if isinstance(value, np.ndarray):
         return blake3.blake3(f"{value.dtype}{list(value.shape)}".encode() + value.tobytes()).hexdigest()
@@ -80,7 +86,7 @@ def entry_digests(state: dict[str, Any]) -> list[tuple[str, str]]:
             leaves.append((path, obj))
 
     walk(state, "")
-    digests = _pool().map(_leaf_digest, [v for _, v in leaves])
+    digests = hash_pool().map(leaf_digest, [v for _, v in leaves])
     return [(path, d) for (path, _), d in zip(leaves, digests, strict=True)]
 
 
@@ -102,7 +108,7 @@ def digest_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
     h = hashlib.sha256()
     for name, t in model.state_dict().items():
         h.update(name.encode())
-        h.update(_bytes_of(t.detach().contiguous().cpu()))
+        h.update(tensor_bytes(t.detach().contiguous().cpu()))
     if optimizer is not None:
         opt_state = optimizer.state_dict()["state"]
         for idx in sorted(opt_state):
@@ -110,7 +116,7 @@ def digest_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
                 v = opt_state[idx][key]
                 h.update(f"{idx}/{key}".encode())
                 if isinstance(v, torch.Tensor):
-                    h.update(_bytes_of(v.detach().contiguous().cpu()))
+                    h.update(tensor_bytes(v.detach().contiguous().cpu()))
                 else:
                     h.update(repr(v).encode())
     h.update(int(step).to_bytes(8, "little", signed=True))

@@ -41,7 +41,7 @@ from torch import nn
 from checkpointless.comm import Group
 from checkpointless.errors import IntegrityError
 from checkpointless.state.codec import MAX_META_BYTES
-from checkpointless.state.digests import _leaf_digest, _pool
+from checkpointless.state.digests import hash_pool, leaf_digest
 
 EntryPath = tuple[str, ...]
 
@@ -82,7 +82,9 @@ def _frozen_leaves(
 
 
 def _digests(leaves: list[tuple[EntryPath, torch.Tensor]]) -> dict[EntryPath, str]:
-    return dict(zip((p for p, _ in leaves), _pool().map(_leaf_digest, [t for _, t in leaves]), strict=True))
+    return dict(
+        zip((p for p, _ in leaves), hash_pool().map(leaf_digest, [t for _, t in leaves]), strict=True)
+    )
 
 
 def offer(state: dict[str, Any], model: nn.Module | None) -> dict[EntryPath, str]:

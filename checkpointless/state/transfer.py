@@ -72,14 +72,8 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from checkpointless.comm import Group
 from checkpointless.errors import IntegrityError
-from checkpointless.state.codec import (
-    MAX_META_BYTES,
-    _decode_meta,
-    _encode_state,
-    _receive_buffers,
-    _unflatten,
-)
-from checkpointless.state.digests import _bytes_of, _pool
+from checkpointless.state.codec import MAX_META_BYTES, TensorRef, decode_meta, encode_state, unflatten
+from checkpointless.state.digests import hash_pool, tensor_bytes
 
 WIRE_VERSION = 4  # 4: a message and a GMAC per 4 MiB piece (3: per tensor, GMAC per 64 MiB;
 # 2: BLAKE3 per tensor; 1: SHA-256)
@@ -106,7 +100,7 @@ def _pieces(tensors: list[torch.Tensor]) -> list[tuple[int, int, torch.Tensor]]:
 def _piece_tag(mac: AESGCM, index: int, piece: int, data: torch.Tensor) -> bytes:
     """The GMAC tag of one piece; the nonce is (tensor index, piece index), unique in a transfer."""
     return mac.encrypt(
-        struct.pack(">IQ", index, piece), b"", _bytes_of(data if data.device.type == "cpu" else data.cpu())
+        struct.pack(">IQ", index, piece), b"", tensor_bytes(data if data.device.type == "cpu" else data.cpu())
     )
 
 
@@ -118,7 +112,7 @@ def _mac(key: bytes | None, ctx: bytes, salt: bytes) -> AESGCM:
 def _seal_tensors(key: bytes | None, ctx: bytes, salt: bytes, tensors: list[torch.Tensor]) -> bytes:
     """``D`` of the module docstring for ``tensors`` (contiguous), computed in the pool."""
     mac = _mac(key, ctx, salt)
-    return hashlib.sha256(b"".join(_pool().map(lambda p: _piece_tag(mac, *p), _pieces(tensors)))).digest()
+    return hashlib.sha256(b"".join(hash_pool().map(lambda p: _piece_tag(mac, *p), _pieces(tensors)))).digest()
 
 
 def _check_key(key: bytes | None) -> None:
@@ -207,7 +201,7 @@ def send_state(group: Group, dst: int, state: dict[str, Any], *, key: bytes | No
     """
     _check_key(key)
     t0 = time.perf_counter()
-    meta, tensors = _encode_state(state)
+    meta, tensors = encode_state(state)
     tensors = [t.contiguous() for t in tensors]
     ctx = _context(group.gen, group.rank, dst)
     salt = os.urandom(_SALT_BYTES)
@@ -224,7 +218,7 @@ def send_state(group: Group, dst: int, state: dict[str, Any], *, key: bytes | No
         channels = [_channel(group, tensors[i].device.type != "cpu") for i, _, _ in pieces]
 
         def prepare(k: int) -> Any:
-            return _pool().submit(_outgoing, mac, *pieces[k], channels[k].device)
+            return hash_pool().submit(_outgoing, mac, *pieces[k], channels[k].device)
 
         tags = [prepare(k) for k in range(min(_LOOKAHEAD, len(pieces)))]
         for k in range(len(pieces)):
@@ -247,6 +241,38 @@ def send_state(group: Group, dst: int, state: dict[str, Any], *, key: bytes | No
 def _accelerator() -> torch.device | None:
     """The current accelerator (CUDA, XPU, ...), or None on a CPU-only machine."""
     return torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+
+
+def _receive_buffers(skeleton: Any, into: Any, n: int) -> list[torch.Tensor | None]:
+    """For each tensor of ``skeleton`` (``decode_meta``'s), the tensor at the same path of ``into``
+    (``recv_state``'s) that can receive its bytes in place: same dtype, shape and side of the
+    CPU, contiguous, no storage given twice; None where there is none."""
+    out: list[torch.Tensor | None] = [None] * n
+    seen: set[int] = set()
+
+    def walk(sk: Any, mine: Any) -> None:
+        if type(sk) is TensorRef:
+            if (
+                isinstance(mine, torch.Tensor)
+                and mine.dtype == sk.dtype
+                and tuple(mine.shape) == sk.shape
+                and mine.is_contiguous()
+                and (mine.device.type != "cpu") == sk.on_accelerator
+                and mine.data_ptr() not in seen
+            ):
+                if mine.numel():
+                    seen.add(mine.data_ptr())
+                out[sk.index] = mine.detach()
+        elif isinstance(sk, dict) and isinstance(mine, dict):
+            for k, v in sk.items():
+                if k in mine:
+                    walk(v, mine[k])
+        elif isinstance(sk, list | tuple) and isinstance(mine, list | tuple) and len(sk) == len(mine):
+            for a, b in zip(sk, mine, strict=True):
+                walk(a, b)
+
+    walk(skeleton, into)
+    return out
 
 
 def recv_state(
@@ -300,7 +326,7 @@ def recv_state(
         why = "authentication (wrong key, or not sent by a process of this job)" if key else "its checksum"
         raise IntegrityError(f"state from rank {src}: metadata failed {why}; not parsed")
     try:
-        skeleton, refs = _decode_meta(meta)
+        skeleton, refs = decode_meta(meta)
     except IntegrityError as e:
         raise IntegrityError(f"state from rank {src}: {e}") from None
     if between is not None:
@@ -330,7 +356,7 @@ def recv_state(
         for k in range(len(pieces)):  # check each piece once it arrived, while the rest is on the wire
             channels[k].wait(works[k])
             i, j, data = pieces[k]
-            tags.append(_pool().submit(_piece_tag, mac, i, j, wires[k]))
+            tags.append(hash_pool().submit(_piece_tag, mac, i, j, wires[k]))
             if wires[k] is not data:
                 data.copy_(wires[k])
     finally:
@@ -350,7 +376,7 @@ def recv_state(
     stats = TransferStats(
         nbytes, time.perf_counter() - t_header, _content_digest(meta_digest, tensor_digest), t_header - t0
     )
-    return _unflatten(skeleton, tensors), stats
+    return unflatten(skeleton, tensors), stats
 
 
 # -- replica consistency ----------------------------------------------------------------

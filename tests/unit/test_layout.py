@@ -309,15 +309,6 @@ KNOWN_LAYOUT: dict[tuple[str, ...], str] = {
     **_known("private name", "analysis.simulate", PRIVATE, [
         "analysis.goodput_model._INT_FIELDS", "analysis.montecarlo._failure_times",
     ]),
-    **_known("private name", "durable", PRIVATE, [
-        "state.codec._decode_meta", "state.codec._encode_state", "state.codec._unflatten",
-        "state.digests._hash_tensors",
-    ]),
-    **_known("private name", "state.frozen", PRIVATE, ["state.digests._leaf_digest", "state.digests._pool"]),
-    **_known("private name", "state.transfer", PRIVATE, [
-        "state.codec._decode_meta", "state.codec._encode_state", "state.codec._receive_buffers",
-        "state.codec._unflatten", "state.digests._bytes_of", "state.digests._pool",
-    ]),
     **_known("private name", "lifecycle", PRIVATE + " (the session's tower)", ["session_base._Progress"]),
     **_known("private name", "session", PRIVATE + " (the session's tower)", ["member._release_frames"]),
 }  # fmt: skip

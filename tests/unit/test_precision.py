@@ -163,9 +163,9 @@ def test_state_round_trips_through_the_transfer_encoding_and_the_next_step_is_bi
     opt_state = state["optimizer"]["state"]
     assert all(opt_state[i][MASTER_KEY].dtype == torch.float32 for i in opt_state)
     # through the wire format (metadata + tensors); the receiver gets fresh copies
-    meta, tensors = codec._encode_state(state)
-    skeleton, _ = codec._decode_meta(meta)
-    received = codec._unflatten(skeleton, [t.clone() for t in tensors])
+    meta, tensors = codec.encode_state(state)
+    skeleton, _ = codec.decode_meta(meta)
+    received = codec.unflatten(skeleton, [t.clone() for t in tensors])
 
     # the replacement built its own model from another seed: everything it has must come in the state
     dst = build_training(recipe("llama", "bfloat16", "optim.warmup_steps=1", "train.seed=1"))
@@ -259,8 +259,8 @@ def test_dry_run_bytes_are_what_a_real_training_step_allocates(family: str, dtyp
 
     # what a replacement receives: model and optimizer state (a tied weight under both names)
     sent = session._registry.state_dict()
-    _, model_tensors = codec._encode_state({"model": sent["model"]})
-    _, optimizer_tensors = codec._encode_state({"optimizer": sent["optimizer"]})
+    _, model_tensors = codec.encode_state({"model": sent["model"]})
+    _, optimizer_tensors = codec.encode_state({"optimizer": sent["optimizer"]})
     assert nbytes(model_tensors) + nbytes(optimizer_tensors) == report["recovery_bytes"] + nbytes(counters)
 
 

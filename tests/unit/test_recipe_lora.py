@@ -251,8 +251,8 @@ def test_dry_run_bytes_are_what_a_lora_step_allocates_and_a_recovery_moves(famil
     registry = session._registry.state_dict()
     offered = frozen.offer({"model": replacement.state_dict()}, replacement)
     sent, kept = frozen.leave_out(registry, model, offered)
-    _, model_tensors = codec._encode_state({"model": sent["state"]["model"]})
-    _, optimizer_tensors = codec._encode_state({"optimizer": sent["state"]["optimizer"]})
+    _, model_tensors = codec.encode_state({"model": sent["state"]["model"]})
+    _, optimizer_tensors = codec.encode_state({"optimizer": sent["state"]["optimizer"]})
     counters = [s["step"] for s in opt.state.values()]
     assert nbytes(model_tensors) + nbytes(optimizer_tensors) == report["recovery_bytes"] + nbytes(counters)
     assert kept == report["recovery_kept_bytes"] > 0

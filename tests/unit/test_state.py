@@ -108,7 +108,7 @@ def assert_same(a: Any, b: Any, path: str = "state") -> None:
             assert_same(x, y, f"{path}[{i}]")
     elif isinstance(a, torch.Tensor):
         assert (a.dtype, a.shape) == (b.dtype, b.shape), f"{path}: {a.dtype}{a.shape} != {b.dtype}{b.shape}"
-        assert bytes(digests._bytes_of(a.contiguous())) == bytes(digests._bytes_of(b.contiguous())), (
+        assert bytes(digests.tensor_bytes(a.contiguous())) == bytes(digests.tensor_bytes(b.contiguous())), (
             f"{path}: data"
         )
     elif isinstance(a, np.ndarray | np.generic):
@@ -122,10 +122,10 @@ def assert_same(a: Any, b: Any, path: str = "state") -> None:
 
 def round_trip(state: dict[str, Any]) -> dict[str, Any]:
     """Encode and decode ``state`` without a network (the received tensors are the sent ones)."""
-    meta, tensors = codec._encode_state(state)
-    skeleton, refs = codec._decode_meta(meta)
+    meta, tensors = codec.encode_state(state)
+    skeleton, refs = codec.decode_meta(meta)
     assert [r.index for r in refs] == list(range(len(tensors)))
-    got: dict[str, Any] = codec._unflatten(skeleton, tensors)
+    got: dict[str, Any] = codec.unflatten(skeleton, tensors)
     return got
 
 
@@ -277,7 +277,7 @@ def test_every_supported_type_crosses_the_wire_exactly(key: bytes | None) -> Non
     got, stats = transfer(state, send_key=key, recv_key=key)
     state["torch"]["noncontig"] = state["torch"]["noncontig"].contiguous()  # sent as its values
     assert_same(state, got)
-    assert stats.bytes == sum(t.numel() * t.element_size() for t in codec._encode_state(state)[1])
+    assert stats.bytes == sum(t.numel() * t.element_size() for t in codec.encode_state(state)[1])
 
 
 def test_model_optimizers_and_scheduler_round_trip_and_keep_training_identically() -> None:
@@ -503,7 +503,7 @@ def test_wrong_or_missing_key_is_refused_before_parsing(
 
 
 def test_transfer_sealed_for_another_generation_is_refused() -> None:
-    meta, tensors = codec._encode_state({"w": torch.ones(4)})
+    meta, tensors = codec.encode_state({"w": torch.ones(4)})
 
     def fn(group: Group) -> Any:
         if group.rank == 0:
@@ -516,7 +516,7 @@ def test_transfer_sealed_for_another_generation_is_refused() -> None:
 
 @pytest.mark.parametrize("key", [None, KEY])
 def test_corrupted_tensor_is_caught(key: bytes | None) -> None:
-    meta, tensors = codec._encode_state({"w": torch.ones(4), "b": torch.zeros(3)})
+    meta, tensors = codec.encode_state({"w": torch.ones(4), "b": torch.zeros(3)})
     corrupted = [tensors[0].clone(), tensors[1]]
     corrupted[0][2] = 1.0000001
 
@@ -537,7 +537,7 @@ def test_every_mac_piece_of_a_large_tensor_is_checked(
     and two swapped pieces (same bytes, other order) are both refused; the intact one arrives."""
     monkeypatch.setattr(wire, "_MAC_PIECE", 256)
     w = torch.arange(1000, dtype=torch.float32)  # 4000 bytes: 16 pieces
-    meta, tensors = codec._encode_state({"w": w})
+    meta, tensors = codec.encode_state({"w": w})
     flipped = tensors[0].clone()
     flipped.view(torch.uint8)[3 * 256 + 17] ^= 0x10
     swapped = tensors[0].clone()
@@ -569,7 +569,7 @@ def test_every_mac_piece_of_a_large_tensor_is_checked(
 
 def test_trailer_covers_the_metadata() -> None:
     """Without a key anyone can reseal forged metadata, but not the trailer the source computed."""
-    meta, tensors = codec._encode_state({"lr": 0.1, "w": torch.ones(4)})
+    meta, tensors = codec.encode_state({"lr": 0.1, "w": torch.ones(4)})
     forged = meta.replace(b'"lr",0.1', b'"lr",9.9')
     assert forged != meta
 
@@ -668,14 +668,14 @@ TENSOR = ["tensor", 0, "float32", [2], False]
 )
 def test_malformed_metadata_raises_integrity_error(meta: bytes) -> None:
     with pytest.raises(IntegrityError):
-        codec._decode_meta(meta)
+        codec.decode_meta(meta)
 
 
 def test_decoder_accepts_what_it_should() -> None:
     """The strict decoder is not too strict: the documented forms decode to the right types."""
-    state, refs = codec._decode_meta(_doc(["dict", "x", TENSOR, "n", _nested(50)], tensors=1))
-    assert state["x"] == codec._TensorRef(0, torch.float32, (2,), False) and refs == [state["x"]]
-    assert codec._decode_meta(_doc(["dict", "f", ["float", "fff0000000000000"]]))[0] == {"f": -math.inf}
+    state, refs = codec.decode_meta(_doc(["dict", "x", TENSOR, "n", _nested(50)], tensors=1))
+    assert state["x"] == codec.TensorRef(0, torch.float32, (2,), False) and refs == [state["x"]]
+    assert codec.decode_meta(_doc(["dict", "f", ["float", "fff0000000000000"]]))[0] == {"f": -math.inf}
 
 
 _keys = st.one_of(st.none(), st.booleans(), st.integers(), st.text(max_size=8))
