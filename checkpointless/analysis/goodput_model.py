@@ -88,6 +88,7 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 
 __all__ = [
+    "INTEGER_FIELDS",
     "LLAMA3_EFFECTIVE_TRAINING_TIME",
     "LLAMA3_FAILURES_PER_GPU_HOUR",
     "REFERENCES",
@@ -97,6 +98,7 @@ __all__ = [
     "goodput_checkpoint_restart",
     "goodput_checkpointless",
     "optimal_interval_exact",
+    "require_positive",
     "spare_pool_stats",
     "young_daly_interval",
     "young_interval",
@@ -130,7 +132,9 @@ _PUB, _DER, _ASM = "published", "derived from published figures", "assumption"
 _POSITIVE_FIELDS = frozenset(
     {"failures_per_accel_hour", "step_time_s", "checkpoint_cost_s", "peer_bandwidth_gb_s"}
 )
-_INT_FIELDS = {"n_accelerators": 1, "spare_pool_size": 0}  # name -> minimum
+#: The :class:`ClusterParams` fields that are integers, each with its minimum (``__post_init__``
+#: refuses a bool, a float or a smaller value); every other field is a float.
+INTEGER_FIELDS: dict[str, int] = {"n_accelerators": 1, "spare_pool_size": 0}
 
 
 @dataclass(kw_only=True)
@@ -309,8 +313,8 @@ class ClusterParams:
         for f in fields(self):
             name = f.name
             value = getattr(self, name)
-            if name in _INT_FIELDS:
-                lo = _INT_FIELDS[name]
+            if name in INTEGER_FIELDS:
+                lo = INTEGER_FIELDS[name]
                 if isinstance(value, bool) or not isinstance(value, int) or value < lo:
                     raise ValueError(f"ClusterParams.{name} must be an integer >= {lo}, got {value!r}")
                 continue
@@ -370,7 +374,9 @@ class ClusterParams:
 # ---------------------------------------------------------------------- checkpoint-restart
 
 
-def _check_positive(name: str, value: float) -> float:
+def require_positive(name: str, value: float) -> float:
+    """``value`` as a float if it is a finite number > 0 (an int or a float, not a bool); else a
+    ValueError that names the argument ``name`` and the value given."""
     if (
         isinstance(value, bool)
         or not isinstance(value, (int, float))
@@ -382,8 +388,8 @@ def _check_positive(name: str, value: float) -> float:
 
 def young_interval(checkpoint_cost_s: float, mtbf_s: float) -> float:
     """Young's (1974) first-order optimum checkpoint interval ``sqrt(2 C M)`` (compute seconds)."""
-    c = _check_positive("checkpoint_cost_s", checkpoint_cost_s)
-    m = _check_positive("mtbf_s", mtbf_s)
+    c = require_positive("checkpoint_cost_s", checkpoint_cost_s)
+    m = require_positive("mtbf_s", mtbf_s)
     return math.sqrt(2.0 * c * m)
 
 
@@ -397,8 +403,8 @@ def young_daly_interval(checkpoint_cost_s: float, mtbf_s: float) -> float:
     Raises:
         ValueError: a non-positive or non-finite argument.
     """
-    c = _check_positive("checkpoint_cost_s", checkpoint_cost_s)
-    m = _check_positive("mtbf_s", mtbf_s)
+    c = require_positive("checkpoint_cost_s", checkpoint_cost_s)
+    m = require_positive("mtbf_s", mtbf_s)
     if c >= 2.0 * m:
         return m
     x = c / (2.0 * m)
@@ -412,8 +418,8 @@ def optimal_interval_exact(checkpoint_cost_s: float, mtbf_s: float) -> float:
     (equivalently ``tau = M (1 + W0(-exp(-1 - C/M)))`` with Lambert's W); it has one root in
     ``(0, 1)``, found here by bisection on ``log1p(-u) + u + C/M``.
     """
-    c = _check_positive("checkpoint_cost_s", checkpoint_cost_s)
-    m = _check_positive("mtbf_s", mtbf_s)
+    c = require_positive("checkpoint_cost_s", checkpoint_cost_s)
+    m = require_positive("mtbf_s", mtbf_s)
     ratio = c / m
     lo, hi = 0.0, 1.0
     for _ in range(200):
@@ -451,13 +457,13 @@ def goodput_checkpoint_restart(p: ClusterParams, interval_s: float | None = None
     Returns:
         ``tau / (M exp(R/M) (exp((tau + C)/M) - 1))`` in ``[0, 1)``.
     """
-    tau = checkpoint_restart_interval(p) if interval_s is None else _check_positive("interval_s", interval_s)
+    tau = checkpoint_restart_interval(p) if interval_s is None else require_positive("interval_s", interval_s)
     return _daly_goodput(tau, p.checkpoint_cost_s, p.restart_cost_s, p.mtbf_s)
 
 
 def checkpoint_restart_waste_first_order(p: ClusterParams, interval_s: float) -> float:
     """Young's first-order waste fraction ``C/tau + (tau/2 + R)/M`` (for reference and tests)."""
-    tau = _check_positive("interval_s", interval_s)
+    tau = require_positive("interval_s", interval_s)
     return p.checkpoint_cost_s / tau + (tau / 2.0 + p.restart_cost_s) / p.mtbf_s
 
 

@@ -14,9 +14,9 @@ import math
 
 import numpy as np
 
-from checkpointless.analysis.goodput_model import ClusterParams, _check_positive, checkpoint_restart_interval
+from checkpointless.analysis.goodput_model import ClusterParams, checkpoint_restart_interval, require_positive
 
-__all__ = ["SYSTEMS", "simulate_mc"]
+__all__ = ["SYSTEMS", "failure_times", "simulate_mc"]
 
 #: Names accepted by :func:`simulate_mc` for ``system``.
 SYSTEMS: tuple[str, ...] = ("checkpoint_restart", "checkpointless")
@@ -24,7 +24,10 @@ SYSTEMS: tuple[str, ...] = ("checkpoint_restart", "checkpointless")
 _MAX_MC_EVENTS = 20_000_000
 
 
-def _failure_times(p: ClusterParams, horizon_s: float, rng: np.random.Generator) -> np.ndarray:
+def failure_times(p: ClusterParams, horizon_s: float, rng: np.random.Generator) -> np.ndarray:
+    """One history of failures over ``[0, horizon_s)``, sorted, in seconds: a Poisson process of
+    rate ``p.failure_rate_per_s`` drawn from ``rng`` (a Poisson count, then uniform times). A
+    ValueError if more than 20 million failures are expected."""
     lam = p.failure_rate_per_s
     mean = lam * horizon_s
     if mean > _MAX_MC_EVENTS:
@@ -102,11 +105,11 @@ def simulate_mc(p: ClusterParams, system: str, hours: float, seed: int) -> float
     name = system.replace("-", "_") if isinstance(system, str) else system
     if name not in SYSTEMS:
         raise ValueError(f"system must be one of {', '.join(SYSTEMS)}, got {system!r}")
-    horizon = _check_positive("hours", hours) * 3600.0
+    horizon = require_positive("hours", hours) * 3600.0
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"seed must be an integer, got {seed!r}")
     rng = np.random.default_rng(seed)
-    t_fail = _failure_times(p, horizon, rng)
+    t_fail = failure_times(p, horizon, rng)
     if name == "checkpoint_restart":
         useful = _mc_checkpoint_restart(p, t_fail, horizon)
     else:

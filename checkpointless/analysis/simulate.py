@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from checkpointless.analysis.goodput_model import (
-    _INT_FIELDS,
+    INTEGER_FIELDS,
     LLAMA3_EFFECTIVE_TRAINING_TIME,
     LLAMA3_FAILURES_PER_GPU_HOUR,
     REFERENCES,
@@ -34,7 +34,6 @@ from checkpointless.analysis.goodput_model import (
     young_interval,
 )
 from checkpointless.analysis.montecarlo import SYSTEMS, simulate_mc
-from checkpointless.analysis.montecarlo import _failure_times as _failure_times  # for the tests
 
 __all__ = [
     "DEFAULT_SWEEP_SIZES",
@@ -164,7 +163,7 @@ def plot_sweep(
 # ------------------------------------------------------------------------------ parameters
 
 #: The :class:`ClusterParams` fields that are integers (the others are floats).
-INTEGER_PARAMS: frozenset[str] = frozenset(_INT_FIELDS)
+INTEGER_PARAMS: frozenset[str] = frozenset(INTEGER_FIELDS)
 
 
 def read_params_file(path: Path) -> dict[str, Any]:
@@ -191,5 +190,5 @@ def read_params_file(path: Path) -> dict[str, Any]:
             raise ValueError(f"--params {path}: unknown parameter {key!r}")
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ValueError(f"--params {path}: {key} must be a number, got {value!r}")
-        out[key] = int(value) if key in _INT_FIELDS else float(value)
+        out[key] = int(value) if key in INTEGER_PARAMS else float(value)
     return out

@@ -305,10 +305,6 @@ KNOWN_LAYOUT: dict[tuple[str, ...], str] = {
     **_known("layer", "session", INJECTOR, ["faults"]),
     **_known("layer", "session_base", INJECTOR, ["faults"]),
     ("function circle", f"{PACKAGE}.recipes.config", f"{PACKAGE}.recipes.models"): "recipes/config.py builds the model of a recipe (build_hf_model) inside a function, recipes/models.py reads ModelConfig",
-    **_known("private name", "analysis.montecarlo", PRIVATE, ["analysis.goodput_model._check_positive"]),
-    **_known("private name", "analysis.simulate", PRIVATE, [
-        "analysis.goodput_model._INT_FIELDS", "analysis.montecarlo._failure_times",
-    ]),
     **_known("private name", "lifecycle", PRIVATE + " (the session's tower)", ["session_base._Progress"]),
     **_known("private name", "session", PRIVATE + " (the session's tower)", ["member._release_frames"]),
 }  # fmt: skip

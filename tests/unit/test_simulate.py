@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from checkpointless.analysis import simulate as sim
+from checkpointless.analysis.montecarlo import failure_times
 from checkpointless.analysis.simulate import (
     LLAMA3_FAILURES_PER_GPU_HOUR,
     ClusterParams,
@@ -223,7 +224,7 @@ def test_mc_spare_waits_match_erlang_formula() -> None:
     """Per-failure FIFO waits in the MC average to E[(K - S)^+] / lam."""
     p = ClusterParams(n_accelerators=100_000, spare_pool_size=6, spare_replace_s=4 * 3600.0)
     rng = np.random.default_rng(3)
-    t = sim._failure_times(p, 20_000 * 3600.0, rng)
+    t = failure_times(p, 20_000 * 3600.0, rng)
     s = p.spare_pool_size
     waits = np.maximum(0.0, t[:-s] + p.spare_replace_s - t[s:])
     assert waits.mean() == pytest.approx(spare_pool_stats(p)["mean_wait_s"], rel=0.05)
