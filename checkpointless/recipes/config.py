@@ -738,6 +738,8 @@ def check_lora(recipe: RecipeConfig, *, source: str = "") -> None:
     any worker starts rather than every worker's crash. Imports ``transformers`` and ``peft``."""
     if recipe.model.lora is None:
         return
+    # here, not at the top: models.py imports torch (this module stays cheap); it imports this
+    # module for the type checker only, so no circle closes at run time
     from checkpointless.recipes.models import build_hf_model
 
     try:

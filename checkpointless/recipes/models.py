@@ -7,6 +7,10 @@ directory (``from_pretrained`` with ``local_files_only``: never a download); wit
 thing that trains. Everything is wrapped in :class:`CausalLMWithLoss` so the training loop only
 ever sees ``loss = model(inputs, targets)``. ``transformers`` and ``peft`` are imported lazily so
 that importing this module (and the recipe configs) stays cheap.
+
+The builders read a :class:`ModelConfig` by its fields only, so this module names it for the type
+checker and does not import ``recipes.config`` at run time: ``config.check_lora`` builds the
+recipe's model with :func:`build_hf_model`, and the import goes one way only.
 """
 
 from __future__ import annotations
@@ -14,14 +18,16 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from checkpointless.errors import RecipeError
-from checkpointless.recipes.config import ModelConfig
+
+if TYPE_CHECKING:
+    from checkpointless.recipes.config import ModelConfig
 
 __all__ = [
     "CausalLMWithLoss",

@@ -304,7 +304,6 @@ KNOWN_LAYOUT: dict[tuple[str, ...], str] = {
     # (rule, module, what) -> why it is still there. The list may only shrink.
     **_known("layer", "session", INJECTOR, ["faults"]),
     **_known("layer", "session_base", INJECTOR, ["faults"]),
-    ("function circle", f"{PACKAGE}.recipes.config", f"{PACKAGE}.recipes.models"): "recipes/config.py builds the model of a recipe (build_hf_model) inside a function, recipes/models.py reads ModelConfig",
     **_known("private name", "lifecycle", PRIVATE + " (the session's tower)", ["session_base._Progress"]),
     **_known("private name", "session", PRIVATE + " (the session's tower)", ["member._release_frames"]),
 }  # fmt: skip
