@@ -9,7 +9,7 @@ from datetime import timedelta
 
 import pytest
 
-from checkpointless.control import client as client_module
+from checkpointless.control import dial
 from checkpointless.control.auth import SignedStore, job_namespace
 from checkpointless.control.client import ControlClient
 from checkpointless.protocol import keys
@@ -39,7 +39,7 @@ class _SlowStore(FakeStore):
 @pytest.fixture
 def store(monkeypatch: pytest.MonkeyPatch) -> _SlowStore:
     shared = _SlowStore()
-    monkeypatch.setattr(client_module, "connect", lambda addr, timeout: shared)
+    monkeypatch.setattr(dial, "connect", lambda addr, timeout: shared)
     return shared
 
 
