@@ -54,7 +54,7 @@ class RecoveryConfig:
     ``heartbeat_lease_s + heartbeat_interval_s <= 0.75 * hang_timeout_s``.
     None (the default): ``LEASE_FRACTION`` (0.5) of ``hang_timeout_s``, see ``lease_s``. A store
     that is only late (its launcher not scheduled: it still accepts a new connection) is waited
-    for, up to 40 leases (``control/client.py``)."""
+    for, up to 40 leases (``SLOW_STORE_CAP``; ``LeaseWatchdog``, ``control/lease.py``)."""
     collective_timeout_s: float = 60.0
     """Backstop for any single collective or group formation (normally never reached)."""
     plan_timeout_s: float = 120.0

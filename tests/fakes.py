@@ -11,7 +11,10 @@
 - ``ManualClock``: the coordinator's ``clock``, advanced by the test.
 - ``FakeWorker``: writes what a real process writes through its
   ``ControlClient`` (heartbeats, failure, done and fatal reports), sealed with
-  the job's secret, in the same format (``control/client.py``).
+  the job's secret, in the same format: the heartbeat as ``HeartbeatLink.flush``
+  writes it (``control/link.py``), the failure report as
+  ``DirectTransport.report_failure`` (``control/transport.py``), the done and
+  fatal reports as ``ControlClient`` (``control/client.py``).
 """
 
 from __future__ import annotations
@@ -134,10 +137,10 @@ class ManualClock:
 class FakeWorker:
     """What one process (worker or spare) writes to the control store, as ``ControlClient`` writes it.
 
-    ``status`` is the heartbeat the process's ``ControlClient`` holds; ``heartbeat``
-    merges fields into it and flushes it with the next ``seq``, like ``update`` then
-    ``_flush``. Phases (``recovery.py``): starting, spare, joining, idle, compute,
-    reduce, recovering, done.
+    ``status`` is the heartbeat the process's ``HeartbeatLink`` holds; ``heartbeat``
+    merges fields into it and writes it with the next ``seq``, like ``update`` then
+    ``flush``. Phases (``protocol.vocab.Phase``): starting, spare, joining, idle,
+    compute, reduce, recovering, done.
     """
 
     def __init__(self, raw: FakeStore, secret: bytes, proc: str) -> None:
@@ -156,7 +159,7 @@ class FakeWorker:
         self.sent.append(text)
         return status
 
-    # -- what a Session does (recovery.py) ---------------------------------------------
+    # -- what a Session does -----------------------------------------------------------
     def ready_spare(self) -> None:
         self.heartbeat(phase="spare")
 

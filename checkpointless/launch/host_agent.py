@@ -290,7 +290,7 @@ class HostAgent:
                 elif silent > self._lease_s and not (
                     silent <= SLOW_STORE_CAP * self._lease_s
                     and store_accepts(self.coordinator, self._lease_s / 2)
-                ):  # a store that still accepts connections is late, not gone (client.py)
+                ):  # a store that still accepts connections is late, not gone (LeaseWatchdog, lease.py)
                     self._fence(silent)
                 # the status again soon, not a beat later: a host back from a partition tells the
                 # coordinator what happened meanwhile (its processes' exits) before it is lost

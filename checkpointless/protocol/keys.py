@@ -156,4 +156,5 @@ def relayed(proc: str) -> str:
 HOST_LEASE = "host/lease"
 """In a host agent's relay store: JSON {acked, aborted, stopped}: when (``time.monotonic()``, one clock on a
 host) the relay's last round trip with the control store that got an answer was sent, the
-generations it saw aborted, whether the job was stopped. A relayed process's lease is the relay's (``ControlClient._ack``)."""
+generations it saw aborted, whether the job was stopped. A relayed process's lease is the relay's: its
+heartbeat thread's round trip reads this value (``RelayedTransport.lease``, ``control/transport.py``)."""
