@@ -40,8 +40,7 @@ from torch.distributed import DistStoreError, TCPStore
 from bench import common
 from checkpointless.control.auth import SignedStore, job_namespace, read_secret_file
 from checkpointless.control.plan import Plan
-from checkpointless.launch.relay import _STOP_EVERY as STOP_EVERY
-from checkpointless.launch.relay import CHUNK_BYTES, HOLD_BYTES, WINDOW_BYTES
+from checkpointless.launch.relay import CHUNK_BYTES, HOLD_BYTES, STOP_EVERY, WINDOW_BYTES
 from checkpointless.protocol import keys
 from checkpointless.protocol.relay_wire import (
     forwarded_template,
@@ -75,9 +74,9 @@ def raise_nofile() -> None:
 
 def intervals(hang: float) -> tuple[float, float, float]:
     """(heartbeat interval, a rank's lease check interval, an agent's status interval) of a job with
-    ``hang_timeout_s`` ``hang``, as the coordinator command sets them (``heartbeat_interval_s``,
-    ``ControlClient._ack_every``, ``remote.status_interval``). A relay beats and renews its host's
-    lease at the heartbeat interval."""
+    ``hang_timeout_s`` ``hang``, as the coordinator command sets them (``heartbeat_interval_s``, the
+    ``ack_every`` that ``ControlClient`` gives its ``HeartbeatThread``, ``remote.status_interval``).
+    A relay beats and renews its host's lease at the heartbeat interval."""
     hb_s = min(0.1, hang / 4)
     return hb_s, min(hb_s, 0.5 * hang / 4), max(hb_s, 4 * hang / 5)
 
@@ -829,7 +828,7 @@ class Simulator:
                                                       p.step_time, TOTAL_STEPS, *report)  # fmt: skip
 
     def _heartbeat(self, ag: SimAgent, p: SimProc, purpose: str) -> None:
-        """``per-rank``: ``ControlClient._flush``'s heartbeat, on the coordinator's store. Relayed, a
+        """``per-rank``: ``HeartbeatLink.flush``'s heartbeat, on the coordinator's store. Relayed, a
         process beats into its agent's store (not simulated): its agent's next relay value carries it."""
         if self.relayed:
             return
@@ -837,7 +836,7 @@ class Simulator:
         self._size("heartbeat", self._set(ag.conn, purpose, keys.heartbeat(p.name), self._hb_text(p)))
 
     def _event(self, ag: SimAgent, p: SimProc, ev: dict[str, Any], purpose: str) -> None:
-        """One event chunk (``ControlClient._flush``: written before the heartbeat that counts it);
+        """One event chunk (``HeartbeatLink.flush``: written before the heartbeat that counts it);
         relayed, into its agent's store: a line of its host's next event chunk."""
         self._chunk(ag, p, json.dumps(ev) + "\n", purpose)
 
@@ -1035,11 +1034,13 @@ class AckLoad:
     """The round trips of hosts ``first .. first+count-1``, from a process of its own (a round trip
     blocks its caller, and in the simulator's process the waits fought its driver for the GIL): the
     leases' (``relay``: ``Relay._beat``'s round trip, one per host per beat, on the abort key of its
-    ranks' generation, ``gen/latest`` while it has none; ``per-rank``: ``ControlClient._ack``, one per
-    process every ``ack_s``, on its generation's abort key) and each worker rank's check of the job's
-    stop (``Session._leave_if_stopped``: per-rank, at the step pace; relayed, the relay asks once every
-    ``STOP_EVERY`` beats and the ranks read its answer on their host). Its hosts' processes are named as the coordinator names them (``w<rank>``,
-    the spare host's ``s<i>``); the generation is followed with a blocking wait on the next plan."""
+    ranks' generation, ``gen/latest`` while it has none; ``per-rank``: the heartbeat thread's
+    (``HeartbeatThread``, ``DirectTransport.lease``), one per process every ``ack_s``, on its
+    generation's abort key) and each worker rank's check of the job's stop
+    (``Session._leave_if_stopped``: per-rank, at the step pace; relayed, the relay asks once every
+    ``STOP_EVERY`` beats and the ranks read its answer on their host). Its hosts' processes are
+    named as the coordinator names them (``w<rank>``, the spare host's ``s<i>``); the generation is
+    followed with a blocking wait on the next plan."""
 
     def __init__(self, a: argparse.Namespace) -> None:
         self.addr, self.hosts = a.addr, a.hosts

@@ -30,7 +30,7 @@ cores took in 2,400 of 16,000 a second) grew by 333 MB a minute that way. So a r
 ``WINDOW_BYTES`` of its chunks unread there: beyond, it holds its host's new events itself and
 writes them later, several beats' worth in one chunk of up to ``CHUNK_BYTES`` (fewer, larger chunks:
 the coordinator's passes are bounded in chunks, so they carry more events). While it holds, it looks
-at the count read every ``_READ_FAST`` beats, and every ``_STOP_EVERY`` once the coordinator stops
+at the count read every ``_READ_FAST`` beats, and every ``STOP_EVERY`` once the coordinator stops
 reading it. What it holds is bounded too (``HOLD_BYTES``): past that, its ranks' ``step_committed``
 events are dropped, counted, and said in an ``events_dropped`` event (the report's figures then
 lack them); no other event is dropped. The last flush, once the host's processes have exited,
@@ -74,9 +74,12 @@ from checkpointless.protocol.vocab import Event, Phase
 log = logging.getLogger(__name__)
 
 
-_STOP_EVERY = 10
-"""Beats between two looks at the job's stop key (a second at the default interval): each rank asks
-at every step boundary, from the host's lease, and the stop's grace period is seconds."""
+STOP_EVERY = 10
+"""Beats between two looks at the job's stop key (``keys.JOB_STOP``: a second at the default
+interval), the relay's one round trip on behalf of its ranks, which read its answer from the host's
+lease at every step boundary (the stop's grace period is seconds). Also the longest wait, in beats,
+between two looks at the count of chunks read (``keys.node_read``). The scale simulator
+(``bench/scale_sim.py``) asks the coordinator's store at this pace too."""
 _READ_FAST = 2
 """Beats between two looks at the count of chunks read while the window is full and the coordinator
 read some at the last look (a busy host's events wait less than a second for it)."""
@@ -144,8 +147,8 @@ class Relay:
         self._sizes: deque[int] = deque()  # bytes of the chunks written and not known read, in order
         self._unread = 0  # their sum
         self._dropped = 0  # step commits dropped since the last ``events_dropped`` event
-        self._read_every = _STOP_EVERY  # beats between two looks at the count read
-        self._read_at = _STOP_EVERY // 2  # the beat of the next look
+        self._read_every = STOP_EVERY  # beats between two looks at the count read
+        self._read_at = STOP_EVERY // 2  # the beat of the next look
         self._acked: dict[str, int] = {}  # process -> its chunks known to have reached the coordinator
         self._aborted: list[int] = []  # generations seen aborted (the newest few)
         self._rejections: deque[str] = deque()  # keys of values that failed their seal, not yet sent
@@ -332,13 +335,13 @@ class Relay:
             elif up.is_set(key):  # one ``check`` round trip while the key is absent
                 self._aborted.append(gen)
         del self._aborted[:-8]  # a process watches its current generation only
-        if not self._stopped and self._seq % _STOP_EVERY == 1:  # in the lease the ranks read
+        if not self._stopped and self._seq % STOP_EVERY == 1:  # in the lease the ranks read
             self._stopped = up.is_set(keys.JOB_STOP)
         if self._seq >= self._read_at:
             full = self._unread >= WINDOW_BYTES and bool(self._held)
             moved = self._delete_read(up) if self._deleted < self._chunks else False
             # the window full: look again soon while the coordinator reads, less often once it stops
-            self._read_every = _READ_FAST if full and moved else min(_STOP_EVERY, 2 * self._read_every)
+            self._read_every = _READ_FAST if full and moved else min(STOP_EVERY, 2 * self._read_every)
             self._read_at = self._seq + self._read_every
         self._unacked.clear()
         self._last_ok = sent
