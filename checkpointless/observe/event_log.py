@@ -37,6 +37,7 @@ from checkpointless.observe.fault_list import FAULT_EVENT_KINDS
 from checkpointless.observe.fields import integer
 from checkpointless.observe.progress import STEP_WINDOW, StepStats
 from checkpointless.observe.usage import UsageSummary
+from checkpointless.protocol.relay_wire import commit_count
 from checkpointless.protocol.vocab import Event
 
 __all__ = ["KEEP_COMMITS", "KEEP_USAGE", "EventLog"]
@@ -124,8 +125,7 @@ class EventLog:
         kind = ev.get("kind")
         if kind == Event.STEP_COMMITTED or kind == Event.STEPS_COMMITTED:  # one rank's, or a host's
             self.stats.add(ev)
-            rows = ev.get("ranks")
-            self.commits += len(rows) if kind == Event.STEPS_COMMITTED and isinstance(rows, list) else 1
+            self.commits += commit_count(ev)
             if not self._keep_commit(ev):
                 self._hold(ev, clock, sent)
                 return
@@ -155,10 +155,7 @@ class EventLog:
         first = (integer(ev.get("rank")), integer(ev.get("gen")), ev.get("proc"))
         if self._commits < self._keep_commits:
             self._firsts.add(first)
-            rows = ev.get("ranks")
-            self._commits += (
-                len(rows) if isinstance(rows, list) and ev.get("kind") == Event.STEPS_COMMITTED else 1
-            )
+            self._commits += max(1, commit_count(ev))  # an event kept counts one at least
             return True
         if first not in self._firsts:
             self._firsts.add(first)

@@ -9,7 +9,8 @@ count of values written, its clock (the host's), its count of event chunks writt
 A host's ranks commit each step within a beat of one another: the relay packs the
 ``step_committed`` events of one generation and step into one ``steps_committed`` event
 (``pack_commits``), whose ``ranks`` rows hold each rank's own fields and its time as ``dt``
-seconds from the event's ``t``; ``unpack_commits`` gives the ranks' events back.
+seconds from the event's ``t``; ``unpack_commits`` gives the ranks' events back, ``commit_count``
+counts them without building them.
 
 ``forwarded_template``, ``relay_value_text``, ``packed_row_template`` and ``packed_text`` write
 the same bytes from %-templates, for a writer of many (the benchmarks' simulated hosts).
@@ -153,6 +154,19 @@ def unpack_commits(ev: dict[str, Any]) -> list[dict[str, Any]]:
         one.update(gen=ev.get("gen"), step=ev.get("step"), host=ev.get("host"))
         out.append(one)
     return out
+
+
+def commit_count(ev: Mapping[str, Any]) -> int:
+    """How many ``step_committed`` events ``unpack_commits(ev)`` gives, without building them: 1
+    for a ``step_committed`` event, the rows that are dicts of a ``steps_committed`` one, 0 for
+    anything else (a packed event whose ``ranks`` is not a list among them)."""
+    kind = ev.get("kind")
+    if kind == Event.STEP_COMMITTED:
+        return 1
+    rows = ev.get("ranks")
+    if kind != Event.STEPS_COMMITTED or not isinstance(rows, list):
+        return 0
+    return sum(1 for row in rows if isinstance(row, dict))
 
 
 # -- the same bytes from templates ------------------------------------------------------------

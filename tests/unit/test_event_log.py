@@ -12,6 +12,7 @@ import pytest
 from checkpointless.observe.event_log import HELD, EventLog
 from checkpointless.observe.report import build_report
 from checkpointless.observe.usage import summarize
+from checkpointless.protocol.relay_wire import pack_commits
 from tests.unit.test_report import Run
 
 pytestmark = pytest.mark.timeout(60)
@@ -98,3 +99,19 @@ def test_a_log_that_cannot_write_its_file_keeps_everything_in_memory() -> None:
         log.record(ev)
     log.finish()
     assert log.events == events and log.in_memory()
+
+
+def test_a_hosts_packed_commits_count_as_its_ranks_commits() -> None:
+    def commit(rank: int, step: int) -> dict[str, Any]:
+        return {"t": 10.0 + step + rank / 100, "kind": "step_committed", "proc": f"w{rank}", "rank": rank,
+                "gen": 0, "step": step, "step_time_s": 1.0}  # fmt: skip
+
+    log = EventLog(keep_commits=10, keep_usage=5)
+    for step in range(6):  # 4 ranks, packed per step: 6 events, 24 commits
+        [(_, packed)] = pack_commits("node-a", [(f"w{r}", commit(r, step)) for r in range(4)])
+        log.record(packed)
+    log.record({"t": 20.0, "kind": "steps_committed", "proc": "agent node-a", "gen": 0, "ranks": "no"})
+    assert log.commits == 24 and log.recorded == 7  # the last event (its ranks not a list) holds none
+    # the budget counts commits, not events: the first 3 packed events fill it (12 >= 10); of the
+    # rest the relay's first is already kept, so they are held
+    assert sum(e["kind"] == "steps_committed" for e in log.events) == 3

@@ -10,6 +10,7 @@ import pytest
 
 from checkpointless.protocol.relay_wire import (
     FORWARDED,
+    commit_count,
     forwarded,
     forwarded_template,
     pack_commits,
@@ -96,3 +97,25 @@ def test_unpacking_is_tolerant() -> None:
     ) == [{"t": None, "kind": Event.STEP_COMMITTED, "rank": 0, "gen": None, "step": None, "host": None}]
     assert unpack_commits({"kind": Event.STEPS_COMMITTED, "ranks": "no"}) == []
     assert unpack_commits({"kind": Event.FAULT_DETECTED}) == []
+
+
+_EIGHT = [(f"w{k}", _commit(100.0 + k / 1000, f"w{k}", k)) for k in range(8)]
+
+
+@pytest.mark.parametrize(
+    ("ev", "n"),
+    [
+        (_commit(100.0, "w0", 0), 1),
+        (pack_commits("node-a", _EIGHT)[0][1], 8),
+        ({"kind": Event.STEPS_COMMITTED, "t": "x", "ranks": [1, {"rank": 0, "dt": -0.1}, "no"]}, 1),
+        ({"kind": Event.STEPS_COMMITTED, "ranks": "no"}, 0),
+        ({"kind": Event.STEPS_COMMITTED}, 0),
+        ({"kind": Event.STEP_COMMITTED}, 1),
+        ({"kind": Event.FAULT_DETECTED, "ranks": [{"rank": 0}]}, 0),
+        ({}, 0),
+    ],
+    ids=["rank", "host of 8", "stray rows", "ranks not a list", "no ranks", "bare", "not a commit", "empty"],
+)
+def test_the_commit_count_is_what_unpacking_gives(ev: dict[str, Any], n: int) -> None:
+    assert commit_count(ev) == len(unpack_commits(ev)) == n
+    assert commit_count(json.loads(json.dumps(ev))) == n
