@@ -12,8 +12,11 @@ Metadata encoding (``meta``): a JSON object ``{"format": "checkpointless-state",
   ``["ndarray", dtype, [shape], base64]`` and ``["npscalar", dtype, base64]``
   (numeric numpy dtypes only, by their ``dtype.str``), ``["dtype", name]`` (a
   ``torch.dtype``), ``["size", ints...]`` (a ``torch.Size``), and
-  ``["tensor", index, dtype, [shape], on_accelerator]`` (the tensor sent as
-  message ``index + 1``). Dict keys ``K`` are values without tensors.
+  ``["tensor", index, dtype, [shape], on_accelerator]`` (``index``: the tensor's
+  place in the list ``encode_state`` returns; the transfer, ``state/transfer.py``,
+  sends the tensors' bytes in that order after the metadata, in pieces of at most
+  4 MiB, one message each, and a durable snapshot stores the tensor as
+  ``t<index>``). Dict keys ``K`` are values without tensors.
 
 Decoding builds only these types, never looks a name up anywhere but in fixed
 tables, and raises ``IntegrityError`` on anything else. Encoding raises
