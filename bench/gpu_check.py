@@ -106,7 +106,7 @@ def _pair(fn: Callable[[Any, int], Any], backend: str, devices: list[Any]) -> li
 def transfer(device: str, quick: bool) -> dict[str, Any]:
     import torch
 
-    from checkpointless.session_base import _Progress
+    from checkpointless.progress import Progress, StepState
     from checkpointless.state import recv_state, send_state
 
     mb = 16 if quick else 256
@@ -118,8 +118,8 @@ def transfer(device: str, quick: bool) -> dict[str, Any]:
         else [torch.device("cpu")] * 2
     )
 
-    class _Fake:  # what _Progress reads of a session
-        _committed = 7
+    at_step_7 = StepState()
+    at_step_7.commit(7)
 
     def state(d: torch.device, seed: int) -> dict[str, Any]:
         g = torch.Generator(device=d).manual_seed(seed)
@@ -127,7 +127,7 @@ def transfer(device: str, quick: bool) -> dict[str, Any]:
             "w": torch.randn(mb * 2**18, generator=g, device=d),  # mb MiB of float32
             "mask": torch.rand(1000, generator=g, device=d) > 0.5,
             "step": torch.tensor(float(seed)),  # a CPU tensor in a GPU state (Adam's step)
-            "progress": _Progress(_Fake()).state_dict(),  # type: ignore[arg-type]
+            "progress": Progress(at_step_7).state_dict(),
         }
 
     rows = []
@@ -158,7 +158,7 @@ def transfer(device: str, quick: bool) -> dict[str, Any]:
         if cuda:
             sent_rng = sent["progress"]["rng"]["cuda"]
             got_rng = got["progress"]["rng"].get("cuda")
-            _Progress(_Fake()).load_state_dict(got["progress"])  # type: ignore[arg-type]
+            Progress(StepState()).load_state_dict(got["progress"])
             rng_ok = got_rng is not None and all(
                 torch.equal(a, b) for a, b in zip(torch.cuda.get_rng_state_all(), sent_rng, strict=True)
             )

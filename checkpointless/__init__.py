@@ -9,8 +9,8 @@ from checkpointless.config import JobConfig, RecoveryConfig
 from checkpointless.devices import local_device
 from checkpointless.errors import CheckpointlessError, FatalError
 from checkpointless.fault_grammar import FaultSpec, parse_fault
+from checkpointless.progress import Between
 from checkpointless.session import Attempt, Session
-from checkpointless.session_base import Between
 from checkpointless.state import Stateful
 
 __all__ = [

@@ -50,6 +50,12 @@ class FatalError(CheckpointlessError, RuntimeError):
     """A mistake in the training script that no recovery can fix; the job ends with its message."""
 
 
+class Unrecoverable(CheckpointlessError):
+    """A part of a session found what no recovery can fix (a build that returns no sharded model, a
+    formation that never ends, no durable snapshot to roll back to): the member ends the job with
+    its message, as a ``FatalError``. Not a ``RuntimeError``: never taken for a peer's failure."""
+
+
 class PlanError(CheckpointlessError, RuntimeError):
     """No correct plan exists (no spare, or no live replica of some shard)."""
 

@@ -3,6 +3,7 @@
 parameters a receiver holds alike are not sent: a LoRA recovery moves the adapter), ``digests``
 (what replicas compare, the final state's digest)."""
 
+from checkpointless.errors import IntegrityError as IntegrityError
 from checkpointless.state import frozen as frozen
 from checkpointless.state.digests import combined_digest as combined_digest
 from checkpointless.state.digests import digest_state as digest_state

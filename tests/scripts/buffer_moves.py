@@ -43,7 +43,7 @@ def main() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     session = cl.Session(model, opt)
     broadcasts = 0
-    buffers = session._buffers
+    buffers = session._model.buffers
     real = buffers.sync
 
     def counted(*args, **kwargs):  # type: ignore[no-untyped-def]

@@ -22,14 +22,14 @@ from tests import devicefake
 
 def main() -> None:
     import checkpointless as cl
-    import checkpointless.member
-    import checkpointless.session_base
+    import checkpointless.formation
+    import checkpointless.session
 
     steps = int(sys.argv[1])
     out = os.environ["PLANES_OUT"]
     torch.set_num_threads(1)
-    checkpointless.member.Group = devicefake.PlaneGroup  # type: ignore[misc]
-    checkpointless.session_base.local_device = lambda: devicefake.PRETEND  # session.device
+    checkpointless.formation.Group = devicefake.PlaneGroup  # type: ignore[misc]
+    checkpointless.session.local_device = lambda: devicefake.PRETEND  # session.device
     with devicefake.PretendMode():
         torch.manual_seed(0)
         model = devicefake.on_pretend(

@@ -66,9 +66,24 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("state", ("state", "ddp", "fsdp", "durable", "replicas", "shards")),
     ("control", ("control",)),
     ("loaders", ("loaders",)),
-    ("recovery", ("", "session", "session_base", "member", "lifecycle", "consistency")),
+    ("faults", ("faults",)),
+    (
+        "recovery",
+        (
+            "",
+            "session",
+            "progress",
+            "model_holder",
+            "member",
+            "formation",
+            "recovery_source",
+            "consistency",
+            "joining",
+            "ending",
+        ),
+    ),
     ("corpus", ("corpus",)),
-    ("faults / metrics", ("faults", "observe")),
+    ("metrics", ("observe",)),
     (
         "launch / recipes / cli",
         ("launch", "recipes", "models", "analysis", "integrations", "cli", "__main__"),
@@ -292,20 +307,13 @@ def _package_sources() -> dict[str, str]:
     return sources
 
 
-INJECTOR = "the session holds the fault injector of faults.py (issue 41 item 2: the grammar apart; the injector passed in)"
-PRIVATE = "a private name crosses a file (issue 41 item 6: public names for what crosses a file)"
-
-
 def _known(rule: str, importer: str, why: str, targets: list[str]) -> dict[tuple[str, ...], str]:
     return {(rule, f"{PACKAGE}.{importer}".rstrip("."), f"{PACKAGE}.{t}"): why for t in targets}
 
 
 KNOWN_LAYOUT: dict[tuple[str, ...], str] = {
     # (rule, module, what) -> why it is still there. The list may only shrink.
-    **_known("layer", "session", INJECTOR, ["faults"]),
-    **_known("layer", "session_base", INJECTOR, ["faults"]),
-    **_known("private name", "lifecycle", PRIVATE + " (the session's tower)", ["session_base._Progress"]),
-    **_known("private name", "session", PRIVATE + " (the session's tower)", ["member._release_frames"]),
+    **_known("re-export", "state", "checkpointless.state.IntegrityError, the import path users had before errors.py held every exception (tests/unit/test_errors.py keeps old paths working)", ["errors"]),
 }  # fmt: skip
 
 LAYOUT_RULES = {

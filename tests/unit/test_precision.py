@@ -159,7 +159,7 @@ def test_state_round_trips_through_the_transfer_encoding_and_the_next_step_is_bi
     )
     for step in range(2):
         train_step(src_session, src, *batch(cfg, seed=step))
-    state = src_session._registry.state_dict()  # what a source sends to a replacement
+    state = src_session._model.registry.state_dict()  # what a source sends to a replacement
     opt_state = state["optimizer"]["state"]
     assert all(opt_state[i][MASTER_KEY].dtype == torch.float32 for i in opt_state)
     # through the wire format (metadata + tensors); the receiver gets fresh copies
@@ -173,7 +173,7 @@ def test_state_round_trips_through_the_transfer_encoding_and_the_next_step_is_bi
         dst.model, dst.optimizer, state={"scheduler": dst.scheduler}, seed=cfg.train.seed
     )
     assert dst_session.state_digest() != src_session.state_digest()
-    dst_session._registry.load_state_dict(received)
+    dst_session._model.registry.load_state_dict(received)
     assert dst_session.step == src_session.step == 2
     assert dst_session.state_digest() == src_session.state_digest()
     assert dst.scheduler.get_last_lr() == src.scheduler.get_last_lr()
@@ -241,7 +241,7 @@ def test_dry_run_bytes_are_what_a_real_training_step_allocates(family: str, dtyp
         "masters": nbytes(masters),
         "optimizer": nbytes(moments) + nbytes(masters),
     }
-    assert measured["grads"] == session._reducer.bytes  # the grads are the reduction's buckets
+    assert measured["grads"] == session._model.reducer.bytes  # the grads are the reduction's buckets
     assert measured == {
         "params": report["rank_params_bytes"],
         "grads": report["rank_grads_bytes"],
@@ -258,7 +258,7 @@ def test_dry_run_bytes_are_what_a_real_training_step_allocates(family: str, dtyp
         assert report["step_grads_bytes"] == 0
 
     # what a replacement receives: model and optimizer state (a tied weight under both names)
-    sent = session._registry.state_dict()
+    sent = session._model.registry.state_dict()
     _, model_tensors = codec.encode_state({"model": sent["model"]})
     _, optimizer_tensors = codec.encode_state({"optimizer": sent["optimizer"]})
     assert nbytes(model_tensors) + nbytes(optimizer_tensors) == report["recovery_bytes"] + nbytes(counters)

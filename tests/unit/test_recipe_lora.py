@@ -238,7 +238,7 @@ def test_dry_run_bytes_are_what_a_lora_step_allocates_and_a_recovery_moves(famil
     moments = [s[k] for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq")]
     masters = opt.masters if isinstance(opt, MasterWeightAdamW) else []
     assert [p.grad is not None for p in params] == [p.requires_grad for p in params]
-    assert nbytes(p.grad for p in adapter) == report["rank_grads_bytes"] == session._reducer.bytes
+    assert nbytes(p.grad for p in adapter) == report["rank_grads_bytes"] == session._model.reducer.bytes
     assert (
         nbytes(masters)
         == report["rank_master_bytes"]
@@ -248,7 +248,7 @@ def test_dry_run_bytes_are_what_a_lora_step_allocates_and_a_recovery_moves(famil
 
     # what a replacement that built the same base receives (state/frozen.py's rule)
     replacement = build_training(cfg).model
-    registry = session._registry.state_dict()
+    registry = session._model.registry.state_dict()
     offered = frozen.offer({"model": replacement.state_dict()}, replacement)
     sent, kept = frozen.leave_out(registry, model, offered)
     _, model_tensors = codec.encode_state({"model": sent["state"]["model"]})

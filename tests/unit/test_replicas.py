@@ -55,12 +55,12 @@ def test_sources_unchanged_when_holders_agree_and_per_shard() -> None:
 
 def test_the_holders_compare_only_where_two_of_them_could_disagree() -> None:
     from checkpointless.control.plan import initial_plan, make_plan
-    from checkpointless.member import _holders_can_disagree
+    from checkpointless.member import holders_can_disagree
 
     def plan(world: int, shards: int, alive: list[int]) -> bool:
         prev = initial_plan(world, shards, [f"w{r}" for r in range(world)])
         spares = [f"s{i}" for i in range(world)]
-        return _holders_can_disagree(make_plan(prev, {r: 4 for r in alive}, spares))
+        return holders_can_disagree(make_plan(prev, {r: 4 for r in alive}, spares))
 
     assert not plan(2, 1, [0])  # DDP 2: one holder, it is the source
     assert plan(3, 1, [0, 2])  # DDP 3: two holders compare

@@ -52,7 +52,7 @@ def test_attempt_reseeds_per_step_and_rank() -> None:
 
     def draws(rank: int) -> list[tuple[float, float, float]]:
         session = cl.Session(torch.nn.Linear(1, 1), seed=7)
-        session.rank = rank  # what a formation gives a process: its seeds follow it
+        session._member.rank = rank  # what a formation gives a process: its seeds follow it
         out = []
         for _ in session.steps(3):
             torch.rand(5), np.random.rand(), random.random()  # drawn between attempts: no effect on the next

@@ -29,7 +29,7 @@ from checkpointless.comm import CollectiveError, Group
 from checkpointless.ddp import GradientReducer
 from checkpointless.errors import IntegrityError
 from checkpointless.models.tiny_gpt import GPTConfig, TinyGPT
-from checkpointless.session_base import _Progress
+from checkpointless.progress import Progress, StepState
 from checkpointless.state import (
     StateRegistry,
     codec,
@@ -334,17 +334,18 @@ def test_rng_states_round_trip_and_continue_the_same_streams() -> None:
     np.random.seed(3)
     random.seed(3)
     torch.rand(7), np.random.rand(7), random.random()  # somewhere mid-stream
-    session = types.SimpleNamespace(_committed=41, _next_step=0, _lineage=0)
-    progress = _Progress(session)  # type: ignore[arg-type]
+    steps = StepState()
+    steps.commit(41)
+    progress = Progress(steps)
     state = {"progress": progress.state_dict()}
     expected = (torch.rand(5), np.random.rand(5), [random.random() for _ in range(5)])
 
     got, _ = transfer(state, send_key=KEY, recv_key=KEY)
     assert_same(state, got)
     torch.manual_seed(99), np.random.seed(99), random.seed(99)  # the receiver's streams differ
-    session._committed = -1
+    steps.load(-1, 0)
     progress.load_state_dict(got["progress"])
-    assert (session._committed, session._next_step) == (41, 42)
+    assert (steps.committed, steps.next) == (41, 42)
     assert torch.equal(torch.rand(5), expected[0])
     assert np.array_equal(np.random.rand(5), expected[1])
     assert [random.random() for _ in range(5)] == expected[2]
@@ -829,7 +830,7 @@ class _OwnMetrics:
 
 
 def test_per_rank_state_moves_with_the_rest_but_the_replicas_do_not_compare_it() -> None:
-    from checkpointless.session_base import SessionBase
+    from checkpointless.model_holder import compared_entries
 
     model = torch.nn.Linear(2, 2)
     entries = []
@@ -839,5 +840,5 @@ def test_per_rank_state_moves_with_the_rest_but_the_replicas_do_not_compare_it()
         registry.register("metrics", _OwnMetrics(value))
         assert set(registry.state_dict()) == {"model", "metrics"}
         assert set(registry.compared_state_dict()) == {"model"}
-        entries.append(SessionBase._registered_entries(cast(Any, types.SimpleNamespace(_registry=registry))))
+        entries.append(compared_entries(registry))
     assert entries[0] == entries[1] and not any(path.startswith("metrics") for path, _ in entries[0])

@@ -482,39 +482,8 @@ def _foreign_writes(module: Module) -> Iterator[tuple[str, ast.Attribute]]:
 
 # ----------------------------------------------------------------------------- the ratchet
 
-SESSION_TOWER = "Session(Member(ReplicaConsistency(ModelLifecycle(SessionBase)))) over one bag of attributes (issue 41 item 1: the session's parts)"
-
-
-def _entries(rule: str, file: str, why: str, names: list[str]) -> dict[tuple[str, str, str], str]:
-    return {(rule, f"checkpointless/{file}", name): why for name in names}
-
-
 KNOWN: dict[tuple[str, str, str], str] = {
-    # (rule, file, names) -> why it is still there. The list may only shrink.
-    **_entries("inherit", "session.py", SESSION_TOWER, ["Session(Member)"]),
-    **_entries("inherit", "member.py", SESSION_TOWER, ["Member(ReplicaConsistency)"]),
-    **_entries("inherit", "consistency.py", SESSION_TOWER, ["ReplicaConsistency(ModelLifecycle)"]),
-    **_entries("inherit", "lifecycle.py", SESSION_TOWER, ["ModelLifecycle(SessionBase)"]),
-    **_entries("private", "session.py", SESSION_TOWER, [
-        "SessionBase._attempted", "SessionBase._attempts", "SessionBase._client", "SessionBase._committed",
-        "SessionBase._current", "SessionBase._durable", "SessionBase._faults", "SessionBase._finished",
-        "SessionBase._first_commit", "SessionBase._generation_state", "SessionBase._group",
-        "SessionBase._has_state", "SessionBase._local_failures", "SessionBase._loop_done",
-        "SessionBase._metrics", "SessionBase._next_step", "SessionBase._reduced", "SessionBase._reexecute",
-        "SessionBase._secret", "SessionBase._steps_started",
-    ]),
-    **_entries("private", "member.py", SESSION_TOWER, [
-        "SessionBase._forming", "SessionBase._generation_state", "SessionBase._group", "SessionBase._has_state",
-        "SessionBase._host_ranks", "SessionBase._lineage", "SessionBase._lineages",
-        "SessionBase._local_failures", "SessionBase._next_step", "SessionBase._reexecute",
-    ]),
-    **_entries("private", "consistency.py", SESSION_TOWER, [
-        "SessionBase._has_state", "SessionBase._lineage", "SessionBase._starts",
-    ]),
-    **_entries("private", "lifecycle.py", SESSION_TOWER, [
-        "SessionBase._buffers", "SessionBase._generation_state", "SessionBase._group", "SessionBase._reducer",
-        "SessionBase._registry", "SessionBase._saved", "SessionBase._trainable",
-    ]),
+    # (rule, file, names) -> why it is still there. The list may only shrink (it is empty: keep it so).
 }  # fmt: skip
 
 

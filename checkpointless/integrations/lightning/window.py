@@ -8,8 +8,8 @@ from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from checkpointless.progress import Attempt
     from checkpointless.session import Session
-    from checkpointless.session_base import Attempt
 
 
 class Window:

@@ -1,0 +1,106 @@
+"""How a launched process joins its job: its member built from what the launcher put in the
+environment (control client, fault injector, durable writer), then, as a worker, generation 0, or,
+as a spare, the preparation of its model and the wait for a rank."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from datetime import timedelta
+
+import torch
+
+from checkpointless.comm import CollectiveError
+from checkpointless.config import JobConfig
+from checkpointless.control.auth import secret_from_env
+from checkpointless.control.client import ControlClient, JobStopped
+from checkpointless.control.plan import Plan
+from checkpointless.errors import IntegrityError
+from checkpointless.faults import FaultInjector
+from checkpointless.member import Member
+from checkpointless.model_holder import ModelHolder
+from checkpointless.progress import StepState
+from checkpointless.protocol.env import ENV_AGENT_PID, ENV_NODE, ENV_PROC, ENV_RELAY, ENV_STORE
+from checkpointless.protocol.vocab import Event, Phase
+
+log = logging.getLogger(__name__)
+
+
+def _env_int(name: str) -> int | None:
+    """An integer the agent put in the environment, or None where it did not."""
+    text = os.environ.get(name, "")
+    return int(text) if text.lstrip("-").isdigit() else None
+
+
+def _restore_priority() -> None:
+    """Nice 0 for every thread of this process (nice is per thread on Linux). Its scheduling
+    autogroup is the launcher's, shared with the workers: left as it is."""
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        tids = [0]
+    for tid in tids:
+        try:
+            if os.getpriority(os.PRIO_PROCESS, tid) > 0:
+                os.setpriority(os.PRIO_PROCESS, tid, 0)
+        except OSError as e:  # not allowed (the launcher only nices where it is), or the thread ended
+            if e.errno != errno.ESRCH:
+                log.warning("could not restore normal priority of thread %d: %s", tid, e)
+
+
+def member_of_the_job(
+    job: JobConfig, model: ModelHolder, steps: StepState, device: torch.device, seed: int, *, spare: bool
+) -> Member:
+    """The member of a launched job: its control client (heartbeats, events, the lease), its fault
+    injector and its durable writer, from what the launcher put in the environment."""
+    secret = secret_from_env()
+    rc = job.recovery
+    client = ControlClient(
+        os.environ[ENV_STORE],
+        os.environ[ENV_PROC],
+        secret,
+        timeout=timedelta(seconds=rc.collective_timeout_s),
+        heartbeat_interval=rc.heartbeat_interval_s,
+        relay=os.environ.get(ENV_RELAY) or None,
+    )
+    faults = FaultInjector(
+        job.faults, client, node=_env_int(ENV_NODE), agent_pid=_env_int(ENV_AGENT_PID) or 0
+    )
+    return Member(job, model, steps, device=device, client=client, secret=secret, faults=faults, seed=seed,
+                  has_state=not spare)  # fmt: skip
+
+
+def start_as_worker(member: Member) -> bool:
+    """A worker enters generation 0 (its rank is the launcher's)."""
+    assert member.client is not None
+    _enter_first(member, member.client.wait_plan(0, member.plan_timeout))
+    return True
+
+
+def start_as_spare(member: Member, model: ModelHolder) -> bool:
+    """A spare's model is built like the workers' but is not the job's state until it receives it: it
+    prepares the model while it waits (``prepare_spare``), then waits for a rank and enters the
+    generation that gives it one. False: the job ended first."""
+    client = member.client
+    assert client is not None
+    model.prepare_spare(member.device.type)
+    _restore_priority()  # started niced (launcher): start-up is over, a spare must not lag
+    client.update(phase=Phase.SPARE)
+    client.emit(Event.SPARE_READY, sync=True)
+    try:
+        gen = client.wait_assignment()
+    except JobStopped:
+        client.close()
+        return False
+    _enter_first(member, client.wait_plan(gen, member.plan_timeout))
+    return True
+
+
+def _enter_first(member: Member, plan: Plan) -> None:
+    """A peer that fails while this process joins its first generation is recovered from like any
+    other failure: the process stays and joins the next one."""
+    try:
+        member.enter(plan)
+    except (CollectiveError, IntegrityError, TimeoutError) as e:
+        member.join_failed(e, plan.gen, plan.resume_step)
