@@ -4,7 +4,7 @@ Each worker and spare holds one ``ControlClient``. It owns two connections: one 
 ``TCPStore`` for the main thread (plans, reports), and the heartbeat connection
 (``control/link.py``), on which a daemon heartbeat thread beats, ships the process's events and
 renews the process's lease (``control/lease.py``). (Group formation opens a third, see
-``Session._form_group``.) The heartbeat connection goes to the control store itself or, on several
+``formation.Formation``.) The heartbeat connection goes to the control store itself or, on several
 hosts, to the host agent's relay store (``control/transport.py``). A stopped (SIGSTOP) process stops
 heartbeating, which is how the coordinator detects a hang.
 

@@ -164,7 +164,7 @@ def test_a_groups_connections_are_told_apart_from_other_threads() -> None:
 
 
 def test_an_aborted_formation_spares_another_threads_connection() -> None:
-    """What Session._form_group does when the coordinator aborts a formation whose peer never
+    """What formation.Formation does when the coordinator aborts a formation whose peer never
     comes: the formation ends at once, and a connection another thread opened meanwhile (a
     logger's, to a server of its own) survives it."""
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
