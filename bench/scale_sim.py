@@ -87,7 +87,7 @@ def protocol_rates(hosts: int, hang: float, step_s: float, protocol: str = RELAY
     each agent's status and the round trip after it. ``relay``: per host a relay value and a round
     trip per beat, an event chunk per step, a check of the job's stop every ``STOP_EVERY`` beats;
     ``per-rank``: per process a heartbeat and a lease check per beat, an event chunk and a heartbeat
-    per step, a check of the job's stop per step (``Session._leave_if_stopped``)."""
+    per step, a check of the job's stop per step (``Ending.leave_if_stopped``)."""
     ranks, spares = hosts * NPROC, SPARE_NODES * NPROC
     hb_s, ack_s, status_s = intervals(hang)
     both = {"status": 2 * (hosts + SPARE_NODES) / status_s}  # the status, the lease round trip
@@ -1037,7 +1037,7 @@ class AckLoad:
     ranks' generation, ``gen/latest`` while it has none; ``per-rank``: the heartbeat thread's
     (``HeartbeatThread``, ``DirectTransport.lease``), one per process every ``ack_s``, on its
     generation's abort key) and each worker rank's check of the job's stop
-    (``Session._leave_if_stopped``: per-rank, at the step pace; relayed, the relay asks once every
+    (``Ending.leave_if_stopped``: per-rank, at the step pace; relayed, the relay asks once every
     ``STOP_EVERY`` beats and the ranks read its answer on their host). Its hosts' processes are
     named as the coordinator names them (``w<rank>``, the spare host's ``s<i>``); the generation is
     followed with a blocking wait on the next plan."""

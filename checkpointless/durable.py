@@ -18,7 +18,7 @@ restore nor prune each other's snapshots; a job started again with the same comm
 names the same run on purpose (its trajectory is the same, bit for bit). The coordinator picks the
 newest snapshot complete for every shard, of this job's shape and seed, at or before the highest
 step the job committed (``latest_complete``); the ranks load their own run's newest one at or
-before that step which verifies (``Session._restore_durable``).
+before that step which verifies (``recovery_source.restore_durable``).
 
 A snapshot's state is flattened the way the transfer flattens it (``state.codec.encode_state``): the
 DCP state dict holds the tensors as ``t0, t1, ...`` and the manifest holds the metadata skeleton,

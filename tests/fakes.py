@@ -164,7 +164,7 @@ class FakeWorker:
         self.heartbeat(phase="spare")
 
     def enter(self, rank: int, gen: int, committed: int = -1) -> None:
-        """Joined generation ``gen`` as ``rank`` (``Session._enter`` ends in phase idle)."""
+        """Joined generation ``gen`` as ``rank`` (``Member.enter`` ends in phase idle)."""
         self.heartbeat(rank=rank, gen=gen, phase="idle", committed=committed)
 
     def compute(self, step: int, attempt: int) -> None:
@@ -177,7 +177,7 @@ class FakeWorker:
         self.heartbeat(phase="idle", committed=step, step_time_s=step_time_s)
 
     def recover(self, reason: str = "collective_error", *, has_state: bool = True) -> None:
-        """``Session._recover``: phase recovering, then a failure report of the current generation."""
+        """``Member.recover``: phase recovering, then a failure report of the current generation."""
         self.heartbeat(phase="recovering")
         s = self.status
         self.report_failure(int(s["gen"]), int(s["rank"]), int(s.get("committed", -1)), reason, has_state)

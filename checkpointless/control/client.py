@@ -249,7 +249,7 @@ class ControlClient:
         self, rank: int, digest: str, step: int, entries: list[tuple[str, str]] | None = None
     ) -> None:
         """Training ended at ``step``: the final state's digest, and the per-entry digests of
-        everything registered (``Session._registered_entries``) that the replicas compare."""
+        everything registered (``ModelHolder.entries``) that the replicas compare."""
         value = {"digest": digest, "step": step, "proc": self.proc, "entries": entries or []}
         self.store.set(keys.done(rank), json.dumps(value))
 
