@@ -305,7 +305,7 @@ print(live, loops())
 
 
 def test_a_closed_generation_leaves_no_gloo_thread_behind() -> None:
-    """What a sharded spare does while it waits (Session._prewarm): build and use a model on a
+    """What a sharded spare does while it waits (ShardedModel.prepare_spare): build and use a model on a
     1 x 1 mesh, then close it. Nothing of it may keep waking up: every gloo event loop wakes 100
     times a second, CPU the workers beside an idle spare need. Runs in a fresh interpreter: the
     leak this guards against came from importing DTensor's modules while a group was alive."""
