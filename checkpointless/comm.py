@@ -352,6 +352,11 @@ class Group:
             return
         self.allreduce_([torch.zeros(1)])
 
+    def use_control(self, group: Group) -> None:
+        """Carry this group's small control messages (barriers, digests, headers) on ``group``, a
+        gloo group of the same generation (the data plane runs on an accelerator's backend)."""
+        self.control = group
+
     def release(self) -> None:
         """Fail every pending collective of this group at once, here and on its peers; safe from
         any thread while another is blocked in a collective (see the module doc). The group is

@@ -320,8 +320,11 @@ class DurableWriter:
     def due(self, step: int) -> bool:
         return self.every > 0 and (step + 1) % self.every == 0
 
-    def save(self, step: int, state: dict[str, Any]) -> bool:
-        """Snapshot ``state`` (as of committed ``step``) in the background; False if one is still running."""
+    def save(self, step: int, state: dict[str, Any], *, shard: int | None = None) -> bool:
+        """Snapshot ``state`` (as of committed ``step``) in the background; False if one is still running.
+        ``shard``: the shard this process holds now (a recovery may give it another)."""
+        if shard is not None:
+            self.shard = shard
         if self._thread is not None and self._thread.is_alive():
             self.skipped.append(step)
             self._tell(Event.DURABLE_SKIPPED, step=step, shard=self.shard)

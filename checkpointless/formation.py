@@ -64,8 +64,15 @@ class Formation:
                         device_type=self._device_type,
                     )  # fmt: skip
                     if self._backend != "gloo":  # the control messages' gloo group (comm.Group)
-                        result["generation"].group.control = Group(
-                            store, plan.gen, rank, plan.world_size, prefix=prefix + "ctl/", timeout=timeout
+                        result["generation"].group.use_control(
+                            Group(
+                                store,
+                                plan.gen,
+                                rank,
+                                plan.world_size,
+                                prefix=prefix + "ctl/",
+                                timeout=timeout,
+                            )
                         )
                 else:
                     result["group"] = Group(

@@ -559,16 +559,16 @@ class Session:
             self._member.client.update(phase=Phase.IDLE, committed=step, step_time_s=seconds, **self._metrics)
             # shipped by the heartbeat thread's next beat (within ``heartbeat_interval``), not here:
             # a store write of the main thread wakes the launcher on the cores the ranks train on,
-            # and the step waited for it (~0.2 ms a step, bench/integrations.py). Every event
+            # and the step waited for it (bench/integrations.py measures it). Every event
             # emitted with ``sync`` (a fault's, a failure's) ships the commits before it.
             self._member.client.emit(
                 Event.STEP_COMMITTED, rank=self.rank, gen=self.generation, step=step,
                 step_time_s=seconds, **self._metrics,
             )  # fmt: skip
             durable = self._member.durable
-            if durable is not None and durable.due(step) and self.replica == 0:  # one writer per shard
-                durable.shard = self.shard
-                if durable.save(step, self._model.registry.state_dict()):
-                    self._member.client.emit(
-                        Event.DURABLE_SAVED, rank=self.rank, gen=self.generation, step=step, shard=self.shard
-                    )
+            if durable is None or not durable.due(step) or self.replica != 0:  # one writer per shard
+                return
+            if durable.save(step, self._model.registry.state_dict(), shard=self.shard):
+                self._member.client.emit(
+                    Event.DURABLE_SAVED, rank=self.rank, gen=self.generation, step=step, shard=self.shard
+                )
