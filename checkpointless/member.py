@@ -342,6 +342,7 @@ class Member:
             if self.faults is not None:
                 self.faults.at_recovery(rank, plan.resume_step, self.fault_fired, at="source")
             transfer_out(self.group, dst, self._model, self._secret, gen=plan.gen, rank=rank)
+        self._relayout(plan.resume_step)
         if plan.world_size > 1 and self._steps.committed < 0 and plan.restore is None:
             # nothing committed yet (generation 0, or a recovery before the first commit): every
             # replica starts from rank 0's parameters and buffers, as DDP's do
@@ -391,7 +392,12 @@ class Member:
         """State was loaded into the model: its buffers committed, its trainable flags (which came
         with it) the ones the ranks agree on."""
         self._model.received(step)
-        if self._model.model is not None and not self._model.sharded:
+        self._relayout(step, took=True)
+
+    def _relayout(self, step: int, *, took: bool = False) -> None:
+        """The gradient buckets follow the trainable flags as they are now, which every rank holds
+        alike (a peer's state brought them, ``took``; or each undid its failed attempt's change)."""
+        if (self._model.relayout(step) or took) and self._model.model is not None and not self._model.sharded:
             self.trainable.took([n for n, p in self._model.model.named_parameters() if p.requires_grad])
 
     def resync_to(self, dst: int) -> None:

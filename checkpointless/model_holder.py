@@ -56,6 +56,7 @@ class ModelHolder(Protocol):
     def undo_attempt(self) -> None: ...
     def leave(self, keep: bool) -> None: ...
     def received(self, step: int) -> None: ...
+    def relayout(self, step: int) -> bool: ...
     def prepare_spare(self, device_type: str) -> None: ...
     def entries(self) -> list[tuple[str, str]]: ...
     def digest(self, committed: int) -> str: ...
@@ -198,11 +199,16 @@ class ReplicatedModel:
         """Kept across generations: the failed attempt was undone already."""
 
     def received(self, step: int) -> None:
-        """State was loaded from a peer: its buffers are the committed ones, and the trainable
-        flags came with it (the buckets laid out for them, as on the source)."""
+        """State was loaded from a peer: its buffers are the committed ones."""
         self.buffers.commit()
-        if self.reducer.stale():
-            self._rebuild_reducer(step)
+
+    def relayout(self, step: int) -> bool:
+        """The gradient buckets laid out for the trainable flags as they are now (they came with a
+        peer's state, or a failed attempt's change was undone); whether they had to be."""
+        if not self.reducer.stale():
+            return False
+        self._rebuild_reducer(step)
+        return True
 
     def prepare_spare(self, device_type: str) -> None:
         """A spare, while it waits: allocate the optimizer's state (AdamW's moments exist only
@@ -346,6 +352,10 @@ class ShardedModel:
 
     def received(self, step: int) -> None:
         self.buffers.commit()
+
+    def relayout(self, step: int) -> bool:
+        """FSDP2 lays out its own reduction: nothing to redo."""
+        return False
 
     def prepare_spare(self, device_type: str) -> None:
         """A sharded spare builds the model once on a local 1 x 1 mesh while it waits: the first
