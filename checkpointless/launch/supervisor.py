@@ -28,12 +28,14 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 from checkpointless.config import JobConfig
 from checkpointless.errors import LaunchError
+from checkpointless.launch.forkserver import ForkServer, forkable
 from checkpointless.protocol.env import (
     ENV_CONFIG,
+    ENV_FORK_SERVER,
     ENV_JOB_ID,
     ENV_LOCAL_INDEX,
     ENV_PROC,
@@ -57,6 +59,19 @@ def _die_with_launcher() -> None:
         os._exit(1)
     if _CHILD_NICE or os.getpriority(os.PRIO_PROCESS, 0) != 0:  # absolute: an agent may run at another
         os.setpriority(os.PRIO_PROCESS, 0, _CHILD_NICE)
+
+
+def _die_with_launcher_at_normal_priority() -> None:
+    """The fork server's: dies with the launcher, keeps its nice value (each child sets its own)."""
+    _LIBC.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != _LAUNCHER_PID:
+        os._exit(1)
+
+
+def fork_server_enabled() -> bool:
+    """Whether the job's Python processes are forked from a fork server (``launch/forkserver.py``):
+    ``CHECKPOINTLESS_FORK_SERVER=1`` in the launcher's (or agent's) environment; off by default."""
+    return os.environ.get(ENV_FORK_SERVER, "0") == "1"
 
 
 def can_restore_priority() -> bool:
@@ -97,6 +112,16 @@ def _tree_cpu_seconds(pid: int) -> float | None:
     return total
 
 
+class Started(Protocol):
+    """A started process as ``subprocess.Popen`` or ``forkserver.Forked`` gives it."""
+
+    @property
+    def pid(self) -> int: ...
+    def poll(self) -> int | None: ...
+    def wait(self, timeout: float | None = None) -> int: ...
+    def kill(self) -> None: ...
+
+
 class _Child:
     """A started process, as the coordinator sees it."""
 
@@ -105,7 +130,7 @@ class _Child:
     def __init__(
         self,
         name: str,
-        popen: subprocess.Popen[bytes],
+        popen: Started,
         log_file: IO[bytes],
         log_path: Path,
         slot: int = 0,
@@ -250,6 +275,13 @@ class LocalSupervisor:
         self.host = host or socket.gethostname()  # this host's name in the job's topology
         self._next_spare = 0
         self.spares: list[str] = []  # every spare started, in order
+        self._forks = (
+            ForkServer(
+                dict(os.environ) | env, _die_with_launcher_at_normal_priority, logdir / "forkserver.log"
+            )
+            if fork_server_enabled()
+            else None
+        )
 
     def spawn(self, name: str, role: str) -> _Child:
         """Start ``name`` (``w<rank>`` or ``s<n>``) in ``role`` with the job's environment and secret."""
@@ -281,15 +313,7 @@ class LocalSupervisor:
         log_path = self._logdir / f"{name}.log"
         log_file = open(log_path, "wb")  # noqa: SIM115 (closed in _cleanup)
         try:
-            # Its own process group, not its own session: the terminal's Ctrl-C reaches the launcher
-            # only, which ends the job; and every child stays in the launcher's scheduling
-            # autogroup (Linux, CONFIG_SCHED_AUTOGROUP): ranks in a group each, as a session each
-            # gives them, wait longer for one another at every collective (bench/control_load.py
-            # measures it on plain FSDP2)
-            popen = subprocess.Popen(
-                self.command, env=env, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                pass_fds=(read_end,), preexec_fn=_die_with_launcher, process_group=0,
-            )  # fmt: skip
+            popen = self._fork(env, log_file.fileno(), read_end) or self._popen(env, log_file, read_end)
             os.write(write_end, self._secret)  # 32 bytes: fits the pipe buffer, never blocks
         except OSError as e:
             log_file.close()
@@ -301,6 +325,30 @@ class LocalSupervisor:
         self.children[name] = child
         self.wakeups.watch(child)
         return child
+
+    def _fork(self, env: dict[str, str], log_fd: int, secret_fd: int) -> Started | None:
+        """The process forked by the host's fork server, or None where it cannot be (not this
+        interpreter running a script or a module, the fork server turned off or gone)."""
+        form = forkable(self.command)
+        if form is None or self._forks is None or self._forks.broken:
+            return None
+        kind, target, args = form
+        try:
+            return self._forks.spawn(kind, target, args, env=env, cwd=os.getcwd(), nice=_CHILD_NICE,
+                                     log_fd=log_fd, secret_fd=secret_fd)  # fmt: skip
+        except OSError as e:
+            log.warning("the fork server failed (%s): starting processes the usual way", e)
+            return None
+
+    def _popen(self, env: dict[str, str], log_file: IO[bytes], secret_fd: int) -> Started:
+        # Its own process group, not its own session: the terminal's Ctrl-C reaches the launcher
+        # only, which ends the job; and every child stays in the launcher's scheduling autogroup
+        # (Linux, CONFIG_SCHED_AUTOGROUP): ranks in a group each, as a session each gives them,
+        # wait longer for one another at every collective (bench/control_load.py measures it)
+        return subprocess.Popen(
+            self.command, env=env, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            pass_fds=(secret_fd,), preexec_fn=_die_with_launcher, process_group=0,
+        )  # fmt: skip
 
     def _free_slot(self) -> int:
         """The lowest slot on this host that no live process holds: workers get 0..N-1 at the start,
@@ -336,6 +384,8 @@ class LocalSupervisor:
         return {n: c.log_path for n, c in self.children.items()}
 
     def close(self) -> None:
+        if self._forks is not None:
+            self._forks.close()
         self.free_node_cache()
 
     def stop(self) -> None:

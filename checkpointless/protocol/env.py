@@ -32,3 +32,6 @@ ENV_RELAY = "CHECKPOINTLESS_RELAY"
 """``HOST:PORT`` of the host agent's relay store (multi-host jobs): the process's heartbeats, events and
 lease go there, and the agent forwards them for its whole host (``launch/relay.py``); plans, reports
 and waits still go to ``ENV_STORE``."""
+ENV_FORK_SERVER = "CHECKPOINTLESS_FORK_SERVER"
+"""``1``: the launcher and the agents fork the job's Python processes from their host's fork server
+(``launch/forkserver.py``) instead of starting each one the usual way."""

@@ -65,12 +65,18 @@ def _cli(*args: str, stdout: Any = subprocess.PIPE, tmp: Path | None = None) -> 
 
 
 def _children(pid: int) -> set[int]:
-    """Live children of ``pid`` (every thread's list: a child belongs to the thread that forked it)."""
+    """Live descendants of ``pid`` (every thread's list of children: a child belongs to the thread
+    that forked it; the job's processes are the fork server's children, ``launch/forkserver.py``)."""
     found: set[int] = set()
-    with contextlib.suppress(OSError):
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            with contextlib.suppress(OSError):
-                found |= {int(p) for p in (task / "children").read_text().split()}
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        with contextlib.suppress(OSError):
+            for task in Path(f"/proc/{parent}/task").iterdir():
+                with contextlib.suppress(OSError):
+                    new = {int(p) for p in (task / "children").read_text().split()} - found
+                    found |= new
+                    todo.extend(new)
     return found
 
 
@@ -882,3 +888,40 @@ def test_a_full_dev_shm_skips_the_batch_cache_and_the_job_finishes(tmp_path: Pat
     assert len(warnings) == 2, logs[-3000:]  # once per worker
     assert "No space left on device" in warnings[0] and "MiB free of 0.1 MiB" in warnings[0], warnings
     assert not list(Path("/dev/shm").glob(f"checkpointless-{report['job_id']}")), "left in the real /dev/shm"
+
+
+@pytest.mark.timeout(300)
+def test_a_job_forked_from_the_fork_server_recovers_bitwise_and_dies_with_its_launcher(
+    tmp_path: Path,
+) -> None:
+    """``CHECKPOINTLESS_FORK_SERVER=1``: the workers and spares are forked from one process that
+    imported torch once (``launch/forkserver.py``); a kill ends where the usual start does, and the
+    whole tree dies with a SIGKILLed launcher."""
+    env = {**os.environ, "CHECKPOINTLESS_FORK_SERVER": "1", "OMP_NUM_THREADS": "1"}
+    digests = []
+    for fork in ("0", "1"):
+        out = tmp_path / f"fork{fork}"
+        run = subprocess.run(
+            [sys.executable, "-m", "checkpointless", "demo", "--workers", "4", "--spares", "1", "--steps", "30",
+             "--fault", "kill:rank=2@step=12", "--quiet", "--out", str(out)],
+            capture_output=True, text=True, timeout=240, env={**env, "CHECKPOINTLESS_FORK_SERVER": fork},
+        )  # fmt: skip
+        assert run.returncode == 0, run.stderr[-3000:]
+        digests.append(json.loads((out / "report.json").read_text())["final_state_sha256"])
+        assert (out / "logs" / "forkserver.log").exists() == (fork == "1")
+    assert digests[0] == digests[1] != "None"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "checkpointless", "demo", "--workers", "2", "--spares", "1", "--steps", "400",
+         "--fault", "none", "--quiet", "--out", str(tmp_path / "killed")],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    with _launcher_tree(proc) as seen:
+        deadline = time.monotonic() + 60
+        while len(seen) < 4:  # the fork server, two workers and a spare
+            seen |= _children(proc.pid)
+            assert proc.poll() is None and time.monotonic() < deadline, seen
+            time.sleep(0.01)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        left = _wait_gone(seen, 5)
+        assert not left, f"alive 5 s after the launcher was SIGKILLed: {left} (of {sorted(seen)})"

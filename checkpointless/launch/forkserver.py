@@ -1,0 +1,322 @@
+"""A fork server: one process per host that imports torch and the package once, then forks the
+job's Python processes from that state. A worker or spare started this way skips the interpreter's
+start and torch's import, most of what a job's start and a spare's refill cost (``bench/startup.py``
+measures it). Turned on by ``CHECKPOINTLESS_FORK_SERVER=1``.
+
+The supervisor asks it over a Unix socket (one JSON line per request, the child's log and secret
+descriptors passed with ``SCM_RIGHTS``); it answers with the child's pid and later with its exit
+status, as ``waitpid`` gives it. A forked child is what ``python SCRIPT ARGS`` or ``python -m
+MODULE ARGS`` would have been: its own process group, its environment, working directory, nice
+value, ``argv``, ``sys.path[0]``, stdout and stderr on its log, fresh random seeds; it dies with
+the fork server, which dies with the supervisor (``PR_SET_PDEATHSIG``). A command that is not the
+launcher's own interpreter running a script or a module is started the usual way.
+
+Started as ``python -m checkpointless.launch.forkserver FD``: ``FD`` is its end of the socket.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from checkpointless.protocol.env import ENV_SECRET_FD
+
+MAX_FDS = 2  # a request passes the child's log and its secret's pipe
+SPAWN_TIMEOUT_S = 120.0
+"""How long a request waits for its child's pid (the first waits for the fork server's imports);
+past it the fork server is given up and processes are started the usual way."""
+PR_SET_PDEATHSIG = 1
+_RECV = 1 << 20
+
+
+def forkable(command: Sequence[str]) -> tuple[str, str, list[str]] | None:
+    """``("script" | "module", target, args)`` if ``command`` is this interpreter running a script
+    or a module (``-u`` allowed: the job's processes are unbuffered anyway), else None."""
+    if len(command) < 2:
+        return None
+    exe = command[0] if os.sep in command[0] else (_which(command[0]) or "")
+    if not exe or os.path.realpath(exe) != os.path.realpath(sys.executable):
+        return None
+    rest = list(command[1:])
+    while rest and rest[0] == "-u":
+        rest.pop(0)
+    if len(rest) >= 2 and rest[0] == "-m":
+        return ("module", rest[1], rest[2:])
+    if rest and not rest[0].startswith("-") and rest[0].endswith(".py"):
+        return ("script", rest[0], rest[1:])
+    return None
+
+
+def _which(name: str) -> str | None:
+    import shutil
+
+    return shutil.which(name)
+
+
+# -- the supervisor's side -------------------------------------------------------------------
+
+
+class Forked:
+    """A process the fork server started, as ``subprocess.Popen`` is used: ``pid``, ``poll``,
+    ``wait``, ``kill``. Its exit status comes from the fork server (its parent)."""
+
+    def __init__(self, pid: int, server: ForkServer) -> None:
+        self.pid, self._server = pid, server
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._server.status(self.pid, block=0.0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.poll() is None:
+            code = self._server.status(self.pid, block=timeout)
+            if code is None:
+                raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
+            self.returncode = code
+        assert self.returncode is not None
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+
+
+class ForkServer:
+    """The supervisor's handle on its host's fork server (started at the first ``spawn``)."""
+
+    def __init__(self, env: dict[str, str], preexec: Any, log_path: Path) -> None:
+        self._env, self._preexec, self._log_path = env, preexec, log_path
+        self._sock: socket.socket | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._buf = b""
+        self._exits: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self.broken = False
+
+    def _start(self) -> socket.socket:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        env = dict(self._env)
+        env["PYTHONUNBUFFERED"] = "1"
+        with open(self._log_path, "ab") as log:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "checkpointless.launch.forkserver", str(theirs.fileno())],
+                env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                pass_fds=(theirs.fileno(),), preexec_fn=self._preexec, process_group=0,
+            )  # fmt: skip
+        theirs.close()
+        self._sock = ours
+        return ours
+
+    def spawn(self, kind: str, target: str, args: list[str], *, env: dict[str, str], cwd: str, nice: int,
+              log_fd: int, secret_fd: int) -> Forked:  # fmt: skip
+        """Fork ``python SCRIPT ARGS`` (``kind`` ``script``) or ``python -m MODULE ARGS``; raises
+        ``OSError`` if the fork server cannot (the caller then starts the process itself)."""
+        with self._lock:
+            sock = self._sock or self._start()
+            request = {"kind": kind, "target": target, "args": args, "env": env, "cwd": cwd, "nice": nice}
+            try:
+                socket.send_fds(sock, [json.dumps(request).encode() + b"\n"], [log_fd, secret_fd])
+                while True:
+                    line = self._line(SPAWN_TIMEOUT_S)
+                    if line is None:
+                        raise OSError(f"no answer within {SPAWN_TIMEOUT_S:g} s")
+                    if "pid" in line:
+                        return Forked(int(line["pid"]), self)
+                    self._exits[int(line["exit"])] = int(line["code"])
+            except OSError:
+                self.broken = True
+                raise
+
+    def status(self, pid: int, block: float | None) -> int | None:
+        """The exit status of ``pid`` once the fork server has reaped it; waits up to ``block``
+        seconds for it (None: for ever), 0: only what has arrived."""
+        import time
+
+        deadline = None if block is None else time.monotonic() + block
+        with self._lock:
+            while pid not in self._exits:
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    line = self._line(left)
+                except OSError:  # the fork server is gone: so are its children (they die with it)
+                    self._exits.setdefault(pid, -int(signal.SIGKILL))
+                    break
+                if line is None:
+                    return None
+                if "exit" in line:
+                    self._exits[int(line["exit"])] = int(line["code"])
+            return self._exits.get(pid)
+
+    def _line(self, timeout: float | None) -> dict[str, Any] | None:
+        """The next message of the fork server; None if none came within ``timeout``."""
+        assert self._sock is not None
+        while b"\n" not in self._buf:
+            self._sock.settimeout(timeout)
+            try:
+                data = self._sock.recv(_RECV)
+            except (TimeoutError, BlockingIOError):
+                return None
+            finally:
+                self._sock.settimeout(None)
+            if not data:
+                raise OSError("the fork server is gone")
+            self._buf += data
+        line, self._buf = self._buf.split(b"\n", 1)
+        return dict(json.loads(line))
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+        if self._proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                self._proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._proc.wait(timeout=5)
+
+
+# -- the fork server's side ------------------------------------------------------------------
+
+
+def _serve(sock: socket.socket) -> None:
+    """Answer requests until the supervisor closes its end; report every child's exit."""
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    server_pid = os.getpid()
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    sel = selectors.DefaultSelector()
+    sel.register(sock, selectors.EVENT_READ)
+    sel.register(wake_r, selectors.EVENT_READ)
+    buf = b""
+    fds: list[int] = []
+    while True:
+        for key, _ in sel.select():
+            if key.fileobj == wake_r:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(wake_r, 4096)
+                _reap(sock)
+                continue
+            msg, got, _, _ = socket.recv_fds(sock, _RECV, MAX_FDS)
+            if not msg:
+                return  # the supervisor is gone: its children die with this process
+            buf += msg
+            fds.extend(got)
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                log_fd, secret_fd = fds[:2]
+                del fds[:2]
+                pid = os.fork()
+                if pid == 0:
+                    sel.close()
+                    signal.set_wakeup_fd(-1)
+                    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                    for fd in (wake_r, wake_w, sock.fileno()):
+                        os.close(fd)
+                    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+                    if os.getppid() != server_pid:
+                        os._exit(1)
+                    raise SystemExit(_run_child(json.loads(line), log_fd, secret_fd))
+                os.close(log_fd)
+                os.close(secret_fd)
+                sock.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+        _reap(sock)
+
+
+def _reap(sock: socket.socket) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        code = os.waitstatus_to_exitcode(status)
+        sock.sendall(json.dumps({"exit": pid, "code": code}).encode() + b"\n")
+
+
+def _run_child(request: dict[str, Any], log_fd: int, secret_fd: int) -> int:
+    """In the forked child: become the process the command would have started, run it, and return
+    its exit code (the interpreter then exits as usual: threads joined, ``atexit`` run)."""
+    import runpy
+    import traceback
+
+    os.setpgid(0, 0)
+    if os.getpriority(os.PRIO_PROCESS, 0) != int(request["nice"]):  # absolute, as the supervisor's children
+        with contextlib.suppress(PermissionError):  # lower than the fork server's: root only
+            os.setpriority(os.PRIO_PROCESS, 0, int(request["nice"]))
+    os.dup2(log_fd, 1)
+    os.dup2(log_fd, 2)
+    os.close(log_fd)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    env = dict(request["env"])
+    env[ENV_SECRET_FD] = str(secret_fd)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(request["cwd"])
+    _fresh_state(env)
+    kind, target, args = request["kind"], request["target"], list(request["args"])
+    try:
+        if kind == "module":
+            sys.argv = [target, *args]
+            sys.path[0] = os.getcwd()
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = [target, *args]
+            sys.path[0] = str(Path(target).resolve().parent)
+            runpy.run_path(target, run_name="__main__")
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            return int(e.code or 0)
+        print(e.code, file=sys.stderr)
+        return 1
+    except BaseException:  # what the interpreter prints for an uncaught exception
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+def _fresh_state(env: dict[str, str]) -> None:
+    """What a fresh interpreter has that a fork shares with its siblings: random seeds (``random``
+    reseeds itself after a fork; NumPy's global generator does not) and torch's thread count as
+    the child's environment sets it."""
+    import numpy as np
+    import torch
+
+    np.random.seed()
+    threads = env.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
+
+
+def main() -> None:
+    sock = socket.socket(fileno=int(sys.argv[1]))
+    # what every job process imports first: once here, shared by every child
+    import numpy  # noqa: F401
+    import torch
+    import torch.distributed  # noqa: F401
+
+    import checkpointless.session  # noqa: F401
+
+    sys.argv = sys.argv[:1]
+    _serve(sock)
+
+
+if __name__ == "__main__":
+    main()
