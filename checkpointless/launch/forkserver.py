@@ -21,11 +21,13 @@ import ctypes
 import json
 import os
 import selectors
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -45,7 +47,7 @@ def forkable(command: Sequence[str]) -> tuple[str, str, list[str]] | None:
     or a module (``-u`` allowed: the job's processes are unbuffered anyway), else None."""
     if len(command) < 2:
         return None
-    exe = command[0] if os.sep in command[0] else (_which(command[0]) or "")
+    exe = command[0] if os.sep in command[0] else (shutil.which(command[0]) or "")
     if not exe or os.path.realpath(exe) != os.path.realpath(sys.executable):
         return None
     rest = list(command[1:])
@@ -56,12 +58,6 @@ def forkable(command: Sequence[str]) -> tuple[str, str, list[str]] | None:
     if rest and not rest[0].startswith("-") and rest[0].endswith(".py"):
         return ("script", rest[0], rest[1:])
     return None
-
-
-def _which(name: str) -> str | None:
-    import shutil
-
-    return shutil.which(name)
 
 
 # -- the supervisor's side -------------------------------------------------------------------
@@ -144,8 +140,6 @@ class ForkServer:
     def status(self, pid: int, block: float | None) -> int | None:
         """The exit status of ``pid`` once the fork server has reaped it; waits up to ``block``
         seconds for it (None: for ever), 0: only what has arrived."""
-        import time
-
         deadline = None if block is None else time.monotonic() + block
         with self._lock:
             while pid not in self._exits:

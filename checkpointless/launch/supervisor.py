@@ -52,20 +52,19 @@ _LAUNCHER_PID = 0  # set before each fork: the parent a child must still have af
 _CHILD_NICE = 0  # set before each fork: the nice value the child starts at
 
 
-def _die_with_launcher() -> None:
-    """Runs in the child between fork and exec: SIGKILL it when the launcher dies, from its first instruction."""
+def _die_with_launcher_at_normal_priority() -> None:
+    """Runs in the child between fork and exec: SIGKILL it when the launcher dies, from its first
+    instruction; its nice value stays (the fork server's: each of its children sets its own)."""
     _LIBC.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     if os.getppid() != _LAUNCHER_PID:  # the launcher died before prctl took effect (reparented)
         os._exit(1)
+
+
+def _die_with_launcher() -> None:
+    """As above, at the nice value the child starts at (``_CHILD_NICE``)."""
+    _die_with_launcher_at_normal_priority()
     if _CHILD_NICE or os.getpriority(os.PRIO_PROCESS, 0) != 0:  # absolute: an agent may run at another
         os.setpriority(os.PRIO_PROCESS, 0, _CHILD_NICE)
-
-
-def _die_with_launcher_at_normal_priority() -> None:
-    """The fork server's: dies with the launcher, keeps its nice value (each child sets its own)."""
-    _LIBC.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() != _LAUNCHER_PID:
-        os._exit(1)
 
 
 def fork_server_enabled() -> bool:
@@ -275,6 +274,7 @@ class LocalSupervisor:
         self.host = host or socket.gethostname()  # this host's name in the job's topology
         self._next_spare = 0
         self.spares: list[str] = []  # every spare started, in order
+        self._forkable = forkable(command)  # how the fork server would run the command, if it can
         self._forks = (
             ForkServer(
                 dict(os.environ) | env, _die_with_launcher_at_normal_priority, logdir / "forkserver.log"
@@ -329,10 +329,9 @@ class LocalSupervisor:
     def _fork(self, env: dict[str, str], log_fd: int, secret_fd: int) -> Started | None:
         """The process forked by the host's fork server, or None where it cannot be (not this
         interpreter running a script or a module, the fork server turned off or gone)."""
-        form = forkable(self.command)
-        if form is None or self._forks is None or self._forks.broken:
+        if self._forkable is None or self._forks is None or self._forks.broken:
             return None
-        kind, target, args = form
+        kind, target, args = self._forkable
         try:
             return self._forks.spawn(kind, target, args, env=env, cwd=os.getcwd(), nice=_CHILD_NICE,
                                      log_fd=log_fd, secret_fd=secret_fd)  # fmt: skip
