@@ -1,7 +1,7 @@
 """A fork server: one process per host that imports torch and the package once, then forks the
 job's Python processes from that state. A worker or spare started this way skips the interpreter's
 start and torch's import, most of what a job's start and a spare's refill cost (``bench/startup.py``
-measures it). Turned on by ``CHECKPOINTLESS_FORK_SERVER=1``.
+measures it). On unless ``CHECKPOINTLESS_FORK_SERVER=0``.
 
 The supervisor asks it over a Unix socket (one JSON line per request, the child's log and secret
 descriptors passed with ``SCM_RIGHTS``); it answers with the child's pid and later with its exit
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import json
 import os
 import selectors
@@ -32,13 +33,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from checkpointless.protocol.env import ENV_SECRET_FD
+from checkpointless.protocol.env import ENV_PROC, ENV_SECRET_FD
 
 MAX_FDS = 2  # a request passes the child's log and its secret's pipe
 SPAWN_TIMEOUT_S = 120.0
 """How long a request waits for its child's pid (the first waits for the fork server's imports);
 past it the fork server is given up and processes are started the usual way."""
 PR_SET_PDEATHSIG = 1
+PR_SET_NAME = 15
 _RECV = 1 << 20
 
 
@@ -92,7 +94,8 @@ class Forked:
 
 
 class ForkServer:
-    """The supervisor's handle on its host's fork server (started at the first ``spawn``)."""
+    """The supervisor's handle on its host's fork server: ``start()`` it early, so that its imports
+    overlap the launcher's own start (``spawn`` starts it if nothing did)."""
 
     def __init__(self, env: dict[str, str], preexec: Any, log_path: Path) -> None:
         self._env, self._preexec, self._log_path = env, preexec, log_path
@@ -103,10 +106,21 @@ class ForkServer:
         self._lock = threading.Lock()
         self.broken = False
 
+    def start(self) -> None:
+        """Start the fork server process without waiting for its imports; a failure to start it
+        marks it broken (processes are then started the usual way)."""
+        with self._lock:
+            if self._sock is None and not self.broken:
+                try:
+                    self._start()
+                except OSError:
+                    self.broken = True
+
     def _start(self) -> socket.socket:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         env = dict(self._env)
         env["PYTHONUNBUFFERED"] = "1"
+        self._log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self._log_path, "ab") as log:
             self._proc = subprocess.Popen(
                 [sys.executable, "-m", "checkpointless.launch.forkserver", str(theirs.fileno())],
@@ -224,7 +238,7 @@ def _serve(sock: socket.socket) -> None:
                     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
                     if os.getppid() != server_pid:
                         os._exit(1)
-                    raise SystemExit(_run_child(json.loads(line), log_fd, secret_fd))
+                    _exit(_run_child(json.loads(line), log_fd, secret_fd))
                 os.close(log_fd)
                 os.close(secret_fd)
                 sock.sendall(json.dumps({"pid": pid}).encode() + b"\n")
@@ -247,7 +261,6 @@ def _run_child(request: dict[str, Any], log_fd: int, secret_fd: int) -> int:
     """In the forked child: become the process the command would have started, run it, and return
     its exit code (the interpreter then exits as usual: threads joined, ``atexit`` run)."""
     import runpy
-    import traceback
 
     os.setpgid(0, 0)
     if os.getpriority(os.PRIO_PROCESS, 0) != int(request["nice"]):  # absolute, as the supervisor's children
@@ -264,26 +277,85 @@ def _run_child(request: dict[str, Any], log_fd: int, secret_fd: int) -> int:
     os.environ.clear()
     os.environ.update(env)
     os.chdir(request["cwd"])
+    _name_process(env.get(ENV_PROC, ""))
     _fresh_state(env)
     kind, target, args = request["kind"], request["target"], list(request["args"])
     try:
         if kind == "module":
             sys.argv = [target, *args]
             sys.path[0] = os.getcwd()
-            runpy.run_module(target, run_name="__main__", alter_sys=True)
+            _KEPT.append(runpy.run_module(target, run_name="__main__", alter_sys=True))
         else:
             sys.argv = [target, *args]
             sys.path[0] = str(Path(target).resolve().parent)
-            runpy.run_path(target, run_name="__main__")
+            _KEPT.append(runpy.run_path(os.path.abspath(target), run_name="__main__"))
     except SystemExit as e:
+        _KEPT.append(e.__traceback__)
         if e.code is None or isinstance(e.code, int):
             return int(e.code or 0)
         print(e.code, file=sys.stderr)
         return 1
-    except BaseException:  # what the interpreter prints for an uncaught exception
-        traceback.print_exc()
+    except BaseException as e:  # as the interpreter does for an uncaught exception
+        tb = _script_frames(e.__traceback__)
+        e.__traceback__ = tb
+        sys.last_type, sys.last_value, sys.last_traceback = type(e), e, tb
+        _KEPT.append(tb)
+        sys.excepthook(type(e), e, tb)
         return 1
     return 0
+
+
+def _exit(code: int) -> None:
+    """End the child as the interpreter ends a script, less its last collection and teardown: wait
+    for its threads that are not daemons, run its ``atexit`` handlers (the session's among them),
+    flush the files it left open, then ``os._exit``. The teardown would write to every page shared
+    with the fork server (copy-on-write) for up to a second, in which the heartbeat stops, and a
+    daemon thread coming back from torch then kills the process (``std::terminate``)."""
+    import atexit
+    import io
+
+    try:
+        threading._shutdown()  # type: ignore[attr-defined]  # what Py_FinalizeEx calls first
+    except BaseException:  # a join interrupted (Ctrl-C): exit anyway, as Python does
+        pass
+    atexit._run_exitfuncs()
+    for obj in gc.get_objects():  # unclosed files, as their finalizers would at teardown
+        if isinstance(obj, io.IOBase):
+            with contextlib.suppress(Exception):
+                if not obj.closed and obj.writable():
+                    obj.flush()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
+_KEPT: list[Any] = []
+"""The script's globals, or the frames of its exit, kept to the interpreter's end as a fresh
+interpreter keeps them: its ``atexit`` handlers run with its objects alive, and torch's objects are
+not torn down under threads that still use them."""
+
+
+def _script_frames(tb: Any) -> Any:
+    """The traceback without this module's and runpy's frames, as ``python SCRIPT`` prints it."""
+    while (
+        tb is not None
+        and tb.tb_next is not None
+        and (
+            tb.tb_frame.f_code.co_filename in (__file__, "<frozen runpy>")
+            or tb.tb_frame.f_globals.get("__name__") == "runpy"
+        )
+    ):
+        tb = tb.tb_next
+    return tb
+
+
+def _name_process(proc: str) -> None:
+    """Name the child for ``ps -o comm``, ``top`` and ``htop`` (``cpl-w3``, ``cpl-s0``): its command
+    line stays the fork server's."""
+    if proc:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(PR_SET_NAME, ctypes.c_char_p(f"cpl-{proc}".encode()[:15]), 0, 0, 0)
 
 
 def _fresh_state(env: dict[str, str]) -> None:
@@ -309,6 +381,10 @@ def main() -> None:
     import checkpointless.session  # noqa: F401
 
     sys.argv = sys.argv[:1]
+    # what the imports made stays out of the children's collections: a collection there would
+    # otherwise write to every page of it (copy-on-write), at every full collection and at exit
+    gc.collect()
+    gc.freeze()
     _serve(sock)
 
 

@@ -182,8 +182,8 @@ class Launcher:
         self._wakeups.open()  # a ring wakes the launcher before any local process exists
         store_addr = f"{self.host}:{self.store.raw.port}"
         table = ProcessTable()  # the coordinator's, which the hosts' side reads (several hosts)
-        backend = self.backend = self._backend(table, store_addr)
         self.folder.open(self._log, store_addr, control_token(self._secret), self.job_id)
+        backend = self.backend = self._backend(table, store_addr)  # after open: it may write logs
         self._record(
             event(Event.JOB_STARTED, proc="launcher", gen=0, job_id=self.job_id, workers=self.job.workers,
                   spares=self.job.spares, steps=self.total_steps, faults=[str(f) for f in self.job.faults])

@@ -52,6 +52,14 @@ _LAUNCHER_PID = 0  # set before each fork: the parent a child must still have af
 _CHILD_NICE = 0  # set before each fork: the nice value the child starts at
 
 
+def _before_fork(nice: int) -> None:
+    """Set what the pre-exec hooks below read: libc, this process's pid, the child's nice value."""
+    global _LIBC, _LAUNCHER_PID, _CHILD_NICE
+    if _LIBC is None:
+        _LIBC = ctypes.CDLL("libc.so.6", use_errno=True)
+    _LAUNCHER_PID, _CHILD_NICE = os.getpid(), nice
+
+
 def _die_with_launcher_at_normal_priority() -> None:
     """Runs in the child between fork and exec: SIGKILL it when the launcher dies, from its first
     instruction; its nice value stays (the fork server's: each of its children sets its own)."""
@@ -69,8 +77,8 @@ def _die_with_launcher() -> None:
 
 def fork_server_enabled() -> bool:
     """Whether the job's Python processes are forked from a fork server (``launch/forkserver.py``):
-    ``CHECKPOINTLESS_FORK_SERVER=1`` in the launcher's (or agent's) environment; off by default."""
-    return os.environ.get(ENV_FORK_SERVER, "0") == "1"
+    on unless ``CHECKPOINTLESS_FORK_SERVER=0`` is in the launcher's (or agent's) environment."""
+    return os.environ.get(ENV_FORK_SERVER, "1") != "0"
 
 
 def can_restore_priority() -> bool:
@@ -279,18 +287,17 @@ class LocalSupervisor:
             ForkServer(
                 dict(os.environ) | env, _die_with_launcher_at_normal_priority, logdir / "forkserver.log"
             )
-            if fork_server_enabled()
+            if fork_server_enabled() and self._forkable is not None
             else None
         )
+        if self._forks is not None:
+            _before_fork(0)
+            self._forks.start()  # its imports overlap the rest of the launcher's start
 
     def spawn(self, name: str, role: str) -> _Child:
         """Start ``name`` (``w<rank>`` or ``s<n>``) in ``role`` with the job's environment and secret."""
-        global _LIBC, _LAUNCHER_PID, _CHILD_NICE
-        if _LIBC is None:
-            _LIBC = ctypes.CDLL("libc.so.6", use_errno=True)
-        _LAUNCHER_PID = os.getpid()
         nice = self.job.recovery.spare_start_nice if role == Role.SPARE else 0
-        _CHILD_NICE = nice if nice and can_restore_priority() else 0
+        _before_fork(nice if nice and can_restore_priority() else 0)
         env = dict(os.environ)
         env.update(self.env)
         slot = self._free_slot()

@@ -894,7 +894,7 @@ def test_a_full_dev_shm_skips_the_batch_cache_and_the_job_finishes(tmp_path: Pat
 def test_a_job_forked_from_the_fork_server_recovers_bitwise_and_dies_with_its_launcher(
     tmp_path: Path,
 ) -> None:
-    """``CHECKPOINTLESS_FORK_SERVER=1``: the workers and spares are forked from one process that
+    """The fork server (on unless ``CHECKPOINTLESS_FORK_SERVER=0``): the workers and spares are forked from one process that
     imported torch once (``launch/forkserver.py``); a kill ends where the usual start does, and the
     whole tree dies with a SIGKILLed launcher."""
     env = {**os.environ, "CHECKPOINTLESS_FORK_SERVER": "1", "OMP_NUM_THREADS": "1"}
