@@ -132,12 +132,14 @@ class ForkServer:
         return ours
 
     def spawn(self, kind: str, target: str, args: list[str], *, env: dict[str, str], cwd: str, nice: int,
-              log_fd: int, secret_fd: int) -> Forked:  # fmt: skip
-        """Fork ``python SCRIPT ARGS`` (``kind`` ``script``) or ``python -m MODULE ARGS``; raises
-        ``OSError`` if the fork server cannot (the caller then starts the process itself)."""
+              log_fd: int, secret_fd: int, title: str = "") -> Forked:  # fmt: skip
+        """Fork ``python SCRIPT ARGS`` (``kind`` ``script``) or ``python -m MODULE ARGS``, its command
+        line in ``ps`` ``title``; raises ``OSError`` if the fork server cannot (the caller then starts
+        the process itself)."""
         with self._lock:
             sock = self._sock or self._start()
-            request = {"kind": kind, "target": target, "args": args, "env": env, "cwd": cwd, "nice": nice}
+            request = {"kind": kind, "target": target, "args": args, "env": env, "cwd": cwd, "nice": nice,
+                       "title": title}  # fmt: skip
             try:
                 socket.send_fds(sock, [json.dumps(request).encode() + b"\n"], [log_fd, secret_fd])
                 while True:
@@ -277,7 +279,7 @@ def _run_child(request: dict[str, Any], log_fd: int, secret_fd: int) -> int:
     os.environ.clear()
     os.environ.update(env)
     os.chdir(request["cwd"])
-    _name_process(env.get(ENV_PROC, ""))
+    _name_process(str(request.get("title", "")), env.get(ENV_PROC, ""))
     _fresh_state(env)
     kind, target, args = request["kind"], request["target"], list(request["args"])
     try:
@@ -350,9 +352,15 @@ def _script_frames(tb: Any) -> Any:
     return tb
 
 
-def _name_process(proc: str) -> None:
-    """Name the child for ``ps -o comm``, ``top`` and ``htop`` (``cpl-w3``, ``cpl-s0``): its command
-    line stays the fork server's."""
+def _name_process(title: str, proc: str) -> None:
+    """Show the child in ``ps`` with the command it stands for (``setproctitle`` writes it where
+    its command line is read, as long as the fork server's own command line and environment hold
+    it), and name it ``cpl-w3``, ``cpl-s0``... (``ps -o comm``, ``top``)."""
+    if title:
+        with contextlib.suppress(ImportError):
+            import setproctitle
+
+            setproctitle.setproctitle(title)
     if proc:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(PR_SET_NAME, ctypes.c_char_p(f"cpl-{proc}".encode()[:15]), 0, 0, 0)
@@ -380,6 +388,10 @@ def main() -> None:
 
     import checkpointless.session  # noqa: F401
 
+    with contextlib.suppress(ImportError):  # it finds where the command line lies while the
+        import setproctitle  # environment is still the one the process started with
+
+        setproctitle.getproctitle()
     sys.argv = sys.argv[:1]
     # what the imports made stays out of the children's collections: a collection there would
     # otherwise write to every page of it (copy-on-write), at every full collection and at exit

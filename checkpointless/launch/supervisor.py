@@ -341,7 +341,7 @@ class LocalSupervisor:
         kind, target, args = self._forkable
         try:
             return self._forks.spawn(kind, target, args, env=env, cwd=os.getcwd(), nice=_CHILD_NICE,
-                                     log_fd=log_fd, secret_fd=secret_fd)  # fmt: skip
+                                     log_fd=log_fd, secret_fd=secret_fd, title=" ".join(self.command))  # fmt: skip
         except OSError as e:
             log.warning("the fork server failed (%s): starting processes the usual way", e)
             return None

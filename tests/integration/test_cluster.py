@@ -290,7 +290,7 @@ def test_a_stranger_on_a_hosts_network_cannot_steer_the_job(tmp_path: Path, faul
     before = _netns()
     err = (tmp_path / "cluster.err").open("w")
     job = subprocess.Popen(
-        [*CLI, "cluster", "--nodes", "2", "--nproc-per-node", "2", "--spare-nodes", "1", "demo", "--steps", "40",
+        [*CLI, "cluster", "--nodes", "2", "--nproc-per-node", "2", "--spare-nodes", "1", "demo", "--steps", "80",
          "--quiet", "--hang-timeout", "2", "--port", str(port), "--fault", fault, "--out", str(out)],
         stdout=subprocess.DEVNULL, stderr=err, env=ENV,
     )  # fmt: skip
@@ -298,9 +298,10 @@ def test_a_stranger_on_a_hosts_network_cannot_steer_the_job(tmp_path: Path, faul
     try:
         events = out / "events.jsonl"
         deadline = time.monotonic() + 300
-        while not COMMITTED.search(events.read_text() if events.exists() else ""):
+        # started as soon as a host has joined: its own start (importing torch) overlaps the job's
+        while '"host_joined"' not in (events.read_text() if events.exists() else ""):
             assert job.poll() is None and time.monotonic() < deadline, (tmp_path / "cluster.err").read_text()
-            time.sleep(0.2)
+            time.sleep(0.05)
         joined = [json.loads(line) for line in events.read_text().splitlines() if '"host_joined"' in line]
         bridge = joined[0]["addr"].rsplit(".", 1)[0] + ".1"
         spare_ns = next(n for n in _netns() - before if n.endswith("h2"))
@@ -324,7 +325,7 @@ def test_a_stranger_on_a_hosts_network_cannot_steer_the_job(tmp_path: Path, faul
     text = (tmp_path / "cluster.err").read_text()
     assert job.returncode == 0, text[-3000:]
     ref = subprocess.run(
-        [*CLI, "demo", "--workers", "4", "--spares", "0", "--fault", "none", "--steps", "40", "--quiet",
+        [*CLI, "demo", "--workers", "4", "--spares", "0", "--fault", "none", "--steps", "80", "--quiet",
          "--hang-timeout", "10"],
         capture_output=True, text=True, timeout=300, env=ENV,
     )  # fmt: skip

@@ -28,6 +28,7 @@ print(json.dumps({{
     "secret": read_secret_fd(fd).hex(), "nice": os.getpriority(os.PRIO_PROCESS, 0),
     "pgid": os.getpgid(0) == os.getpid(), "draw": float(np.random.rand()), "name": __name__,
     "comm": open("/proc/self/comm").read().strip(),
+    "cmdline": open("/proc/self/cmdline", "rb").read().replace(bytes(1), b" ").decode().strip(),
 }}), flush=True)
 if sys.argv[1] == "sleep":
     import time
@@ -50,7 +51,8 @@ def _spawn(server: ForkServer, script: Path, arg: str, cwd: Path, secret: bytes,
     read_end, write_end = os.pipe()
     with open(log, "wb") as f:
         child = server.spawn("script", str(script), [arg], env={**os.environ, "MARK": arg, ENV_PROC: f"w{arg}"}, cwd=str(cwd),
-                             nice=nice, log_fd=f.fileno(), secret_fd=read_end)  # fmt: skip
+                             nice=nice, log_fd=f.fileno(), secret_fd=read_end,
+                             title=f"{sys.executable} {script} {arg}")  # fmt: skip
     os.write(write_end, secret)
     os.close(read_end)
     os.close(write_end)
@@ -71,7 +73,8 @@ def test_a_forked_child_is_the_process_its_command_would_have_started(tmp_path: 
         assert seen_a["argv"] == [str(script), "3"] and seen_a["path0"] == str(script.parent)
         assert seen_a["cwd"] == str(tmp_path) and seen_a["env"] == "3" and seen_a["name"] == "__main__"
         assert seen_a["secret"] == secret.hex() and seen_a["pgid"]
-        assert seen_a["comm"] == "cpl-w3"  # its name in ps -o comm and top: its command line is ours
+        assert seen_a["comm"] == "cpl-w3"  # its name in ps -o comm and top
+        assert seen_a["cmdline"] == f"{sys.executable} {script} 3"  # in ps, pgrep -f: the command it stands for
         assert seen_b["nice"] >= 5  # its own, absolute (a worker's 0 where it may lower it: root)
         assert seen_a["nice"] == 0 or os.geteuid() != 0
         assert seen_a["draw"] != seen_b["draw"]  # NumPy reseeded as in a fresh interpreter
