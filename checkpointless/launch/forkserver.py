@@ -384,6 +384,7 @@ def main() -> None:
     # what every job process imports first: once here, shared by every child
     import numpy  # noqa: F401
     import torch
+    import torch._dynamo  # every optimizer's constructor imports it: about a second
     import torch.distributed  # noqa: F401
 
     import checkpointless.session  # noqa: F401
