@@ -30,8 +30,8 @@ lint: install
 typecheck: install
 	$(VENV)/bin/mypy
 
-# tests/unit: in-process, fast (~70 s); tests/integration: real processes, real signals. `make test`
-# keeps a real-process test of every capability (under 10 min here); the rest of the end-to-end
+# tests/unit: in-process, fast; tests/integration: real processes, real signals. `make test` keeps
+# a test of every part, most of them real processes (at most 8 min here); the rest of the end-to-end
 # matrix (tests/e2e.txt) is `make test-e2e`, which .ci/run runs too.
 test: install lint typecheck
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not e2e and not slurm" tests
