@@ -44,7 +44,8 @@ Benchmarks (each also runs alone: ``python -m bench.NAME [--quick]``):
 - ``scale``: goodput of checkpoint-restart vs checkpointless from 1,000 to 100,000 accelerators,
   simulated with parameters taken from the measurements above;
 - ``node_stall``: several hosts (network namespaces, root): kill-node and partition stall against
-  the single-host kill stall, 2 hosts x 2 ranks + 2 spare hosts, bitwise against the fault-free run.
+  the single-host kill stall, 2 hosts x 2 ranks + 2 spare hosts, bitwise against the fault-free run;
+- ``startup``: a job's start, wall time and CPU with and without the fork server, interleaved.
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ from bench import (
     node_stall,
     recovery_stall,
     scale,
+    startup,
     steady_compare,
     steady_state,
     transfer,
@@ -108,6 +110,7 @@ BENCHES: list[tuple[str, str, Any]] = [
     ("control_scale", "Control plane at scale", control_scale),
     ("scale", "Goodput at cluster scale (simulation from these measurements)", scale),
     ("node_stall", "Several hosts: kill-node and partition stall, next to the single-host kill", node_stall),
+    ("startup", "A job's start with and without the fork server", startup),
 ]
 
 

@@ -60,6 +60,7 @@ MEASURES: dict[str, list[str]] = {
     ],
     "scale": ["checkpointless/analysis", "checkpointless/recipes/dryrun.py"],
     "node_stall": RUNTIME,
+    "startup": RUNTIME,
 }
 
 

@@ -66,6 +66,31 @@ def run(reps: int, workers: int, steps: int, out: Path) -> dict[str, Any]:
     return result
 
 
+LABELS = {"wall_s": "job wall time, s", "cpu_s": "CPU of the job's processes, s",
+          "start_s": "start (job_started -> first commit), s"}  # fmt: skip
+
+
+def markdown(res: dict[str, Any]) -> str:
+    rows = []
+    for metric, label in LABELS.items():
+        m = res[metric]
+        ratio = m.get("ratio")
+        cell = f"{ratio[0]:.3f} [{ratio[1]:.3f}, {ratio[2]:.3f}]" if ratio else "–"
+        rows.append([label, f"{m['usual']['median']:.2f}", f"{m['fork server']['median']:.2f}", cell])
+    return "\n".join([
+        f"The demo, {res['workers']} workers + {res['spares']} spare, {res['steps']} fault-free steps, started the "
+        f"usual way (each process a fresh interpreter) and from the fork server, interleaved; {res['reps']} "
+        "repetitions. Medians, and the paired ratio fork server / usual with its 95% interval.",
+        "",
+        common.md_table(["", "usual", "fork server", "fork server / usual"], rows),
+    ])  # fmt: skip
+
+
+def run_bench(quick: bool, out: Path) -> dict[str, Any]:
+    """Entry point for ``bench/run_all.py``: 6 repetitions (quick: 2), 4 workers, 10 steps."""
+    return run(2 if quick else 6, 4, 10, out / "startup")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.startup", description=__doc__.split("\n\n")[0])
     ap.add_argument("--reps", type=int, default=6)

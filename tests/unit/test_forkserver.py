@@ -74,7 +74,9 @@ def test_a_forked_child_is_the_process_its_command_would_have_started(tmp_path: 
         assert seen_a["cwd"] == str(tmp_path) and seen_a["env"] == "3" and seen_a["name"] == "__main__"
         assert seen_a["secret"] == secret.hex() and seen_a["pgid"]
         assert seen_a["comm"] == "cpl-w3"  # its name in ps -o comm and top
-        assert seen_a["cmdline"] == f"{sys.executable} {script} 3"  # in ps, pgrep -f: the command it stands for
+        assert (
+            seen_a["cmdline"] == f"{sys.executable} {script} 3"
+        )  # in ps, pgrep -f: the command it stands for
         assert seen_b["nice"] >= 5  # its own, absolute (a worker's 0 where it may lower it: root)
         assert seen_a["nice"] == 0 or os.geteuid() != 0
         assert seen_a["draw"] != seen_b["draw"]  # NumPy reseeded as in a fresh interpreter
