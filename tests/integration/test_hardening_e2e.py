@@ -100,8 +100,10 @@ def test_spare_dying_while_the_group_forms_costs_one_more_spare_not_the_job() ->
     assert result.digest == reference_digest(2, 10)
 
 
-def test_crash_while_importing_torch_is_replaced_not_fatal() -> None:
-    """A worker SIGKILLed during start-up: the others are still importing and are not held to a deadline."""
+def test_crash_while_importing_torch_is_replaced_not_fatal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker SIGKILLed during start-up: the others are still importing and are not held to a deadline
+    (started the usual way: a process forked from the fork server imports nothing)."""
+    monkeypatch.setenv("CHECKPOINTLESS_FORK_SERVER", "0")
     launcher: list[Launcher] = []
     killed: list[str] = []
     result = run_job(

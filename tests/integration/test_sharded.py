@@ -120,9 +120,13 @@ def test_a_spare_killed_as_it_joins_a_rollback_is_replaced_and_the_rollback_hold
     assert len(r.report["faults"]) == 2
 
 
-def test_a_worker_killed_at_start_up_is_replaced_before_the_first_generation() -> None:
+def test_a_worker_killed_at_start_up_is_replaced_before_the_first_generation(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """SIGKILLed while it starts (importing torch, or already in the first formation): a spare
-    takes its rank and the job still ends exactly as the fault-free one."""
+    takes its rank and the job still ends exactly as the fault-free one. Started the usual way: a
+    process forked from the fork server joins before the coordinator's first look."""
+    monkeypatch.setenv("CHECKPOINTLESS_FORK_SERVER", "0")
     launcher: list[Launcher] = []
     killed: list[str] = []
     r = _run(spares=1, on_tick=kill_while_starting("w2", launcher, killed), launcher=launcher)
