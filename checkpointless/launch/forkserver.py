@@ -261,7 +261,7 @@ def _reap(sock: socket.socket) -> None:
 
 def _run_child(request: dict[str, Any], log_fd: int, secret_fd: int) -> int:
     """In the forked child: become the process the command would have started, run it, and return
-    its exit code (the interpreter then exits as usual: threads joined, ``atexit`` run)."""
+    its exit code (``_exit`` then ends the child as the interpreter would)."""
     import runpy
 
     os.setpgid(0, 0)
