@@ -472,7 +472,8 @@ def test_forgeries_of_a_stranger_are_rejected_through_a_recovery(tmp_path: Path)
     reference = _reference_digest(1)
     port = _free_port()
     with _stranger(port, tmp_path / "stranger.json") as stranger:
-        launcher = _launcher(seed=1, faults=["kill:rank=1@step=4"], port=port, out=tmp_path / "run")
+        # a pause per step: the job forked from the fork server starts and ends within ten rounds otherwise
+        launcher = _launcher(seed=1, faults=["kill:rank=1@step=4"], port=port, out=tmp_path / "run", pause_s=0.2)
         watch = _Watch(launcher, port, stranger, strict=False)
         launcher.on_tick = [watch]
         result = _run(launcher)
@@ -505,7 +506,7 @@ def test_a_stranger_cannot_steer_a_job(tmp_path: Path) -> None:
     reference = _reference_digest(1)
     port = _free_port()
     with _stranger(port, tmp_path / "stranger.json") as stranger:
-        launcher = _launcher(seed=1, port=port, timeout_s=45)
+        launcher = _launcher(seed=1, port=port, timeout_s=45, pause_s=0.2)  # ten rounds at least, as above
         launcher.on_tick = [_Watch(launcher, port, stranger, strict=True)]
         result = _run(launcher)
         attack = stranger()
