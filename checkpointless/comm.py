@@ -35,14 +35,22 @@ So a wait on a gloo collective never blocks for long: it waits in slices of ``RE
 and gives up as soon as its group is released (``_wait``); and a group aborted while one of its
 collectives still runs in gloo's worker thread is not destroyed (its destructor would join that
 thread, holding the GIL, until the timeout): it is kept aside, its sockets shut down, and dropped
-once that work has ended (``abort``, ``_sweep``). Not yet for point-to-point transfers (a state
-transfer's): a timed wait on a gloo send ends the send, and torch does not expose its abort.
+once that work has ended (``abort``, ``_sweep``). A point-to-point transfer's wait (a state
+transfer's) cannot wait in slices (a timed wait on a gloo send ends the send, and torch does not
+expose its abort): its plain wait runs in a thread of the group's own while the caller looks every
+``RELEASE_POLL_S`` whether the group was released (``_Waiter``). A wait given up leaves its work
+and tensor to that thread until gloo's timeout ends them; the work holds the group's context, so the
+group may go meanwhile. A sharded generation's group, which this module only wraps, gives up the
+same way when its owner releases it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import queue
+import threading
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -80,6 +88,43 @@ def is_collective_failure(exc: BaseException) -> bool:
     if isinstance(exc, CollectiveError | dist.DistError):
         return True
     return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _BACKEND_MARKS)
+
+
+class _Waiter:
+    """Waits a group's point-to-point works one at a time, in a daemon thread of its own, while the
+    caller looks whether the group was released (module doc). A wait given up leaves the thread
+    inside it until gloo's timeout ends the work; the group is unusable by then."""
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue[tuple[Any, threading.Event, list[str]] | None] = queue.SimpleQueue()
+        threading.Thread(target=self._run, name=name, daemon=True).start()
+
+    def wait(self, work: Any, released: Callable[[], bool], gen: int) -> None:
+        """Wait for ``work``; ``CollectiveError`` once ``released()``, a gloo error as ``RuntimeError``."""
+        done, failed = threading.Event(), list[str]()
+        self._queue.put((work, done, failed))
+        del work
+        while not done.wait(RELEASE_POLL_S):
+            if released():
+                raise CollectiveError(f"gen {gen}: the group was released while a transfer waited")
+        if failed:
+            raise RuntimeError(failed[0])
+
+    def close(self) -> None:
+        """The thread ends after the wait it is in, if any."""
+        self._queue.put(None)
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            work, done, failed = item
+            del item
+            try:
+                work.wait()
+            except RuntimeError as e:
+                failed.append(str(e))  # its message only: no frame of this thread, which holds the work
+            finally:
+                del work
+                done.set()
 
 
 class Group:
@@ -179,6 +224,8 @@ class Group:
             raise CollectiveError(f"gen {gen}: group formation failed: {e}") from None
         self._owned = True
         self._released = False
+        self._owner_released: Callable[[], bool] | None = None
+        self._waiter: _Waiter | None = None  # started at the first point-to-point wait
         if backend != "gloo":
             try:
                 self.control = Group(store, gen, rank, world_size, prefix=prefix + "ctl/", timeout=timeout)
@@ -189,12 +236,13 @@ class Group:
     @classmethod
     def wrap(
         cls, pg: Any, gen: int, rank: int, world_size: int, *, backend: str = "gloo",
-        device: torch.device | None = None,
+        device: torch.device | None = None, released: Callable[[], bool] | None = None,
     ) -> Group:  # fmt: skip
         """A ``Group`` over an existing ``ProcessGroup`` (a sharded generation's default group).
 
         Its owner tears it down (``fsdp.Generation.close``); ``abort`` only drops the reference
-        (and aborts ``control`` if the caller gave it one of its own).
+        (and aborts ``control`` if the caller gave it one of its own). ``released``: whether the
+        owner released it (a point-to-point wait then gives up, as on a group of this module's).
         """
         self = cls.__new__(cls)
         self.gen, self.rank, self.world_size, self.pg = gen, rank, world_size, pg
@@ -209,6 +257,8 @@ class Group:
         self._owned = self._default = False
         self._fds = {}
         self._released = False
+        self._owner_released = released
+        self._waiter = None
         self._pending = {}
         return self
 
@@ -222,13 +272,19 @@ class Group:
         self._pending[id(work)] = (work, p2p)
         return work
 
-    def _wait(self, work: Any, what: str) -> None:
-        """Wait for one of this group's works. A gloo collective: in slices, giving up as soon as the
-        group is released (see the module doc). NCCL, a point-to-point transfer (whose timed wait
-        would end it) or a group this one only wraps: the plain wait."""
-        p2p = self._pending.get(id(work), (None, False))[1]
+    def _is_released(self) -> bool:
+        return self._released or (self._owner_released is not None and self._owner_released())
+
+    def _wait(self, work: Any, what: str, *, p2p: bool | None = None) -> None:
+        """Wait for one of this group's works, giving up as soon as the group is released (see the
+        module doc): a gloo collective in slices, a gloo transfer in a thread of its own. NCCL (whose
+        abort ends its works) or a collective of a group this one only wraps: the plain wait."""
+        if p2p is None:
+            p2p = self._pending.get(id(work), (None, False))[1]
         try:
-            if self.backend == "gloo" and self._owned and not p2p:
+            if self.backend == "gloo" and p2p:
+                self._wait_p2p(work)
+            elif self.backend == "gloo" and self._owned:
                 self._wait_gloo(work)
             else:
                 work.wait()
@@ -250,6 +306,11 @@ class Group:
                     return
             if self._released:
                 raise CollectiveError(f"gen {self.gen}: the group was released while a collective waited")
+
+    def _wait_p2p(self, work: Any) -> None:
+        if self._waiter is None:
+            self._waiter = _Waiter(f"cpl-p2p-gen{self.gen}")
+        self._waiter.wait(work, self._is_released, self.gen)
 
     def allreduce_(self, tensors: list[torch.Tensor]) -> None:
         """Sum each tensor in place across the group (all issued, then all awaited)."""
@@ -331,18 +392,24 @@ class Group:
         self._settle()
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
+        """Send ``tensor`` to ``dst`` and wait until it went (tag 0)."""
         try:
-            self.pg.send([tensor], dst, 0).wait()
-            self._settle()
+            work = self.pg.send([tensor], dst, 0)
         except RuntimeError as e:  # gloo and NCCL errors (torch.distributed.DistError is one)
             raise CollectiveError(f"gen {self.gen}: send to rank {dst} failed: {e}") from None
+        self._wait(work, f"send to rank {dst}", p2p=True)
+        del work
+        self._settle()
 
     def recv(self, tensor: torch.Tensor, src: int) -> None:
+        """Receive ``tensor`` from ``src`` (tag 0)."""
         try:
-            self.pg.recv([tensor], src, 0).wait()
-            self._settle()
+            work = self.pg.recv([tensor], src, 0)
         except RuntimeError as e:  # gloo and NCCL errors (torch.distributed.DistError is one)
             raise CollectiveError(f"gen {self.gen}: recv from rank {src} failed: {e}") from None
+        self._wait(work, f"recv from rank {src}", p2p=True)
+        del work
+        self._settle()
 
     def barrier(self) -> None:
         """Every member reaches this point (one CPU number, on the control group)."""
@@ -385,6 +452,9 @@ class Group:
         ctl, self.control = self.control, self
         if ctl is not self:
             ctl.abort()
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None:
+            waiter.close()
         pg, self.pg = self.pg, None
         running = [w for w, p2p in self._pending.values() if not p2p and not w.is_completed()]
         self._pending = {}

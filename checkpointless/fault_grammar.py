@@ -18,6 +18,9 @@ Grammar of a spec::
     kill:spare@recovery         kill the spare that receives state in the next recovery
     kill:spare@join             kill the spare taking a rank before its generation's group forms
     kill:source@recovery        kill the survivor that sends state in the next recovery
+    partition:spare@recovery[,for=T]  partition:spare@join[,for=T]  partition:source@recovery[,for=T]
+                                cut the host of that process off the network at that moment (as
+                                ``partition:node``: for T seconds or for good; multi-host jobs)
     none                        no fault at all
 
 ``corrupt`` flips the lowest bit of the first element of the rank's first parameter (silent data
@@ -30,11 +33,15 @@ import re
 from dataclasses import dataclass
 
 KINDS = ("kill", "hang", "exception", "corrupt")
-_RECOVERY_SPECS = {
-    "recovery": "kill:spare@recovery",
-    "join": "kill:spare@join",
-    "source": "kill:source@recovery",
+_RECOVERY_SPECS = {  # a moment of a recovery -> how a spec names it (after ``KIND:``)
+    "recovery": "spare@recovery",
+    "join": "spare@join",
+    "source": "source@recovery",
 }
+_RECOVERY_SPEC = re.compile(
+    r"^(?P<kind>kill|partition):(?P<moment>spare@recovery|spare@join|source@recovery)"
+    r"(?:,for=(?P<for>\d+(?:\.\d+)?))?$"
+)
 
 _SPEC = re.compile(
     r"^(?P<kind>[a-z]+):rank=(?P<ranks>\d+(?:,\d+)*)@(?P<at>step|check|digests)=(?P<step>\d+)$"
@@ -64,10 +71,10 @@ class FaultSpec:
     duration: float | None = None  # a partition's length in seconds (None: for good)
 
     def __str__(self) -> str:
+        cut = f",for={self.duration:g}" if self.duration is not None else ""
         if self.at in _RECOVERY_SPECS:
-            return _RECOVERY_SPECS[self.at]
+            return f"{self.kind}:{_RECOVERY_SPECS[self.at]}{cut}"
         if self.node is not None:
-            cut = f",for={self.duration:g}" if self.duration is not None else ""
             return f"{self.kind}:node={self.node}@{self.at}={self.step}{cut}"
         return f"{self.kind}:rank={','.join(map(str, self.ranks))}@{self.at}={self.step}"
 
@@ -99,9 +106,13 @@ class FaultSpec:
 def parse_fault(spec: str) -> FaultSpec:
     """Parse one ``--fault`` value; raise ``ValueError`` naming what is wrong."""
     text = spec.strip()
-    for at, name in _RECOVERY_SPECS.items():
-        if text == name:
-            return FaultSpec(kind="kill", ranks=(), step=None, at=at)
+    moment = _RECOVERY_SPEC.match(text)
+    if moment is not None:
+        if moment["for"] is not None and moment["kind"] != "partition":
+            raise ValueError(f"fault {spec!r}: only a partition lasts for a time (,for=T)")
+        at = next(a for a, name in _RECOVERY_SPECS.items() if name == moment["moment"])
+        return FaultSpec(kind=moment["kind"], ranks=(), step=None, at=at,
+                         duration=None if moment["for"] is None else float(moment["for"]))  # fmt: skip
     kind = text.split(":", 1)[0]
     node = _NODE_SPEC.match(text)
     if node is not None:
@@ -111,7 +122,8 @@ def parse_fault(spec: str) -> FaultSpec:
                          duration=None if node["for"] is None else float(node["for"]))  # fmt: skip
     if text.split(":", 1)[-1].startswith("node=") or kind == "partition":
         raise ValueError(
-            f"cannot parse fault {spec!r}: a host fault is kill:node=N@step=S or partition:node=N@step=S[,for=T]"
+            f"cannot parse fault {spec!r}: a host fault is kill:node=N@step=S, partition:node=N@step=S[,for=T] "
+            "or partition:spare@recovery|join[,for=T], partition:source@recovery[,for=T]"
         )
     if kind not in KINDS:
         raise ValueError(f"unknown fault kind {kind!r} in {spec!r} (expected one of {', '.join(KINDS)})")
@@ -120,7 +132,7 @@ def parse_fault(spec: str) -> FaultSpec:
         raise ValueError(
             f"cannot parse fault {spec!r}: expected KIND:rank=R[,R...]@step=S, KIND:rank=R@check=S, KIND:rank=R@digests=S, "
             "kill:node=N@step=S, "
-            f"{', '.join(_RECOVERY_SPECS.values())}"
+            f"{', '.join('kill:' + name for name in _RECOVERY_SPECS.values())}"
         )
     ranks = tuple(int(r) for r in m["ranks"].split(","))
     if len(set(ranks)) != len(ranks):
@@ -177,7 +189,11 @@ def validate_schedule(
                 range(f.node * nproc_per_node, (f.node + 1) * nproc_per_node)))  # fmt: skip
         if f.at not in PER_RANK:
             if spares < 1:
-                raise ValueError(f"fault {f}: there is no spare to kill (--spares 0)")
+                raise ValueError(f"fault {f}: there is no spare to {f.kind} (--spares 0)")
+            if f.kind == "partition" and nodes < 1:
+                raise ValueError(
+                    f"fault {f}: a partition needs a job on several hosts (checkpointless cluster)"
+                )
             continue
         assert f.step is not None
         for r in f.ranks:

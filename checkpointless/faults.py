@@ -92,7 +92,7 @@ class FaultInjector:
             return
         if on_fire is not None:
             on_fire(index, fault, rank, step)
-        if fault.node is not None:  # the host's relay goes down with it: its events first
+        if fault.node is not None or fault.kind == "partition":  # the host's relay goes: its events first
             drain = getattr(self._claimer, "drain", None)
             if drain is not None:
                 drain(2.0)

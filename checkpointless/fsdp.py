@@ -162,7 +162,8 @@ class Generation:
             self._fds = group_connections(sockets_since(before))  # those its listeners accepted
             self.close()
             raise CollectiveError(f"gen {gen}: group formation failed: {e}") from None
-        self.group = Group.wrap(dist.group.WORLD, gen, rank, world, backend=backend)
+        self.group = Group.wrap(dist.group.WORLD, gen, rank, world, backend=backend,
+                                released=lambda: self._released)  # fmt: skip
 
     def release(self) -> None:
         """Fail every pending collective of the generation, here and on the peers (fast: no cleanup)."""

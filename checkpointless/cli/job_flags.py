@@ -65,7 +65,8 @@ def add_job_args(p: argparse.ArgumentParser, *, workers: int, spares: int) -> No
     p.add_argument("--spares", type=int, default=spares, help="hot spare processes kept warm")
     p.add_argument("--fault", action="append", default=None, metavar="SPEC",
                    help="KIND:rank=R[,R]@step=S (kill|hang|exception|corrupt), kill|hang:rank=R@check=S (at a "
-                        "consistency check), kill:spare@recovery|join, kill:source@recovery, or none")  # fmt: skip
+                        "consistency check), kill:spare@recovery|join, kill:source@recovery, kill|partition:node=N@step=S, "
+                        "partition:spare@recovery|join[,for=T], partition:source@recovery[,for=T], or none")  # fmt: skip
     p.add_argument("--out", type=Path, default=None, help="write events.jsonl, report.json and logs here")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--port", type=int, default=0, help="control store port (0: any free port)")

@@ -292,8 +292,9 @@ def recv_state(
     once everything matched. After an ``IntegrityError`` the group holds
     unconsumed messages: abort it.
 
-    ``between`` runs after the metadata arrived and before the tensors do (the
-    fault-injection point for a receiver killed mid-transfer).
+    ``between`` runs once the first piece of the tensors arrived, the rest still on the wire (before
+    they are posted where there is one piece or none): the fault-injection point for a receiver
+    killed or cut off mid-transfer.
 
     ``into``: the receiver's own state of the same structure (``StateRegistry.state_dict()``,
     whose tensors share storage with the parameters, buffers and optimizer state). A tensor at
@@ -329,8 +330,6 @@ def recv_state(
         skeleton, refs = decode_meta(meta)
     except IntegrityError as e:
         raise IntegrityError(f"state from rank {src}: {e}") from None
-    if between is not None:
-        between()
     accel = _accelerator()
     reuse = _receive_buffers(skeleton, into, len(refs)) if into is not None else [None] * len(refs)
     tensors = [
@@ -343,6 +342,8 @@ def recv_state(
     tags = []
     try:
         pieces = _pieces(tensors)
+        if between is not None and len(pieces) < 2:
+            between()
         channels = [_channel(group, refs[i].on_accelerator) for i, _, _ in pieces]
         # a piece whose tensor is not on its channel's device arrives in a buffer there (a CUDA
         # tensor over gloo: host memory) and is copied in once checked
@@ -355,6 +356,8 @@ def recv_state(
         )
         for k in range(len(pieces)):  # check each piece once it arrived, while the rest is on the wire
             channels[k].wait(works[k])
+            if k == 0 and between is not None and len(pieces) > 1:
+                between()
             i, j, data = pieces[k]
             tags.append(hash_pool().submit(_piece_tag, mac, i, j, wires[k]))
             if wires[k] is not data:

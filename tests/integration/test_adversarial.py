@@ -473,7 +473,9 @@ def test_forgeries_of_a_stranger_are_rejected_through_a_recovery(tmp_path: Path)
     port = _free_port()
     with _stranger(port, tmp_path / "stranger.json") as stranger:
         # a pause per step: the job forked from the fork server starts and ends within ten rounds otherwise
-        launcher = _launcher(seed=1, faults=["kill:rank=1@step=4"], port=port, out=tmp_path / "run", pause_s=0.2)
+        launcher = _launcher(
+            seed=1, faults=["kill:rank=1@step=4"], port=port, out=tmp_path / "run", pause_s=0.2
+        )
         watch = _Watch(launcher, port, stranger, strict=False)
         launcher.on_tick = [watch]
         result = _run(launcher)

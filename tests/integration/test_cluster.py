@@ -67,11 +67,11 @@ def reference() -> str:
     return _digest(ref.stderr)
 
 
-def _cluster(out: Path, fault: str) -> list[dict]:
+def _cluster(out: Path, *faults: str, model: tuple[str, ...] = ()) -> list[dict]:
     before = (_netns(), _bridges())
     run = subprocess.run(
-        [*CLI, "cluster", "--nodes", "2", "--nproc-per-node", "2", "--spare-nodes", "1", "demo", *STEPS,
-         "--fault", fault, "--out", str(out)],
+        [*CLI, "cluster", "--nodes", "2", "--nproc-per-node", "2", "--spare-nodes", "1", "demo", *STEPS, *model,
+         *(a for f in faults for a in ("--fault", f)), "--out", str(out)],
         capture_output=True, text=True, timeout=400, env=ENV,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
@@ -152,6 +152,42 @@ def test_a_partitioned_host_fences_itself_and_nothing_of_it_is_accepted(
     assert len(replaced) == 1 and set(replaced[0]["replaced"]) == {"2", "3"}
     logs = out / "logs" / "host1"
     assert "no answer from the control store" in (logs / "w2.log").read_text()
+
+
+@pytest.mark.timeout(600)
+def test_a_spare_host_cut_off_while_it_receives_its_state_holds_its_sources_no_longer_than_a_detection(
+    tmp_path: Path,
+) -> None:
+    """Host 1 loses power at step 6; the spare host, cut off for 3 s once the first piece of ranks 2
+    and 3's state has reached it, the rest on the wire (``partition:spare@recovery``; 38 MB a rank),
+    no longer holds the survivors sending to it for gloo's whole timeout (58 s before a transfer's
+    wait gave up on the generation's abort): the coordinator aborts the generation, the sources
+    leave their transfers at once, and the host's next spares take the ranks. Final state equal to
+    the fault-free run."""
+    model = ("--d-model", "256", "--layers", "4")  # pieces still on the wire when the link goes down
+    ref = subprocess.run([*CLI, "demo", "--workers", "4", "--spares", "0", "--fault", "none", *STEPS, *model],
+                         capture_output=True, text=True, timeout=300, env=ENV)  # fmt: skip
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    out = tmp_path / "cluster"
+    events = _cluster(out, "kill:node=1@step=6", "partition:spare@recovery,for=3", model=model)
+    assert (
+        json.loads((out / "report.json").read_text())["final_state_sha256"] == _digest(ref.stderr) != "None"
+    )
+    (cut,) = [e for e in events if e["kind"] == "fault_injected" and e["fault"] == "partition"]
+    assert cut["target"] == "recovery" and cut["proc"] in ("s0", "s1") and cut["gen"] == 1, cut
+    # the sources gave up their transfers once the coordinator aborted generation 1
+    detected = min(e["t"] for e in events if e["kind"] == "fault_detected" and e["gen"] == 1
+                   and e["proc"] == "coordinator")  # fmt: skip
+    left = [
+        e for e in events if e["kind"] == "fault_detected" and e["gen"] == 1 and e["proc"] in ("w0", "w1")
+    ]
+    assert {e["proc"] for e in left} == {"w0", "w1"}, left
+    assert max(e["t"] for e in left) - detected < 2.0, (detected, left)
+    done = [e for e in events if e["kind"] == "recovery_done"]
+    assert done and done[-1]["gen"] >= 2, done
+    assert done[-1]["seconds"] < 5.0 and done[-1]["t"] - cut["t"] < 15.0, (cut, done)
+    report = json.loads((out / "report.json").read_text())
+    assert all(f["lost_steps"] == 0 for f in report["faults"]), report["faults"]
 
 
 @pytest.mark.timeout(900)

@@ -163,3 +163,121 @@ def test_release_ends_a_wait_on_a_send_to_a_peer_that_stopped_reading() -> None:
         finally:
             peer.kill()
             peer.wait(10)
+
+
+_STATE_PEER = """
+import sys
+from datetime import timedelta
+import torch
+from torch.distributed import TCPStore
+from checkpointless.comm import Group
+from checkpointless.state import recv_state, send_state
+torch.set_num_threads(1)
+store = TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, timeout=timedelta(seconds=30))
+g = Group(store, 0, 1, 2, prefix=sys.argv[3], timeout=timedelta(seconds=int(sys.argv[2])))
+state = {"w": torch.ones(16 * 1024 * 1024), "step": 3}
+print("formed", flush=True)
+while True:
+    if sys.argv[4] == "send":  # the peer sends, the test receives
+        send_state(g, 0, state)
+    else:
+        recv_state(g, 0)
+"""
+
+
+@pytest.mark.parametrize("direction", ["send", "recv"])
+def test_release_ends_a_state_transfer_with_a_peer_that_stopped(direction: str) -> None:
+    """A state transfer of 64 MB, again and again; its peer stops (SIGSTOP, as a host cut off
+    mid-transfer) at a random point, and a third thread releases the group 0.3 s later, as the
+    heartbeat thread does when the coordinator aborts the generation. A gloo transfer's wait cannot
+    wait in slices (a timed wait ends a send), so before its wait ran in a thread of its own a source
+    whose receiver was cut off waited for gloo's timeout (H1: 61 s). The sender (``send``: the peer
+    receives) and the receiver must both give up at once, and the abort must not block."""
+    from checkpointless.state import recv_state, send_state
+
+    master = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    timeout_s = 20
+    rng = random.Random(11)
+    state = {"w": torch.ones(16 * 1024 * 1024), "step": 3}
+    for trial in range(2):
+        prefix = f"transfer-{direction}{trial}/"
+        peer = subprocess.Popen(
+            [sys.executable, "-c", _STATE_PEER, str(master.port), str(timeout_s), prefix,
+             "recv" if direction == "send" else "send"],
+            stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[2],
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )  # fmt: skip
+        try:
+            store = TCPStore("127.0.0.1", master.port, is_master=False, timeout=timedelta(seconds=30))
+            g = Group(store, 0, 0, 2, prefix=prefix, timeout=timedelta(seconds=timeout_s))
+            assert peer.stdout is not None and peer.stdout.readline().strip() == "formed"
+            stop_at = time.monotonic() + 0.3 + rng.random() * 0.5
+
+            def stop_then_release(at: float, pid: int, group: Group) -> None:
+                time.sleep(max(0.0, at - time.monotonic()))
+                os.kill(pid, signal.SIGSTOP)
+                time.sleep(0.3)
+                group.release()
+
+            threading.Thread(target=stop_then_release, args=(stop_at, peer.pid, g), daemon=True).start()
+            transfers = 0
+            with pytest.raises(CollectiveError):
+                while True:
+                    if direction == "send":
+                        send_state(g, 1, state)
+                    else:
+                        received, _ = recv_state(g, 1)
+                        assert torch.equal(received["w"], state["w"]) and received["step"] == 3
+                    transfers += 1
+            waited = time.monotonic() - stop_at
+            t0 = time.monotonic()
+            g.abort()
+            aborted = time.monotonic() - t0
+            assert transfers >= 1, "no transfer went through before the stop"
+            assert waited < 3.0, f"trial {trial}: released after {waited:.1f} s (timeout {timeout_s} s)"
+            assert aborted < 1.0, f"trial {trial}: abort blocked {aborted:.1f} s"
+        finally:
+            peer.kill()
+            peer.wait(10)
+
+
+def test_a_transfer_on_a_wrapped_group_gives_up_when_its_owner_releases_it() -> None:
+    """A sharded generation's group is torch's default group, which ``Group`` only wraps; its owner
+    (``fsdp.Generation``) releases it. A receive from a peer that has not sent gives up as soon as the
+    owner's flag says released, not at gloo's timeout; the wait given up ends in its thread once the
+    peer sends after all, and the thread with the group's abort."""
+    released, gave_up = threading.Event(), threading.Event()
+    before = set(threading.enumerate())  # (an earlier test's wait given up may still be in its thread)
+
+    def waiters() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name.startswith("cpl-p2p-") and t not in before]
+
+    def rank_fn(rank: int, store: TCPStore) -> Any:
+        pg = torch.distributed.ProcessGroupGloo(
+            torch.distributed.PrefixStore("wrapped/", store), rank, 2, TIMEOUT
+        )
+        g = Group.wrap(pg, 0, rank, 2, released=released.is_set)
+        if rank == 0:
+            g.send(torch.ones(4), 1)  # the group works
+            threading.Timer(0.3, released.set).start()
+            t0 = time.monotonic()
+            with pytest.raises(CollectiveError, match="released"):
+                g.recv(torch.empty(4), 1)
+            waited = time.monotonic() - t0
+            gave_up.set()
+            g.abort()
+            return waited
+        x = torch.empty(4)
+        g.recv(x, 0)
+        assert torch.equal(x, torch.ones(4))
+        assert gave_up.wait(20)
+        g.send(torch.ones(4), 0)  # what rank 0 gave up waiting for
+        g.abort()
+        return None
+
+    waited, _ = run_ranks(2, rank_fn)
+    assert waited < TIMEOUT.total_seconds() / 3, waited
+    deadline = time.monotonic() + 10
+    while waiters() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not waiters(), waiters()

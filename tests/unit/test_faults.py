@@ -14,6 +14,13 @@ def test_parse_each_kind() -> None:
     assert parse_fault("hang:rank=0@step=0") == FaultSpec("hang", (0,), 0)
     assert parse_fault("exception:rank=2,3@step=7") == FaultSpec("exception", (2, 3), 7)
     assert parse_fault("kill:spare@recovery") == FaultSpec("kill", (), None, "recovery")
+    assert parse_fault("partition:spare@recovery,for=3") == FaultSpec(
+        "partition", (), None, "recovery", duration=3.0
+    )
+    assert parse_fault("partition:source@recovery") == FaultSpec("partition", (), None, "source")
+    assert parse_fault("partition:spare@join,for=0.5") == FaultSpec(
+        "partition", (), None, "join", duration=0.5
+    )
     assert parse_fault("hang:rank=1@check=20") == FaultSpec("hang", (1,), 20, "check")
     assert parse_faults(["none"]) == []
 
@@ -27,6 +34,9 @@ def test_parse_each_kind() -> None:
         ("kill:rank=a@step=2", "cannot parse"),
         ("exception:rank=0@check=10", "only kill and hang can strike at a consistency check"),
         ("kill:rank=0@check", "cannot parse"),
+        ("kill:spare@recovery,for=3", "only a partition lasts"),
+        ("partition:spare@recovery,for=x", "partition:spare@recovery"),
+        ("hang:spare@recovery", "cannot parse"),
     ],
 )
 def test_parse_errors_name_the_problem(spec: str, message: str) -> None:
@@ -35,7 +45,8 @@ def test_parse_errors_name_the_problem(spec: str, message: str) -> None:
 
 
 def test_round_trip_json() -> None:
-    for s in ["kill:rank=1@step=30", "kill:spare@recovery", "hang:rank=0,1@step=2", "kill:rank=1@check=10"]:
+    for s in ["kill:rank=1@step=30", "kill:spare@recovery", "hang:rank=0,1@step=2", "kill:rank=1@check=10",
+              "partition:spare@recovery,for=3", "partition:source@recovery", "kill:source@recovery"]:  # fmt: skip
         f = parse_fault(s)
         assert FaultSpec.from_json(f.to_json()) == f
         assert str(f) == s
@@ -49,6 +60,7 @@ def test_round_trip_json() -> None:
         (["kill:rank=0,1@step=3"], 3, 1, 10, "only 1 spare"),
         (["kill:rank=0,1@step=3"], 2, 2, 10, "every rank fails"),
         (["kill:spare@recovery"], 2, 0, 10, "no spare"),
+        (["partition:spare@recovery,for=3"], 2, 1, 10, "needs a job on several hosts"),
         (["kill:rank=1@step=3", "hang:rank=1@step=3"], 2, 2, 10, "already faulted"),
     ],
 )
