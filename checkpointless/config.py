@@ -77,6 +77,12 @@ class RecoveryConfig:
     live replica holds some shard. 0 (the default): off."""
     durable_dir: str | None = None
     """Where the durable tier writes (required with ``durable_every``; a directory every host sees)."""
+    shares: int = 0
+    """The data-parallel shares the global batch is cut into, for the whole job (``share_loop``):
+    a replica holding k shares computes k share passes per step (``for share in session.shares():``),
+    the gradient is the sum over the shares divided by their number, and a step's samples depend
+    on the share, not on the number of replicas. 0 (the default): the starting number of replicas,
+    one share each. With shards (HSDP): 0 only, for now."""
 
     @property
     def lease_s(self) -> float:
@@ -126,6 +132,8 @@ class RecoveryConfig:
             raise ValueError(f"consistency_every must be >= 0 steps, got {self.consistency_every}")
         if self.max_retries_per_step < 1:
             raise ValueError(f"max_retries_per_step must be >= 1, got {self.max_retries_per_step}")
+        if self.shares < 0:
+            raise ValueError(f"shares must be >= 0 (0: one per starting replica), got {self.shares}")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -151,12 +159,24 @@ class JobConfig:
             raise ValueError(f"spares must be >= 0, got {self.spares}")
         if self.shards < 1 or self.workers % self.shards:
             raise ValueError(f"shards={self.shards} must divide workers={self.workers}")
+        shares = self.recovery.shares
+        if shares and self.shards > 1:
+            raise ValueError(f"shares={shares} with shards={self.shards}: a sharded job runs one share per "
+                             "replica for now (leave shares at 0)")  # fmt: skip
+        if shares and shares < self.workers:
+            raise ValueError(f"shares={shares} must be at least workers={self.workers}: each replica holds "
+                             "one share or more")  # fmt: skip
         if self.backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be gloo or nccl, got {self.backend!r}")
         if self.device not in (None, "cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
         if self.backend == "nccl" and self.device == "cpu":
             raise ValueError("backend nccl needs device cuda (NCCL carries CUDA tensors only)")
+
+    @property
+    def share_count(self) -> int:
+        """S, the job's data-parallel shares (``recovery.shares``, else one per rank)."""
+        return self.recovery.shares or self.workers
 
     @property
     def device_type(self) -> str:

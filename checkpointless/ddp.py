@@ -75,6 +75,8 @@ class GradientReducer:
         # the attempt in progress: its group, what is pending, what is in flight
         self._group: Group | None = None
         self._local = False  # inside ``local()``: passes accumulate without reducing
+        self._hold = False  # a share's passes before the replica's last share (``hold``): the same
+        self._divisor: int | None = None  # what the sum is divided by (None: the group's size)
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self._in_pass = False  # a backward pass of this attempt is running
         self._open = False  # a reducing pass ended whose buckets are not all reduced yet
@@ -118,11 +120,18 @@ class GradientReducer:
         """Whether the set of trainable parameters changed since this reducer was built."""
         return any(p.requires_grad != t for p, t in zip(self._all, self.trainable, strict=True))
 
-    def begin(self, group: Group | None) -> None:
-        """Open an attempt: its backward passes reduce over ``group`` (nothing to reduce when ``None``)."""
+    def begin(self, group: Group | None, divisor: int | None = None) -> None:
+        """Open an attempt: its backward passes reduce over ``group`` (nothing to reduce when ``None``),
+        the sum divided by ``divisor`` (the job's shares, ``share_loop``; None: the group's size)."""
         self._drop()
-        self._open = self._in_pass = False
+        self._open = self._in_pass = self._hold = False
         self._group = group if group is not None and group.world_size > 1 else None
+        self._divisor = divisor
+
+    def hold(self, on: bool) -> None:
+        """While on, backward passes accumulate without reducing, as in ``local()`` (the passes of a
+        replica's shares before its last: ``share_loop``)."""
+        self._hold = on
 
     @contextlib.contextmanager
     def local(self) -> Iterator[None]:
@@ -147,7 +156,7 @@ class GradientReducer:
             return None
         # the first gradient of a backward pass of this attempt
         self._in_pass = True
-        reducing = not self._local
+        reducing = not (self._local or self._hold)
         queue_end_of_backward(lambda: self._pass_ended(reducing))
         if self._open:
             self._settle()  # another pass after a reducing one (gradient accumulation)
@@ -162,7 +171,7 @@ class GradientReducer:
         if grad is not view and grad is not None:  # first step, or zero_grad(set_to_none=True)
             view.copy_(grad)  # autograd made a new tensor
             p.grad = view
-        if self._local or not self.overlap:
+        if self._local or self._hold or not self.overlap:
             return
         self._pending[self._bucket_of[index]] -= 1
         # in layout order on every rank; the last bucket waits for ``reduce`` (see the module doc)
@@ -192,8 +201,12 @@ class GradientReducer:
             self._open = False
         summed = None if flag is None else float(self._buckets[-1][-1])
         for b in self._buckets:
-            b.div_(group.world_size)
+            b.div_(self.divisor(group))
         return summed
+
+    def divisor(self, group: Group) -> int:
+        """What this attempt's sum is divided by: the job's shares, else the group's size."""
+        return self._divisor if self._divisor is not None else group.world_size
 
     def _settle(self) -> None:
         """A new backward pass begins: reduce the previous passes' gradients in every bucket (on
@@ -242,20 +255,23 @@ class GradientReducer:
         """
         self._drop()
         self._group = None
-        self._open = self._in_pass = False
+        self._open = self._in_pass = self._hold = False
         self._allocate()
         for p in self.params:
             p.grad = None
 
 
-def reduce_unbucketed(params: list[torch.nn.Parameter], group: Group | None) -> None:
+def reduce_unbucketed(
+    params: list[torch.nn.Parameter], group: Group | None, divisor: int | None = None
+) -> None:
     """Average the gradients of ``params`` in one flat synchronous all-reduce (parameters that
-    became trainable inside an attempt, after its reducer's layout was fixed)."""
+    became trainable inside an attempt, after its reducer's layout was fixed); ``divisor`` as
+    ``GradientReducer.begin``'s."""
     if group is None or group.world_size == 1 or not params:
         return
     flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
     group.allreduce_([flat])
-    flat.div_(group.world_size)
+    flat.div_(divisor if divisor is not None else group.world_size)
     off = 0
     for p in params:
         p.grad = flat[off : off + p.numel()].view_as(p).clone()
@@ -367,3 +383,12 @@ class BufferSync:
     def restore(self) -> None:
         """Put back the buffers ``commit`` remembered (after a failed attempt)."""
         self._unpack(self._saved)
+
+    def snapshot(self) -> list[torch.Tensor]:
+        """A copy of the buffers as they are (``load`` puts it back)."""
+        copy = [torch.empty_like(flat) for flat, _ in self._groups]
+        self._pack(copy)
+        return copy
+
+    def load(self, snapshot: list[torch.Tensor]) -> None:
+        self._unpack(snapshot)

@@ -49,9 +49,12 @@ class ModelHolder(Protocol):
 
     def enter(self, mesh: Any) -> None: ...
     def start_from_replica_0(self, group: Group, replicas: Any, gen: int) -> None: ...
-    def begin_attempt(self, group: Group | None, step: int, agree: Agree) -> None: ...
+    def begin_attempt(
+        self, group: Group | None, step: int, agree: Agree, divisor: int | None = None
+    ) -> None: ...
     def reduce(self, group: Group | None, step: int, agree: Agree) -> None: ...
     def no_sync(self) -> contextlib.AbstractContextManager[None]: ...
+    def hold(self, on: bool) -> None: ...
     def commit(self) -> None: ...
     def undo_attempt(self) -> None: ...
     def leave(self, keep: bool) -> None: ...
@@ -151,13 +154,18 @@ class ReplicatedModel:
         self.buffers.sync(group)
         self.buffers.commit()  # a failed first attempt restores these, not the rank's own
 
-    def begin_attempt(self, group: Group | None, step: int, agree: Agree) -> None:
+    def begin_attempt(self, group: Group | None, step: int, agree: Agree, divisor: int | None = None) -> None:
         """The backward pass starts reducing bucket by bucket (the buckets laid out anew first if
-        the loop froze or unfroze a parameter since the last step, every rank alike)."""
+        the loop froze or unfroze a parameter since the last step, every rank alike); the sum is
+        divided by ``divisor`` (the job's shares; None: the group's size)."""
         if self.reducer.stale():
             agree(step, self.trainable_names())
             self._rebuild_reducer(step)
-        self.reducer.begin(group)
+        self.reducer.begin(group, divisor)
+
+    def hold(self, on: bool) -> None:
+        """The passes that follow accumulate without reducing (a replica's shares before its last)."""
+        self.reducer.hold(on)
 
     def reduce(self, group: Group | None, step: int, agree: Agree) -> None:
         # on CPU, whether any rank's buffers moved since the last commit rides in the reduction:
@@ -175,7 +183,7 @@ class ReplicatedModel:
             agree(step, self.trainable_names())
             known = {id(p) for p in self.reducer.params}
             extra = [p for p in self._module().parameters() if p.requires_grad and id(p) not in known]
-            reduce_unbucketed(extra, group)
+            reduce_unbucketed(extra, group, self.reducer.divisor(group) if group is not None else None)
         if sync:
             buffers.sync(group)
 
@@ -299,8 +307,12 @@ class ShardedModel:
         self.buffers.sync(group)
         self.buffers.commit()
 
-    def begin_attempt(self, group: Group | None, step: int, agree: Agree) -> None:
-        """FSDP2 reduces inside ``backward()``: nothing to begin."""
+    def begin_attempt(self, group: Group | None, step: int, agree: Agree, divisor: int | None = None) -> None:
+        """FSDP2 reduces inside ``backward()``: nothing to begin (a sharded job has one share per
+        replica: ``divisor`` is its size)."""
+
+    def hold(self, on: bool) -> None:
+        """One share per replica (``JobConfig``): never asked."""
 
     def reduce(self, group: Group | None, step: int, agree: Agree) -> None:
         # FSDP2 reduced the gradients inside backward(), group by group, so a failure there may

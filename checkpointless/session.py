@@ -57,6 +57,7 @@ from checkpointless.protocol.env import (
     ENV_STORE,
 )
 from checkpointless.protocol.vocab import Event, Phase, Role
+from checkpointless.share_loop import ShareLoop
 from checkpointless.state import Stateful
 
 if TYPE_CHECKING:
@@ -169,12 +170,15 @@ class Session:
             # which scans every object of the process: keep what exists before the first
             # build (torch, transformers, the user's data) out of those scans.
             gc.freeze()
+        self._shares = ShareLoop(1, hold=self._model.hold, reseed=self._seed_share,
+                                 buffers=lambda: self._model.buffers)  # fmt: skip  # S: the job's, below
         self._current: Attempt | None = None  # the attempt whose block is running
         self._metrics: dict[str, Any] = {}
         self._reduced = False
         self._attempted = False
         if ENV_STORE not in os.environ:
             self.job = JobConfig(workers=1, spares=0, seed=seed)
+            self._shares.shares = self.job.share_count
             self._member = Member(self.job, self._model, self._steps, device=self.device)
             self._check = ReplicaCheck(self._member, self._model, self._steps)
             self._end = Ending(self._member, self._model, self._steps, self._check)
@@ -182,6 +186,7 @@ class Session:
             return
         die_with_parent()
         self.job = JobConfig.from_json(os.environ[ENV_CONFIG])
+        self._shares.shares = self.job.share_count
         spare = os.environ.get(ENV_ROLE, Role.WORKER) == Role.SPARE
         self._member = member_of_the_job(self.job, self._model, self._steps, self.device, seed, spare=spare)
         self._check = ReplicaCheck(self._member, self._model, self._steps)
@@ -258,12 +263,52 @@ class Session:
     @property
     def dp_rank(self) -> int:
         """Data-parallel rank: which slice of the global batch this rank reads (every rank reads
-        its own, sharded or not: FSDP is data parallel too)."""
-        return self.rank
+        its own, sharded or not: FSDP is data parallel too). Inside ``session.shares()``: the share
+        being computed."""
+        share = self._shares.current
+        return self.rank if share is None else share
 
     @property
     def dp_size(self) -> int:
-        return self.world_size
+        """The number of slices of the global batch: the job's shares (``--shares``; by default one
+        per worker), whatever the number of live replicas."""
+        return self._shares.shares
+
+    def shares(self) -> Iterator[int]:
+        """The shares this replica computes in the current step, each as ``dp_rank`` while its pass
+        runs: ``for share in session.shares(): loss = model(loader.batch(step))...; loss.backward()``,
+        then ``session.reduce_gradients()`` once. Before each share the RNG is reseeded from
+        (seed, step, share) and the model's buffers set as the replica holding that share alone
+        would hold them; only the last share's backward pass reduces, and the gradient is the sum
+        over all the job's shares divided by their number (``checkpointless.share_loop``). With one
+        share per replica (the default) it yields this rank and changes nothing."""
+        if self._current is None:
+            self._member.fatal("session.shares() used outside `with session.attempt():`")
+        # every rank reads its own part of the batch, sharded or not (``dp_rank``)
+        return self._shares.run(self._steps.next, self.rank, self.world_size)
+
+    def require_one_share(self, what: str) -> None:
+        """End the job in one line unless every replica computes one share (``what``: a loop that
+        cannot compute several yet, named in the message)."""
+        if self.dp_size != self.world_size:
+            self._member.fatal(
+                f"{what} computes one share per replica for now: --shares {self.dp_size} with "
+                f"{self.world_size} workers (leave --shares at the number of workers)"
+            )
+
+    def _seed_share(self, step: int, share: int) -> None:
+        if self.reseed_rng:
+            self._seed_rng(step_seed(self.seed, step, share))
+
+    @staticmethod
+    def _seed_rng(s: int) -> None:
+        # the CPU generator and CUDA's (torch.manual_seed also looks for other accelerators'
+        # at 100x the cost, every step)
+        torch.default_generator.manual_seed(s)
+        if torch.cuda.is_available():
+            torch.cuda.manual_seed_all(s)
+        np.random.seed(s % 2**32)
+        random.seed(s)
 
     @property
     def process_group(self) -> Group | None:
@@ -420,21 +465,16 @@ class Session:
         self._attempted = True
         self._current, self._metrics, self._reduced = current, {}, False
         if self.reseed_rng:
-            s = step_seed(self.seed, step, self.rank)
-            # the CPU generator and CUDA's (torch.manual_seed also looks for other accelerators'
-            # at 100x the cost, every step)
-            torch.default_generator.manual_seed(s)
-            if torch.cuda.is_available():
-                torch.cuda.manual_seed_all(s)
-            np.random.seed(s % 2**32)
-            random.seed(s)
+            self._seed_rng(step_seed(self.seed, step, self.rank))
+        self._shares.begin_attempt()
         reexecuted = self._steps.begin_attempt()
         client = self._member.client
         if client is not None:
             client.update(phase=Phase.COMPUTE, step=step, attempt=self._steps.attempts)
             if reexecuted:
                 client.emit(Event.STEP_REEXECUTED, rank=self.rank, gen=self.generation, step=step)
-        self._model.begin_attempt(self._member.group, step, self._member.trainable.agree)
+        divisor = self._shares.shares if self.job.recovery.shares else None  # (the group's size: the same)
+        self._model.begin_attempt(self._member.group, step, self._member.trainable.agree, divisor)
         t0 = time.perf_counter()
         try:
             yield current
@@ -503,6 +543,15 @@ class Session:
         """
         if self._current is None:
             self._member.fatal("session.reduce_gradients() called outside `with session.attempt():`")
+        if self._shares.current is not None:
+            self._member.fatal("session.reduce_gradients() called inside `for share in session.shares():`: "
+                               "call it once, after the loop")  # fmt: skip
+        if self._shares.needed(self.world_size) and not self._shares.used:
+            self._member.fatal(
+                f"the job runs {self.world_size} replica(s) for {self._shares.shares} shares (--shares): each step must "
+                "compute its replica's shares, `for share in session.shares():` around the forward and backward "
+                "passes"
+            )
         if self._member.faults is not None:
             self._member.faults.at_step(
                 self.rank, self._steps.next, self._member.fault_fired, corrupt=self._model.flip_bit

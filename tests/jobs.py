@@ -49,6 +49,7 @@ def run_job(
     on_tick: Callable[[Coordinator], None] | None = None,
     launcher: list[Launcher] | None = None,
     expect_fired: bool = True,
+    shares: int = 0,
 ) -> JobResult:
     """Run a tiny demo job (or ``command``); ``launcher`` receives the Launcher before it runs.
 
@@ -65,6 +66,7 @@ def run_job(
         consistency_every=consistency_every,
         durable_every=durable_every,
         durable_dir=None if durable_dir is None else str(durable_dir),
+        shares=shares,
     )
     job = JobConfig(
         workers=workers, spares=spares, shards=shards, faults=parse_faults(faults or []), recovery=recovery

@@ -114,6 +114,9 @@ def add_detection_args(p: argparse.ArgumentParser, *, defaults: bool = True) -> 
                    help="last-resort durable tier: an asynchronous snapshot every this many steps, used only "
                    "when no live replica holds some shard (default off)")  # fmt: skip
     p.add_argument("--durable-dir", type=Path, default=None, help="where the durable tier writes")
+    p.add_argument("--shares", type=int, default=None, metavar="S",
+                   help="the data-parallel shares the global batch is cut into, for the whole job: a replica "
+                   "holding several computes each (for share in session.shares()); default one per worker")  # fmt: skip
     p.add_argument("--exit-timeout", type=float, default=None, metavar="SECONDS",
                    help="once the job has finished, how long the ranks' processes may go on with their "
                    f"own work (saving, evaluating) before they are killed (default {d.exit_timeout_s:g})")  # fmt: skip
@@ -189,6 +192,10 @@ def job_config(
                 changes[name] = getattr(args, name)
         if args.durable_dir is not None:
             changes["durable_dir"] = str(args.durable_dir)
+        if getattr(args, "shares", None) is not None:
+            if args.shares < 1:
+                raise UsageError(f"--shares must be >= 1, got {args.shares}")
+            changes["shares"] = args.shares
         if args.exit_timeout is not None:
             if not math.isfinite(args.exit_timeout) or args.exit_timeout <= 0:
                 raise UsageError(

@@ -313,6 +313,7 @@ class Trainer(_HFTrainer):
         if getattr(self.accelerator, "scaler", None) is not None:
             state["grad_scaler"] = self.accelerator.scaler
         session = self._session = Session(self.model, optimizer, state=state, seed=args.seed)
+        session.require_one_share("the Hugging Face Trainer integration")
         if progress.received and session.rank == 0:
             self._complete_checkpoint(session.step, per_epoch, max_steps, model, trial)
         sampling = "stream" if stream else getattr(args, "train_sampling_strategy", "random")

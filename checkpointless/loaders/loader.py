@@ -155,8 +155,8 @@ class StepLoader:
         for what, samples in (("the global batch", self.global_batch_size), ("an epoch's last batch", tail)):
             if samples % size:
                 raise ValueError(
-                    f"{what} has {samples} samples, which {size} data-parallel ranks cannot share evenly "
-                    "(make global_batch_size a multiple of the ranks"
+                    f"{what} has {samples} samples, which {size} data-parallel ranks (the job's shares) cannot "
+                    "share evenly (make global_batch_size a multiple of the ranks, or of --shares"
                     + ("" if what == "the global batch" else ", or set drop_last=True")
                     + ")"
                 )

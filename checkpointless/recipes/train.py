@@ -162,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     data = CachedDataset(dataset, cache)
 
     session = cl.Session(model, optimizer, state={"scheduler": scheduler}, seed=cfg.train.seed)
+    session.require_one_share("a recipe's training loop")
     if session.rank == 0 and session.step == 0 and dc.eval_every:
         session.emit(Event.EVAL, heldout_loss=heldout_loss(model, data, dc.eval_batches, device))
     for step in session.steps(steps):
@@ -217,6 +218,7 @@ def train_sharded(cfg: RecipeConfig) -> int:
     data = CachedDataset(dataset, cache)
 
     session = cl.Session(build=build, seed=cfg.train.seed)
+    session.require_one_share("a recipe's training loop")
     for step in session.steps(steps):
         with session.attempt() as attempt:
             model, optimizer = session.model, session.optimizer

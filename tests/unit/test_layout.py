@@ -74,6 +74,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "session",
             "progress",
             "model_holder",
+            "share_loop",
             "member",
             "formation",
             "recovery_source",

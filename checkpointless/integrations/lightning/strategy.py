@@ -170,6 +170,7 @@ class CheckpointlessStrategy(ParallelStrategy):
         self._session = Session(
             self.lightning_module, self.optimizers[0], state=state, seed=self.seed, **self._session_kwargs
         )
+        self._session.require_one_share("the Lightning strategy")
         # Lightning's rank-zero-only output: set at import from LOCAL_RANK (the slot), now the rank
         rank_zero_only.rank = self._session.rank  # type: ignore[attr-defined]
         # Before each batch Lightning broadcasts a SIGTERM flag over the default group, which the

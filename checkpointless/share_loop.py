@@ -1,0 +1,95 @@
+"""Shares: the global batch cut into S fixed parts, whatever the number of replicas.
+
+A job fixes S data-parallel *shares* (``recovery.shares``, ``--shares``; by default its starting
+number of replicas). A share is what one replica computes per step at the starting size, its own
+micro-batches included. Step s's samples and per-sample randomness are a function of (seed, s,
+share): the loader reads the current share as its data-parallel rank and S as its size, and the
+RNG is reseeded from (seed, step, share) before each share's pass. N live replicas take the shares
+between them (``assign``: contiguous blocks, sizes differing by at most one); a replica holding k
+shares runs k share passes in its step (``for share in session.shares():``), all but the last
+accumulating their gradients locally; the last pass's backward reduces, and the reduction divides
+by S: the gradient is the sum over the S shares divided by S, never a mean over the live replicas.
+
+BatchNorm: a step's buffers are those share 0's pass produces from the committed ones. A replica
+holding several shares puts the committed buffers back before each share after its first, and
+its first share's buffers back after its last (the replica holding share 0 holds it first; the
+session then broadcasts its buffers as usual).
+
+With one share per replica (S = N) nothing here changes a bit of the step: the share is the rank,
+its seed the one the attempt drew, and the division the one by the group's size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+
+from checkpointless.ddp import BufferSync
+
+
+def assign(shares: int, replicas: int) -> list[range]:
+    """The shares of each of ``replicas`` live replicas, in replica order: contiguous blocks whose
+    sizes differ by at most one (replica r holds ``[r * S // N, (r + 1) * S // N)``)."""
+    if not 1 <= replicas <= shares:
+        raise ValueError(f"{replicas} replica(s) cannot hold {shares} share(s): between 1 and {shares}")
+    return [range(r * shares // replicas, (r + 1) * shares // replicas) for r in range(replicas)]
+
+
+class ShareLoop:
+    """The shares of the current step: which this replica holds, which it is computing.
+
+    ``hold(True)`` makes the backward passes that follow accumulate without reducing, ``hold(False)``
+    lets the next one reduce (the reducer's); ``reseed`` reseeds the RNG for (step, share);
+    ``buffers`` gives the model's buffers. A loop left by an exception touches nothing afterwards
+    (its generator may be closed during a later attempt): the next attempt starts from
+    ``begin_attempt``, and the reducer's ``begin`` lets go of the hold.
+    """
+
+    def __init__(
+        self,
+        shares: int,
+        *,
+        hold: Callable[[bool], None],
+        reseed: Callable[[int, int], None],
+        buffers: Callable[[], BufferSync],
+    ) -> None:
+        self.shares = shares
+        self._hold, self._reseed, self._buffers = hold, reseed, buffers
+        self.current: int | None = None  # the share being computed (inside the loop)
+        self.used = False  # the current attempt ran the loop
+
+    def begin_attempt(self) -> None:
+        self.current, self.used = None, False
+
+    def held(self, replica: int, replicas: int) -> range:
+        """The shares ``replica`` holds while ``replicas`` live."""
+        return assign(self.shares, replicas)[replica]
+
+    def needed(self, replicas: int) -> bool:
+        """Whether a step must loop over its shares: some replica holds more than one."""
+        return replicas != self.shares
+
+    def run(self, step: int, replica: int, replicas: int) -> Iterator[int]:
+        """Yield each share this replica holds at ``step``, the RNG reseeded and the buffers set
+        for it; the passes of all but the last held back from the reduction (module doc)."""
+        if self.used:
+            raise RuntimeError("session.shares() runs once per attempt")
+        self.used = True
+        mine = self.held(replica, replicas)
+        buffers = self._buffers()
+        first: list[torch.Tensor] | None = None
+        for i, share in enumerate(mine):
+            if i == 1 and buffers:
+                first = buffers.snapshot()
+            if i >= 1 and buffers:
+                buffers.restore()  # the committed buffers, as the replica holding ``share`` alone would
+            self.current = share
+            self._reseed(step, share)
+            last = i == len(mine) - 1
+            self._hold(not last)
+            yield share
+        self._hold(False)
+        self.current = None
+        if first is not None:
+            buffers.load(first)

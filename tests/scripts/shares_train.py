@@ -1,0 +1,74 @@
+"""A step cut into shares: ``for share in session.shares():`` around the forward and backward
+passes, the batch read through ``session.loader`` (the current share is the loader's data-parallel
+rank), a model with BatchNorm and dropout, samples with random noise drawn as they are read.
+
+Usage: shares_train.py STEPS OUT_DIR [--no-loop] [--global-batch N] (16 by default). Every rank writes ``OUT_DIR/losses-<rank>.json``
+(``{"<step>/<share>": loss}``, the last attempt's) and rank 0 ``OUT_DIR/final.pt`` (the model's state
+dict). ``--no-loop``: the same step without the loop (a script that runs at a fixed size).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from torch.utils.data import Dataset
+
+import checkpointless as cl
+
+
+class Noisy(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[i] + 0.1 * torch.randn_like(self.x[i]), self.y[i]
+
+
+def main() -> None:
+    steps, out = int(sys.argv[1]), Path(sys.argv[2])
+    loop = "--no-loop" not in sys.argv
+    batch = int(sys.argv[sys.argv.index("--global-batch") + 1]) if "--global-batch" in sys.argv else 16
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 6, generator=g)
+    data = Noisy(x, x @ torch.linspace(-1, 1, 6).unsqueeze(1))
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16, bias=False), torch.nn.BatchNorm1d(16), torch.nn.Tanh(),
+                                torch.nn.Dropout(0.2), torch.nn.Linear(16, 1))  # fmt: skip
+    opt = torch.optim.AdamW(model.parameters(), lr=0.02)
+    session = cl.Session(model, opt)
+    loader = session.loader(data, global_batch_size=batch, shuffle=True, seed=0)
+    losses: dict[str, float] = {}
+
+    def share_pass(step: int) -> None:
+        xb, yb = loader.batch(step)
+        loss = torch.nn.functional.mse_loss(model(xb), yb)
+        loss.backward()
+        losses[f"{step}/{session.dp_rank}"] = loss.item()
+
+    for step in session.steps(steps):
+        with session.attempt():
+            if loop:
+                for _ in session.shares():
+                    share_pass(step)
+            else:
+                share_pass(step)
+            session.reduce_gradients()
+            opt.step()
+            opt.zero_grad()
+    digest = session.finish()
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"losses-{session.rank}.json").write_text(json.dumps(losses))
+    if session.rank == 0:
+        torch.save(model.state_dict(), out / "final.pt")
+        print(f"done {steps} steps, state {digest[:16]}")
+
+
+if __name__ == "__main__":
+    main()
