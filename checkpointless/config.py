@@ -77,6 +77,10 @@ class RecoveryConfig:
     live replica holds some shard. 0 (the default): off."""
     durable_dir: str | None = None
     """Where the durable tier writes (required with ``durable_every``; a directory every host sees)."""
+    min_workers: int = 0
+    """The fewest replicas an elastic job trains with: ranks lost with no spare ready leave the
+    job, the survivors computing their shares (``share_loop``), while at least this many live.
+    0 (the default): the job's size, no shrink (a lost rank needs a spare)."""
     shares: int = 0
     """The data-parallel shares the global batch is cut into, for the whole job (``share_loop``):
     a replica holding k shares computes k share passes per step (``for share in session.shares():``),
@@ -132,6 +136,8 @@ class RecoveryConfig:
             raise ValueError(f"consistency_every must be >= 0 steps, got {self.consistency_every}")
         if self.max_retries_per_step < 1:
             raise ValueError(f"max_retries_per_step must be >= 1, got {self.max_retries_per_step}")
+        if self.min_workers < 0:
+            raise ValueError(f"min_workers must be >= 0 (0: no shrink), got {self.min_workers}")
         if self.shares < 0:
             raise ValueError(f"shares must be >= 0 (0: one per starting replica), got {self.shares}")
 
@@ -163,6 +169,11 @@ class JobConfig:
         if shares and self.shards > 1:
             raise ValueError(f"shares={shares} with shards={self.shards}: a sharded job runs one share per "
                              "replica for now (leave shares at 0)")  # fmt: skip
+        low = self.recovery.min_workers
+        if low and not 1 <= low <= self.workers:
+            raise ValueError(f"min_workers={low} must be between 1 and workers={self.workers}")
+        if low and low < self.workers and self.shards > 1:
+            raise ValueError(f"min_workers={low} with shards={self.shards}: a sharded job cannot shrink yet")
         if shares and shares < self.workers:
             raise ValueError(f"shares={shares} must be at least workers={self.workers}: each replica holds "
                              "one share or more")  # fmt: skip
@@ -172,6 +183,11 @@ class JobConfig:
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
         if self.backend == "nccl" and self.device == "cpu":
             raise ValueError("backend nccl needs device cuda (NCCL carries CUDA tensors only)")
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the job may go on with fewer replicas than it started with (``min_workers``)."""
+        return 0 < self.recovery.min_workers < self.workers
 
     @property
     def share_count(self) -> int:

@@ -239,6 +239,9 @@ class GradientReducer:
             self._open = False
         if group is None or group.world_size == 1:
             self._gather()
+            if self._divisor is not None and self._divisor > 1:  # one replica computing several shares
+                for b in self._buckets:
+                    b.div_(self._divisor)
             return flag
         try:
             return self._reduce_all(group, flag)

@@ -164,6 +164,7 @@ def validate_schedule(
     consistency_every: int = 0,
     nodes: int = 0,
     nproc_per_node: int = 0,
+    min_workers: int = 0,
 ) -> None:
     """Check a schedule against the job's shape; raise ``ValueError`` naming the problem.
 
@@ -172,7 +173,9 @@ def validate_schedule(
 
     Without an elastic mode a job needs a spare for every rank that fails at once,
     and at least one survivor to hold the state, unless the durable tier (``durable``)
-    is there to roll back to.
+    is there to roll back to. An elastic job (``min_workers`` below ``workers``) may lose more
+    ranks than it has spares while at least ``min_workers`` live; the faults' ranks are those of
+    the generation they strike in (the survivors are numbered anew after a shrink).
     """
     per_step: dict[int, set[int]] = {}  # ranks that need a replacement, by step
     for f in faults:
@@ -216,10 +219,16 @@ def validate_schedule(
         ranks.update(f.ranks)
     for step, ranks in per_step.items():
         n_replaced = len(ranks)
-        if n_replaced > spares:
+        if n_replaced > spares and 0 < min_workers < workers:
+            if workers - n_replaced + spares < min_workers:
+                raise ValueError(
+                    f"{n_replaced} ranks fail at step {step} with {spares} spare(s): fewer than --min-workers "
+                    f"{min_workers} would be left"
+                )
+        elif n_replaced > spares:
             raise ValueError(
                 f"{n_replaced} ranks fail at step {step} but only {spares} spare(s) are configured "
-                "(elastic shrink without spares is not supported yet)"
+                "(--min-workers lets a job go on smaller)"
             )
         if n_replaced >= workers and not durable:
             raise ValueError(

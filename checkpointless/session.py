@@ -473,8 +473,8 @@ class Session:
             client.update(phase=Phase.COMPUTE, step=step, attempt=self._steps.attempts)
             if reexecuted:
                 client.emit(Event.STEP_REEXECUTED, rank=self.rank, gen=self.generation, step=step)
-        divisor = self._shares.shares if self.job.recovery.shares else None  # (the group's size: the same)
-        self._model.begin_attempt(self._member.group, step, self._member.trainable.agree, divisor)
+        # the sum over the job's shares, whatever the live replicas (at one share each: the group's size)
+        self._model.begin_attempt(self._member.group, step, self._member.trainable.agree, self._shares.shares)
         t0 = time.perf_counter()
         try:
             yield current
@@ -546,11 +546,12 @@ class Session:
         if self._shares.current is not None:
             self._member.fatal("session.reduce_gradients() called inside `for share in session.shares():`: "
                                "call it once, after the loop")  # fmt: skip
-        if self._shares.needed(self.world_size) and not self._shares.used:
+        if (self._shares.needed(self.world_size) or self.job.elastic) and not self._shares.used:
+            fewer = ", and fewer after a shrink (--min-workers)" if self.job.elastic else ""
             self._member.fatal(
-                f"the job runs {self.world_size} replica(s) for {self._shares.shares} shares (--shares): each step must "
-                "compute its replica's shares, `for share in session.shares():` around the forward and backward "
-                "passes"
+                f"the job's {self._shares.shares} shares (--shares) are computed by {self.world_size} replica(s){fewer}: "
+                "each step must compute its replica's shares, `for share in session.shares():` around the forward "
+                "and backward passes"
             )
         if self._member.faults is not None:
             self._member.faults.at_step(

@@ -50,6 +50,7 @@ def run_job(
     launcher: list[Launcher] | None = None,
     expect_fired: bool = True,
     shares: int = 0,
+    min_workers: int = 0,
 ) -> JobResult:
     """Run a tiny demo job (or ``command``); ``launcher`` receives the Launcher before it runs.
 
@@ -67,6 +68,7 @@ def run_job(
         durable_every=durable_every,
         durable_dir=None if durable_dir is None else str(durable_dir),
         shares=shares,
+        min_workers=min_workers,
     )
     job = JobConfig(
         workers=workers, spares=spares, shards=shards, faults=parse_faults(faults or []), recovery=recovery

@@ -114,6 +114,9 @@ def add_detection_args(p: argparse.ArgumentParser, *, defaults: bool = True) -> 
                    help="last-resort durable tier: an asynchronous snapshot every this many steps, used only "
                    "when no live replica holds some shard (default off)")  # fmt: skip
     p.add_argument("--durable-dir", type=Path, default=None, help="where the durable tier writes")
+    p.add_argument("--min-workers", type=int, default=None, metavar="M",
+                   help="an elastic job: ranks lost with no spare ready leave the job, the survivors computing "
+                   "their shares, while at least M workers live (default: no shrink)")  # fmt: skip
     p.add_argument("--shares", type=int, default=None, metavar="S",
                    help="the data-parallel shares the global batch is cut into, for the whole job: a replica "
                    "holding several computes each (for share in session.shares()); default one per worker")  # fmt: skip
@@ -192,6 +195,12 @@ def job_config(
                 changes[name] = getattr(args, name)
         if args.durable_dir is not None:
             changes["durable_dir"] = str(args.durable_dir)
+        if getattr(args, "min_workers", None) is not None:
+            if not 1 <= args.min_workers <= args.workers:
+                raise UsageError(
+                    f"--min-workers must be between 1 and --workers {args.workers}, got {args.min_workers}"
+                )
+            changes["min_workers"] = args.min_workers
         if getattr(args, "shares", None) is not None:
             if args.shares < 1:
                 raise UsageError(f"--shares must be >= 1, got {args.shares}")
@@ -209,7 +218,8 @@ def job_config(
                           durable=bool(recovery.durable_every), shards=shards,
                           consistency_every=recovery.consistency_every,
                           nodes=topology.nodes if topology else 0,
-                          nproc_per_node=topology.nproc_per_node if topology else 0)  # fmt: skip
+                          nproc_per_node=topology.nproc_per_node if topology else 0,
+                          min_workers=recovery.min_workers)  # fmt: skip
         check_out(args.out)  # created only once everything else is known to be right
         job = JobConfig(
             workers=args.workers,

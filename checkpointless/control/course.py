@@ -23,7 +23,7 @@ from checkpointless.config import JobConfig
 from checkpointless.control.exits import ExitJudge
 from checkpointless.control.outcome import Outcome
 from checkpointless.control.pace import Pace
-from checkpointless.control.plan import Plan, PlanError, make_plan
+from checkpointless.control.plan import Plan, PlanError, make_plan, shrink_plan
 from checkpointless.control.processes import ProcessTable
 from checkpointless.control.published import Published
 from checkpointless.control.reports import FailureReports
@@ -137,20 +137,35 @@ class FailureCourse:
             return
         committed = {r: c for r, c in f.reported.items() if r not in f.dead}
         spares = table.ready_spares()
+        shrink = False
         if len(f.dead) > len(spares):
             self._p.spares.refill(self._clock())  # a new failure before the last recovery finished
             starting = [n for n, p in table.procs.items() if p.role == Role.SPARE and p.handle.alive()]
             if len(f.dead) > len(starting) + len(self._p.spares.due):
-                raise JobFailed(self._p.exits.out_of_spares(f.gen, sorted(f.dead), len(starting)))
-            return  # wait for spares that are still starting
+                exits = self._p.exits
+                if not self._job.elastic:
+                    raise JobFailed(exits.out_of_spares(f.gen, sorted(f.dead), len(starting)))
+                mistake = exits.script_mistake(f.gen, sorted(f.dead), len(starting))
+                if mistake is not None:  # no smaller job can fix it either
+                    raise JobFailed(mistake)
+                shrink = True  # an elastic job goes on smaller, its shares spread over the survivors
+            else:
+                return  # wait for spares that are still starting
         try:
             rc = self._job.recovery
             durable_on = bool(rc.durable_every and rc.durable_dir)
             step = self._durable_step(committed) if durable_on else None
-            plan = make_plan(
-                self.plan, committed, spares, holders=f.holders, durable_on=durable_on, durable_step=step,
-                hosts={name: p.handle.host for name, p in table.procs.items()},
-            )  # fmt: skip
+            hosts = {name: p.handle.host for name, p in table.procs.items()}
+            if shrink:
+                plan = shrink_plan(
+                    self.plan, committed, spares, holders=f.holders, min_size=rc.min_workers,
+                    durable_on=durable_on, durable_step=step, hosts=hosts,
+                )  # fmt: skip
+            else:
+                plan = make_plan(
+                    self.plan, committed, spares, holders=f.holders, durable_on=durable_on, durable_step=step,
+                    hosts=hosts,
+                )  # fmt: skip
         except PlanError as e:
             raise JobFailed(f"generation {f.gen}: {e}") from e
         self._retries[plan.resume_step] += 1
@@ -216,6 +231,9 @@ class FailureCourse:
             new = plan.members[rank]
             table[new].role = Role.WORKER
             published.publish(keys.assign(new), str(plan.gen))
+        for old in plan.dropped:
+            table[old].role = Role.GONE
+        before = self.plan.world_size if self.plan is not None else plan.world_size
         self.plan = plan
         self._emit(
             Event.GENERATION_STARTED, gen=plan.gen, members=plan.members, resume_step=plan.resume_step,
@@ -223,6 +241,9 @@ class FailureCourse:
         )  # fmt: skip
         for rank, old in plan.replaced.items():
             self._emit(Event.SPARE_ASSIGNED, rank=rank, gen=plan.gen, target=plan.members[rank], replaces=old)
+        if plan.world_size != before:
+            self._emit(Event.RESIZED, gen=plan.gen, step=plan.resume_step, replicas=plan.world_size // plan.shards,
+                       before=before // plan.shards, dropped=plan.dropped)  # fmt: skip
         self._p.spares.replace_later(len(plan.replaced))
         self.recovering = (f.started, plan)
         self.failure = None

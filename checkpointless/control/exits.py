@@ -84,22 +84,30 @@ class ExitJudge:
                            error=d["error"])  # fmt: skip
                 raise JobFailed(str(d["error"]))
 
+    def script_mistake(self, gen: int, dead: list[int], starting: int) -> str | None:
+        """A mistake every lost rank made (the same error line): what to end the job with, else None."""
+        ended = {r: self._crash_lines[r] for r in dead if self._crash_lines.get(r)}
+        lead = same_error(ended)
+        if lead is None:
+            return None
+        line, ranks = lead
+        return (
+            f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} ended with the same "
+            f"error: {line} (a mistake in the script: no spare can fix it; generation {gen}, "
+            f"{len(dead)} rank(s) lost and {starting} spare(s) left)"
+        )
+
     def out_of_spares(self, gen: int, dead: list[int], starting: int) -> str:
         """Why generation ``gen`` cannot recover: ``dead`` ranks lost, ``starting`` spares left. A
         mistake every lost rank made (the same error line) leads; else the pool's state and each
         rank's last line."""
+        mistake = self.script_mistake(gen, dead, starting)
+        if mistake is not None:  # a mistake every rank made: the script's error first
+            return mistake
         ended = {r: self._crash_lines[r] for r in dead if self._crash_lines.get(r)}
-        lead = same_error(ended)
-        if lead is not None:  # a mistake every rank made: the script's error first
-            line, ranks = lead
-            return (
-                f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} ended with the same "
-                f"error: {line} (a mistake in the script: no spare can fix it; generation {gen}, "
-                f"{len(dead)} rank(s) lost and {starting} spare(s) left)"
-            )
         why = f"; spares keep dying at start-up: {self._spares.last_death}" if self._spares.exhausted else ""
         lines = "".join(f"; rank {r}'s process ended with: {text}" for r, text in ended.items())
         return (
             f"generation {gen}: {len(dead)} rank(s) lost and {starting} spare(s) left "
-            f"(elastic shrink without spares is not supported yet){why}{lines}"
+            f"(--min-workers lets a job go on smaller){why}{lines}"
         )

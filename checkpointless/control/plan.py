@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from checkpointless.errors import PlanError
 
@@ -66,6 +66,8 @@ class Plan:
     restore: int | None = None
     #: the host of each rank's process ({} when the topology is not known: one host)
     hosts: dict[int, str] = field(default_factory=dict)
+    #: the processes of lost ranks that no spare took: the job went on without them (``shrink_plan``)
+    dropped: list[str] = field(default_factory=list)
 
     def to_json(self) -> str:
         return json.dumps(
@@ -79,6 +81,7 @@ class Plan:
                 "replaced": {str(k): v for k, v in self.replaced.items()},
                 "restore": self.restore,
                 "hosts": {str(k): v for k, v in self.hosts.items()},
+                "dropped": self.dropped,
             }
         )
 
@@ -95,6 +98,7 @@ class Plan:
             replaced={int(k): str(v) for k, v in d["replaced"].items()},
             restore=None if d.get("restore") is None else int(d["restore"]),
             hosts={int(k): str(v) for k, v in d.get("hosts", {}).items()},
+            dropped=[str(p) for p in d.get("dropped", [])],
         )
 
     def rank_of(self, proc: str) -> int | None:
@@ -267,6 +271,48 @@ def make_plan(
         replaced=replaced,
         hosts=where,
     )
+
+
+def shrink_plan(
+    prev: Plan,
+    committed: dict[int, int],
+    spares: list[str],
+    holders: set[int] | None = None,
+    *,
+    min_size: int,
+    durable_on: bool = False,
+    durable_step: int | None = None,
+    hosts: dict[str, str] | None = None,
+) -> Plan:
+    """The next generation of an elastic job that lost more ranks than it has ready spares: the
+    spares take the lowest lost ranks, the other lost ranks leave the job (``dropped``), and the
+    members are numbered anew in their old order (the survivors' shares are reassigned by rank:
+    ``share_loop.assign``). Then as ``make_plan``. Fewer than ``min_size`` members left, or a
+    sharded job: ``PlanError``."""
+    dead = sorted(set(prev.members) - set(committed))
+    drop = dead[len(spares) :]
+    size = prev.world_size - len(drop)
+    if prev.shards != 1:
+        raise PlanError(
+            f"{len(dead)} rank(s) lost and {len(spares)} spare(s) ready: a sharded job cannot shrink yet"
+        )
+    if size < min_size:
+        raise PlanError(
+            f"{len(dead)} rank(s) lost and {len(spares)} spare(s) ready: {size} replica(s) would be left, "
+            f"fewer than --min-workers {min_size}"
+        )
+    keep = [r for r in sorted(prev.members) if r not in drop]
+    new = {old: i for i, old in enumerate(keep)}
+    smaller = Plan(
+        gen=prev.gen, world_size=size, shards=1, members={new[r]: prev.members[r] for r in keep},
+        resume_step=prev.resume_step, hosts={new[r]: h for r, h in prev.hosts.items() if r in new},
+    )  # fmt: skip
+    plan = make_plan(
+        smaller, {new[r]: c for r, c in committed.items()}, spares,
+        None if holders is None else {new[r] for r in holders if r in new},
+        durable_on=durable_on, durable_step=durable_step, hosts=hosts,
+    )  # fmt: skip
+    return replace(plan, dropped=[prev.members[r] for r in drop])
 
 
 def _replace(

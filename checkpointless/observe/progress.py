@@ -17,7 +17,8 @@ Definitions (``report.json``'s contract):
 
 - ``step_time_s``: median interval between consecutive commits (step s, then s+1)
   of one rank within one generation.
-- ``steps_completed``: the highest step every rank that committed has committed, plus one.
+- ``steps_completed``: the highest step every rank that committed has committed, plus one (the
+  ranks whose last commit is in the newest generation: not those an elastic job left behind).
 - ``wall_s``: from the start of the first committed step (the least commit time
   minus ``step_time_s`` of any commit) to the last commit.
 - ``goodput``: ``steps_completed * step_time_s / wall_s``, at most 1 (with uneven
@@ -68,6 +69,7 @@ class StepStats:
         self._ngaps = 0
         self._median: float | None = 0.0  # None: to be computed again
         self._max_step: dict[int, int] = {}
+        self._max_gen: dict[int, int] = {}  # per rank, the generation of its highest step's commit
         self._start: float | None = None  # when the earliest-started committed step started
         self._last_t: float | None = None
         self.tokens = 0  #: tokens of every commit fed (a step committed again counts again)
@@ -100,7 +102,10 @@ class StepStats:
             if self._window is not None and len(history) > self._window:
                 del history[0]
         if step >= self._max_step.get(rank, -1):
+            if step > self._max_step.get(rank, -1):
+                self._max_gen[rank] = commit[2]
             self._max_step[rank] = step
+            self._max_gen[rank] = max(self._max_gen[rank], commit[2])
             self.latest[rank] = ev
         start = t - max(0.0, number(ev.get("step_time_s")) or 0.0)
         self._start = start if self._start is None else min(self._start, start)
@@ -151,7 +156,12 @@ class StepStats:
 
     @property
     def steps_completed(self) -> int:
-        return min(self._max_step.values()) + 1 if self._max_step else 0
+        if not self._max_step:
+            return 0
+        # the ranks of the newest generation that committed: a rank that left the job in a shrink
+        # (its last commit in an older generation) no longer holds the count back
+        top = max(self._max_gen.values())
+        return min(s for r, s in self._max_step.items() if self._max_gen[r] == top) + 1
 
     @property
     def wall_s(self) -> float:

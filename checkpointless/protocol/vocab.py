@@ -24,6 +24,7 @@ class Event(StrEnum):
     GENERATION_STARTED = "generation_started"
     SPARE_READY = "spare_ready"
     SPARE_ASSIGNED = "spare_assigned"
+    RESIZED = "resized"  # a generation with another number of replicas (``replicas``, ``before``)
     SPARE_RESTART_SCHEDULED = "spare_restart_scheduled"
     SPARE_POOL_EXHAUSTED = "spare_pool_exhausted"
     STEP_COMMITTED = "step_committed"

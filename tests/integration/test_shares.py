@@ -28,8 +28,9 @@ def _command(out: Path, *extra: str) -> list[str]:
 
 def _losses(out: Path) -> dict[str, float]:
     losses: dict[str, float] = {}
-    for f in sorted(out.glob("losses-*.json")):
-        losses.update(json.loads(f.read_text()))
+    for f in sorted(out.glob("losses-*.jsonl")):  # one line a committed step, one file a process
+        for line in f.read_text().splitlines():
+            losses.update(json.loads(line))
     return losses
 
 
@@ -94,6 +95,11 @@ def test_shares_the_job_cannot_use_are_one_line(tmp_path: Path) -> None:
                               str(tmp_path)], capture_output=True, text=True, timeout=120)  # fmt: skip
     assert sharded.returncode == 2 and "one share per replica for now" in sharded.stderr, sharded.stderr
     assert len(sharded.stderr.strip().splitlines()) == 1, sharded.stderr
+    for low in ("0", "3"):  # --min-workers outside 1..workers
+        elastic = subprocess.run([*cli, "--workers", "2", "--min-workers", low, "--", "python", SCRIPT, "4",
+                                  str(tmp_path)], capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert elastic.returncode == 2 and "--min-workers must be between 1 and --workers 2" in elastic.stderr
+        assert len(elastic.stderr.strip().splitlines()) == 1, elastic.stderr
     # a global batch of 16 that 3 shares cannot split: the script's loader says so, and the job ends
     odd = run_job(
         workers=2, spares=1, steps=4, shares=3, command=[sys.executable, SCRIPT, "4", str(tmp_path)]

@@ -2,14 +2,15 @@
 passes, the batch read through ``session.loader`` (the current share is the loader's data-parallel
 rank), a model with BatchNorm and dropout, samples with random noise drawn as they are read.
 
-Usage: shares_train.py STEPS OUT_DIR [--no-loop] [--global-batch N] (16 by default). Every rank writes ``OUT_DIR/losses-<rank>.json``
-(``{"<step>/<share>": loss}``, the last attempt's) and rank 0 ``OUT_DIR/final.pt`` (the model's state
-dict). ``--no-loop``: the same step without the loop (a script that runs at a fixed size).
+Usage: shares_train.py STEPS OUT_DIR [--no-loop] [--global-batch N] (16 by default). Every process
+appends each committed step's losses to ``OUT_DIR/losses-<pid>.jsonl`` (``{"<step>/<share>": loss}``
+a line), and rank 0 writes ``OUT_DIR/final.pt`` (the model's state dict). ``--no-loop``: the same step without the loop (a script that runs at a fixed size).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -52,8 +53,10 @@ def main() -> None:
         loss.backward()
         losses[f"{step}/{session.dp_rank}"] = loss.item()
 
+    out.mkdir(parents=True, exist_ok=True)
     for step in session.steps(steps):
-        with session.attempt():
+        losses.clear()
+        with session.attempt() as attempt:
             if loop:
                 for _ in session.shares():
                     share_pass(step)
@@ -62,9 +65,10 @@ def main() -> None:
             session.reduce_gradients()
             opt.step()
             opt.zero_grad()
+        if attempt.committed:
+            with open(out / f"losses-{os.getpid()}.jsonl", "a") as f:
+                f.write(json.dumps(losses) + "\n")
     digest = session.finish()
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"losses-{session.rank}.json").write_text(json.dumps(losses))
     if session.rank == 0:
         torch.save(model.state_dict(), out / "final.pt")
         print(f"done {steps} steps, state {digest[:16]}")

@@ -61,6 +61,7 @@ def test_round_trip_json() -> None:
         (["kill:rank=0,1@step=3"], 2, 2, 10, "every rank fails"),
         (["kill:spare@recovery"], 2, 0, 10, "no spare"),
         (["partition:spare@recovery,for=3"], 2, 1, 10, "needs a job on several hosts"),
+        (["kill:rank=0,1@step=3"], 3, 0, 10, "--min-workers lets a job go on smaller"),
         (["kill:rank=1@step=3", "hang:rank=1@step=3"], 2, 2, 10, "already faulted"),
     ],
 )
@@ -144,3 +145,11 @@ def test_host_faults_are_checked_against_the_hosts() -> None:
         validate_schedule(parse_faults(["kill:node=0@step=3"]), workers=4, spares=2, steps=10)
     with pytest.raises(ValueError, match="only 1 spare"):  # a host's 2 ranks need 2 spares
         validate_schedule(parse_faults(["kill:node=0@step=3"]), **{**two_hosts, "spares": 1})
+
+
+def test_an_elastic_schedule_may_lose_more_ranks_than_spares_down_to_its_minimum() -> None:
+    validate_schedule(parse_faults(["kill:rank=0,1@step=3"]), workers=4, spares=0, steps=10, min_workers=2)
+    with pytest.raises(ValueError, match="fewer than --min-workers 3 would be left"):
+        validate_schedule(
+            parse_faults(["kill:rank=0,1@step=3"]), workers=4, spares=0, steps=10, min_workers=3
+        )

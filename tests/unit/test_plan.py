@@ -236,3 +236,22 @@ def test_spares_placed_by_host_are_distinct_and_a_lost_host_moves_whole(data: st
             lost
         ):
             assert len({hosts[out[r]] for r in lost}) == 1  # one spare host took it
+
+
+def test_a_shrink_numbers_the_survivors_anew_in_their_order_and_names_who_left() -> None:
+    from checkpointless.control.plan import shrink_plan
+
+    prev = initial_plan(4, 1, ["w0", "w1", "w2", "w3"])
+    plan = shrink_plan(prev, {0: 5, 2: 5, 3: 5}, [], min_size=2)
+    assert plan.gen == 1 and plan.world_size == 3 and plan.resume_step == 6
+    assert plan.members == {0: "w0", 1: "w2", 2: "w3"} and plan.dropped == ["w1"]
+    assert plan.sources == {} and plan.replaced == {}
+    assert Plan.from_json(plan.to_json()) == plan
+    # a spare ready takes the lowest lost rank; the next lost rank leaves; a lagging survivor receives
+    plan = shrink_plan(prev, {0: 5, 3: 4}, ["s0"], min_size=2)
+    assert plan.members == {0: "w0", 1: "s0", 2: "w3"} and plan.dropped == ["w2"], plan
+    assert plan.replaced == {1: "w1"} and plan.sources == {1: 0, 2: 0}, plan
+    with pytest.raises(PlanError, match="fewer than --min-workers 3"):
+        shrink_plan(prev, {0: 5, 3: 5}, [], min_size=3)
+    with pytest.raises(PlanError, match="sharded job cannot shrink"):
+        shrink_plan(initial_plan(4, 2, ["w0", "w1", "w2", "w3"]), {0: 5, 1: 5}, [], min_size=1)

@@ -37,7 +37,11 @@ def _reference(events: list[Event]) -> tuple[int, float, float, float]:
         cs.sort()
         gaps += [b[0] - a[0] for a, b in itertools.pairwise(cs) if a[2] == b[2] and b[1] == a[1] + 1]
     step_time = statistics.median(gaps) if gaps else 0.0
-    steps = min(max(c[1] for c in cs) for cs in by_rank.values()) + 1
+    # each rank's highest step, and the newest generation it committed that step in; the count is
+    # over the ranks whose highest step is in the newest such generation (not ranks a shrink left)
+    last = {r: max((c[1], c[2]) for c in cs) for r, cs in by_rank.items()}
+    top = max(gen for _, gen in last.values())
+    steps = min(step for step, gen in last.values() if gen == top) + 1
     wall = max(e["t"] for e in commits) - min(e["t"] - e["step_time_s"] for e in commits)
     return steps, step_time, wall, (min(1.0, steps * step_time / wall) if wall > 0 else 0.0)
 

@@ -108,3 +108,21 @@ def test_shares_the_job_cannot_use_are_named(workers: int, shards: int, shares: 
         JobConfig(workers=workers, shards=shards, recovery=RecoveryConfig(shares=shares))
     assert JobConfig(workers=4, recovery=RecoveryConfig(shares=6)).share_count == 6
     assert JobConfig(workers=4).share_count == 4
+
+
+@pytest.mark.parametrize(
+    ("workers", "shards", "low", "message"),
+    [
+        (4, 1, 5, "between 1 and workers=4"),
+        (4, 2, 2, "a sharded job cannot shrink yet"),
+        (4, 1, -1, "min_workers must be >= 0"),
+    ],
+)
+def test_a_minimum_the_job_cannot_keep_is_named(workers: int, shards: int, low: int, message: str) -> None:
+    from checkpointless.config import JobConfig, RecoveryConfig
+
+    with pytest.raises(ValueError, match=message):
+        JobConfig(workers=workers, shards=shards, recovery=RecoveryConfig(min_workers=low))
+    assert JobConfig(workers=4, recovery=RecoveryConfig(min_workers=2)).elastic
+    assert not JobConfig(workers=4, recovery=RecoveryConfig(min_workers=4)).elastic
+    assert not JobConfig(workers=4).elastic
