@@ -174,6 +174,7 @@ class Session:
                                  buffers=lambda: self._model.buffers)  # fmt: skip  # S: the job's, below
         self._current: Attempt | None = None  # the attempt whose block is running
         self._metrics: dict[str, Any] = {}
+        self._per_share: dict[str, dict[int, float]] = {}
         self._reduced = False
         self._attempted = False
         if ENV_STORE not in os.environ:
@@ -464,6 +465,7 @@ class Session:
         current = Attempt(step)
         self._attempted = True
         self._current, self._metrics, self._reduced = current, {}, False
+        self._per_share = {}  # metrics logged inside shares, by share
         if self.reseed_rng:
             self._seed_rng(step_seed(self.seed, step, self.rank))
         self._shares.begin_attempt()
@@ -567,7 +569,9 @@ class Session:
 
         Only valid inside ``with session.attempt():``, so that a value is recorded
         for a step only if that step commits. Numbers, strings, NumPy scalars and
-        one-element tensors are accepted.
+        one-element tensors are accepted. Inside ``session.shares()`` a number is kept per share
+        and the commit records the mean over this replica's shares, with ``share_count``: the
+        report's ``loss_by_step`` weighs each rank's ``loss`` by it.
         """
         if self._current is None:
             self._member.fatal(
@@ -575,9 +579,18 @@ class Session:
                 "would record the values of a step that did not commit); move it into the block"
             )
         try:
-            self._metrics.update({k: scalar(k, v) for k, v in metrics.items()})
+            values = {k: scalar(k, v) for k, v in metrics.items()}
         except TypeError as e:
             self._member.fatal(f"session.log(): {e}")
+        share = self._shares.current
+        if share is None:
+            self._metrics.update(values)
+            return
+        for k, v in values.items():  # inside a share: averaged over the replica's shares at the commit
+            if isinstance(v, int | float) and not isinstance(v, bool):
+                self._per_share.setdefault(k, {})[share] = float(v)
+            else:
+                self._metrics[k] = v
 
     def emit(self, kind: str, **fields: Any) -> None:
         """Record a custom event (for example ``eval`` with ``heldout_loss``) at the committed step."""
@@ -603,6 +616,10 @@ class Session:
 
     # -- commit and failure ----------------------------------------------------
     def _commit(self, step: int, seconds: float) -> None:
+        if self._per_share:  # the replica's mean over its shares, and how many it computed
+            for k, by_share in self._per_share.items():
+                self._metrics[k] = sum(by_share.values()) / len(by_share)
+            self._metrics["share_count"] = max(len(v) for v in self._per_share.values())
         self._model.commit()
         self._steps.commit(step)
         if self._member.client is not None:

@@ -34,7 +34,8 @@ class MetricsFeed:
     def __call__(self, coord: Coordinator) -> None:
         self.feed_events()
         if coord.plan is not None:
-            self.metrics.generation(coord.plan.gen)
+            plan = coord.plan
+            self.metrics.generation(plan.gen, plan.world_size // plan.shards)
 
     def add(self, ev: dict[str, Any]) -> None:
         """One event as it is recorded (``Launcher.listen``): commits, recoveries and usage counted."""

@@ -18,6 +18,8 @@ Exposed metrics (all prefixed ``checkpointless_``):
 * ``checkpointless_recovery_seconds`` (histogram): recovery durations, buckets 0.05 s .. 30 s.
 * ``checkpointless_step_time_seconds{rank}`` (gauge): last step time reported by each rank.
 * ``checkpointless_generation`` (gauge): current generation (bumped after every recovery).
+* ``checkpointless_replicas`` (gauge): data-parallel replicas of the current generation (an elastic
+  job's shrinks lower it).
 
 Example::
 
@@ -143,6 +145,9 @@ class JobMetrics:
         self._generation = Gauge(
             _PREFIX + "generation", "Current generation (incremented on each recovery).", registry=reg
         )
+        self._replicas = Gauge(
+            _PREFIX + "replicas", "Data-parallel replicas of the current generation.", registry=reg
+        )
 
     # ------------------------------------------------------------------ server lifecycle
 
@@ -247,9 +252,11 @@ class JobMetrics:
         """Observe one recovery that took ``seconds``."""
         self._recovery.observe(float(seconds))
 
-    def generation(self, n: int) -> None:
-        """Set the current generation number."""
+    def generation(self, n: int, replicas: int | None = None) -> None:
+        """Set the current generation number (and its data-parallel replicas, if given)."""
         self._generation.set(n)
+        if replicas is not None:
+            self._replicas.set(replicas)
 
     def goodput(self, x: float) -> None:
         """Set the goodput fraction (useful training time / wall time)."""

@@ -8,6 +8,7 @@ Definitions (the contract other tools read):
 - ``faults``: one entry per fault, in time order, derived from the detections
   (:func:`checkpointless.observe.fault_list.derive_faults`, whose docstring defines each field).
 - ``durable``: how fresh the durable tier was (:func:`durable_summary`).
+- ``loss_by_step`` and ``replicas_by_step``: :func:`by_step`.
 """
 
 from __future__ import annotations
@@ -15,10 +16,38 @@ from __future__ import annotations
 from typing import Any
 
 from checkpointless.observe.fault_list import fault_entries
+from checkpointless.observe.fields import integer, number, unpacked
 from checkpointless.observe.progress import StepStats
 from checkpointless.protocol.vocab import Event
 
-__all__ = ["build_report", "durable_summary"]
+__all__ = ["build_report", "by_step", "durable_summary"]
+
+
+def by_step(events: list[dict[str, Any]]) -> tuple[dict[str, float], dict[str, int]]:
+    """``loss_by_step`` (``{"<step>": loss}``: the mean of the ranks' logged ``loss`` over the step's
+    whole global batch, each rank's value weighted by the shares it computed, its ``share_count``,
+    1 without one; steps with no loss logged are left out) and ``replicas_by_step`` (``{"<step>":
+    the ranks that committed it}``), from the commits of the generation that committed each step."""
+    newest: dict[int, tuple[int, list[dict[str, Any]]]] = {}  # step -> (gen, its commits in it)
+    for ev in unpacked(events):
+        step, gen = integer(ev.get("step")), integer(ev.get("gen")) or 0
+        if ev.get("kind") != Event.STEP_COMMITTED or step is None:
+            continue
+        seen = newest.get(step)
+        if seen is None or gen > seen[0]:
+            newest[step] = (gen, [ev])
+        elif gen == seen[0]:
+            seen[1].append(ev)
+    losses: dict[str, float] = {}
+    replicas: dict[str, int] = {}
+    for step in sorted(newest):
+        rows = newest[step][1]
+        replicas[str(step)] = len({integer(r.get("rank")) for r in rows})
+        weighted = [(value, integer(r.get("share_count")) or 1) for r in rows
+                    if (value := number(r.get("loss"))) is not None]  # fmt: skip
+        if weighted:
+            losses[str(step)] = sum(v * w for v, w in weighted) / sum(w for _, w in weighted)
+    return losses, replicas
 
 
 def durable_summary(events: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -64,6 +93,7 @@ def build_report(
     recoveries = [float(e["seconds"]) for e in events if e["kind"] == Event.RECOVERY_DONE]
     evals = [(int(e["step"]), float(e["heldout_loss"])) for e in events if e["kind"] == Event.EVAL]
     finished = [e for e in events if e["kind"] == Event.JOB_FINISHED]
+    losses, replicas = by_step(events)
     return {
         "steps_completed": stats.steps_completed,
         "total_steps": total_steps,
@@ -78,4 +108,6 @@ def build_report(
         "heldout_loss": evals,
         "faults": fault_entries(events, step_time=stats.step_time_s),
         "durable": durable_summary(events),
+        "loss_by_step": losses,
+        "replicas_by_step": replicas,
     }

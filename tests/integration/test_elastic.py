@@ -36,12 +36,16 @@ def _same_run(full: Path, elastic: Path) -> None:
             assert torch.equal(t, pb[name]), name
 
 
+_FULL_REPORT: dict[str, dict] = {}
+
+
 @pytest.fixture(scope="module")
 def full(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The fault-free run at its full size: 4 workers, one share each."""
+    """The fault-free run at its full size: 4 workers, one share each (its report in ``_FULL_REPORT``)."""
     out = tmp_path_factory.mktemp("full")
     result = run_job(workers=4, spares=0, steps=STEPS, command=_command(out))
     assert result.ok, f"{result.error}\n{logs_of(result)}"
+    _FULL_REPORT["report"] = result.report
     return out
 
 
@@ -59,6 +63,12 @@ def test_a_job_with_no_spare_shrinks_from_four_to_three_to_two_and_stays_the_sam
     report = result.report
     assert report["steps_completed"] == STEPS and report["generations"] == 2, report
     assert all(f["lost_steps"] == 0 for f in report["faults"]), report["faults"]
+    # the report: the replicas of every step, and each step's loss over its whole global batch
+    # (a replica computing two shares weighs twice) equal to the full-size run's
+    assert report["replicas_by_step"] == {str(s): 4 if s < 3 else 3 if s < 6 else 2 for s in range(STEPS)}
+    ours, theirs = report["loss_by_step"], _FULL_REPORT["report"]["loss_by_step"]
+    assert sorted(ours) == sorted(theirs) == sorted(str(s) for s in range(STEPS))
+    assert all(abs(ours[k] - theirs[k]) <= 1e-4 * abs(theirs[k]) for k in ours), (ours, theirs)
 
 
 def test_two_ranks_lost_at_once_and_a_hang_shrink_in_one_generation_each(tmp_path: Path, full: Path) -> None:

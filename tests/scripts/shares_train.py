@@ -52,6 +52,7 @@ def main() -> None:
         loss = torch.nn.functional.mse_loss(model(xb), yb)
         loss.backward()
         losses[f"{step}/{session.dp_rank}"] = loss.item()
+        session.log(loss=loss)
 
     out.mkdir(parents=True, exist_ok=True)
     for step in session.steps(steps):

@@ -379,7 +379,7 @@ def test_plan_waits_for_a_spare_that_is_still_starting(spare_heartbeat: str | No
 @pytest.mark.parametrize(
     ("spares", "spare_dies", "match"),
     [
-        (0, False, r"^generation 0: 1 rank\(s\) lost and 0 spare\(s\) left \(elastic shrink without spares"),
+        (0, False, r"^generation 0: 1 rank\(s\) lost and 0 spare\(s\) left \(--min-workers lets a job go on smaller"),
         (1, True, r"^generation 0: 1 rank\(s\) lost and 0 spare\(s\) left .*; spares keep dying at start-up: "
                   r"s0 exited with code 1 before joining the job; last log line: ImportError: libfoo\.so$"),
     ],

@@ -58,7 +58,7 @@ def test_scrape_values(metrics: JobMetrics) -> None:
     metrics.fault("hang", "heartbeat_timeout")
     metrics.recovery(0.07)
     metrics.recovery(2.5)
-    metrics.generation(3)
+    metrics.generation(3, replicas=4)
     metrics.goodput(0.875)
 
     s = scrape(metrics)
@@ -66,6 +66,7 @@ def test_scrape_values(metrics: JobMetrics) -> None:
     assert s[("checkpointless_step_commits_total", ())] == 3
     assert s[("checkpointless_goodput", ())] == 0.875
     assert s[("checkpointless_generation", ())] == 3
+    assert s[("checkpointless_replicas", ())] == 4
     assert s[("checkpointless_faults_total", (("cause", "process_exit"), ("kind", "crash")))] == 2
     assert s[("checkpointless_faults_total", (("cause", "heartbeat_timeout"), ("kind", "hang")))] == 1
     assert s[("checkpointless_step_time_seconds", (("rank", "0"),))] == pytest.approx(0.20)

@@ -130,7 +130,7 @@ def test_console_metrics_and_report_agree_on_every_prefix() -> None:
     feed = MetricsFeed(metrics, live)
     console = Console(record=True, width=200)
     progress = LiveProgress(12, live, console, every_s=0.0)
-    coord = SimpleNamespace(plan=SimpleNamespace(gen=0), ready_spares=lambda: [])
+    coord = SimpleNamespace(plan=SimpleNamespace(gen=0, world_size=2, shards=1), ready_spares=lambda: [])
     for i, ev in enumerate(events):
         live.append(ev)
         feed.add(ev)

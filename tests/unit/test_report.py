@@ -581,3 +581,25 @@ def test_unfired_faults_are_named() -> None:
     run = Run(spares=2, faults=tuple(specs)).train(3).inject(0, "kill", [1])
     run.inject(2, "kill", [1], target="recovery").inject(1, "hang", [0, 1]).inject(3, "exception", [0])
     assert unfired(parse_faults(specs), run.finish()) == []
+
+
+def test_loss_and_replicas_by_step_weigh_each_rank_by_its_shares_in_the_generation_that_committed() -> None:
+    """Step 1 failed in generation 0 (rank 1's commit of it is not the step's: generation 1 committed
+    it again) and was committed by two replicas, one of which computed two shares; step 2's commits
+    came packed from a host; step 3 logged no loss."""
+    from checkpointless.observe.report import by_step
+
+    def commit(step: int, rank: int, gen: int, **fields: Any) -> dict[str, Any]:
+        return {"kind": "step_committed", "t": float(step), "step": step, "rank": rank, "gen": gen, **fields}
+
+    events = [
+        commit(0, 0, 0, loss=1.0), commit(0, 1, 0, loss=3.0), commit(0, 2, 0, loss=5.0),
+        commit(1, 1, 0, loss=100.0),
+        commit(1, 0, 1, loss=2.0, share_count=2), commit(1, 1, 1, loss=8.0),
+        {"kind": "steps_committed", "t": 2.0, "step": 2, "gen": 1, "host": "h0",
+         "ranks": [{"rank": 0, "dt": 0.0, "loss": 1.0, "share_count": 2}, {"rank": 1, "dt": 0.01, "loss": 4.0}]},
+        commit(3, 0, 1), commit(3, 1, 1),
+    ]  # fmt: skip
+    losses, replicas = by_step(events)
+    assert replicas == {"0": 3, "1": 2, "2": 2, "3": 2}
+    assert losses == {"0": 3.0, "1": 4.0, "2": 2.0}
