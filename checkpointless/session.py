@@ -170,8 +170,6 @@ class Session:
             # which scans every object of the process: keep what exists before the first
             # build (torch, transformers, the user's data) out of those scans.
             gc.freeze()
-        self._shares = ShareLoop(1, hold=self._model.hold, reseed=self._seed_share,
-                                 buffers=lambda: self._model.buffers)  # fmt: skip  # S: the job's, below
         self._current: Attempt | None = None  # the attempt whose block is running
         self._metrics: dict[str, Any] = {}
         self._per_share: dict[str, dict[int, float]] = {}
@@ -179,7 +177,7 @@ class Session:
         self._attempted = False
         if ENV_STORE not in os.environ:
             self.job = JobConfig(workers=1, spares=0, seed=seed)
-            self._shares.shares = self.job.share_count
+            self._shares = self._share_loop()
             self._member = Member(self.job, self._model, self._steps, device=self.device)
             self._check = ReplicaCheck(self._member, self._model, self._steps)
             self._end = Ending(self._member, self._model, self._steps, self._check)
@@ -187,7 +185,7 @@ class Session:
             return
         die_with_parent()
         self.job = JobConfig.from_json(os.environ[ENV_CONFIG])
-        self._shares.shares = self.job.share_count
+        self._shares = self._share_loop()
         spare = os.environ.get(ENV_ROLE, Role.WORKER) == Role.SPARE
         self._member = member_of_the_job(self.job, self._model, self._steps, self.device, seed, spare=spare)
         self._check = ReplicaCheck(self._member, self._model, self._steps)
@@ -289,13 +287,18 @@ class Session:
         return self._shares.run(self._steps.next, self.rank, self.world_size)
 
     def require_one_share(self, what: str) -> None:
-        """End the job in one line unless every replica computes one share (``what``: a loop that
-        cannot compute several yet, named in the message)."""
-        if self.dp_size != self.world_size:
+        """End the job in one line unless every replica computes one share, now and after any
+        shrink (``what``: a loop that cannot compute several yet, named in the message)."""
+        if self.dp_size != self.world_size or self.job.elastic:
             self._member.fatal(
-                f"{what} computes one share per replica for now: --shares {self.dp_size} with "
-                f"{self.world_size} workers (leave --shares at the number of workers)"
+                f"{what} computes one share per replica for now: --shares {self.dp_size} and "
+                f"--min-workers {self.job.recovery.min_workers or self.job.workers} with {self.world_size} workers "
+                "(leave both at the number of workers)"
             )
+
+    def _share_loop(self) -> ShareLoop:
+        return ShareLoop(self.job.share_count, hold=self._model.hold, reseed=self._seed_share,
+                         buffers=lambda: self._model.buffers)  # fmt: skip
 
     def _seed_share(self, step: int, share: int) -> None:
         if self.reseed_rng:
