@@ -37,8 +37,9 @@ collectives still runs in gloo's worker thread is not destroyed (its destructor 
 thread, holding the GIL, until the timeout): it is kept aside, its sockets shut down, and dropped
 once that work has ended (``abort``, ``_sweep``). A point-to-point transfer's wait (a state
 transfer's) cannot wait in slices (a timed wait on a gloo send ends the send, and torch does not
-expose its abort): its plain wait runs in a thread of the group's own while the caller looks every
-``RELEASE_POLL_S`` whether the group was released (``_Waiter``). A wait given up leaves its work
+expose its abort): its plain wait runs in a thread of the group's own, from the moment the
+transfer is posted, while the caller looks every ``RELEASE_POLL_S`` whether the group was released
+(``_Waiter``). A wait given up leaves its work
 and tensor to that thread until gloo's timeout ends them; the work holds the group's context, so the
 group may go meanwhile. A sharded generation's group, which this module only wraps, gives up the
 same way when its owner releases it.
@@ -90,20 +91,31 @@ def is_collective_failure(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _BACKEND_MARKS)
 
 
+_Ticket = tuple[threading.Event, list[str]]  # a submitted wait: set once it ended, and its error
+
+
 class _Waiter:
-    """Waits a group's point-to-point works one at a time, in a daemon thread of its own, while the
-    caller looks whether the group was released (module doc). A wait given up leaves the thread
-    inside it until gloo's timeout ends the work; the group is unusable by then."""
+    """Waits a group's point-to-point works one at a time, in submission order, in a daemon thread
+    of its own, while the caller looks whether the group was released (module doc). A transfer's
+    works are submitted as they are posted, so the thread runs ahead of the caller, who then finds
+    most of them ended (no thread switch per message). A wait given up leaves the thread inside it
+    until gloo's timeout ends the work; the group is unusable by then."""
 
     def __init__(self, name: str) -> None:
         self._queue: queue.SimpleQueue[tuple[Any, threading.Event, list[str]] | None] = queue.SimpleQueue()
         threading.Thread(target=self._run, name=name, daemon=True).start()
 
-    def wait(self, work: Any, released: Callable[[], bool], gen: int) -> None:
-        """Wait for ``work``; ``CollectiveError`` once ``released()``, a gloo error as ``RuntimeError``."""
+    def submit(self, work: Any) -> _Ticket:
+        """Wait for ``work`` in the thread, after those submitted before it."""
         done, failed = threading.Event(), list[str]()
         self._queue.put((work, done, failed))
-        del work
+        return done, failed
+
+    @staticmethod
+    def wait(ticket: _Ticket, released: Callable[[], bool], gen: int) -> None:
+        """Until the ticket's work ended; ``CollectiveError`` once ``released()``, a gloo error as
+        ``RuntimeError``."""
+        done, failed = ticket
         while not done.wait(RELEASE_POLL_S):
             if released():
                 raise CollectiveError(f"gen {gen}: the group was released while a transfer waited")
@@ -111,7 +123,7 @@ class _Waiter:
             raise RuntimeError(failed[0])
 
     def close(self) -> None:
-        """The thread ends after the wait it is in, if any."""
+        """The thread ends after the waits submitted so far."""
         self._queue.put(None)
 
     def _run(self) -> None:
@@ -225,7 +237,8 @@ class Group:
         self._owned = True
         self._released = False
         self._owner_released: Callable[[], bool] | None = None
-        self._waiter: _Waiter | None = None  # started at the first point-to-point wait
+        self._waiter: _Waiter | None = None  # started at the first point-to-point transfer
+        self._tickets: dict[int, _Ticket] = {}  # transfers posted, their waits submitted: by id
         if backend != "gloo":
             try:
                 self.control = Group(store, gen, rank, world_size, prefix=prefix + "ctl/", timeout=timeout)
@@ -259,6 +272,7 @@ class Group:
         self._released = False
         self._owner_released = released
         self._waiter = None
+        self._tickets = {}
         self._pending = {}
         return self
 
@@ -270,7 +284,14 @@ class Group:
 
     def _track(self, work: Any, p2p: bool = False) -> Any:
         self._pending[id(work)] = (work, p2p)
+        if p2p and self.backend == "gloo":  # its wait starts now, in the waiter's thread
+            self._tickets[id(work)] = self._submit(work)
         return work
+
+    def _submit(self, work: Any) -> _Ticket:
+        if self._waiter is None:
+            self._waiter = _Waiter(f"cpl-p2p-gen{self.gen}")
+        return self._waiter.submit(work)
 
     def _is_released(self) -> bool:
         return self._released or (self._owner_released is not None and self._owner_released())
@@ -308,9 +329,8 @@ class Group:
                 raise CollectiveError(f"gen {self.gen}: the group was released while a collective waited")
 
     def _wait_p2p(self, work: Any) -> None:
-        if self._waiter is None:
-            self._waiter = _Waiter(f"cpl-p2p-gen{self.gen}")
-        self._waiter.wait(work, self._is_released, self.gen)
+        ticket = self._tickets.pop(id(work), None) or self._submit(work)
+        _Waiter.wait(ticket, self._is_released, self.gen)
 
     def allreduce_(self, tensors: list[torch.Tensor]) -> None:
         """Sum each tensor in place across the group (all issued, then all awaited)."""
@@ -453,6 +473,7 @@ class Group:
         if ctl is not self:
             ctl.abort()
         waiter, self._waiter = self._waiter, None
+        self._tickets = {}
         if waiter is not None:
             waiter.close()
         pg, self.pg = self.pg, None
