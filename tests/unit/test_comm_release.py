@@ -105,6 +105,20 @@ def test_release_leaves_the_other_threads_connections_alone(monkeypatch: pytest.
             s.close()
 
 
+def _stop_then_release(at: float, pid: int, group: Group) -> None:
+    """From a thread of its own: at ``at``, stop the peer ``pid`` (SIGSTOP: a host cut off
+    mid-transfer, no reset comes back), and release ``group`` 0.3 s later, as the heartbeat thread
+    does when the coordinator aborts the generation."""
+
+    def run() -> None:
+        time.sleep(max(0.0, at - time.monotonic()))
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(0.3)
+        group.release()
+
+    threading.Thread(target=run, daemon=True).start()
+
+
 _PEER = """
 import sys
 from datetime import timedelta
@@ -143,14 +157,7 @@ def test_release_ends_a_wait_on_a_send_to_a_peer_that_stopped_reading() -> None:
             assert peer.stdout is not None and peer.stdout.readline().strip() == "formed"
             x = torch.ones(16 * 1024 * 1024)
             stop_at = time.monotonic() + 0.3 + rng.random() * 0.5
-
-            def stop_then_release(at: float, pid: int, group: Group) -> None:
-                time.sleep(max(0.0, at - time.monotonic()))
-                os.kill(pid, signal.SIGSTOP)
-                time.sleep(0.3)
-                group.release()
-
-            threading.Thread(target=stop_then_release, args=(stop_at, peer.pid, g), daemon=True).start()
+            _stop_then_release(stop_at, peer.pid, g)
             with pytest.raises(CollectiveError):
                 while True:
                     g.broadcast_([x])
@@ -212,14 +219,7 @@ def test_release_ends_a_state_transfer_with_a_peer_that_stopped(direction: str) 
             g = Group(store, 0, 0, 2, prefix=prefix, timeout=timedelta(seconds=timeout_s))
             assert peer.stdout is not None and peer.stdout.readline().strip() == "formed"
             stop_at = time.monotonic() + 0.3 + rng.random() * 0.5
-
-            def stop_then_release(at: float, pid: int, group: Group) -> None:
-                time.sleep(max(0.0, at - time.monotonic()))
-                os.kill(pid, signal.SIGSTOP)
-                time.sleep(0.3)
-                group.release()
-
-            threading.Thread(target=stop_then_release, args=(stop_at, peer.pid, g), daemon=True).start()
+            _stop_then_release(stop_at, peer.pid, g)
             transfers = 0
             with pytest.raises(CollectiveError):
                 while True:
