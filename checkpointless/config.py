@@ -81,6 +81,14 @@ class RecoveryConfig:
     """The fewest replicas an elastic job trains with: ranks lost with no spare ready leave the
     job, the survivors computing their shares (``share_loop``), while at least this many live.
     0 (the default): the job's size, no shrink (a lost rank needs a spare)."""
+    max_workers: int = 0
+    """The most replicas an elastic job trains with: capacity beyond the spares' reserve (a spare
+    that became ready, a process started in a lost one's place) grows the job up to this many, and
+    ``checkpointless scale`` may ask for up to this many. At most ``shares``. 0 (the default): the
+    starting size."""
+    resize_interval_s: float = 10.0
+    """The least time between two changes of size that nothing forced (a grow, a requested
+    shrink): each one stops the job for a transfer."""
     shares: int = 0
     """The data-parallel shares the global batch is cut into, for the whole job (``share_loop``):
     a replica holding k shares computes k share passes per step (``for share in session.shares():``),
@@ -97,7 +105,7 @@ class RecoveryConfig:
 
     def __post_init__(self) -> None:
         for name in ("hang_timeout_s", "progress_timeout_s", "heartbeat_interval_s", "collective_timeout_s",
-                     "plan_timeout_s", "start_timeout_s", "exit_timeout_s"):  # fmt: skip
+                     "plan_timeout_s", "start_timeout_s", "exit_timeout_s", "resize_interval_s"):  # fmt: skip
             value = getattr(self, name)
             if not math.isfinite(value) or value <= 0:
                 raise ValueError(f"{name} must be a positive finite number of seconds, got {value}")
@@ -138,6 +146,8 @@ class RecoveryConfig:
             raise ValueError(f"max_retries_per_step must be >= 1, got {self.max_retries_per_step}")
         if self.min_workers < 0:
             raise ValueError(f"min_workers must be >= 0 (0: no shrink), got {self.min_workers}")
+        if self.max_workers < 0:
+            raise ValueError(f"max_workers must be >= 0 (0: the starting size), got {self.max_workers}")
         if self.shares < 0:
             raise ValueError(f"shares must be >= 0 (0: one per starting replica), got {self.shares}")
 
@@ -177,6 +187,14 @@ class JobConfig:
         if shares and shares < self.workers:
             raise ValueError(f"shares={shares} must be at least workers={self.workers}: each replica holds "
                              "one share or more")  # fmt: skip
+        high = self.recovery.max_workers
+        if high and high < self.workers:
+            raise ValueError(f"max_workers={high} must be at least workers={self.workers}")
+        if high and high > self.share_count:
+            raise ValueError(f"max_workers={high} must be at most the shares ({self.share_count}): each replica "
+                             "holds one share or more (raise --shares)")  # fmt: skip
+        if high and high > self.workers and self.shards > 1:
+            raise ValueError(f"max_workers={high} with shards={self.shards}: a sharded job cannot grow yet")
         if self.backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be gloo or nccl, got {self.backend!r}")
         if self.device not in (None, "cpu", "cuda"):
@@ -185,9 +203,19 @@ class JobConfig:
             raise ValueError("backend nccl needs device cuda (NCCL carries CUDA tensors only)")
 
     @property
+    def min_size(self) -> int:
+        """The fewest replicas the job trains with (``min_workers``, else the starting size)."""
+        return self.recovery.min_workers or self.workers
+
+    @property
+    def max_size(self) -> int:
+        """The most replicas the job trains with (``max_workers``, else the starting size)."""
+        return self.recovery.max_workers or self.workers
+
+    @property
     def elastic(self) -> bool:
-        """Whether the job may go on with fewer replicas than it started with (``min_workers``)."""
-        return 0 < self.recovery.min_workers < self.workers
+        """Whether the job may train with another number of replicas than it started with."""
+        return self.min_size < self.workers or self.max_size > self.workers
 
     @property
     def share_count(self) -> int:

@@ -14,7 +14,8 @@ must act:
   ``RecipeError``, ``UsageError``.
 
 ``JobInterrupted`` (SIGINT/SIGTERM at the launcher) is a ``BaseException``, like
-``KeyboardInterrupt``, so that ``except Exception`` in user callbacks cannot eat it.
+``KeyboardInterrupt``, so that ``except Exception`` in user callbacks cannot eat it; so is
+``Dismissed`` (a ``SystemExit``: a process a smaller job let go).
 The core modules re-export the class they raise (``checkpointless.comm.CollectiveError``
 is this module's class), so either import path works.
 """
@@ -26,6 +27,11 @@ import signal
 
 class CheckpointlessError(Exception):
     """Root of the errors the package raises on purpose."""
+
+
+class Dismissed(SystemExit):
+    """A smaller job let this process go (``checkpointless scale``): it exits with status 0 without
+    the rest of its script. A ``SystemExit``, so that ``except Exception`` cannot keep it training."""
 
 
 class CollectiveError(CheckpointlessError, RuntimeError):

@@ -32,7 +32,7 @@ from checkpointless.consistency import (
 from checkpointless.control.client import ControlClient
 from checkpointless.control.plan import Plan
 from checkpointless.durable import DurableWriter
-from checkpointless.errors import FatalError, IntegrityError, Unrecoverable
+from checkpointless.errors import Dismissed, FatalError, IntegrityError, Unrecoverable
 from checkpointless.fault_grammar import FaultSpec
 from checkpointless.faults import FaultInjector
 from checkpointless.formation import Formation
@@ -240,6 +240,8 @@ class Member:
                 self._generation.close()
                 self._generation = None
             plan = client.wait_plan(self.generation + 1, self.plan_timeout)
+            if plan.rank_of(client.proc) is None and client.proc in plan.dropped:
+                self._dismissed(plan)
             try:
                 self.enter(plan)
                 return
@@ -251,6 +253,17 @@ class Member:
                     Event.FAULT_DETECTED, sync=True, rank=self.rank, gen=plan.gen,
                     step=self._steps.committed + 1, reason=reason, error=str(e)[:300],
                 )  # fmt: skip
+
+    def _dismissed(self, plan: Plan) -> NoReturn:
+        """A smaller job let this process go (``checkpointless scale``): it leaves, exit status 0,
+        without the rest of the script (its loop did not end)."""
+        log.warning("[gen %d] the job goes on with %d replica(s) without this process: leaving",
+                    plan.gen, plan.world_size)  # fmt: skip
+        client = self._client()
+        client.update(phase=Phase.DONE)
+        client.flush()
+        client.close()
+        raise Dismissed(0)
 
     def join_failed(self, exc: Exception, gen: int, step: int) -> None:
         """A peer failed while this process joined its first generation: it stays and recovers
@@ -294,7 +307,7 @@ class Member:
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(plan.world_size), LOCAL_WORLD_SIZE=str(on_host))
         client.update(rank=rank, gen=plan.gen, phase=Phase.JOINING)
         self._lineages = {}
-        if self.faults is not None and rank in plan.replaced:
+        if self.faults is not None and plan.newcomer(rank):
             self.faults.at_recovery(rank, plan.resume_step, self.fault_fired, at="join")
         if plan.shards > 1 and not self._model.sharded:
             self.fatal(
@@ -369,8 +382,8 @@ class Member:
         client, rank = self._client(), self.rank
 
         def hook() -> None:
-            # kill:spare@recovery hits a replacement only, never a lagging survivor that receives
-            if self.faults is not None and rank in plan.replaced:
+            # kill:spare@recovery hits a spare taking a rank only, never a lagging survivor that receives
+            if self.faults is not None and plan.newcomer(rank):
                 self.faults.at_recovery(rank, plan.resume_step, self.fault_fired)
 
         client.emit(Event.TRANSFER_BEGUN, rank=rank, gen=plan.gen, step=plan.resume_step, src=src)

@@ -288,12 +288,12 @@ class Session:
 
     def require_one_share(self, what: str) -> None:
         """End the job in one line unless every replica computes one share, now and after any
-        shrink (``what``: a loop that cannot compute several yet, named in the message)."""
+        resize (``what``: a loop that cannot compute several yet, named in the message)."""
         if self.dp_size != self.world_size or self.job.elastic:
             self._member.fatal(
-                f"{what} computes one share per replica for now: --shares {self.dp_size} and "
-                f"--min-workers {self.job.recovery.min_workers or self.job.workers} with {self.world_size} workers "
-                "(leave both at the number of workers)"
+                f"{what} computes one share per replica for now: --shares {self.dp_size}, --min-workers "
+                f"{self.job.min_size} and --max-workers {self.job.max_size} with {self.world_size} workers "
+                "(leave them at the number of workers)"
             )
 
     def _share_loop(self) -> ShareLoop:
@@ -552,7 +552,11 @@ class Session:
             self._member.fatal("session.reduce_gradients() called inside `for share in session.shares():`: "
                                "call it once, after the loop")  # fmt: skip
         if (self._shares.needed(self.world_size) or self.job.elastic) and not self._shares.used:
-            fewer = ", and fewer after a shrink (--min-workers)" if self.job.elastic else ""
+            fewer = (
+                ", and another number after a resize (--min-workers, --max-workers)"
+                if self.job.elastic
+                else ""
+            )
             self._member.fatal(
                 f"the job's {self._shares.shares} shares (--shares) are computed by {self.world_size} replica(s){fewer}: "
                 "each step must compute its replica's shares, `for share in session.shares():` around the forward "

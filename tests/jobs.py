@@ -51,10 +51,13 @@ def run_job(
     expect_fired: bool = True,
     shares: int = 0,
     min_workers: int = 0,
+    max_workers: int = 0,
+    resize_interval_s: float = 600.0,
 ) -> JobResult:
     """Run a tiny demo job (or ``command``); ``launcher`` receives the Launcher before it runs.
 
-    With ``expect_fired`` (the default), a job that ran to the end must show every injected fault
+    ``resize_interval_s`` is long by default: an elastic job that shrank does not grow back (a test
+    of growth sets it). With ``expect_fired`` (the default), a job that ran to the end must show every injected fault
     firing: a test of recovery cannot pass because its fault never struck.
     """
     recovery = RecoveryConfig(
@@ -69,6 +72,8 @@ def run_job(
         durable_dir=None if durable_dir is None else str(durable_dir),
         shares=shares,
         min_workers=min_workers,
+        max_workers=max_workers,
+        resize_interval_s=resize_interval_s,  # by default no elastic job grows back before it ends
     )
     job = JobConfig(
         workers=workers, spares=spares, shards=shards, faults=parse_faults(faults or []), recovery=recovery

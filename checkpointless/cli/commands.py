@@ -10,7 +10,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from checkpointless.cli import agent, cluster, coordinator, demo, dryrun, launch, report, run, simulate
+from checkpointless.cli import agent, cluster, coordinator, demo, dryrun, launch, report, run, scale, simulate
 from checkpointless.errors import UsageError, UserInputError
 
 
@@ -52,6 +52,10 @@ COMMANDS: dict[str, Command] = {
     ),
     "report": Command(
         "a finished run's timeline plot and summary, from its --out directory", report.build_parser, report.run
+    ),
+    "scale": Command(
+        "ask a running job to train with N workers (an elastic job: --min-workers / --max-workers)",
+        scale.build_parser, scale.run,
     ),
     "simulate": Command(
         "goodput of checkpoint-restart against checkpointless at cluster scale",

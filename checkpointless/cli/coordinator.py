@@ -75,7 +75,7 @@ def run(argv: list[str]) -> int:
         spares_per_node=args.spares_per_node, start_agents=listening, join_timeout_s=args.join_timeout,
     )  # fmt: skip
     launcher = Launcher(job, [], total_steps=args.steps, host=args.bind, port=args.port, out_dir=args.out,
-                        cluster=spec, secret=secret)  # fmt: skip
+                        cluster=spec, secret=secret, control_port=getattr(args, "control_port", None))  # fmt: skip
     result = run_launcher(launcher, args, console, steps=args.steps, metrics_port=args.metrics_port)
     print_result(console, result, "run")
     return exit_code(result)

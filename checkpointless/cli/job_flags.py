@@ -117,6 +117,15 @@ def add_detection_args(p: argparse.ArgumentParser, *, defaults: bool = True) -> 
     p.add_argument("--min-workers", type=int, default=None, metavar="M",
                    help="an elastic job: ranks lost with no spare ready leave the job, the survivors computing "
                    "their shares, while at least M workers live (default: no shrink)")  # fmt: skip
+    p.add_argument("--max-workers", type=int, default=None, metavar="X",
+                   help="an elastic job: capacity beyond the spares' reserve grows the job up to X workers, and "
+                   "checkpointless scale may ask for up to X (at most --shares; default: --workers)")  # fmt: skip
+    p.add_argument("--resize-interval", type=float, default=None, metavar="SECONDS",
+                   help="the least time between two changes of size that no fault forced "
+                   f"(default {d.resize_interval_s:g})")  # fmt: skip
+    p.add_argument("--control-port", type=int, default=None, metavar="PORT",
+                   help="serve POST /scale (bearer token: control.json's) on this port on every interface "
+                   "(default: a free port on loopback, named in <out>/control.json)")  # fmt: skip
     p.add_argument("--shares", type=int, default=None, metavar="S",
                    help="the data-parallel shares the global batch is cut into, for the whole job: a replica "
                    "holding several computes each (for share in session.shares()); default one per worker")  # fmt: skip
@@ -201,6 +210,20 @@ def job_config(
                     f"--min-workers must be between 1 and --workers {args.workers}, got {args.min_workers}"
                 )
             changes["min_workers"] = args.min_workers
+        if getattr(args, "max_workers", None) is not None:
+            if args.max_workers < args.workers:
+                raise UsageError(
+                    f"--max-workers must be at least --workers {args.workers}, got {args.max_workers}"
+                )
+            changes["max_workers"] = args.max_workers
+        interval = getattr(args, "resize_interval", None)
+        if interval is not None:
+            if not math.isfinite(interval) or interval <= 0:
+                raise UsageError(f"--resize-interval must be a positive number of seconds, got {interval}")
+            changes["resize_interval_s"] = interval
+        port = getattr(args, "control_port", None)
+        if port is not None and not 0 <= port < 65536:
+            raise UsageError(f"--control-port must be in 0..65535, got {port}")
         if getattr(args, "shares", None) is not None:
             if args.shares < 1:
                 raise UsageError(f"--shares must be >= 1, got {args.shares}")

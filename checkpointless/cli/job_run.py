@@ -32,9 +32,16 @@ def run_job(
     if topology is not None:
         with topology.hosts(command, out) as (addr, spec, secret):
             launcher = Launcher(job, command, total_steps=steps, host=addr, port=args.port, out_dir=out,
-                                cluster=spec, secret=secret)  # fmt: skip
+                                cluster=spec, secret=secret, control_port=getattr(args, "control_port", None))  # fmt: skip
             return run_launcher(launcher, args, console, steps=steps, metrics_port=metrics_port)
-    launcher = Launcher(job, command, total_steps=steps, port=args.port, out_dir=out)
+    launcher = Launcher(
+        job,
+        command,
+        total_steps=steps,
+        port=args.port,
+        out_dir=out,
+        control_port=getattr(args, "control_port", None),
+    )
     return run_launcher(launcher, args, console, steps=steps, metrics_port=metrics_port)
 
 

@@ -14,7 +14,8 @@ file and each the only writer of its state:
   recovery's end, with the members' ``FailureReports`` (``reports.py``);
 - ``SparePool`` (``spares.py``): spare starts, refills and their back-off;
 - ``Published`` and ``IntruderWatch`` (``published.py``): what it keeps written on the store;
-- ``Pace`` (``pace.py``): step times and the step count; ``Outcome`` (``outcome.py``): the end.
+- ``Pace`` (``pace.py``): step times and the step count; ``Outcome`` (``outcome.py``): the end;
+- ``Sizing`` (``sizing.py``): an elastic job's target size, and when to change size.
 
 Every value read from the store is verified against the job's secret (``control/auth.py``);
 forgeries are ignored and recorded as ``message_rejected`` events.
@@ -44,6 +45,8 @@ from checkpointless.control.plan import Plan, initial_plan
 from checkpointless.control.processes import ProcessHandle, ProcessTable, ProcessView
 from checkpointless.control.published import IntruderWatch, Published
 from checkpointless.control.reports import FailureReports
+from checkpointless.control.size_requests import SizeRequests
+from checkpointless.control.sizing import Sizing
 from checkpointless.control.spares import SparePool
 from checkpointless.errors import JobFailed
 from checkpointless.protocol import keys
@@ -72,13 +75,15 @@ class Coordinator:
         *,
         table: ProcessTable | None = None,
         probe: Callable[[list[str]], None] | None = None,
+        sizes: SizeRequests | None = None,
     ) -> None:
         """``spawn_spare``: the process backend's (a new spare's handle, None without a free slot);
         ``emit``: the event sink; ``report_bell``: true once after a process reported a failure
         (``ReportBell.rung``): with it, failure reports are read when it rings (else at the
         heartbeat pace) instead of every tick. ``table``: the process table, shared with a backend
         that reads it (several hosts); ``probe(names)``: asks the hosts of processes the
-        coordinator waits for for a sign of life (several hosts; one host's exits are seen at once)."""
+        coordinator waits for for a sign of life (several hosts; one host's exits are seen at once);
+        ``sizes``: where ``checkpointless scale`` asks an elastic job for another size."""
         self.store, self.job = store, job
         self._emit_cb, self._clock = emit, clock or time.monotonic
         self._report_bell = report_bell
@@ -95,6 +100,8 @@ class Coordinator:
         parts = CourseParts(table=self.table, spares=self.spares, reports=self.reports,
                             published=self.published, exits=self.exits, outcome=self.outcome, pace=self.pace)  # fmt: skip
         self.course = FailureCourse(job, parts, self._emit, self._clock, probe)
+        self.sizing = Sizing(job, sizes, self._clock())
+        self._sized_gen = 0  # the generation the sizing last saw start
         self._last_poll = float("-inf")
         self._last_sweep = float("-inf")
         self._last_intruder_check = float("-inf")
@@ -251,6 +258,8 @@ class Coordinator:
             course.try_recover(now)
         elif course.recovering is not None:
             course.check_recovered()
+        if course.failure is None and course.recovering is None and poll and self.job.elastic:
+            self._check_size(now)
         if course.failure is None and course.recovering is None and (sweep or (poll and self._any_done())):
             self.check_done()
             if self.finished:
@@ -374,6 +383,26 @@ class Coordinator:
             log.error("%s", error)
             raise JobFailed(error)
 
+    # -- an elastic job's size --------------------------------------------------------
+    def _check_size(self, now: float) -> None:
+        """Between recoveries: the spare pool topped up to what the target size needs, and a change
+        of size started when ``Sizing`` says (never before the first commit or once a rank is done)."""
+        assert self.plan is not None
+        if self.plan.gen != self._sized_gen:
+            self._sized_gen = self.plan.gen
+            self.sizing.changed(now)
+        size = self.plan.world_size // self.plan.shards
+        self.sizing.refresh(size)
+        if self.sizing.due(now):
+            self.spares.top_up(self.sizing.spares_wanted(size), now, self.job.recovery.resize_interval_s)
+        if not self.pace.started or self.finished or self._any_done():
+            return
+        ready = len(self.table.ready_spares())
+        alive = sum(1 for p in self.procs.values() if p.role == Role.SPARE and p.handle.alive())
+        change = self.sizing.decide(size, ready, alive - ready + len(self.spares.due), now)
+        if change is not None:
+            self.course.resize(*change, now)
+
     # -- the failure course ---------------------------------------------------------
     def fail(self, now: float) -> Failure:
         """The current generation's failure (``FailureCourse.fail``): also what a lost host's
@@ -390,6 +419,7 @@ class Coordinator:
         if step is None:
             return
         self.finished = True
+        self.sizing.finished(self.plan.world_size // self.plan.shards if self.plan else 0)
         self.store.set(keys.JOB_STOP, "1")  # the launcher re-asserts it while the ranks exit
         self._emit(
             Event.JOB_FINISHED,

@@ -23,7 +23,7 @@ from checkpointless.config import JobConfig
 from checkpointless.control.exits import ExitJudge
 from checkpointless.control.outcome import Outcome
 from checkpointless.control.pace import Pace
-from checkpointless.control.plan import Plan, PlanError, make_plan, shrink_plan
+from checkpointless.control.plan import Plan, PlanError, make_plan, resize_plan, shrink_plan
 from checkpointless.control.processes import ProcessTable
 from checkpointless.control.published import Published
 from checkpointless.control.reports import FailureReports
@@ -45,6 +45,14 @@ class Failure:
     dead: set[int] = field(default_factory=set)
     reported: dict[int, int] = field(default_factory=dict)  # rank -> its committed step
     holders: set[int] = field(default_factory=set)  # ranks that still hold their state
+    #: a change of size that nothing forced (``FailureCourse.resize``): (the size, why); a member
+    #: lost meanwhile makes it an ordinary failure
+    resize: tuple[int, str] | None = None
+
+    @property
+    def planned(self) -> bool:
+        """A change of size that nothing forced, with every member alive."""
+        return self.resize is not None and not self.dead
 
 
 @dataclass(kw_only=True)
@@ -77,6 +85,7 @@ class FailureCourse:
         self.failure: Failure | None = None
         self.recovering: tuple[float, Plan] | None = None  # (when its failure started, its plan)
         self._retries: Counter[int] = Counter()
+        self._resizing = False  # the recovery under way is a change of size nothing forced
 
     def start(self, plan: Plan) -> None:
         """Generation 0's plan, published."""
@@ -93,6 +102,17 @@ class FailureCourse:
             self._p.published.publish(keys.abort(self.plan.gen), "1")
             self.recovering = None
         return self.failure
+
+    def resize(self, size: int, why: str, now: float) -> None:
+        """Change the job's size to ``size`` replicas (``why``: ``request``, ``capacity``): the
+        generation is aborted as for a failure (the step in flight is done again), every member
+        reports, and ``resize_plan`` makes the next one, which the spares join or the highest
+        ranks leave."""
+        assert self.failure is None
+        self.fail(now).resize = (size, why)
+        self._emit(
+            Event.RESIZE_STARTED, replicas=size, before=self.plan.world_size if self.plan else 0, why=why
+        )
 
     def check_reports(self, direct: bool = True) -> None:
         """The members' failure reports: those that came in relayed heartbeats since the last call,
@@ -137,6 +157,9 @@ class FailureCourse:
             return
         committed = {r: c for r, c in f.reported.items() if r not in f.dead}
         spares = table.ready_spares()
+        if f.planned:
+            self._resize(f, committed, spares)
+            return
         shrink = False
         if len(f.dead) > len(spares):
             self._p.spares.refill(self._clock())  # a new failure before the last recovery finished
@@ -158,7 +181,7 @@ class FailureCourse:
             hosts = {name: p.handle.host for name, p in table.procs.items()}
             if shrink:
                 plan = shrink_plan(
-                    self.plan, committed, spares, holders=f.holders, min_size=rc.min_workers,
+                    self.plan, committed, spares, holders=f.holders, min_size=self._job.min_size,
                     durable_on=durable_on, durable_step=step, hosts=hosts,
                 )  # fmt: skip
             else:
@@ -173,6 +196,17 @@ class FailureCourse:
             raise JobFailed(
                 f"step {plan.resume_step} failed {self._retries[plan.resume_step]} times; giving up"
             )
+        self._publish(plan, f)
+
+    def _resize(self, f: Failure, committed: dict[int, int], spares: list[str]) -> None:
+        """The plan of a change of size; as many new ranks as spares are still ready."""
+        assert self.plan is not None and f.resize is not None
+        size = min(f.resize[0], self.plan.world_size + len(spares))
+        hosts = {name: p.handle.host for name, p in self._p.table.procs.items()}
+        try:
+            plan = resize_plan(self.plan, committed, size, spares, hosts=hosts)
+        except PlanError as e:
+            raise JobFailed(f"generation {f.gen}: {e}") from e
         self._publish(plan, f)
 
     def _wait_for(self, f: Failure, missing: list[int], now: float) -> None:
@@ -231,6 +265,10 @@ class FailureCourse:
             new = plan.members[rank]
             table[new].role = Role.WORKER
             published.publish(keys.assign(new), str(plan.gen))
+        for rank in plan.grown:
+            new = plan.members[rank]
+            table[new].role = Role.WORKER
+            published.publish(keys.assign(new), str(plan.gen))
         for old in plan.dropped:
             table[old].role = Role.GONE
         before = self.plan.world_size if self.plan is not None else plan.world_size
@@ -241,11 +279,17 @@ class FailureCourse:
         )  # fmt: skip
         for rank, old in plan.replaced.items():
             self._emit(Event.SPARE_ASSIGNED, rank=rank, gen=plan.gen, target=plan.members[rank], replaces=old)
+        for rank in plan.grown:
+            self._emit(
+                Event.SPARE_ASSIGNED, rank=rank, gen=plan.gen, target=plan.members[rank], replaces=None
+            )
         if plan.world_size != before:
+            why = f.resize[1] if f.planned and f.resize is not None else "lost"
             self._emit(Event.RESIZED, gen=plan.gen, step=plan.resume_step, replicas=plan.world_size // plan.shards,
-                       before=before // plan.shards, dropped=plan.dropped)  # fmt: skip
+                       before=before // plan.shards, dropped=plan.dropped, grown=plan.grown, why=why)  # fmt: skip
         self._p.spares.replace_later(len(plan.replaced))
         self.recovering = (f.started, plan)
+        self._resizing = f.planned
         self.failure = None
 
     def check_recovered(self) -> None:
@@ -259,6 +303,8 @@ class FailureCourse:
                 return
             if hb.get("committed", -1) < plan.resume_step and hb.get("phase") != Phase.DONE:
                 return
-        self._emit(Event.RECOVERY_DONE, gen=plan.gen, step=plan.resume_step, seconds=self._clock() - started)
+        done = Event.RESIZE_DONE if self._resizing else Event.RECOVERY_DONE
+        self._emit(done, gen=plan.gen, step=plan.resume_step, seconds=self._clock() - started,
+                   replicas=plan.world_size // plan.shards)  # fmt: skip
         self.recovering = None
         self._p.spares.refill(self._clock())

@@ -66,8 +66,11 @@ class Plan:
     restore: int | None = None
     #: the host of each rank's process ({} when the topology is not known: one host)
     hosts: dict[int, str] = field(default_factory=dict)
-    #: the processes of lost ranks that no spare took: the job went on without them (``shrink_plan``)
+    #: the processes of lost ranks that no spare took, or of ranks a smaller job let go: the job
+    #: went on without them (``shrink_plan``, ``resize_plan``)
     dropped: list[str] = field(default_factory=list)
+    #: the ranks a spare took that no process held before: the job grew (``resize_plan``)
+    grown: list[int] = field(default_factory=list)
 
     def to_json(self) -> str:
         return json.dumps(
@@ -82,6 +85,7 @@ class Plan:
                 "restore": self.restore,
                 "hosts": {str(k): v for k, v in self.hosts.items()},
                 "dropped": self.dropped,
+                "grown": self.grown,
             }
         )
 
@@ -99,7 +103,12 @@ class Plan:
             restore=None if d.get("restore") is None else int(d["restore"]),
             hosts={int(k): str(v) for k, v in d.get("hosts", {}).items()},
             dropped=[str(p) for p in d.get("dropped", [])],
+            grown=[int(r) for r in d.get("grown", [])],
         )
+
+    def newcomer(self, rank: int) -> bool:
+        """Whether a spare took ``rank`` in this generation (in a lost rank's place, or a new one)."""
+        return rank in self.replaced or rank in self.grown
 
     def rank_of(self, proc: str) -> int | None:
         for r, p in self.members.items():
@@ -313,6 +322,45 @@ def shrink_plan(
         durable_on=durable_on, durable_step=durable_step, hosts=hosts,
     )  # fmt: skip
     return replace(plan, dropped=[prev.members[r] for r in drop])
+
+
+def resize_plan(
+    prev: Plan,
+    committed: dict[int, int],
+    size: int,
+    spares: list[str],
+    *,
+    hosts: dict[str, str] | None = None,
+) -> Plan:
+    """The next generation of an elastic job whose every member lives (all in ``committed``), with
+    ``size`` replicas: a larger job gives its new ranks (numbered after the others) to ``spares``,
+    which receive the state like replacements; a smaller one lets its highest ranks go
+    (``dropped``). Then as ``make_plan``. A sharded job, or fewer spares than new ranks: ``PlanError``."""
+    if prev.shards != 1:
+        raise PlanError("a sharded job cannot change size yet")
+    lost = sorted(set(prev.members) - set(committed))
+    if lost:
+        raise PlanError(f"ranks {lost} are lost: a change of size needs every member")
+    if size < prev.world_size:
+        keep = {r: prev.members[r] for r in range(size)}
+        smaller = Plan(
+            gen=prev.gen, world_size=size, shards=1, members=keep, resume_step=prev.resume_step,
+            hosts={r: h for r, h in prev.hosts.items() if r < size},
+        )  # fmt: skip
+        plan = make_plan(smaller, {r: c for r, c in committed.items() if r < size}, [], hosts=hosts)
+        return replace(plan, dropped=[prev.members[r] for r in range(size, prev.world_size)])
+    new = list(range(prev.world_size, size))
+    if len(spares) < len(new):
+        raise PlanError(f"{len(new)} new rank(s) but only {len(spares)} spare(s) ready")
+    # the new ranks are planned as lost ranks of a job of ``size`` (the spares take them and receive
+    # the state from the holders, spread as for replacements); no process held them
+    placeholder = {r: f"<new rank {r}>" for r in new}
+    larger = Plan(
+        gen=prev.gen, world_size=size, shards=1, members={**prev.members, **placeholder},
+        resume_step=prev.resume_step, hosts=prev.hosts,
+    )  # fmt: skip
+    plan = make_plan(larger, committed, spares, hosts=hosts)
+    return replace(plan, replaced={r: p for r, p in plan.replaced.items() if r not in placeholder}, grown=new)
 
 
 def _replace(

@@ -32,6 +32,7 @@ class SparePool:
         self._failures = 0  # spares in a row that died before they were ready
         self.last_death = ""  # why the last spare died while starting
         self.exhausted = False  # the back-off gave up: spares kept dying at start-up
+        self._no_slot_at = float("-inf")  # when a start last found no free slot
 
     def ready(self) -> None:
         """A spare reached its waiting phase: the back-off starts again from the beginning."""
@@ -76,6 +77,7 @@ class SparePool:
             handle = self._spawn()
             if handle is None:  # no host has a free slot (a spare host took a lost host's ranks)
                 log.info("no free slot on any live host for a new spare; the pool stays smaller")
+                self._no_slot_at = now
                 continue
             self._table.add(handle, Role.SPARE, now)
 
@@ -85,6 +87,20 @@ class SparePool:
             self._refills -= 1
             self.due.append(now)
         self.start_due(now)
+
+    def top_up(self, wanted: int, now: float, retry_s: float) -> None:
+        """An elastic job's pool: spares started until ``wanted`` are alive, starting or due (the
+        reserve and the replicas the job lacks); not while start-ups keep failing, nor within
+        ``retry_s`` of a start that found no free slot."""
+        if self.exhausted or now - self._no_slot_at < retry_s:
+            return
+        procs = self._table.procs.values()
+        have = (
+            sum(1 for p in procs if p.role == Role.SPARE and p.handle.alive()) + len(self.due) + self._refills
+        )
+        if have < wanted:
+            self.due.extend([now] * (wanted - have))
+            self.start_due(now)
 
     def add(self, handle: ProcessHandle, now: float) -> None:
         """A spare started outside the pool's own refills (a host that rejoined the job)."""

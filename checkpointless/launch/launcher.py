@@ -50,6 +50,8 @@ from checkpointless.control.auth import SignedStore, control_token, job_namespac
 from checkpointless.control.bell import ReportBell
 from checkpointless.control.coordinator import Coordinator
 from checkpointless.control.processes import ProcessBackend, ProcessTable
+from checkpointless.control.size_requests import SizeRequests
+from checkpointless.launch.control_http import ControlServer
 from checkpointless.launch.events import EventCollector, Rejections
 from checkpointless.launch.job_stop import JobStop
 from checkpointless.launch.remote import ClusterSpec, RemoteNodes
@@ -108,10 +110,13 @@ class Launcher:
         timeout_s: float = 3600.0,
         cluster: ClusterSpec | None = None,
         secret: bytes | None = None,
+        control_port: int | None = None,
     ) -> None:
         """``cluster``: the job runs on several hosts, one ``checkpointless agent`` each
         (``remote.py``); None: every process on this host. ``secret``: the job's (the agents read it
-        from a file); None: a new one."""
+        from a file); None: a new one. ``control_port``: where the coordinator serves ``POST /scale``
+        on every interface (``control_http.py``); None: a free port on loopback, named in
+        ``<out>/control.json`` (no ``out``: none)."""
         self.job, self.command, self.total_steps = job, command, total_steps
         self.host, self.port = host, port
         self.folder = RunFolder(out_dir)  # <out>/ and the processes' logs
@@ -132,6 +137,9 @@ class Launcher:
         self._rejections = Rejections()  # values that failed their seal: the first of each key is an event
         self._collector = EventCollector(self._log, self._rejections)
         self._secret = secret or new_secret()
+        self._sizes = SizeRequests(job.min_size, job.max_size, job.workers)
+        self._control_port = control_port
+        self._http: ControlServer | None = None
 
     # -- processes ------------------------------------------------------------------
     @property
@@ -182,7 +190,14 @@ class Launcher:
         self._wakeups.open()  # a ring wakes the launcher before any local process exists
         store_addr = f"{self.host}:{self.store.raw.port}"
         table = ProcessTable()  # the coordinator's, which the hosts' side reads (several hosts)
-        self.folder.open(self._log, store_addr, control_token(self._secret), self.job_id)
+        token = control_token(self._secret)
+        if self._control_port is not None or self.folder.out_dir is not None:
+            host = "0.0.0.0" if self._control_port is not None else "127.0.0.1"
+            self._http = ControlServer(self._sizes, token, host, self._control_port or 0)
+            self._http.start()
+        self.folder.open(
+            self._log, store_addr, token, self.job_id, self._http.address if self._http else None
+        )
         backend = self.backend = self._backend(table, store_addr)  # after open: it may write logs
         self._record(
             event(Event.JOB_STARTED, proc="launcher", gen=0, job_id=self.job_id, workers=self.job.workers,
@@ -200,6 +215,7 @@ class Launcher:
         coord = Coordinator(
             self.store, self.job, self.total_steps, backend.spawn_spare, self._record,
             report_bell=self._bell.rung if self._bell is not None else None, table=table, probe=backend.probe,
+            sizes=self._sizes,
         )  # fmt: skip
         self._coord = coord
         stop = JobStop(
@@ -210,7 +226,7 @@ class Launcher:
             coord, backend, wakeups=self._wakeups, usage=self._usage, record=self._record,
             collect=self._collect_events, on_tick=self.on_tick, timeout_s=self.timeout_s,
         )  # fmt: skip
-        error, interrupted = stop.drive(lambda: self._run(loop, stop), self.folder.remove_control_file)
+        error, interrupted = stop.drive(lambda: self._run(loop, stop), self._close_control)
         if error is not None:
             self._record(event(Event.JOB_FINISHED, proc="launcher", gen=0, ok=False, error=error))
         self._log.finish()
@@ -228,6 +244,12 @@ class Launcher:
             out_dir=self.folder.out_dir, logs=self._log_paths(), pids=self._pids(), interrupted=interrupted,
             write_error=write_error,
         )  # fmt: skip
+
+    def _close_control(self) -> None:
+        """The job is over: nobody can steer it any more."""
+        self.folder.remove_control_file()
+        if self._http is not None:
+            self._http.close()
 
     def _backend(self, table: ProcessTable, store_addr: str) -> ProcessBackend:
         """The job's processes: a ``LocalSupervisor`` on this host, or the hosts' agents (``cluster``)."""

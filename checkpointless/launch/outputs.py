@@ -26,14 +26,15 @@ the run folder needs to reach the job. Removed at the job's end (by ``checkpoint
 reaper too, when the command was SIGKILLed); a stale one is removed with the previous run's files."""
 
 
-def write_control_file(out_dir: Path, addr: str, token: str, job_id: str) -> Path:
-    """Write ``out_dir/control.json`` readable by this user only (0600), atomically."""
+def write_control_file(out_dir: Path, addr: str, token: str, job_id: str, http: str | None = None) -> Path:
+    """Write ``out_dir/control.json`` readable by this user only (0600), atomically; ``http``: the
+    coordinator's control endpoint (``host:port``, ``launch/control_http.py``)."""
     path = out_dir / CONTROL_FILE
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
-            json.dump({"addr": addr, "pid": os.getpid(), "job_id": job_id, "token": token}, f)
+            json.dump({"addr": addr, "pid": os.getpid(), "job_id": job_id, "token": token, "http": http}, f)
         os.replace(tmp, path)
     finally:
         with contextlib.suppress(FileNotFoundError):

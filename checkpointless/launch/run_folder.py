@@ -44,15 +44,16 @@ class RunFolder:
         if self.own_logdir:
             self.logdir = Path(tempfile.mkdtemp(prefix="checkpointless-logs-"))
 
-    def open(self, event_log: EventLog, addr: str, token: str, job_id: str) -> None:
+    def open(self, event_log: EventLog, addr: str, token: str, job_id: str, http: str | None = None) -> None:
         """``out`` made, a previous run's files moved aside, ``events.jsonl`` streamed by
-        ``event_log``, ``control.json`` written (the store's address, the control token)."""
+        ``event_log``, ``control.json`` written (the store's address, the control token, the
+        coordinator's control endpoint ``http``)."""
         if self.out_dir is None:
             return
         self.out_dir.mkdir(parents=True, exist_ok=True)
         set_aside_previous_run(self.out_dir)
         event_log.open(self.out_dir / "events.jsonl")
-        self._control_file = write_control_file(self.out_dir, addr, token, job_id)
+        self._control_file = write_control_file(self.out_dir, addr, token, job_id, http)
 
     def remove_control_file(self) -> None:
         """The job is over: nobody can steer it any more."""

@@ -24,7 +24,9 @@ class Event(StrEnum):
     GENERATION_STARTED = "generation_started"
     SPARE_READY = "spare_ready"
     SPARE_ASSIGNED = "spare_assigned"
-    RESIZED = "resized"  # a generation with another number of replicas (``replicas``, ``before``)
+    RESIZED = "resized"  # a generation with another number of replicas (``replicas``, ``before``, ``why``)
+    RESIZE_STARTED = "resize_started"  # a change of size nothing forced: the generation aborted for it
+    RESIZE_DONE = "resize_done"  # its generation trains (as ``recovery_done`` for a failure's)
     SPARE_RESTART_SCHEDULED = "spare_restart_scheduled"
     SPARE_POOL_EXHAUSTED = "spare_pool_exhausted"
     STEP_COMMITTED = "step_committed"

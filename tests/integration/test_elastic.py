@@ -104,7 +104,10 @@ def test_an_elastic_job_whose_step_has_no_share_loop_is_refused_at_its_first_ste
         workers=2, spares=0, min_workers=1, steps=STEPS, command=_command(tmp_path / "e", "--no-loop")
     )
     assert not result.ok
-    assert result.error is not None and "fewer after a shrink (--min-workers)" in result.error, result.error
+    assert (
+        result.error is not None
+        and "another number after a resize (--min-workers, --max-workers)" in result.error
+    ), result.error
     committed = [e for e in result.events if e["kind"] == "step_committed"]
     assert not committed, committed[:2]
 

@@ -2,7 +2,8 @@
 passes, the batch read through ``session.loader`` (the current share is the loader's data-parallel
 rank), a model with BatchNorm and dropout, samples with random noise drawn as they are read.
 
-Usage: shares_train.py STEPS OUT_DIR [--no-loop] [--global-batch N] (16 by default). Every process
+Usage: shares_train.py STEPS OUT_DIR [--no-loop] [--global-batch N] (16 by default) [--pause S]
+(a step lasts at least S seconds, so that a job lasts long enough to change size). Every process
 appends each committed step's losses to ``OUT_DIR/losses-<pid>.jsonl`` (``{"<step>/<share>": loss}``
 a line), and rank 0 writes ``OUT_DIR/final.pt`` (the model's state dict). ``--no-loop``: the same step without the loop (a script that runs at a fixed size).
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -24,6 +26,7 @@ def main() -> None:
     steps, out = int(sys.argv[1]), Path(sys.argv[2])
     loop = "--no-loop" not in sys.argv
     batch = int(sys.argv[sys.argv.index("--global-batch") + 1]) if "--global-batch" in sys.argv else 16
+    pause = float(sys.argv[sys.argv.index("--pause") + 1]) if "--pause" in sys.argv else 0.0
     torch.set_num_threads(1)
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
@@ -47,6 +50,7 @@ def main() -> None:
     for step in session.steps(steps):
         losses.clear()
         with session.attempt() as attempt:
+            time.sleep(pause)
             if loop:
                 for _ in session.shares():
                     share_pass(step)

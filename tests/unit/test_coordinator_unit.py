@@ -23,6 +23,7 @@ from checkpointless.config import JobConfig, RecoveryConfig
 from checkpointless.control.auth import SignedStore
 from checkpointless.control.coordinator import Coordinator, JobFailed
 from checkpointless.control.plan import Plan
+from checkpointless.control.size_requests import SizeRequests
 from checkpointless.protocol import keys
 from tests.fakes import FakeProcess, FakeStore, FakeWorker, ManualClock
 
@@ -43,7 +44,10 @@ RECOVERY: dict[str, Any] = {
 class Job:
     """A coordinator with its fake store, processes and clock."""
 
-    def __init__(self, workers: int = 2, spares: int = 1, *, bell: bool = False, **recovery: Any) -> None:
+    def __init__(
+        self, workers: int = 2, spares: int = 1, *, bell: bool = False, sizes: SizeRequests | None = None,
+        **recovery: Any,
+    ) -> None:  # fmt: skip
         self.clock = ManualClock()
         self.t0 = self.clock.now
         self.raw = FakeStore()
@@ -65,7 +69,7 @@ class Job:
         bell_name = self.signed.name(keys.REPORT_BELL)
         self.coord = Coordinator(
             self.signed, self.config, 100, self._spawn_spare, self.events.append, clock=self.clock,
-            report_bell=(lambda: self.raw.delete_key(bell_name)) if bell else None,
+            report_bell=(lambda: self.raw.delete_key(bell_name)) if bell else None, sizes=sizes,
         )  # fmt: skip
         self.coord.start(
             [self._proc(f"w{r}") for r in range(workers)], [self._proc(f"s{i}") for i in range(spares)]

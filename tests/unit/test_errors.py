@@ -29,12 +29,13 @@ def test_no_public_exception_class_outside_errors_module() -> None:
     assert strays == []
 
 
-def test_every_error_has_the_root_except_the_interrupt() -> None:
+def test_every_error_has_the_root_except_the_interrupt_and_the_dismissal() -> None:
     classes = [c for _, c in inspect.getmembers(errors, inspect.isclass) if c.__module__ == errors.__name__]
     assert len(classes) >= 10
     for cls in classes:
-        if cls is errors.JobInterrupted:
-            assert not issubclass(cls, Exception)  # except Exception in a callback cannot eat Ctrl-C
+        if cls in (errors.JobInterrupted, errors.Dismissed):
+            # except Exception in a callback cannot eat Ctrl-C, nor keep a process let go training
+            assert not issubclass(cls, Exception)
         else:
             assert issubclass(cls, errors.CheckpointlessError), cls
 

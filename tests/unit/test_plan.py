@@ -255,3 +255,26 @@ def test_a_shrink_numbers_the_survivors_anew_in_their_order_and_names_who_left()
         shrink_plan(prev, {0: 5, 3: 5}, [], min_size=3)
     with pytest.raises(PlanError, match="sharded job cannot shrink"):
         shrink_plan(initial_plan(4, 2, ["w0", "w1", "w2", "w3"]), {0: 5, 1: 5}, [], min_size=1)
+
+
+def test_a_resize_gives_new_ranks_to_spares_or_lets_the_highest_go() -> None:
+    from checkpointless.control.plan import resize_plan
+
+    prev = Plan(gen=3, world_size=2, shards=1, members={0: "w0", 1: "s0"}, resume_step=5)
+    plan = resize_plan(prev, {0: 9, 1: 9}, 4, ["s1", "s2", "s3"])
+    assert plan.gen == 4 and plan.world_size == 4 and plan.resume_step == 10
+    assert plan.members == {0: "w0", 1: "s0", 2: "s1", 3: "s2"} and plan.grown == [2, 3]
+    assert plan.replaced == {} and plan.dropped == [] and plan.sources == {2: 0, 3: 1}
+    assert plan.newcomer(2) and plan.newcomer(3) and not plan.newcomer(0)
+    assert Plan.from_json(plan.to_json()) == plan
+    # a member that lags behind receives too
+    assert resize_plan(prev, {0: 9, 1: 8}, 3, ["s1"]).sources == {1: 0, 2: 0}
+    smaller = resize_plan(plan, {0: 12, 1: 12, 2: 12, 3: 12}, 2, [])
+    assert smaller.members == {0: "w0", 1: "s0"} and smaller.dropped == ["s1", "s2"] and smaller.grown == []
+    assert smaller.sources == {} and smaller.resume_step == 13 and smaller.world_size == 2
+    with pytest.raises(PlanError, match="2 new rank"):
+        resize_plan(prev, {0: 9, 1: 9}, 4, ["s1"])
+    with pytest.raises(PlanError, match=r"ranks \[1\] are lost"):
+        resize_plan(prev, {0: 9}, 3, ["s1"])
+    with pytest.raises(PlanError, match="sharded job cannot change size"):
+        resize_plan(initial_plan(4, 2, ["w0", "w1", "w2", "w3"]), {r: 1 for r in range(4)}, 2, [])
