@@ -200,6 +200,15 @@ class Session:
                     f"{off[0]!r} is on {off[1]} but this process trains on {self.device} (session.device): "
                     "build the model on checkpointless.local_device()"
                 )
+        if model is not None and (self.job.elastic or self.job.share_count != self.job.workers):
+            synced = next(
+                (n for n, m in model.named_modules() if isinstance(m, torch.nn.SyncBatchNorm)), None
+            )
+            if synced is not None:
+                self._member.fatal(
+                    f"{repr(synced) if synced else 'the model'} is a SyncBatchNorm: its statistics depend on how many replicas "
+                    "compute a step, which --shares, --min-workers and --max-workers change: use BatchNorm"
+                )
         atexit.register(self._end.at_exit)
         joined = start_as_spare(self._member, self._model) if spare else start_as_worker(self._member)
         if not joined:  # the job ended while this spare waited

@@ -51,6 +51,7 @@ from checkpointless.control.bell import ReportBell
 from checkpointless.control.coordinator import Coordinator
 from checkpointless.control.processes import ProcessBackend, ProcessTable
 from checkpointless.control.size_requests import SizeRequests
+from checkpointless.errors import LaunchError
 from checkpointless.launch.control_http import ControlServer
 from checkpointless.launch.events import EventCollector, Rejections
 from checkpointless.launch.job_stop import JobStop
@@ -180,20 +181,19 @@ class Launcher:
 
     # -- the job ----------------------------------------------------------------------
     def run(self) -> JobResult:
-        self.store = SignedStore(
-            open_store(self.host, self.port),
-            self._secret,
-            self._reject,
-            namespace=job_namespace(self._secret),
-        )
+        self._http = self._control_server()  # first: a taken --control-port leaves nothing behind
+        try:
+            raw = open_store(self.host, self.port)
+        except BaseException:
+            self._close_control()
+            raise
+        self.store = SignedStore(raw, self._secret, self._reject, namespace=job_namespace(self._secret))
         self.folder.make_logdir()
         self._wakeups.open()  # a ring wakes the launcher before any local process exists
         store_addr = f"{self.host}:{self.store.raw.port}"
         table = ProcessTable()  # the coordinator's, which the hosts' side reads (several hosts)
         token = control_token(self._secret)
-        if self._control_port is not None or self.folder.out_dir is not None:
-            host = "0.0.0.0" if self._control_port is not None else "127.0.0.1"
-            self._http = ControlServer(self._sizes, token, host, self._control_port or 0)
+        if self._http is not None:
             self._http.start()
         self.folder.open(
             self._log, store_addr, token, self.job_id, self._http.address if self._http else None
@@ -244,6 +244,17 @@ class Launcher:
             out_dir=self.folder.out_dir, logs=self._log_paths(), pids=self._pids(), interrupted=interrupted,
             write_error=write_error,
         )  # fmt: skip
+
+    def _control_server(self) -> ControlServer | None:
+        """The control endpoint (``POST /scale``), bound: on every interface at ``--control-port``,
+        else on a free loopback port where the run folder's ``control.json`` can name it."""
+        if self._control_port is None and self.folder.out_dir is None:
+            return None
+        host = "0.0.0.0" if self._control_port is not None else "127.0.0.1"
+        try:
+            return ControlServer(self._sizes, control_token(self._secret), host, self._control_port or 0)
+        except OSError as e:
+            raise LaunchError(f"--control-port {self._control_port}: {e.strerror or e}") from e
 
     def _close_control(self) -> None:
         """The job is over: nobody can steer it any more."""

@@ -103,3 +103,30 @@ def test_scale_shrinks_then_grows_a_running_job(tmp_path: Path, full: Path) -> N
                           capture_output=True, text=True, timeout=60)  # fmt: skip
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert json.loads((run / "report.json").read_text())["replicas_by_step"] == report["replicas_by_step"]
+
+
+def test_a_newcomer_killed_as_it_receives_the_state_is_one_more_fault(tmp_path: Path, full: Path) -> None:
+    """The process that grows the job dies during its transfer: the job shrinks again, and grows
+    once the next process is ready."""
+    result = run_job(workers=4, spares=0, min_workers=2, steps=STEPS, resize_interval_s=0.5, timeout_s=240,
+                     faults=["kill:rank=3@step=2", "kill:spare@recovery"], out=tmp_path / "run",
+                     command=[*_command(tmp_path / "e")[:-1], "0.4"])  # fmt: skip
+    assert result.ok, f"{result.error}\n{logs_of(result)}"
+    _same_run(full, tmp_path / "e")
+    assert _sizes(result) == [(4, 3, "lost"), (3, 4, "capacity"), (4, 3, "lost"), (3, 4, "capacity")], _sizes(
+        result
+    )
+    report = result.report
+    assert _runs(report["replicas_by_step"]) == [4, 3, 4], report[
+        "replicas_by_step"
+    ]  # the grow cut short committed no step
+    assert report["steps_completed"] == STEPS and all(f["lost_steps"] == 0 for f in report["faults"])
+    assert sorted(f["spec"] for f in report["faults"]) == ["kill:rank=3@step=2", "kill:spare@recovery"]
+
+
+def test_a_syncbatchnorm_under_an_elastic_size_is_refused_in_one_line(tmp_path: Path) -> None:
+    result = run_job(workers=2, spares=0, min_workers=1, steps=4,
+                     command=[sys.executable, SCRIPT, "4", str(tmp_path / "e"), "--sync-bn"])  # fmt: skip
+    assert not result.ok and result.error is not None
+    assert "'1' is a SyncBatchNorm: its statistics depend on how many replicas" in result.error, result.error
+    assert "\n" not in result.error

@@ -3,7 +3,8 @@ passes, the batch read through ``session.loader`` (the current share is the load
 rank), a model with BatchNorm and dropout, samples with random noise drawn as they are read.
 
 Usage: shares_train.py STEPS OUT_DIR [--no-loop] [--global-batch N] (16 by default) [--pause S]
-(a step lasts at least S seconds, so that a job lasts long enough to change size). Every process
+(a step lasts at least S seconds, so that a job lasts long enough to change size) [--sync-bn] (the
+BatchNorm a SyncBatchNorm). Every process
 appends each committed step's losses to ``OUT_DIR/losses-<pid>.jsonl`` (``{"<step>/<share>": loss}``
 a line), and rank 0 writes ``OUT_DIR/final.pt`` (the model's state dict). ``--no-loop``: the same step without the loop (a script that runs at a fixed size).
 """
@@ -34,6 +35,8 @@ def main() -> None:
     data = Noisy(x, x @ torch.linspace(-1, 1, 6).unsqueeze(1))
     model = torch.nn.Sequential(torch.nn.Linear(6, 16, bias=False), torch.nn.BatchNorm1d(16), torch.nn.Tanh(),
                                 torch.nn.Dropout(0.2), torch.nn.Linear(16, 1))  # fmt: skip
+    if "--sync-bn" in sys.argv:
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     opt = torch.optim.AdamW(model.parameters(), lr=0.02)
     session = cl.Session(model, opt)
     loader = session.loader(data, global_batch_size=batch, shuffle=True, seed=0)
