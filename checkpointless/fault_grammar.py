@@ -21,6 +21,10 @@ Grammar of a spec::
     partition:spare@recovery[,for=T]  partition:spare@join[,for=T]  partition:source@recovery[,for=T]
                                 cut the host of that process off the network at that moment (as
                                 ``partition:node``: for T seconds or for good; multi-host jobs)
+    preempt:rank=R@step=S,notice=T
+                                a preemption notice inside step S: SIGTERM to rank R's process, then
+                                SIGKILL T seconds later (T a decimal; the rank hands its place over
+                                meanwhile, to a spare or, in an elastic job, to the others)
     none                        no fault at all
 
 ``corrupt`` flips the lowest bit of the first element of the rank's first parameter (silent data
@@ -46,6 +50,9 @@ _RECOVERY_SPEC = re.compile(
 _SPEC = re.compile(
     r"^(?P<kind>[a-z]+):rank=(?P<ranks>\d+(?:,\d+)*)@(?P<at>step|check|digests)=(?P<step>\d+)$"
 )
+_PREEMPT_SPEC = re.compile(
+    r"^preempt:rank=(?P<rank>\d+)@step=(?P<step>\d+),notice=(?P<notice>\d+(?:\.\d+)?)$"
+)
 _NODE_SPEC = re.compile(
     r"^(?P<kind>kill|partition):node=(?P<node>\d+)@step=(?P<step>\d+)(?:,for=(?P<for>\d+(?:\.\d+)?))?$"
 )
@@ -68,9 +75,11 @@ class FaultSpec:
     step: int | None
     at: str = "step"  # "step", "check", or a moment of recovery: "recovery", "join", "source"
     node: int | None = None  # a host fault: every process of host ``node`` (``ranks`` empty)
-    duration: float | None = None  # a partition's length in seconds (None: for good)
+    duration: float | None = None  # a partition's length in seconds (None: for good); a preemption's notice
 
     def __str__(self) -> str:
+        if self.kind == "preempt":
+            return f"preempt:rank={self.ranks[0]}@step={self.step},notice={self.duration:g}"
         cut = f",for={self.duration:g}" if self.duration is not None else ""
         if self.at in _RECOVERY_SPECS:
             return f"{self.kind}:{_RECOVERY_SPECS[self.at]}{cut}"
@@ -114,6 +123,12 @@ def parse_fault(spec: str) -> FaultSpec:
         return FaultSpec(kind=moment["kind"], ranks=(), step=None, at=at,
                          duration=None if moment["for"] is None else float(moment["for"]))  # fmt: skip
     kind = text.split(":", 1)[0]
+    if kind == "preempt":
+        preempt = _PREEMPT_SPEC.match(text)
+        if preempt is None:
+            raise ValueError(f"cannot parse fault {spec!r}: a preemption is preempt:rank=R@step=S,notice=T")
+        return FaultSpec(kind="preempt", ranks=(int(preempt["rank"]),), step=int(preempt["step"]),
+                         duration=float(preempt["notice"]))  # fmt: skip
     node = _NODE_SPEC.match(text)
     if node is not None:
         if node["for"] is not None and node["kind"] != "partition":
@@ -213,6 +228,9 @@ def validate_schedule(
             )
         if f.kind in ("exception", "corrupt"):
             continue  # the rank stays alive (re-executes the step, or is re-synced) in place
+        if f.kind == "preempt" and spares < 1 and not 0 < min_workers < workers:
+            raise ValueError(f"fault {f}: no spare can take the rank (--spares 0) and the job cannot shrink "
+                             "(--min-workers)")  # fmt: skip
         ranks = per_step.setdefault(f.step, set())
         if ranks & set(f.ranks):
             raise ValueError(f"fault {f}: rank already faulted at step {f.step}")

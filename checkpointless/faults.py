@@ -19,6 +19,7 @@ per fault for recovery faults, so exactly one process fires it for each rank it 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 from collections.abc import Callable, Iterable
@@ -104,7 +105,10 @@ class FaultInjector:
             # starts them with PR_SET_PDEATHSIG), then this one, as a power loss takes them all
             os.kill(self._agent_pid, signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
-        if fault.kind == "kill":
+        if fault.kind == "preempt":
+            assert fault.duration is not None
+            _preempt(fault.duration)
+        elif fault.kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif fault.kind == "hang":
             os.kill(os.getpid(), signal.SIGSTOP)
@@ -148,6 +152,27 @@ class FaultInjector:
         for i, f in self._faults:
             if f.at == at:
                 self._fire(i, f, on_fire, rank, step)
+
+
+def _preempt(notice: float) -> None:
+    """A preemption notice: SIGTERM to this process now, SIGKILL ``notice`` seconds later from a
+    process of its own (what a cloud or a cluster's scheduler does), which this one ends if it
+    exits first."""
+    import atexit
+    import subprocess
+
+    killer = subprocess.Popen(["sh", "-c", f"sleep {notice:g}; kill -9 {os.getpid()}"], start_new_session=True,
+                              stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    atexit.register(_end_group, killer)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _end_group(p: Any) -> None:
+    """End a process started in a session of its own, and its children (a shell's ``sleep``)."""
+    if p.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(p.pid, signal.SIGKILL)
+        p.wait(timeout=5)
 
 
 def _cut_host_off(duration: float | None) -> None:

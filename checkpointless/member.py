@@ -240,8 +240,10 @@ class Member:
                 self._generation.close()
                 self._generation = None
             plan = client.wait_plan(self.generation + 1, self.plan_timeout)
-            if plan.rank_of(client.proc) is None and client.proc in plan.dropped:
-                self._dismissed(plan)
+            if plan.rank_of(client.proc) is None and (
+                client.proc in plan.dropped or client.proc in plan.replaced.values()
+            ):
+                self._dismissed(plan)  # a smaller job, or a handoff: another process holds its rank
             try:
                 self.enter(plan)
                 return
@@ -255,8 +257,9 @@ class Member:
                 )  # fmt: skip
 
     def _dismissed(self, plan: Plan) -> NoReturn:
-        """A smaller job let this process go (``checkpointless scale``): it leaves, exit status 0,
-        without the rest of the script (its loop did not end)."""
+        """A smaller job let this process go (``checkpointless scale``), or a spare took its rank
+        (a preemption notice): it leaves, exit status 0, without the rest of the script (its loop
+        did not end)."""
         log.warning("[gen %d] the job goes on with %d replica(s) without this process: leaving",
                     plan.gen, plan.world_size)  # fmt: skip
         client = self._client()

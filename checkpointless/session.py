@@ -50,6 +50,7 @@ from checkpointless.fsdp import Build
 from checkpointless.joining import member_of_the_job, start_as_spare, start_as_worker
 from checkpointless.member import Member
 from checkpointless.model_holder import ModelHolder, ReplicatedModel, ShardedModel
+from checkpointless.notice import Notice
 from checkpointless.progress import Attempt, Between, Progress, StepState
 from checkpointless.protocol.env import (
     ENV_CONFIG,
@@ -214,6 +215,7 @@ class Session:
         if not joined:  # the job ended while this spare waited
             self._end.spare_unused()
             raise SystemExit(0)
+        Notice(client).install()  # a member now: SIGTERM hands its rank over
 
     # -- the parts' views, for the user ---------------------------------------------
     @property

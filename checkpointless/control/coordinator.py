@@ -102,6 +102,7 @@ class Coordinator:
         self.course = FailureCourse(job, parts, self._emit, self._clock, probe)
         self.sizing = Sizing(job, sizes, self._clock())
         self._sized_gen = 0  # the generation the sizing last saw start
+        self.notices: set[str] = set()  # members whose process has notice, not handed off yet
         self._last_poll = float("-inf")
         self._last_sweep = float("-inf")
         self._last_intruder_check = float("-inf")
@@ -258,6 +259,8 @@ class Coordinator:
             course.try_recover(now)
         elif course.recovering is not None:
             course.check_recovered()
+        if course.failure is None and course.recovering is None and poll and self.notices:
+            self._check_notices()
         if course.failure is None and course.recovering is None and poll and self.job.elastic:
             self._check_size(now)
         if course.failure is None and course.recovering is None and (sweep or (poll and self._any_done())):
@@ -280,6 +283,8 @@ class Coordinator:
                 self.pace.step_time(float(hb["step_time_s"]))
             if p.role == Role.WORKER and hb.get("total") is not None and hb.get("total") != old.get("total"):
                 self.pace.script_total(name, int(hb["total"]))
+            if p.role == Role.WORKER and hb.get("leaving") and not old.get("leaving"):
+                self.notices.add(name)  # a preemption notice: ``_check_notices`` moves its rank
             report = hb.get("report")
             if isinstance(report, dict) and report != old.get("report"):
                 self.reports.relayed(name, report)  # ``FailureCourse.check_reports`` judges it
@@ -382,6 +387,26 @@ class Coordinator:
             )
             log.error("%s", error)
             raise JobFailed(error)
+
+    # -- preemption notices ------------------------------------------------------------
+    def _check_notices(self) -> None:
+        """Between recoveries: the members with notice handed off at once, to ready spares or, in
+        an elastic job that may lose them, to the others; else left to train until they are killed
+        (an ordinary fault then). A handoff that a fault turned into a recovery is tried again after
+        it. A process that left the plan is forgotten."""
+        assert self.plan is not None
+        self.notices = {
+            n for n in self.notices if n in self.plan.members.values() and self.procs[n].handle.alive()
+        }
+        leaving = {r for r, n in self.members.items() if n in self.notices}
+        if not leaving or self.finished or self._any_done():
+            return
+        size = self.plan.world_size // self.plan.shards
+        spares = len(self.table.ready_spares())
+        if len(leaving) <= spares or (
+            self.plan.shards == 1 and self.job.elastic and size - len(leaving) + spares >= self.job.min_size
+        ):
+            self.course.hand_off(leaving, self._clock())  # kept in ``notices`` until they left the plan
 
     # -- an elastic job's size --------------------------------------------------------
     def _check_size(self, now: float) -> None:

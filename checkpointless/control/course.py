@@ -48,11 +48,13 @@ class Failure:
     #: a change of size that nothing forced (``FailureCourse.resize``): (the size, why); a member
     #: lost meanwhile makes it an ordinary failure
     resize: tuple[int, str] | None = None
+    #: ranks whose process has notice (``FailureCourse.hand_off``): a spare takes each, or the others
+    leaving: set[int] = field(default_factory=set)
 
     @property
     def planned(self) -> bool:
-        """A change of size that nothing forced, with every member alive."""
-        return self.resize is not None and not self.dead
+        """A change nothing forced (of size, or a handoff), with every member alive."""
+        return (self.resize is not None or bool(self.leaving)) and not self.dead
 
 
 @dataclass(kw_only=True)
@@ -85,7 +87,9 @@ class FailureCourse:
         self.failure: Failure | None = None
         self.recovering: tuple[float, Plan] | None = None  # (when its failure started, its plan)
         self._retries: Counter[int] = Counter()
-        self._resizing = False  # the recovery under way is a change of size nothing forced
+        self._planned: Event | None = (
+            None  # the recovery under way is a change nothing forced: its done event
+        )
 
     def start(self, plan: Plan) -> None:
         """Generation 0's plan, published."""
@@ -113,6 +117,15 @@ class FailureCourse:
         self._emit(
             Event.RESIZE_STARTED, replicas=size, before=self.plan.world_size if self.plan else 0, why=why
         )
+
+    def hand_off(self, ranks: set[int], now: float) -> None:
+        """Move ``ranks``, whose processes have notice, to ready spares (to the other replicas in an
+        elastic job without enough spares): the generation is aborted as for a failure, every member
+        reports (the leaving ones too: they hold the state, and they exit once the plan is out)."""
+        assert self.failure is None and self.plan is not None
+        self.fail(now).leaving = set(ranks)
+        for rank in sorted(ranks):
+            self._emit(Event.HANDOFF_STARTED, rank=rank, target=self.plan.members[rank])
 
     def check_reports(self, direct: bool = True) -> None:
         """The members' failure reports: those that came in relayed heartbeats since the last call,
@@ -157,11 +170,16 @@ class FailureCourse:
             return
         committed = {r: c for r, c in f.reported.items() if r not in f.dead}
         spares = table.ready_spares()
-        if f.planned:
+        if f.planned and f.resize is not None:
             self._resize(f, committed, spares)
             return
-        shrink = False
-        if len(f.dead) > len(spares):
+        if f.planned:  # a handoff: the leaving ranks are planned as lost ones, their state not needed
+            committed = {r: c for r, c in committed.items() if r not in f.leaving}
+            f.holders -= f.leaving
+            shrink = len(f.leaving) > len(spares)
+        else:
+            shrink = False
+        if not f.planned and len(f.dead) > len(spares):
             self._p.spares.refill(self._clock())  # a new failure before the last recovery finished
             starting = [n for n, p in table.procs.items() if p.role == Role.SPARE and p.handle.alive()]
             if len(f.dead) > len(starting) + len(self._p.spares.due):
@@ -191,7 +209,7 @@ class FailureCourse:
                 )  # fmt: skip
         except PlanError as e:
             raise JobFailed(f"generation {f.gen}: {e}") from e
-        self._retries[plan.resume_step] += 1
+        self._retries[plan.resume_step] += 0 if f.planned else 1
         if self._retries[plan.resume_step] > rc.max_retries_per_step:
             raise JobFailed(
                 f"step {plan.resume_step} failed {self._retries[plan.resume_step]} times; giving up"
@@ -284,12 +302,14 @@ class FailureCourse:
                 Event.SPARE_ASSIGNED, rank=rank, gen=plan.gen, target=plan.members[rank], replaces=None
             )
         if plan.world_size != before:
-            why = f.resize[1] if f.planned and f.resize is not None else "lost"
+            why = "lost" if not f.planned else f.resize[1] if f.resize is not None else "handoff"
             self._emit(Event.RESIZED, gen=plan.gen, step=plan.resume_step, replicas=plan.world_size // plan.shards,
                        before=before // plan.shards, dropped=plan.dropped, grown=plan.grown, why=why)  # fmt: skip
         self._p.spares.replace_later(len(plan.replaced))
         self.recovering = (f.started, plan)
-        self._resizing = f.planned
+        self._planned = (
+            None if not f.planned else Event.RESIZE_DONE if f.resize is not None else Event.HANDOFF_DONE
+        )
         self.failure = None
 
     def check_recovered(self) -> None:
@@ -303,7 +323,7 @@ class FailureCourse:
                 return
             if hb.get("committed", -1) < plan.resume_step and hb.get("phase") != Phase.DONE:
                 return
-        done = Event.RESIZE_DONE if self._resizing else Event.RECOVERY_DONE
+        done = self._planned or Event.RECOVERY_DONE
         self._emit(done, gen=plan.gen, step=plan.resume_step, seconds=self._clock() - started,
                    replicas=plan.world_size // plan.shards)  # fmt: skip
         self.recovering = None

@@ -380,7 +380,7 @@ def _recovery_windows(timed: list[tuple[float, dict[str, Any]]]) -> list[tuple[f
             continue
         if e.get("kind") == Event.GENERATION_STARTED:
             started.setdefault(g, t)
-        elif e.get("kind") in (Event.RECOVERY_DONE, Event.RESIZE_DONE):
+        elif e.get("kind") in (Event.RECOVERY_DONE, Event.RESIZE_DONE, Event.HANDOFF_DONE):
             done.setdefault(g, t)
     ends = sorted(done.items())
     return [(t0, next((t for h, t in ends if h >= g), math.inf)) for g, t0 in started.items()]

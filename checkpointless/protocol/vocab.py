@@ -27,6 +27,9 @@ class Event(StrEnum):
     RESIZED = "resized"  # a generation with another number of replicas (``replicas``, ``before``, ``why``)
     RESIZE_STARTED = "resize_started"  # a change of size nothing forced: the generation aborted for it
     RESIZE_DONE = "resize_done"  # its generation trains (as ``recovery_done`` for a failure's)
+    NOTICE_RECEIVED = "notice_received"  # a worker got SIGTERM: a preemption notice
+    HANDOFF_STARTED = "handoff_started"  # the generation aborted to move a rank that has notice
+    HANDOFF_DONE = "handoff_done"  # its generation trains without the leaving process
     SPARE_RESTART_SCHEDULED = "spare_restart_scheduled"
     SPARE_POOL_EXHAUSTED = "spare_pool_exhausted"
     STEP_COMMITTED = "step_committed"

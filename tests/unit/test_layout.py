@@ -81,6 +81,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "consistency",
             "joining",
             "ending",
+            "notice",
         ),
     ),
     ("corpus", ("corpus",)),
