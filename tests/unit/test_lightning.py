@@ -14,6 +14,8 @@ import torch
 from torch.distributed import TCPStore
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
+from checkpointless.protocol.env import ENV_STORE
+
 pytest.importorskip("lightning")
 
 import lightning as L
@@ -280,7 +282,9 @@ def test_the_pinned_versions_are_the_ones_installed_and_supported() -> None:
     assert low <= Version(L.__version__) < high
 
 
-def test_lightnings_sigterm_broadcasts_over_the_default_group_are_off(tmp_path: Path) -> None:
+def test_lightnings_sigterm_broadcasts_over_the_default_group_are_off(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The session's generation is the default group: Lightning's per-batch SIGTERM broadcast and
     its handler's broadcast would run outside the step (where a replacement pairs them with its
     peers' next collective). The handler only notes the signal."""
@@ -291,4 +295,8 @@ def test_lightnings_sigterm_broadcasts_over_the_default_group_are_off(tmp_path: 
     noted = trainer._signal_connector._sigterm_notifier_fn
     assert isinstance(noted, _SigtermNoted)
     noted(15, None)
-    assert trainer._signal_connector.received_sigterm
+    assert trainer._signal_connector.received_sigterm  # alone, Lightning stops at the next batch
+    trainer._signal_connector.received_sigterm = False
+    monkeypatch.setenv(ENV_STORE, "127.0.0.1:1")  # under the launcher: a preemption notice
+    noted(15, None)
+    assert not trainer._signal_connector.received_sigterm  # the rank is handed over instead

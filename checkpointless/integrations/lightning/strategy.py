@@ -43,12 +43,17 @@ def _job_workers() -> int:
 
 
 class _SigtermNoted:
-    """Lightning's SIGTERM notifier without its broadcast over the default group."""
+    """Lightning's SIGTERM notifier without its broadcast over the default group. Under the
+    launcher a SIGTERM is a preemption notice that checkpointless's own handler (which Lightning
+    calls too) turns into a handoff of the rank: Lightning must not end the loop early then."""
 
     def __init__(self, connector: Any) -> None:
         self.connector = connector
 
     def __call__(self, signum: int, frame: Any) -> None:
+        if under_launcher():
+            log.info("received signal %d: a preemption notice, this rank is handed over", signum)
+            return
         log.info("received signal %d: Lightning stops at the next batch", signum)
         self.connector.received_sigterm = True
 
