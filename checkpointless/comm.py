@@ -392,6 +392,19 @@ class Group:
         self._settle()
         return out
 
+    def alltoall(
+        self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int], in_splits: list[int]
+    ) -> None:
+        """Send ``inp``'s ``in_splits[j]`` elements (in order) to member j; receive member i's into
+        ``out``'s ``out_splits[i]`` elements, in rank order."""
+        try:
+            work = self._track(self.pg.alltoall_base(out, inp, out_splits, in_splits, dist.AllToAllOptions()))
+        except RuntimeError as e:  # gloo and NCCL errors (torch.distributed.DistError is one)
+            raise CollectiveError(f"gen {self.gen}: alltoall failed: {e}") from None
+        self._wait(work, "alltoall")
+        del work
+        self._settle()
+
     def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Any:
         """Start sending ``tensor`` to ``dst``; finish with ``wait``. Messages match by tag."""
         try:

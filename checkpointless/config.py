@@ -89,6 +89,11 @@ class RecoveryConfig:
     resize_interval_s: float = 10.0
     """The least time between two changes of size that nothing forced (a grow, a requested
     shrink): each one stops the job for a transfer."""
+    exact_resize: bool = False
+    """Sum each step's gradient over the shares in share order (``exact_sum``): the result is then
+    the same bit for bit whatever the number of replicas, so a job that changes size stays bitwise
+    the run it would have been. Off (the default): an all-reduce, whose rounding depends on the
+    number of replicas (the losses then match to rounding across a resize)."""
     shares: int = 0
     """The data-parallel shares the global batch is cut into, for the whole job (``share_loop``):
     a replica holding k shares computes k share passes per step (``for share in session.shares():``),
@@ -187,6 +192,8 @@ class JobConfig:
         if shares and shares < self.workers:
             raise ValueError(f"shares={shares} must be at least workers={self.workers}: each replica holds "
                              "one share or more")  # fmt: skip
+        if self.recovery.exact_resize and self.shards > 1:
+            raise ValueError(f"exact_resize with shards={self.shards}: a sharded job's reduction is FSDP2's")
         high = self.recovery.max_workers
         if high and high < self.workers:
             raise ValueError(f"max_workers={high} must be at least workers={self.workers}")

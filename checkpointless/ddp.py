@@ -34,6 +34,7 @@ import torch
 
 from checkpointless._compat import queue_end_of_backward
 from checkpointless.comm import Group
+from checkpointless.exact_sum import share_sum
 
 _FIRST_BUCKET_BYTES = 2**20  # as DistributedDataParallel: a small first bucket starts early
 
@@ -77,6 +78,8 @@ class GradientReducer:
         self._local = False  # inside ``local()``: passes accumulate without reducing
         self._hold = False  # a share's passes before the replica's last share (``hold``): the same
         self._divisor: int | None = None  # what the sum is divided by (None: the group's size)
+        self._owners: list[range] | None = None  # the exact sum over shares: each replica's shares
+        self._stashed: dict[int, list[torch.Tensor]] = {}  # this replica's shares' gradients, apart
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self._in_pass = False  # a backward pass of this attempt is running
         self._open = False  # a reducing pass ended whose buckets are not all reduced yet
@@ -120,13 +123,18 @@ class GradientReducer:
         """Whether the set of trainable parameters changed since this reducer was built."""
         return any(p.requires_grad != t for p, t in zip(self._all, self.trainable, strict=True))
 
-    def begin(self, group: Group | None, divisor: int | None = None) -> None:
+    def begin(
+        self, group: Group | None, divisor: int | None = None, owners: list[range] | None = None
+    ) -> None:
         """Open an attempt: its backward passes reduce over ``group`` (nothing to reduce when ``None``),
-        the sum divided by ``divisor`` (the job's shares, ``share_loop``; None: the group's size)."""
+        the sum divided by ``divisor`` (the job's shares, ``share_loop``; None: the group's size).
+        ``owners`` (the shares of each replica): the exact sum over shares instead (``exact_sum``):
+        nothing reduces during the backward passes, each share's gradient is kept (``stash``)."""
         self._drop()
         self._open = self._in_pass = self._hold = False
         self._group = group if group is not None and group.world_size > 1 else None
         self._divisor = divisor
+        self._owners, self._stashed = owners, {}
 
     def hold(self, on: bool) -> None:
         """While on, backward passes accumulate without reducing, as in ``local()`` (the passes of a
@@ -156,7 +164,7 @@ class GradientReducer:
             return None
         # the first gradient of a backward pass of this attempt
         self._in_pass = True
-        reducing = not (self._local or self._hold)
+        reducing = not (self._local or self._hold or self._owners is not None)
         queue_end_of_backward(lambda: self._pass_ended(reducing))
         if self._open:
             self._settle()  # another pass after a reducing one (gradient accumulation)
@@ -171,7 +179,7 @@ class GradientReducer:
         if grad is not view and grad is not None:  # first step, or zero_grad(set_to_none=True)
             view.copy_(grad)  # autograd made a new tensor
             p.grad = view
-        if self._local or self._hold or not self.overlap:
+        if self._local or self._hold or self._owners is not None or not self.overlap:
             return
         self._pending[self._bucket_of[index]] -= 1
         # in layout order on every rank; the last bucket waits for ``reduce`` (see the module doc)
@@ -229,6 +237,40 @@ class GradientReducer:
                 view.copy_(g)
             p.grad = view
 
+    def stash(self, share: int) -> None:
+        """The exact sum: the passes of ``share`` are over; its gradient is kept apart and the next
+        share's passes start from zero (nothing without ``owners``)."""
+        if self._owners is None:
+            return
+        self._gather()
+        self._stashed[share] = [b[: b.numel() - self._flag(i)].clone() for i, b in enumerate(self._buckets)]
+        for b in self._buckets:
+            b.zero_()
+
+    def _flag(self, bucket: int) -> int:
+        """How many elements after the gradients ``bucket`` has (the last one: ``reduce``'s flag)."""
+        return int(bucket == len(self._buckets) - 1)
+
+    def _exact(self, group: Group | None, flag: float | None) -> float | None:
+        """``reduce`` with the exact sum over shares (``exact_sum``); the flag in a collective of its own."""
+        assert self._owners is not None
+        rank = group.rank if group is not None else 0
+        if not self._stashed:  # a step without the share loop: its one share is the rank's
+            (share,) = self._owners[rank]
+            self.stash(share)
+        out = [b[: b.numel() - self._flag(i)] for i, b in enumerate(self._buckets)]
+        try:
+            share_sum(group, self._owners, self._stashed, out)
+        finally:
+            self._stashed = {}
+        for b in out:
+            b.div_(self._divisor or 1)
+        if flag is None or group is None or group.world_size == 1:
+            return flag
+        summed = torch.tensor([flag], dtype=torch.float64)
+        group.allreduce_([summed])
+        return float(summed)
+
     def reduce(self, group: Group | None, flag: float | None = None) -> float | None:
         """Average gradients over ``group``; a ``None`` group (one process) only gathers. Given a
         ``flag`` (every member gives one or none does), returns the sum of every member's, which
@@ -237,6 +279,9 @@ class GradientReducer:
         if group is not self._group:  # no ``begin`` for this group: nothing was started
             self._drop()
             self._open = False
+        if self._owners is not None:
+            self._group = None
+            return self._exact(group, flag)
         if group is None or group.world_size == 1:
             self._gather()
             if self._divisor is not None and self._divisor > 1:  # one replica computing several shares
@@ -259,6 +304,7 @@ class GradientReducer:
         self._drop()
         self._group = None
         self._open = self._in_pass = self._hold = False
+        self._stashed = {}
         self._allocate()
         for p in self.params:
             p.grad = None
@@ -279,119 +325,3 @@ def reduce_unbucketed(
     for p in params:
         p.grad = flat[off : off + p.numel()].view_as(p).clone()
         off += p.numel()
-
-
-class Trainable:
-    """Which parameters of a module train (``requires_grad``), as transferable state: a replacement
-    that joins after the loop unfroze a parameter (progressive unfreezing, adapters) trains the
-    same ones as its source, though its own code unfroze nothing."""
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        self._module = module
-        self._committed = self.state_dict()
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"requires_grad": [p.requires_grad for p in self._module.parameters()]}
-
-    def commit(self) -> None:
-        """Remember the flags as they are (at a committed step)."""
-        self._committed = self.state_dict()
-
-    def restore(self) -> None:
-        """Put back the committed flags: a failed attempt that unfroze a parameter re-executes the
-        unfreezing, so the reduction's layout follows the same path as without the failure."""
-        self.load_state_dict(dict(self._committed))
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        flags = list(state["requires_grad"])
-        params = list(self._module.parameters())
-        if len(flags) != len(params):
-            raise ValueError(f"trainable flags for {len(flags)} parameters, the model has {len(params)}")
-        for p, flag in zip(params, flags, strict=True):
-            p.requires_grad_(bool(flag))
-        self._committed = {"requires_grad": flags}  # a loaded state is a committed one
-
-
-class BufferSync:
-    """A module's buffers (BatchNorm running statistics, counters) across replicas and failed attempts.
-
-    - ``sync``: every replica takes rank 0's buffers. ``DistributedDataParallel(broadcast_buffers=True)``,
-      its default, broadcasts rank 0's buffers before every forward pass, so every rank's forward sees
-      rank 0's statistics. ``sync`` does the same after a step's forward and backward passes
-      (from ``reduce_gradients``): every forward still sees rank 0's buffers of the step before, and,
-      unlike with DDP, every replica also *holds* them when the step commits, so any replica can be
-      the source of a recovery. One broadcast per dtype (buffers packed into flat buckets). With
-      gloo on CPU only at a step where some rank's buffers moved since the last commit
-      (``changed``; the ranks agree through a flag the gradient reduction carries): never for
-      buffers that stay constant. On an accelerator at every step, as DDP does: reading the flag
-      would make the host wait for the reduction.
-    - ``commit`` / ``restore``: a failed attempt's forward pass has already updated the buffers
-      (BatchNorm does so in place); ``restore`` puts back the copy ``commit`` took at the last
-      committed step, so that the step re-executes from exactly the committed state.
-    """
-
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.buffers = [b for _, b in module.named_buffers()]
-        by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-        for b in self.buffers:
-            by_dtype.setdefault((b.dtype, b.device), []).append(b)
-        self._groups = [
-            (torch.zeros(sum(b.numel() for b in members), dtype=dtype, device=device), members)
-            for (dtype, device), members in by_dtype.items()
-        ]
-        self._saved = [torch.zeros_like(flat) for flat, _ in self._groups]
-        self.synced = False  # whether ``sync`` ran since this object was made (a generation's first)
-        self.commit()
-
-    def __bool__(self) -> bool:
-        return bool(self.buffers)
-
-    def _pack(self, into: list[torch.Tensor]) -> None:
-        for (_, members), flat in zip(self._groups, into, strict=True):
-            if members:
-                torch.cat([b.detach().reshape(-1) for b in members], out=flat)
-
-    def _unpack(self, source: list[torch.Tensor]) -> None:
-        with torch.no_grad():
-            for (_, members), flat in zip(self._groups, source, strict=True):
-                off = 0
-                for b in members:
-                    b.copy_(flat[off : off + b.numel()].view_as(b))
-                    off += b.numel()
-
-    def sync(self, group: Group | None, root: int = 0) -> None:
-        """Overwrite every member's buffers with ``root``'s (no-op alone)."""
-        if group is None or group.world_size == 1 or not self.buffers:
-            return
-        flats = [flat for flat, _ in self._groups]
-        self._pack(flats)
-        group.broadcast_(flats, root)
-        self._unpack(flats)
-        self.synced = True
-
-    def changed(self) -> bool:
-        """Whether any buffer differs, bit for bit, from the copy ``commit`` took (a forward pass in
-        training mode moved BatchNorm's statistics; a constant buffer such as a rotary table never)."""
-        flats = [flat for flat, _ in self._groups]
-        self._pack(flats)
-        return any(
-            not torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-            for a, b in zip(flats, self._saved, strict=True)
-        )
-
-    def commit(self) -> None:
-        """Remember the buffers as they are (at a committed step)."""
-        self._pack(self._saved)
-
-    def restore(self) -> None:
-        """Put back the buffers ``commit`` remembered (after a failed attempt)."""
-        self._unpack(self._saved)
-
-    def snapshot(self) -> list[torch.Tensor]:
-        """A copy of the buffers as they are (``load`` puts it back)."""
-        copy = [torch.empty_like(flat) for flat, _ in self._groups]
-        self._pack(copy)
-        return copy
-
-    def load(self, snapshot: list[torch.Tensor]) -> None:
-        self._unpack(snapshot)

@@ -18,9 +18,10 @@ import torch.distributed as dist
 
 from checkpointless._compat import reshard_failed
 from checkpointless.comm import Group
-from checkpointless.ddp import BufferSync, GradientReducer, Trainable, reduce_unbucketed
+from checkpointless.ddp import GradientReducer, reduce_unbucketed
 from checkpointless.errors import CollectiveError, Unrecoverable
 from checkpointless.fsdp import Build, Generation, ShardedState, forget_dtensor_caches, fsdp_modules
+from checkpointless.module_state import BufferSync, Trainable
 from checkpointless.progress import Progress
 from checkpointless.state import (
     Stateful,
@@ -50,11 +51,13 @@ class ModelHolder(Protocol):
     def enter(self, mesh: Any) -> None: ...
     def start_from_replica_0(self, group: Group, replicas: Any, gen: int) -> None: ...
     def begin_attempt(
-        self, group: Group | None, step: int, agree: Agree, divisor: int | None = None
-    ) -> None: ...
+        self, group: Group | None, step: int, agree: Agree, divisor: int | None = None,
+        owners: list[range] | None = None,
+    ) -> None: ...  # fmt: skip
     def reduce(self, group: Group | None, step: int, agree: Agree) -> None: ...
     def no_sync(self) -> contextlib.AbstractContextManager[None]: ...
     def hold(self, on: bool) -> None: ...
+    def share_done(self, share: int) -> None: ...
     def commit(self) -> None: ...
     def undo_attempt(self) -> None: ...
     def leave(self, keep: bool) -> None: ...
@@ -154,18 +157,26 @@ class ReplicatedModel:
         self.buffers.sync(group)
         self.buffers.commit()  # a failed first attempt restores these, not the rank's own
 
-    def begin_attempt(self, group: Group | None, step: int, agree: Agree, divisor: int | None = None) -> None:
+    def begin_attempt(
+        self, group: Group | None, step: int, agree: Agree, divisor: int | None = None,
+        owners: list[range] | None = None,
+    ) -> None:  # fmt: skip
         """The backward pass starts reducing bucket by bucket (the buckets laid out anew first if
         the loop froze or unfroze a parameter since the last step, every rank alike); the sum is
-        divided by ``divisor`` (the job's shares; None: the group's size)."""
+        divided by ``divisor`` (the job's shares; None: the group's size). ``owners``: the exact
+        sum over shares instead (``exact_sum``)."""
         if self.reducer.stale():
             agree(step, self.trainable_names())
             self._rebuild_reducer(step)
-        self.reducer.begin(group, divisor)
+        self.reducer.begin(group, divisor, owners)
 
     def hold(self, on: bool) -> None:
         """The passes that follow accumulate without reducing (a replica's shares before its last)."""
         self.reducer.hold(on)
+
+    def share_done(self, share: int) -> None:
+        """The passes of ``share`` are over (the exact sum keeps its gradient apart)."""
+        self.reducer.stash(share)
 
     def reduce(self, group: Group | None, step: int, agree: Agree) -> None:
         # on CPU, whether any rank's buffers moved since the last commit rides in the reduction:
@@ -307,12 +318,18 @@ class ShardedModel:
         self.buffers.sync(group)
         self.buffers.commit()
 
-    def begin_attempt(self, group: Group | None, step: int, agree: Agree, divisor: int | None = None) -> None:
+    def begin_attempt(
+        self, group: Group | None, step: int, agree: Agree, divisor: int | None = None,
+        owners: list[range] | None = None,
+    ) -> None:  # fmt: skip
         """FSDP2 reduces inside ``backward()``: nothing to begin (a sharded job has one share per
-        replica: ``divisor`` is its size)."""
+        replica: ``divisor`` is its size; no exact sum: ``JobConfig`` refuses it)."""
 
     def hold(self, on: bool) -> None:
         """One share per replica (``JobConfig``): never asked."""
+
+    def share_done(self, share: int) -> None:
+        """One share per replica, reduced by FSDP2: nothing to keep."""
 
     def reduce(self, group: Group | None, step: int, agree: Agree) -> None:
         # FSDP2 reduced the gradients inside backward(), group by group, so a failure there may

@@ -58,7 +58,7 @@ from checkpointless.protocol.env import (
     ENV_STORE,
 )
 from checkpointless.protocol.vocab import Event, Phase, Role
-from checkpointless.share_loop import ShareLoop
+from checkpointless.share_loop import ShareLoop, assign
 from checkpointless.state import Stateful
 
 if TYPE_CHECKING:
@@ -113,7 +113,7 @@ class Session:
         broadcast_buffers: make every replica's module buffers (BatchNorm
             running statistics, ...) rank 0's at every ``reduce_gradients``, as
             ``DistributedDataParallel``'s default does before every forward
-            (``ddp.BufferSync``). Turn it off only for buffers that stay equal
+            (``module_state.BufferSync``). Turn it off only for buffers that stay equal
             on every rank by themselves: replicas are compared after the first
             step and every ``recovery.consistency_every`` steps, and a job whose
             replicas differ stops there, naming the entry.
@@ -309,7 +309,7 @@ class Session:
 
     def _share_loop(self) -> ShareLoop:
         return ShareLoop(self.job.share_count, hold=self._model.hold, reseed=self._seed_share,
-                         buffers=lambda: self._model.buffers)  # fmt: skip
+                         buffers=lambda: self._model.buffers, done=self._model.share_done)  # fmt: skip
 
     def _seed_share(self, step: int, share: int) -> None:
         if self.reseed_rng:
@@ -490,7 +490,10 @@ class Session:
             if reexecuted:
                 client.emit(Event.STEP_REEXECUTED, rank=self.rank, gen=self.generation, step=step)
         # the sum over the job's shares, whatever the live replicas (at one share each: the group's size)
-        self._model.begin_attempt(self._member.group, step, self._member.trainable.agree, self._shares.shares)
+        owners = assign(self._shares.shares, self.world_size) if self.job.recovery.exact_resize else None
+        self._model.begin_attempt(
+            self._member.group, step, self._member.trainable.agree, self._shares.shares, owners
+        )
         t0 = time.perf_counter()
         try:
             yield current

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from checkpointless.ddp import BufferSync
+from checkpointless.module_state import BufferSync
 
 
 def assign(shares: int, replicas: int) -> list[range]:
@@ -41,7 +41,8 @@ class ShareLoop:
 
     ``hold(True)`` makes the backward passes that follow accumulate without reducing, ``hold(False)``
     lets the next one reduce (the reducer's); ``reseed`` reseeds the RNG for (step, share);
-    ``buffers`` gives the model's buffers. A loop left by an exception touches nothing afterwards
+    ``buffers`` gives the model's buffers; ``done(share)`` follows each share's passes (the exact sum
+    keeps that share's gradient apart: ``exact_sum``). A loop left by an exception touches nothing afterwards
     (its generator may be closed during a later attempt): the next attempt starts from
     ``begin_attempt``, and the reducer's ``begin`` lets go of the hold.
     """
@@ -53,9 +54,10 @@ class ShareLoop:
         hold: Callable[[bool], None],
         reseed: Callable[[int, int], None],
         buffers: Callable[[], BufferSync],
+        done: Callable[[int], None] = lambda share: None,
     ) -> None:
         self.shares = shares
-        self._hold, self._reseed, self._buffers = hold, reseed, buffers
+        self._hold, self._reseed, self._buffers, self._done = hold, reseed, buffers, done
         self.current: int | None = None  # the share being computed (inside the loop)
         self.used = False  # the current attempt ran the loop
 
@@ -89,6 +91,7 @@ class ShareLoop:
             last = i == len(mine) - 1
             self._hold(not last)
             yield share
+            self._done(share)
         self._hold(False)
         self.current = None
         if first is not None:

@@ -53,6 +53,7 @@ def run_job(
     min_workers: int = 0,
     max_workers: int = 0,
     resize_interval_s: float = 600.0,
+    exact_resize: bool = False,
 ) -> JobResult:
     """Run a tiny demo job (or ``command``); ``launcher`` receives the Launcher before it runs.
 
@@ -74,6 +75,7 @@ def run_job(
         min_workers=min_workers,
         max_workers=max_workers,
         resize_interval_s=resize_interval_s,  # by default no elastic job grows back before it ends
+        exact_resize=exact_resize,
     )
     job = JobConfig(
         workers=workers, spares=spares, shards=shards, faults=parse_faults(faults or []), recovery=recovery

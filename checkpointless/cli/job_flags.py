@@ -123,6 +123,9 @@ def add_detection_args(p: argparse.ArgumentParser, *, defaults: bool = True) -> 
     p.add_argument("--resize-interval", type=float, default=None, metavar="SECONDS",
                    help="the least time between two changes of size that no fault forced "
                    f"(default {d.resize_interval_s:g})")  # fmt: skip
+    p.add_argument("--exact-resize", action="store_true", default=None,
+                   help="sum each step's gradient over the shares in share order: bit for bit the same run "
+                   "whatever the number of replicas (a job that shrinks or grows), at some steady-state cost")  # fmt: skip
     p.add_argument("--control-port", type=int, default=None, metavar="PORT",
                    help="serve POST /scale (bearer token: control.json's) on this port on every interface "
                    "(default: a free port on loopback, named in <out>/control.json)")  # fmt: skip
@@ -221,6 +224,8 @@ def job_config(
             if not math.isfinite(interval) or interval <= 0:
                 raise UsageError(f"--resize-interval must be a positive number of seconds, got {interval}")
             changes["resize_interval_s"] = interval
+        if getattr(args, "exact_resize", None):
+            changes["exact_resize"] = True
         port = getattr(args, "control_port", None)
         if port is not None and not 0 <= port < 65536:
             raise UsageError(f"--control-port must be in 0..65535, got {port}")

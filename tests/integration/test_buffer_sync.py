@@ -1,4 +1,4 @@
-"""Buffers across replicas (``checkpointless.ddp.BufferSync``): rank 0's are broadcast at the steps
+"""Buffers across replicas (``checkpointless.module_state.BufferSync``): rank 0's are broadcast at the steps
 where some rank's moved since the last commit, the ranks agreeing through a flag the gradient
 reduction carries, and at no other step (a constant table costs no collective); a buffer moved on
 one rank only still ends equal everywhere, with a kill in the job too."""

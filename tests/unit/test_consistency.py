@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from checkpointless.ddp import BufferSync
 from checkpointless.fault_grammar import FaultSpec, parse_fault, validate_schedule
 from checkpointless.faults import FaultInjector
+from checkpointless.module_state import BufferSync
 from checkpointless.observe.report import build_report
 from checkpointless.state import combined_digest, entry_digests, first_difference
 

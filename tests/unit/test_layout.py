@@ -63,7 +63,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("protocol", ("protocol",)),
     ("config", ("errors", "_compat", "config", "devices", "fault_grammar")),
     ("comm", ("comm", "sockets")),
-    ("state", ("state", "ddp", "fsdp", "durable", "replicas", "shards")),
+    ("state", ("state", "ddp", "exact_sum", "module_state", "fsdp", "durable", "replicas", "shards")),
     ("control", ("control",)),
     ("loaders", ("loaders",)),
     ("faults", ("faults",)),

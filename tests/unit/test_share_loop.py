@@ -11,7 +11,8 @@ import torch
 from torch.distributed import TCPStore
 
 from checkpointless.comm import Group
-from checkpointless.ddp import BufferSync, GradientReducer
+from checkpointless.ddp import GradientReducer
+from checkpointless.module_state import BufferSync
 from checkpointless.share_loop import ShareLoop, assign
 from tests.unit.test_reducer import run_ranks
 
