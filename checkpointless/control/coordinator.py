@@ -401,11 +401,7 @@ class Coordinator:
         leaving = {r for r, n in self.members.items() if n in self.notices}
         if not leaving or self.finished or self._any_done():
             return
-        size = self.plan.world_size // self.plan.shards
-        spares = len(self.table.ready_spares())
-        if len(leaving) <= spares or (
-            self.plan.shards == 1 and self.job.elastic and size - len(leaving) + spares >= self.job.min_size
-        ):
+        if self.course.can_hand_off(leaving, len(self.table.ready_spares())):
             self.course.hand_off(leaving, self._clock())  # kept in ``notices`` until they left the plan
 
     # -- an elastic job's size --------------------------------------------------------

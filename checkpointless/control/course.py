@@ -173,12 +173,14 @@ class FailureCourse:
         if f.planned and f.resize is not None:
             self._resize(f, committed, spares)
             return
-        if f.planned:  # a handoff: the leaving ranks are planned as lost ones, their state not needed
+        shrink = False
+        if f.planned and self.can_hand_off(f.leaving, len(spares)):
+            # the leaving ranks are planned as lost ones, their state not needed
             committed = {r: c for r, c in committed.items() if r not in f.leaving}
             f.holders -= f.leaving
             shrink = len(f.leaving) > len(spares)
-        else:
-            shrink = False
+        # else (a spare died since the handoff began) the leaving ranks stay: the generation forms
+        # again as it was, and the coordinator tries the handoff again
         if not f.planned and len(f.dead) > len(spares):
             self._p.spares.refill(self._clock())  # a new failure before the last recovery finished
             starting = [n for n, p in table.procs.items() if p.role == Role.SPARE and p.handle.alive()]
@@ -215,6 +217,17 @@ class FailureCourse:
                 f"step {plan.resume_step} failed {self._retries[plan.resume_step]} times; giving up"
             )
         self._publish(plan, f)
+
+    def can_hand_off(self, leaving: set[int], spares: int) -> bool:
+        """Whether ``leaving`` ranks can go: to ``spares`` ready spares, or (an elastic replicated
+        job) to the other replicas, while at least ``min_workers`` stay."""
+        assert self.plan is not None
+        if len(leaving) <= spares:
+            return True
+        size = self.plan.world_size // self.plan.shards
+        return (
+            self.plan.shards == 1 and self._job.elastic and size - len(leaving) + spares >= self._job.min_size
+        )
 
     def _resize(self, f: Failure, committed: dict[int, int], spares: list[str]) -> None:
         """The plan of a change of size; as many new ranks as spares are still ready."""

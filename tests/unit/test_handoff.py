@@ -102,3 +102,23 @@ def test_the_preempt_fault_grammar() -> None:
     with pytest.raises(ValueError, match=r"no spare can take the rank \(--spares 0\)"):
         validate_schedule([f], workers=2, spares=0, steps=20)
     validate_schedule([f], workers=3, spares=0, steps=20, min_workers=2)
+
+
+def test_a_spare_that_dies_during_the_handoff_leaves_the_rank_where_it_was_until_another_is_ready() -> None:
+    job = Job(workers=2, spares=1)
+    _started(job)
+    job["w1"].heartbeat(leaving=True)
+    job.tick()
+    job.exit("s0", -9)  # the spare the handoff counted on
+    _recover_all(job, ["w0", "w1"])
+    plan = job.plan(1)
+    assert plan is not None and plan.members == {0: "w0", 1: "w1"} and plan.replaced == {}  # formed again
+    assert not job.kinds("fault_detected") or all(e["target"] == "s0" for e in job.kinds("fault_detected"))
+    _train(job, plan.members, 1, 5)
+    (spare, _), *_ = job.spawned
+    job[spare].ready_spare()
+    job.tick()
+    assert job.store.get(keys.abort(1)) == "1"  # the handoff, again
+    _recover_all(job, ["w0", "w1"])
+    again = job.plan(2)
+    assert again is not None and again.replaced == {1: "w1"} and again.members[1] == spare
