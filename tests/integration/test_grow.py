@@ -175,3 +175,11 @@ def _text(path: Path) -> str:
         return path.read_text()
     except OSError:
         return ""
+
+
+def test_an_elastic_size_on_several_hosts_is_one_line_for_now() -> None:
+    for flag in (["--min-workers", "1"], ["--max-workers", "3", "--shares", "4"]):
+        done = subprocess.run([sys.executable, "-m", "checkpointless", "cluster", "--nodes", "2", "--nproc-per-node",
+                               "1", "demo", "--steps", "4", *flag], capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert done.returncode == 2 and "work on one host for now" in done.stderr, done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
