@@ -311,6 +311,15 @@ class Session:
         return ShareLoop(self.job.share_count, hold=self._model.hold, reseed=self._seed_share,
                          buffers=lambda: self._model.buffers, done=self._model.share_done)  # fmt: skip
 
+    def _outside_shares(self) -> int:
+        """What an attempt's draws outside the share loop are seeded from, besides (seed, step): the
+        rank, where every replica holds one share for the whole job (the share is the rank: the
+        draws are the same as inside the loop); else S, no share's index: the same on every replica
+        and at any size (a job whose replicas may hold several shares runs the loop)."""
+        if self.job.elastic or self._shares.needed(self.job.workers):
+            return self._shares.shares
+        return self.rank
+
     def _seed_share(self, step: int, share: int) -> None:
         if self.reseed_rng:
             self._seed_rng(step_seed(self.seed, step, share))
@@ -481,7 +490,7 @@ class Session:
         self._current, self._metrics, self._reduced = current, {}, False
         self._per_share = {}  # metrics logged inside shares, by share
         if self.reseed_rng:
-            self._seed_rng(step_seed(self.seed, step, self.rank))
+            self._seed_rng(step_seed(self.seed, step, self._outside_shares()))
         self._shares.begin_attempt()
         reexecuted = self._steps.begin_attempt()
         client = self._member.client

@@ -66,3 +66,16 @@ def test_a_step_without_the_share_loop_at_its_starting_size_is_the_same_bits(
     )
     assert result.ok, f"{result.error}\n{logs_of(result)}"
     _bitwise(four, tmp_path)
+
+
+def test_draws_before_the_share_loop_are_the_same_at_any_size(tmp_path: Path) -> None:
+    """A random scale drawn before the loop comes from (seed, step) in an elastic job: the run that
+    shrinks draws what the fault-free one did, bit for bit."""
+    runs = {}
+    for name, faults in (("full", []), ("shrunk", ["kill:rank=3@step=3"])):
+        result = run_job(workers=4, spares=0, min_workers=2, steps=STEPS, exact_resize=True, faults=faults,
+                         command=_command(tmp_path / name, "--draw-before"))  # fmt: skip
+        assert result.ok, f"{result.error}\n{logs_of(result)}"
+        runs[name] = result
+    assert [e["replicas"] for e in runs["shrunk"].events if e["kind"] == "resized"] == [3]
+    _bitwise(tmp_path / "full", tmp_path / "shrunk")

@@ -4,7 +4,7 @@ rank), a model with BatchNorm and dropout, samples with random noise drawn as th
 
 Usage: shares_train.py STEPS OUT_DIR [--no-loop] [--global-batch N] (16 by default) [--pause S]
 (a step lasts at least S seconds, so that a job lasts long enough to change size) [--sync-bn] (the
-BatchNorm a SyncBatchNorm). Every process
+BatchNorm a SyncBatchNorm) [--draw-before] (a random scale of the loss drawn before the share loop). Every process
 appends each committed step's losses to ``OUT_DIR/losses-<pid>.jsonl`` (``{"<step>/<share>": loss}``
 a line), and rank 0 writes ``OUT_DIR/final.pt`` (the model's state dict). ``--no-loop``: the same step without the loop (a script that runs at a fixed size).
 """
@@ -44,7 +44,7 @@ def main() -> None:
 
     def share_pass(step: int) -> None:
         xb, yb = loader.batch(step)
-        loss = torch.nn.functional.mse_loss(model(xb), yb)
+        loss = torch.nn.functional.mse_loss(model(xb), yb) * scale
         loss.backward()
         losses[f"{step}/{session.dp_rank}"] = loss.item()
         session.log(loss=loss)
@@ -54,6 +54,7 @@ def main() -> None:
         losses.clear()
         with session.attempt() as attempt:
             time.sleep(pause)
+            scale = 1.0 + 0.5 * float(torch.rand(())) if "--draw-before" in sys.argv else 1.0
             if loop:
                 for _ in session.shares():
                     share_pass(step)
