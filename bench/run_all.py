@@ -45,7 +45,9 @@ Benchmarks (each also runs alone: ``python -m bench.NAME [--quick]``):
   simulated with parameters taken from the measurements above;
 - ``node_stall``: several hosts (network namespaces, root): kill-node and partition stall against
   the single-host kill stall, 2 hosts x 2 ranks + 2 spare hosts, bitwise against the fault-free run;
-- ``startup``: a job's start, wall time and CPU with and without the fork server, interleaved.
+- ``startup``: a job's start, wall time and CPU with and without the fork server, interleaved;
+- ``share_cost``: step time of the share loop and of ``--exact-resize`` against the plain step,
+  interleaved, paired per repetition.
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ from bench import (
     node_stall,
     recovery_stall,
     scale,
+    share_cost,
     startup,
     steady_compare,
     steady_state,
@@ -111,6 +114,7 @@ BENCHES: list[tuple[str, str, Any]] = [
     ("scale", "Goodput at cluster scale (simulation from these measurements)", scale),
     ("node_stall", "Several hosts: kill-node and partition stall, next to the single-host kill", node_stall),
     ("startup", "A job's start with and without the fork server", startup),
+    ("share_cost", "Steady cost of the share loop and of --exact-resize against the plain step", share_cost),
 ]
 
 
@@ -216,6 +220,8 @@ def targets(results: dict[str, Any]) -> str:
                 ["HSDP steady-state step time vs plain FSDP2 HSDP, paired ratio (geometric mean, 95% interval)",
                  "≤ 1.03", f"{g:.3f} [{lo:.3f}, {hi:.3f}], n={len(pairs)}", common.interval_verdict(lo, hi, 1.03)]
             )  # fmt: skip
+    if results.get("share_cost"):
+        rows += share_cost.verdict_rows(results["share_cost"])
     integ = results.get("integrations")
     if integ:
         rows += integrations.verdict_rows(integ)
@@ -235,14 +241,14 @@ def slim(key: str, res: dict[str, Any]) -> dict[str, Any]:
     """What the committed ``bench/results/KEY.json`` keeps: what the tables need, not raw series.
 
     Dropped (they stay in ``bench/out/``): ``compare``'s and ``kill_cost``'s per-job step curves
-    and ``steady_state``'s per-step intervals (its tables use the summaries).
+    and ``steady_state``'s and ``share_cost``'s per-step intervals (their tables use the summaries).
     """
     res = json.loads(json.dumps(res, default=str))  # a deep copy, JSON types only
     if key in ("compare", "kill_cost", "hang_compare"):
         for job in res.get("jobs", []):
             if isinstance(job.get("analysis"), dict):
                 job["analysis"].pop("curve", None)
-    if key == "steady_state":
+    if key in ("steady_state", "share_cost"):
         for runs in (res.get("runs") or {}).values():
             for r in runs if isinstance(runs, list) else []:
                 for k in ("intervals", "inner"):

@@ -46,8 +46,8 @@ from checkpointless.protocol.vocab import Event
 VARIANTS = ("plain", "shares", "exact")
 #: each repetition's order: the three rotations, so that each variant goes first a third of the time
 ORDERS = tuple(VARIANTS[i:] + VARIANTS[:i] for i in range(len(VARIANTS)))
-STEPS, QUICK_STEPS = 36, 20
-"""Per run, the first ``WARMUP`` dropped: 27 intervals per rank in the full run."""
+STEPS, QUICK_STEPS = 32, 20
+"""Per run, the first ``WARMUP`` dropped: 23 intervals per rank in the full run (63 runs: ~22 min)."""
 REPS, QUICK_REPS = 21, 3
 GOAL = 1.01
 RSS_EVENT = "bench_peak_rss"
@@ -141,15 +141,12 @@ def run_variant(variant: str, steps: int, work: Path) -> dict[str, Any]:
 
 # -- orchestration -----------------------------------------------------------------------------
 def run(quick: bool, out_dir: Path) -> dict[str, Any]:
-    from checkpointless.models.tiny_gpt import GPTConfig, TinyGPT, n_params
+    from checkpointless.launch.demo import DemoModel, build
+    from checkpointless.models.tiny_gpt import n_params
 
     steps, reps = (QUICK_STEPS, QUICK_REPS) if quick else (STEPS, REPS)
     work = common.fresh_dir(out_dir / "share_cost")
-    cfg = GPTConfig(
-        vocab_size=MODEL["vocab_size"], seq_len=MODEL["seq_len"], d_model=MODEL["d_model"],
-        n_layer=MODEL["n_layer"], n_head=MODEL["n_head"],
-    )  # fmt: skip
-    params = n_params(TinyGPT(cfg))
+    params = n_params(build(DemoModel(**MODEL))[0])  # type: ignore[arg-type]
     runs: dict[str, list[dict[str, Any]]] = {v: [] for v in VARIANTS}
     orders: list[list[str]] = []
     t_start = time.time()

@@ -36,6 +36,7 @@ MEASURES: dict[str, list[str]] = {
     ],
     "recovery_stall": RUNTIME,
     "steady_state": RUNTIME,
+    "share_cost": RUNTIME,
     "compare": RUNTIME,
     "hang_compare": RUNTIME,
     "kill_cost": RUNTIME,

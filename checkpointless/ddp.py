@@ -80,6 +80,7 @@ class GradientReducer:
         self._divisor: int | None = None  # what the sum is divided by (None: the group's size)
         self._owners: list[range] | None = None  # the exact sum over shares: each replica's shares
         self._stashed: dict[int, list[torch.Tensor]] = {}  # this replica's shares' gradients, apart
+        self._stash_pool: list[list[torch.Tensor]] = []  # their buffers, kept from step to step
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self._in_pass = False  # a backward pass of this attempt is running
         self._open = False  # a reducing pass ended whose buckets are not all reduced yet
@@ -243,7 +244,14 @@ class GradientReducer:
         if self._owners is None:
             return
         self._gather()
-        self._stashed[share] = [b[: b.numel() - self._flag(i)].clone() for i, b in enumerate(self._buckets)]
+        grads = [b[: b.numel() - self._flag(i)] for i, b in enumerate(self._buckets)]
+        held = len(self._stashed)
+        if held == len(self._stash_pool):  # a replica holding more shares than before: one more set
+            self._stash_pool.append([torch.empty_like(g) for g in grads])
+        kept = self._stash_pool[held]
+        for k, g in zip(kept, grads, strict=True):
+            k.copy_(g)
+        self._stashed[share] = kept
         for b in self._buckets:
             b.zero_()
 

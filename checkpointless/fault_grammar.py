@@ -25,6 +25,9 @@ Grammar of a spec::
                                 a preemption notice inside step S: SIGTERM to rank R's process, then
                                 SIGKILL T seconds later (T a decimal; the rank hands its place over
                                 meanwhile, to a spare or, in an elastic job, to the others)
+    preempt:node=N@step=S,notice=T
+                                the same for host N: SIGTERM to its agent (which drains the host:
+                                every rank on it is handed over), SIGKILL to the agent T seconds later
     none                        no fault at all
 
 ``corrupt`` flips the lowest bit of the first element of the rank's first parameter (silent data
@@ -51,7 +54,7 @@ _SPEC = re.compile(
     r"^(?P<kind>[a-z]+):rank=(?P<ranks>\d+(?:,\d+)*)@(?P<at>step|check|digests)=(?P<step>\d+)$"
 )
 _PREEMPT_SPEC = re.compile(
-    r"^preempt:rank=(?P<rank>\d+)@step=(?P<step>\d+),notice=(?P<notice>\d+(?:\.\d+)?)$"
+    r"^preempt:(?:rank=(?P<rank>\d+)|node=(?P<node>\d+))@step=(?P<step>\d+),notice=(?P<notice>\d+(?:\.\d+)?)$"
 )
 _NODE_SPEC = re.compile(
     r"^(?P<kind>kill|partition):node=(?P<node>\d+)@step=(?P<step>\d+)(?:,for=(?P<for>\d+(?:\.\d+)?))?$"
@@ -79,7 +82,8 @@ class FaultSpec:
 
     def __str__(self) -> str:
         if self.kind == "preempt":
-            return f"preempt:rank={self.ranks[0]}@step={self.step},notice={self.duration:g}"
+            who = f"node={self.node}" if self.node is not None else f"rank={self.ranks[0]}"
+            return f"preempt:{who}@step={self.step},notice={self.duration:g}"
         cut = f",for={self.duration:g}" if self.duration is not None else ""
         if self.at in _RECOVERY_SPECS:
             return f"{self.kind}:{_RECOVERY_SPECS[self.at]}{cut}"
@@ -126,9 +130,17 @@ def parse_fault(spec: str) -> FaultSpec:
     if kind == "preempt":
         preempt = _PREEMPT_SPEC.match(text)
         if preempt is None:
-            raise ValueError(f"cannot parse fault {spec!r}: a preemption is preempt:rank=R@step=S,notice=T")
-        return FaultSpec(kind="preempt", ranks=(int(preempt["rank"]),), step=int(preempt["step"]),
-                         duration=float(preempt["notice"]))  # fmt: skip
+            raise ValueError(
+                f"cannot parse fault {spec!r}: a preemption is preempt:rank=R@step=S,notice=T or "
+                "preempt:node=N@step=S,notice=T"
+            )
+        notice = float(preempt["notice"])
+        if preempt["node"] is not None:
+            return FaultSpec(kind="preempt", ranks=(), step=int(preempt["step"]), node=int(preempt["node"]),
+                             duration=notice)  # fmt: skip
+        return FaultSpec(
+            kind="preempt", ranks=(int(preempt["rank"]),), step=int(preempt["step"]), duration=notice
+        )
     node = _NODE_SPEC.match(text)
     if node is not None:
         if node["for"] is not None and node["kind"] != "partition":

@@ -100,14 +100,14 @@ class FaultInjector:
         if fault.kind == "partition":
             _cut_host_off(fault.duration)
             return  # this process lives on, cut off: its lease and its host's fence end it
-        if fault.node is not None and self._agent_pid > 0:
+        if fault.node is not None and self._agent_pid > 0 and fault.kind != "preempt":
             # the host's agent first: every other process of the host dies with it (the agent
             # starts them with PR_SET_PDEATHSIG), then this one, as a power loss takes them all
             os.kill(self._agent_pid, signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
         if fault.kind == "preempt":
             assert fault.duration is not None
-            _preempt(fault.duration)
+            _preempt(fault.duration, self._agent_pid if fault.node is not None else os.getpid())
         elif fault.kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif fault.kind == "hang":
@@ -154,17 +154,17 @@ class FaultInjector:
                 self._fire(i, f, on_fire, rank, step)
 
 
-def _preempt(notice: float) -> None:
-    """A preemption notice: SIGTERM to this process now, SIGKILL ``notice`` seconds later from a
-    process of its own (what a cloud or a cluster's scheduler does), which this one ends if it
-    exits first."""
+def _preempt(notice: float, pid: int) -> None:
+    """A preemption notice: SIGTERM to ``pid`` (this process, or its host's agent) now, SIGKILL
+    ``notice`` seconds later from a process of its own (what a cloud or a cluster's scheduler
+    does), which this one ends if it exits first."""
     import atexit
     import subprocess
 
-    killer = subprocess.Popen(["sh", "-c", f"sleep {notice:g}; kill -9 {os.getpid()}"], start_new_session=True,
+    killer = subprocess.Popen(["sh", "-c", f"sleep {notice:g}; kill -9 {pid}"], start_new_session=True,
                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     atexit.register(_end_group, killer)
-    os.kill(os.getpid(), signal.SIGTERM)
+    os.kill(pid, signal.SIGTERM)
 
 
 def _end_group(p: Any) -> None:

@@ -38,7 +38,7 @@ class Notice:
     def _on_term(self, signum: int, frame: FrameType | None) -> None:
         if not self.received:
             self.received = True
-            self._client.update(leaving=True)
+            self._client.update(leaving=1)  # an int: the relay's wire writes ints (``relay_wire``)
             self._client.emit(Event.NOTICE_RECEIVED)
         if callable(self._previous):
             self._previous(signum, frame)

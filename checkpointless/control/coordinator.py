@@ -103,6 +103,7 @@ class Coordinator:
         self.sizing = Sizing(job, sizes, self._clock())
         self._sized_gen = 0  # the generation the sizing last saw start
         self.notices: set[str] = set()  # members whose process has notice, not handed off yet
+        self._last_notice = float("-inf")  # when the newest notice was seen
         self._last_poll = float("-inf")
         self._last_sweep = float("-inf")
         self._last_intruder_check = float("-inf")
@@ -260,7 +261,7 @@ class Coordinator:
         elif course.recovering is not None:
             course.check_recovered()
         if course.failure is None and course.recovering is None and poll and self.notices:
-            self._check_notices()
+            self._check_notices(now)
         if course.failure is None and course.recovering is None and poll and self.job.elastic:
             self._check_size(now)
         if course.failure is None and course.recovering is None and (sweep or (poll and self._any_done())):
@@ -285,6 +286,7 @@ class Coordinator:
                 self.pace.script_total(name, int(hb["total"]))
             if p.role == Role.WORKER and hb.get("leaving") and not old.get("leaving"):
                 self.notices.add(name)  # a preemption notice: ``_check_notices`` moves its rank
+                self._last_notice = now
             report = hb.get("report")
             if isinstance(report, dict) and report != old.get("report"):
                 self.reports.relayed(name, report)  # ``FailureCourse.check_reports`` judges it
@@ -389,12 +391,16 @@ class Coordinator:
             raise JobFailed(error)
 
     # -- preemption notices ------------------------------------------------------------
-    def _check_notices(self) -> None:
-        """Between recoveries: the members with notice handed off at once, to ready spares or, in
-        an elastic job that may lose them, to the others; else left to train until they are killed
-        (an ordinary fault then). A handoff that a fault turned into a recovery is tried again after
-        it. A process that left the plan is forgotten."""
+    def _check_notices(self, now: float) -> None:
+        """Between recoveries: the members with notice handed off, to ready spares or, in an
+        elastic job that may lose them, to the others; else left to train until they are killed
+        (an ordinary fault then). Notices that come together (a host drained: each of its processes
+        got SIGTERM) are handed off together, once none came for a heartbeat interval. A handoff
+        that a fault turned into a recovery is tried again after it. A process that left the plan
+        is forgotten."""
         assert self.plan is not None
+        if now - self._last_notice < self.job.recovery.heartbeat_interval_s:
+            return
         self.notices = {
             n for n in self.notices if n in self.plan.members.values() and self.procs[n].handle.alive()
         }

@@ -130,6 +130,8 @@ class HostAgent:
         self._closing = False
         self._lease_s = 1.0
         self._reset_done: int | None = None  # the index of the last reset order carried out
+        self.drain_asked = False  # SIGTERM came (a preemption notice for the host): set by the handler
+        self._draining = False  # the host's processes were told (SIGTERM: each hands its rank over)
 
     # -- joining ------------------------------------------------------------------------
     def join(self) -> tuple[JobConfig, str, int]:
@@ -263,6 +265,8 @@ class HostAgent:
         while True:
             wakeups.wait(max(0.0, min(interval, next_beat - time.monotonic())))
             self._stop_late()
+            if self.drain_asked and not self._draining:
+                self._drain()
             exited = [n for n, c in list(self.agent.children.items()) if not c.alive() and n not in reported]
             for name in exited:
                 reported.add(name)
@@ -301,6 +305,19 @@ class HostAgent:
                 store = None
                 with contextlib.suppress(RuntimeError, OSError):
                     store = self._connect(self._lease_s - silent)
+
+    def _drain(self) -> None:
+        """A notice for the whole host (its agent's SIGTERM, what Kubernetes sends a pod and Slurm a
+        step's tasks): every process of the host gets SIGTERM (a worker hands its rank over, a spare
+        ends), the status says ``draining`` (no new spare comes here), and once none is left the
+        status says ``drained`` and the agent exits 0."""
+        self._draining = True
+        log.warning("agent %s: SIGTERM: draining this host (its ranks are handed over)", self.host)
+        for child in list(self.agent.children.values()):
+            if child.alive():
+                with contextlib.suppress(OSError):
+                    os.kill(child.pid, signal.SIGTERM)
+        self._beat.set()
 
     def _fence(self, silent: float) -> None:
         """The coordinator is out of reach for the lease: stop this host's training, now; then exit,
@@ -396,6 +413,12 @@ class HostAgent:
         if self._seq % 5 == 1:  # every few beats: a second or so apart, what the launcher records
             self._last_usage = self._sampler.sample()
         status = {"seq": self._seq, "procs": procs, "stopped": stopped, "usage": self._last_usage}
+        if self._draining:
+            drained = not any(p["alive"] for p in procs.values())
+            status["draining"] = True
+            if drained:  # its processes' last events before the word that they are gone
+                self.relay.flush()
+                status["drained"] = stopped = True
         if self._reset_done is not None:
             status["reset"] = self._reset_done
         store.set(keys.node_status(self.host), json.dumps(status))
@@ -414,11 +437,14 @@ def _own_addr(coordinator: str) -> str:
                               "address with --addr") from None  # fmt: skip
 
 
-def _stop_on_signals() -> None:
-    """SIGTERM ends the agent like Ctrl-C: its ``finally`` stops its processes."""
+def _stop_on_signals(agent: HostAgent) -> None:
+    """A first SIGTERM drains the host (``HostAgent._drain``, from the status loop: the handler
+    only sets a flag); a second ends the agent like Ctrl-C: its ``finally`` stops its processes."""
 
     def handler(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
+        if agent.drain_asked:
+            raise KeyboardInterrupt
+        agent.drain_asked = True
 
     signal.signal(signal.SIGTERM, handler)
 
@@ -428,7 +454,7 @@ def main_agent(agent: HostAgent) -> int:
     (``os._exit``): its order thread may be blocked in the store's ``wait``, and tearing the
     interpreter down under it aborted the process now and then ("terminate called without an
     active exception", exit -6 instead of 0)."""
-    _stop_on_signals()
+    _stop_on_signals(agent)
     try:
         code = agent.run()
     except KeyboardInterrupt:

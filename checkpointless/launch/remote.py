@@ -351,7 +351,7 @@ class RemoteNodes:
         if self.local_spares:  # a worker host short of its own spares first (it used one, or is new)
             short = [
                 h for h in self.hosts.values()
-                if not h.lost and any(self._table.is_worker(p.name) for p in procs(h))
+                if not h.lost and not h.status.get("draining") and any(self._table.is_worker(p.name) for p in procs(h))
                 and sum(not self._table.is_worker(p.name) for p in procs(h)) < self.local_spares
             ]  # fmt: skip
             if short:
@@ -359,7 +359,8 @@ class RemoteNodes:
 
         spare_hosts = [
             h for h in self.hosts.values()
-            if not h.lost and not any(self._table.is_worker(p.name) for p in procs(h)) and len(procs(h)) < h.nproc
+            if not h.lost and not h.status.get("draining")
+            and not any(self._table.is_worker(p.name) for p in procs(h)) and len(procs(h)) < h.nproc
         ]  # fmt: skip
         spare_hosts.sort(key=lambda h: (h.nproc - len(procs(h)), h.node))
         return self.spawn_spare_on(spare_hosts[0]) if spare_hosts else None
@@ -419,6 +420,8 @@ class RemoteNodes:
             if h.lost and status.get("reset") == h.reset:
                 self._rejoin(h, now)
                 rejoined.append(h)
+            elif status.get("drained") and not h.lost:
+                self._drained(h)
         quiet = {h.name for h in live if now - h.heard > self._timeout}  # agents silent too long
         heard: dict[str, float] = {}  # the latest heartbeat of any process of each of those hosts
         for n, p in self.children.items() if quiet else ():
@@ -434,6 +437,13 @@ class RemoteNodes:
                     h, f"its agent was silent for {silent:.1f}s (host timeout {self._timeout:g}s)", silent
                 )
         return rejoined
+
+    def _drained(self, h: _Host) -> None:
+        """A host drained on a notice (its agent's SIGTERM) has no process left and its agent exits:
+        it is gone from the job, not lost (no fault)."""
+        h.lost, h.lost_at = "drained on a notice", self._clock()
+        log.warning("host %s drained: its ranks were handed over, its agent exits", h.name)
+        self._emit(Event.HOST_DRAINED, host=h.name, node=h.node)
 
     def _lose(self, h: _Host, why: str, silent: float) -> None:
         h.lost, h.lost_at = why, self._clock()

@@ -26,7 +26,9 @@ from typing import Any
 
 from checkpointless.protocol.vocab import Event
 
-FORWARDED = ("seq", "phase", "rank", "gen", "committed", "step", "attempt", "step_time_s", "total", "report")
+FORWARDED = (
+    "seq", "phase", "rank", "gen", "committed", "step", "attempt", "step_time_s", "total", "report", "leaving",
+)  # fmt: skip
 """The fields of a heartbeat the relay forwards, in this order: those the coordinator reads
 (``control/heartbeats.py``, ``detection.py``, ``coordinator.py``). Its clock (``t``: the relay's own
 stands for the host's), its chunk count (the relay's business) and its metrics (loss and the like:
@@ -37,7 +39,7 @@ _SEPARATORS = (",", ":")
 """The relay value's ``json.dumps`` separators (compact: the coordinator reads one per host)."""
 
 _FORMATS = {"seq": "%d", "phase": '"%s"', "rank": "%d", "gen": "%d", "committed": "%d", "step": "%d",
-            "attempt": "%d", "step_time_s": "%r", "total": "%d", "report": "%s"}  # fmt: skip
+            "attempt": "%d", "step_time_s": "%r", "total": "%d", "report": "%s", "leaving": "%d"}  # fmt: skip
 """Each forwarded field's %-format as ``json.dumps`` writes its value (``report``: JSON text)."""
 
 _RELAY_VALUE = '{"seq":%d,"t":%r,"chunks":%d,"procs":{%s}}'

@@ -30,6 +30,7 @@ class Event(StrEnum):
     NOTICE_RECEIVED = "notice_received"  # a worker got SIGTERM: a preemption notice
     HANDOFF_STARTED = "handoff_started"  # the generation aborted to move a rank that has notice
     HANDOFF_DONE = "handoff_done"  # its generation trains without the leaving process
+    HOST_DRAINED = "host_drained"  # a host's agent got SIGTERM: its ranks handed over, it left the job
     SPARE_RESTART_SCHEDULED = "spare_restart_scheduled"
     SPARE_POOL_EXHAUSTED = "spare_pool_exhausted"
     STEP_COMMITTED = "step_committed"

@@ -576,3 +576,27 @@ def test_an_agent_with_another_secret_is_told_so(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=60, env=ENV,
     )  # fmt: skip
     assert r.returncode == 2 and "has another secret" in r.stderr, r.stderr
+
+
+@pytest.mark.timeout(600)
+def test_a_host_with_notice_is_drained_into_the_spare_host_with_no_lost_step(tmp_path: Path) -> None:
+    """``preempt:node=1@step=6,notice=60``: host 1's agent gets SIGTERM (what Kubernetes sends a
+    pod, Slurm a step's tasks). It drains its host: both of its ranks hand their places to the spare
+    host's processes in one handoff, they exit 0, and the agent leaves the job once none is left
+    (no host lost, no fault detected). Final state equal to the fault-free run."""
+    model = ("--d-model", "256", "--layers", "4")  # steps long enough for the handoff to come first
+    ref = subprocess.run([*CLI, "demo", "--workers", "4", "--spares", "0", "--fault", "none", *STEPS, *model],
+                         capture_output=True, text=True, timeout=300, env=ENV)  # fmt: skip
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    out = tmp_path / "cluster"
+    events = _cluster(out, "preempt:node=1@step=6,notice=60", model=model)
+    report = json.loads((out / "report.json").read_text())
+    assert report["final_state_sha256"] == _digest(ref.stderr) != "None"
+    kinds = [e["kind"] for e in events]
+    assert "host_drained" in kinds and "host_lost" not in kinds and "recovery_done" not in kinds, kinds
+    handoffs = [e for e in events if e["kind"] == "handoff_started"]
+    assert sorted(e["rank"] for e in handoffs) == [2, 3] and len({e["gen"] for e in handoffs}) == 1, handoffs
+    assigned = {e["rank"]: e["target"] for e in events if e["kind"] == "spare_assigned"}
+    assert sorted(assigned) == [2, 3] and set(assigned.values()) == {"s0", "s1"}
+    assert report["steps_completed"] == 16 and all(f["lost_steps"] == 0 for f in report["faults"])
+    assert [f["cause"] for f in report["faults"]] == [None], report["faults"]  # injected, nothing crashed

@@ -24,7 +24,7 @@ def test_a_member_with_notice_hands_its_rank_to_a_ready_spare() -> None:
     job = Job(workers=3, spares=1)
     _started(job)
     job["w1"].heartbeat(leaving=True)
-    job.tick()
+    job.tick(2)  # notices that come together go together: one heartbeat interval
     assert job.store.get(keys.abort(0)) == "1"
     (started,) = job.kinds("handoff_started")
     assert (started["rank"], started["target"]) == (1, "w1")
@@ -44,7 +44,7 @@ def test_an_elastic_job_without_a_spare_goes_on_without_the_leaving_rank() -> No
     job = Job(workers=4, spares=0, min_workers=2, resize_interval_s=600.0)
     _started(job)
     job["w0"].heartbeat(leaving=True)
-    job.tick()
+    job.tick(2)
     _recover_all(job, ["w0", "w1", "w2", "w3"])
     plan = job.plan(1)
     assert plan is not None and plan.members == {0: "w1", 1: "w2", 2: "w3"} and plan.dropped == ["w0"]
@@ -69,7 +69,7 @@ def test_a_member_lost_during_a_handoff_makes_it_a_recovery() -> None:
     job = Job(workers=3, spares=2)
     _started(job)
     job["w1"].heartbeat(leaving=True)
-    job.tick()
+    job.tick(2)  # notices that come together go together: one heartbeat interval
     job.exit("w2", -9)
     _recover_all(job, ["w0", "w1"])
     plan = job.plan(1)
@@ -95,10 +95,17 @@ def test_the_preempt_fault_grammar() -> None:
     for bad in (
         "preempt:rank=1@step=12",
         "preempt:rank=1,2@step=3,notice=5",
-        "preempt:node=1@step=3,notice=5",
+        "preempt:node=1@step=3",
     ):
-        with pytest.raises(ValueError, match="preempt:rank=R@step=S,notice=T"):
+        with pytest.raises(
+            ValueError, match="preempt:rank=R@step=S,notice=T or preempt:node=N@step=S,notice=T"
+        ):
             parse_fault(bad)
+    host = parse_fault("preempt:node=1@step=3,notice=5")
+    assert (host.node, host.ranks, str(host)) == (1, (), "preempt:node=1@step=3,notice=5")
+    with pytest.raises(ValueError, match="a host fault needs a job on several hosts"):
+        validate_schedule([host], workers=2, spares=1, steps=20)
+    validate_schedule([host], workers=2, spares=2, steps=20, nodes=2, nproc_per_node=1)
     with pytest.raises(ValueError, match=r"no spare can take the rank \(--spares 0\)"):
         validate_schedule([f], workers=2, spares=0, steps=20)
     validate_schedule([f], workers=3, spares=0, steps=20, min_workers=2)
@@ -108,7 +115,7 @@ def test_a_spare_that_dies_during_the_handoff_leaves_the_rank_where_it_was_until
     job = Job(workers=2, spares=1)
     _started(job)
     job["w1"].heartbeat(leaving=True)
-    job.tick()
+    job.tick(2)  # notices that come together go together: one heartbeat interval
     job.exit("s0", -9)  # the spare the handoff counted on
     _recover_all(job, ["w0", "w1"])
     plan = job.plan(1)

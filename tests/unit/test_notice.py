@@ -51,7 +51,7 @@ def test_a_notice_is_recorded_once_and_the_scripts_handler_still_runs() -> None:
     notice.install()
     _term()
     _term()
-    assert notice.received and client.status == {"leaving": True}
+    assert notice.received and client.status == {"leaving": 1}
     assert client.events == ["notice_received"]  # once
     assert theirs == [signal.SIGTERM, signal.SIGTERM]
 
@@ -62,4 +62,4 @@ def test_without_a_handler_of_the_script_the_process_lives_on() -> None:
     client = _Client()
     Notice(client).install()  # type: ignore[arg-type]
     _term()  # SIG_DFL would have ended the test process
-    assert client.status == {"leaving": True}
+    assert client.status == {"leaving": 1}
