@@ -65,7 +65,7 @@ def parameter_bytes(recipe: Path, overrides: list[str]) -> tuple[int, int]:
     return frozen, sum(4 * p.numel() for _, p in params if p.requires_grad)
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt_oss"])
+@pytest.mark.parametrize("family", ["llama"])  # gpt-oss's adapters: the sharded test below
 def test_lora_from_a_checkpoint_recovers_bitwise_moving_only_the_adapter(family: str, tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     save_checkpoint(family, ckpt)
