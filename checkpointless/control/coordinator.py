@@ -425,7 +425,7 @@ class Coordinator:
         if not self.pace.started or self.finished or self._any_done():
             return
         ready = len(self.table.ready_spares())
-        alive = sum(1 for p in self.procs.values() if p.role == Role.SPARE and p.handle.alive())
+        alive = len(self.table.live_spares())
         change = self.sizing.decide(size, ready, alive - ready + len(self.spares.due), now)
         if change is not None:
             self.course.resize(*change, now)

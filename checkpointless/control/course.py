@@ -183,7 +183,7 @@ class FailureCourse:
         # again as it was, and the coordinator tries the handoff again
         if not f.planned and len(f.dead) > len(spares):
             self._p.spares.refill(self._clock())  # a new failure before the last recovery finished
-            starting = [n for n, p in table.procs.items() if p.role == Role.SPARE and p.handle.alive()]
+            starting = table.live_spares()
             if len(f.dead) > len(starting) + len(self._p.spares.due):
                 exits = self._p.exits
                 if not self._job.elastic:

@@ -176,6 +176,10 @@ class ProcessTable:
             if p.role == Role.SPARE and not p.killed and p.hb.get("phase") == Phase.SPARE and p.handle.alive()
         ]  # fmt: skip
 
+    def live_spares(self) -> list[str]:
+        """Spares alive, ready or still starting."""
+        return [n for n, p in self.procs.items() if p.role == Role.SPARE and p.handle.alive()]
+
     def announced_chunks(self) -> dict[str, int]:
         """How many event chunks each live process's last heartbeat says it has written (the
         processes that write their own: a relayed one's come with its host's)."""

@@ -94,10 +94,7 @@ class SparePool:
         ``retry_s`` of a start that found no free slot."""
         if self.exhausted or now - self._no_slot_at < retry_s:
             return
-        procs = self._table.procs.values()
-        have = (
-            sum(1 for p in procs if p.role == Role.SPARE and p.handle.alive()) + len(self.due) + self._refills
-        )
+        have = len(self._table.live_spares()) + len(self.due) + self._refills
         if have < wanted:
             self.due.extend([now] * (wanted - have))
             self.start_due(now)
