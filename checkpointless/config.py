@@ -94,6 +94,11 @@ class RecoveryConfig:
     the same bit for bit whatever the number of replicas, so a job that changes size stays bitwise
     the run it would have been. Off (the default): an all-reduce, whose rounding depends on the
     number of replicas (the losses then match to rounding across a resize)."""
+    never_wait: bool = False
+    """A lost replica's shares go to the survivors at once (a shrink: no transfer to wait for), and a
+    ready spare receives the state in the background (``catch_up``): a copy taken at a step
+    boundary, then what the optimizer was given at every step since. The spare takes shares back at
+    the first step boundary after it caught up. Needs ``min_workers`` below ``workers``."""
     shares: int = 0
     """The data-parallel shares the global batch is cut into, for the whole job (``share_loop``):
     a replica holding k shares computes k share passes per step (``for share in session.shares():``),
@@ -192,6 +197,9 @@ class JobConfig:
         if shares and shares < self.workers:
             raise ValueError(f"shares={shares} must be at least workers={self.workers}: each replica holds "
                              "one share or more")  # fmt: skip
+        if self.recovery.never_wait and not (low and low < self.workers):
+            raise ValueError("never_wait needs min_workers below workers: the survivors take a lost replica's "
+                             "shares while a spare catches up")  # fmt: skip
         if self.recovery.exact_resize and self.shards > 1:
             raise ValueError(f"exact_resize with shards={self.shards}: a sharded job's reduction is FSDP2's")
         high = self.recovery.max_workers

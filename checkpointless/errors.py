@@ -34,6 +34,10 @@ class Dismissed(SystemExit):
     the rest of its script. A ``SystemExit``, so that ``except Exception`` cannot keep it training."""
 
 
+class CatchUpFailed(CheckpointlessError):
+    """A spare's catch-up ended before it became a member (its source gave it up, or failed)."""
+
+
 class CollectiveError(CheckpointlessError, RuntimeError):
     """A collective of the current generation failed."""
 

@@ -88,12 +88,21 @@ def start_as_spare(member: Member, model: ModelHolder) -> bool:
     _restore_priority()  # started niced (launcher): start-up is over, a spare must not lag
     client.update(phase=Phase.SPARE)
     client.emit(Event.SPARE_READY, sync=True)
-    try:
-        gen = client.wait_assignment()
-    except JobStopped:
-        client.close()
-        return False
-    _enter_first(member, client.wait_plan(gen, member.plan_timeout))
+    gen = -1
+    while True:
+        try:
+            gen = client.wait_assignment(after=gen)
+        except JobStopped:
+            client.close()
+            return False
+        plan = client.wait_plan(gen, member.plan_timeout)
+        if client.proc not in plan.followers:
+            break
+        # a follower (``recovery.never_wait``): it catches up in the background, then waits for the
+        # generation that makes it a member (or, given up, for any other)
+        assert member.catch_ups is not None
+        member.catch_ups.follow(plan)
+    _enter_first(member, plan)
     return True
 
 

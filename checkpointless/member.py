@@ -35,6 +35,7 @@ from checkpointless.durable import DurableWriter
 from checkpointless.errors import Dismissed, FatalError, IntegrityError, Unrecoverable
 from checkpointless.fault_grammar import FaultSpec
 from checkpointless.faults import FaultInjector
+from checkpointless.following import CatchUps, recv_light, send_light
 from checkpointless.formation import Formation
 from checkpointless.fsdp import Generation
 from checkpointless.model_holder import ModelHolder
@@ -94,6 +95,8 @@ class Member:
         self._lineages: dict[int, int] = {}  # every member's, as last exchanged in a recovery
         self.trainable = TrainableAgreement(self)
         timeout = timedelta(seconds=rc.collective_timeout_s)
+        #: the spares this process feeds in the background, or its own catch-up (``following``)
+        self.catch_ups = None if client is None else CatchUps(client, secret, model, timeout)
         self._formation = (
             None
             if client is None
@@ -281,6 +284,8 @@ class Member:
         of it dropped (sharded: this rank's state kept as plain tensors), the group aborted. The
         generation's own groups are closed after the failure is reported (``recover``)."""
         self._model.undo_attempt()
+        if self.catch_ups is not None:
+            self.catch_ups.drop()  # the failed attempt's optimizer records
         if self._generation is not None:
             self._generation.release()
         self._model.leave(keep=self.has_state)
@@ -309,6 +314,8 @@ class Member:
         self._host_ranks = sorted(r for r, h in plan.hosts.items() if h == here) if here else [rank]
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(plan.world_size), LOCAL_WORLD_SIZE=str(on_host))
         client.update(rank=rank, gen=plan.gen, phase=Phase.JOINING)
+        if self.catch_ups is not None and self.has_state:
+            self.catch_ups.settle(plan, rank, self._steps.committed)
         self._lineages = {}
         if self.faults is not None and plan.newcomer(rank):
             self.faults.at_recovery(rank, plan.resume_step, self.fault_fired, at="join")
@@ -353,10 +360,12 @@ class Member:
                 hashing["d"] = combined_digest(self._model.entries())
             sources, self._lineages = compare_holders(self, plan, hashing.get("d"), holder, self._steps)
         if rank in sources:
-            self._receive(plan, sources[rank])
+            self._receive(plan, sources[rank], light=rank in plan.caught_up)
         for dst in sorted(r for r, s in sources.items() if s == rank):
             if self.faults is not None:
                 self.faults.at_recovery(rank, plan.resume_step, self.fault_fired, at="source")
+            if dst in plan.caught_up and send_light(self.group, dst, self._model, self._secret):
+                continue
             transfer_out(self.group, dst, self._model, self._secret, gen=plan.gen, rank=rank)
         self._relayout(plan.resume_step)
         if plan.world_size > 1 and self._steps.committed < 0 and plan.restore is None:
@@ -367,6 +376,8 @@ class Member:
         assert self._steps.committed == plan.resume_step - 1, (self._steps.committed, plan.resume_step)
         self._steps.resume(plan.resume_step, recovered=plan.gen > 0)
         client.update(phase=Phase.IDLE, committed=self._steps.committed)
+        if self.catch_ups is not None and plan.followers:
+            self.catch_ups.start(plan, rank, self._steps.committed)
 
     def _form(self, plan: Plan) -> None:
         assert self._formation is not None
@@ -379,8 +390,10 @@ class Member:
         else:
             self.group = formed
 
-    def _receive(self, plan: Plan, src: int) -> None:
-        """This rank's state from ``src`` (a replacement's, or a survivor's that lost it)."""
+    def _receive(self, plan: Plan, src: int, *, light: bool = False) -> None:
+        """This rank's state from ``src`` (a replacement's, or a survivor's that lost it); ``light``:
+        a spare that caught up receives what the catch-up did not bring, and everything only if the
+        two then differ."""
         assert self.group is not None
         client, rank = self._client(), self.rank
 
@@ -392,6 +405,20 @@ class Member:
         client.emit(Event.TRANSFER_BEGUN, rank=rank, gen=plan.gen, step=plan.resume_step, src=src)
         # received in place, into this process's own tensors: it holds no valid state until loaded
         self.has_state = False
+        if light:
+            stats, same = recv_light(self.group, src, self._model, self._secret)
+            client.emit(Event.CATCH_UP_ENDED, sync=True, rank=rank, gen=plan.gen, step=plan.resume_step, src=src,
+                        ok=same, bytes=stats.bytes, seconds=round(stats.seconds, 4))  # fmt: skip
+            if same:
+                self.has_state = True
+                self._took_state(plan.resume_step)
+                sent = self._model.registry.state_dict().get("progress", {}).get("lineage")
+                self._steps.descend(
+                    self._lineages.get(src, own_lineage(plan.gen, src) if sent is None else int(sent))
+                )
+                return
+            log.warning("[gen %d rank %d] the catch-up differs from rank %d's state: receiving all of it",
+                        plan.gen, rank, src)  # fmt: skip
         stats, kept, sent_lineage = transfer_in(self.group, src, self._model, self._secret, hook)
         self.has_state = True
         self._took_state(plan.resume_step)

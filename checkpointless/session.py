@@ -652,6 +652,8 @@ class Session:
             self._metrics["share_count"] = max(len(v) for v in self._per_share.values())
         self._model.commit()
         self._steps.commit(step)
+        if self._member.catch_ups is not None:
+            self._member.catch_ups.committed(step)  # the step's optimizer records, to the followers
         if self._member.client is not None:
             self._member.client.update(phase=Phase.IDLE, committed=step, step_time_s=seconds, **self._metrics)
             # shipped by the heartbeat thread's next beat (within ``heartbeat_interval``), not here:

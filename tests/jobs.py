@@ -54,6 +54,7 @@ def run_job(
     max_workers: int = 0,
     resize_interval_s: float = 600.0,
     exact_resize: bool = False,
+    never_wait: bool = False,
 ) -> JobResult:
     """Run a tiny demo job (or ``command``); ``launcher`` receives the Launcher before it runs.
 
@@ -76,6 +77,7 @@ def run_job(
         max_workers=max_workers,
         resize_interval_s=resize_interval_s,  # by default no elastic job grows back before it ends
         exact_resize=exact_resize,
+        never_wait=never_wait,
     )
     job = JobConfig(
         workers=workers, spares=spares, shards=shards, faults=parse_faults(faults or []), recovery=recovery

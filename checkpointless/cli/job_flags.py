@@ -126,6 +126,9 @@ def add_detection_args(p: argparse.ArgumentParser, *, defaults: bool = True) -> 
     p.add_argument("--exact-resize", action="store_true", default=None,
                    help="sum each step's gradient over the shares in share order: bit for bit the same run "
                    "whatever the number of replicas (a job that shrinks or grows), at some steady-state cost")  # fmt: skip
+    p.add_argument("--never-wait", action="store_true", default=None,
+                   help="a lost worker's shares go to the survivors at once and a spare catches up in the "
+                   "background, then takes them back (needs --min-workers below --workers)")  # fmt: skip
     p.add_argument("--control-port", type=int, default=None, metavar="PORT",
                    help="serve POST /scale (bearer token: control.json's) on this port on every interface "
                    "(default: a free port on loopback, named in <out>/control.json)")  # fmt: skip
@@ -226,6 +229,8 @@ def job_config(
             changes["resize_interval_s"] = interval
         if getattr(args, "exact_resize", None):
             changes["exact_resize"] = True
+        if getattr(args, "never_wait", None):
+            changes["never_wait"] = True
         port = getattr(args, "control_port", None)
         if port is not None and not 0 <= port < 65536:
             raise UsageError(f"--control-port must be in 0..65535, got {port}")

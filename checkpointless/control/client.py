@@ -221,13 +221,14 @@ class ControlClient:
         process's heartbeat, which its agent's relay forwards (``Transport.report_failure``)."""
         self._transport.report_failure(gen, rank, committed, reason, has_state)
 
-    def wait_assignment(self) -> int:
-        """A spare blocks here until given a generation to join; ``JobStopped`` at job end."""
+    def wait_assignment(self, after: int = -1) -> int:
+        """A spare blocks here until given a generation to join (one after ``after``: a spare that
+        followed a rank in that one); ``JobStopped`` at job end."""
         while True:
             value = self.store.wait(keys.assign(self.proc), _SPARE_POLL)
             if value == keys.STOP:
                 raise JobStopped("job ended before this spare was needed")
-            if value is not None:
+            if value is not None and int(value) > after:
                 return int(value)
             if self._stopped():
                 raise JobStopped("job ended before this spare was needed")

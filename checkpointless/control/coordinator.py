@@ -99,8 +99,10 @@ class Coordinator:
         self.outcome = Outcome(store, job.shards)
         parts = CourseParts(table=self.table, spares=self.spares, reports=self.reports,
                             published=self.published, exits=self.exits, outcome=self.outcome, pace=self.pace)  # fmt: skip
-        self.course = FailureCourse(job, parts, self._emit, self._clock, probe)
         self.sizing = Sizing(job, sizes, self._clock())
+        self.course = FailureCourse(
+            job, parts, self._emit, self._clock, probe, target=lambda: self.sizing.target
+        )
         self._sized_gen = 0  # the generation the sizing last saw start
         self.notices: set[str] = set()  # members whose process has notice, not handed off yet
         self._last_notice = float("-inf")  # when the newest notice was seen
@@ -424,11 +426,34 @@ class Coordinator:
             self.spares.top_up(self.sizing.spares_wanted(size), now, self.job.recovery.resize_interval_s)
         if not self.pace.started or self.finished or self._any_done():
             return
+        if self.job.recovery.never_wait and self._check_catch_up(size, now):
+            return
         ready = len(self.table.ready_spares())
         alive = len(self.table.live_spares())
         change = self.sizing.decide(size, ready, alive - ready + len(self.spares.due), now)
-        if change is not None:
+        if change is not None and self.job.recovery.never_wait and change[0] > size:
+            # a grow without a wait: the spares follow a rank first (same size), then join
+            self.course.resize(size, "follow", now)
+        elif change is not None:
             self.course.resize(*change, now)
+
+    def _check_catch_up(self, size: int, now: float) -> bool:
+        """``recovery.never_wait``: followers that caught up (at most a step behind the members)
+        grow the job at once; whether a catch-up is under way (no other change of size then)."""
+        assert self.plan is not None
+        following = [
+            n for n in self.plan.followers
+            if (p := self.table.procs.get(n)) is not None and p.handle.alive() and p.hb.get("phase") == Phase.FOLLOWING
+        ]  # fmt: skip
+        if not following:
+            return False
+        highest = max(int(self.table[n].hb.get("committed", -1)) for n in self.plan.members.values())
+        caught = [
+            n for n in following if int(self.table.procs[n].hb.get("applied", -1)) >= max(0, highest - 1)
+        ]
+        if caught and size < self.sizing.target:
+            self.course.resize(size + len(caught), "catch_up", now, newcomers=caught)
+        return True
 
     # -- the failure course ---------------------------------------------------------
     def fail(self, now: float) -> Failure:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from checkpointless.config import JobConfig
@@ -50,6 +50,8 @@ class Failure:
     resize: tuple[int, str] | None = None
     #: ranks whose process has notice (``FailureCourse.hand_off``): a spare takes each, or the others
     leaving: set[int] = field(default_factory=set)
+    #: a grow whose new ranks go to these followers, which caught up (``recovery.never_wait``)
+    newcomers: list[str] = field(default_factory=list)
 
     @property
     def planned(self) -> bool:
@@ -81,8 +83,11 @@ class FailureCourse:
         emit: Callable[..., None],
         clock: Callable[[], float],
         probe: Callable[[list[str]], None] | None = None,
+        target: Callable[[], int] | None = None,
     ) -> None:
+        """``target()``: the replicas the job aims for (``Sizing``), which followers make up."""
         self._job, self._p, self._emit, self._clock, self._probe = job, parts, emit, clock, probe
+        self._target = target or (lambda: job.workers)
         self.plan: Plan | None = None
         self.failure: Failure | None = None
         self.recovering: tuple[float, Plan] | None = None  # (when its failure started, its plan)
@@ -107,13 +112,14 @@ class FailureCourse:
             self.recovering = None
         return self.failure
 
-    def resize(self, size: int, why: str, now: float) -> None:
+    def resize(self, size: int, why: str, now: float, newcomers: list[str] | None = None) -> None:
         """Change the job's size to ``size`` replicas (``why``: ``request``, ``capacity``): the
         generation is aborted as for a failure (the step in flight is done again), every member
         reports, and ``resize_plan`` makes the next one, which the spares join or the highest
         ranks leave."""
         assert self.failure is None
-        self.fail(now).resize = (size, why)
+        failure = self.fail(now)
+        failure.resize, failure.newcomers = (size, why), list(newcomers or [])
         self._emit(
             Event.RESIZE_STARTED, replicas=size, before=self.plan.world_size if self.plan else 0, why=why
         )
@@ -181,7 +187,13 @@ class FailureCourse:
             shrink = len(f.leaving) > len(spares)
         # else (a spare died since the handoff began) the leaving ranks stay: the generation forms
         # again as it was, and the coordinator tries the handoff again
-        if not f.planned and len(f.dead) > len(spares):
+        rc = self._job.recovery
+        if (
+            not f.planned and f.dead and rc.never_wait and self.plan.shards == 1
+            and (self.plan.world_size - len(f.dead)) >= self._job.min_size
+        ):  # fmt: skip
+            shrink = True  # the survivors take the lost shares now; ready spares follow, then join
+        elif not f.planned and len(f.dead) > len(spares):
             self._p.spares.refill(self._clock())  # a new failure before the last recovery finished
             starting = table.live_spares()
             if len(f.dead) > len(starting) + len(self._p.spares.due):
@@ -195,13 +207,13 @@ class FailureCourse:
             else:
                 return  # wait for spares that are still starting
         try:
-            rc = self._job.recovery
             durable_on = bool(rc.durable_every and rc.durable_dir)
             step = self._durable_step(committed) if durable_on else None
             hosts = {name: p.handle.host for name, p in table.procs.items()}
             if shrink:
                 plan = shrink_plan(
-                    self.plan, committed, spares, holders=f.holders, min_size=self._job.min_size,
+                    self.plan, committed, [] if rc.never_wait else spares, holders=f.holders,
+                    min_size=self._job.min_size,
                     durable_on=durable_on, durable_step=step, hosts=hosts,
                 )  # fmt: skip
             else:
@@ -211,6 +223,7 @@ class FailureCourse:
                 )  # fmt: skip
         except PlanError as e:
             raise JobFailed(f"generation {f.gen}: {e}") from e
+        plan = self._with_followers(plan, f)
         self._retries[plan.resume_step] += 0 if f.planned else 1
         if self._retries[plan.resume_step] > rc.max_retries_per_step:
             raise JobFailed(
@@ -232,13 +245,33 @@ class FailureCourse:
     def _resize(self, f: Failure, committed: dict[int, int], spares: list[str]) -> None:
         """The plan of a change of size; as many new ranks as spares are still ready."""
         assert self.plan is not None and f.resize is not None
-        size = min(f.resize[0], self.plan.world_size + len(spares))
-        hosts = {name: p.handle.host for name, p in self._p.table.procs.items()}
+        table, before = self._p.table, self.plan
+        if f.newcomers:  # followers that caught up: the new ranks are theirs, fed by their sources
+            spares = [n for n in f.newcomers if n in before.followers and table[n].handle.alive()]
+        size = min(f.resize[0], before.world_size + len(spares))
+        hosts = {name: p.handle.host for name, p in table.procs.items()}
         try:
-            plan = resize_plan(self.plan, committed, size, spares, hosts=hosts)
+            plan = resize_plan(before, committed, size, spares, hosts=hosts)
         except PlanError as e:
             raise JobFailed(f"generation {f.gen}: {e}") from e
-        self._publish(plan, f)
+        if f.newcomers:
+            fed = {r: before.followers[plan.members[r]] for r in plan.grown}
+            plan = replace(plan, sources={**plan.sources, **fed}, caught_up=sorted(fed))
+        self._publish(self._with_followers(plan, f), f)
+
+    def _with_followers(self, plan: Plan, f: Failure) -> Plan:
+        """``recovery.never_wait``: ready spares that the job lacks follow a rank of the plan in
+        the background (``catch_up``), each from another holder of the state where there are
+        several (the highest ranks first: rank 0 often does more, a log line, an evaluation)."""
+        if not self._job.recovery.never_wait or plan.restore is not None or plan.shards != 1:
+            return plan
+        want = self._target() - plan.world_size
+        ready = [n for n in self._p.table.ready_spares() if plan.rank_of(n) is None]
+        holders = [r for r in sorted(plan.members, reverse=True) if r not in plan.sources]
+        if want <= 0 or not ready or not holders:
+            return plan
+        followers = {n: holders[i % len(holders)] for i, n in enumerate(ready[:want])}
+        return replace(plan, followers=followers)
 
     def _wait_for(self, f: Failure, missing: list[int], now: float) -> None:
         """Members that neither died nor reported yet. A live member that neither dies nor reports
@@ -302,6 +335,8 @@ class FailureCourse:
             published.publish(keys.assign(new), str(plan.gen))
         for old in plan.dropped:
             table[old].role = Role.GONE
+        for follower in plan.followers:
+            published.publish(keys.assign(follower), str(plan.gen))
         before = self.plan.world_size if self.plan is not None else plan.world_size
         self.plan = plan
         self._emit(
@@ -313,6 +348,10 @@ class FailureCourse:
         for rank in plan.grown:
             self._emit(
                 Event.SPARE_ASSIGNED, rank=rank, gen=plan.gen, target=plan.members[rank], replaces=None
+            )
+        for follower, src in plan.followers.items():
+            self._emit(
+                Event.CATCH_UP_STARTED, rank=src, gen=plan.gen, target=follower, step=plan.resume_step - 1
             )
         if plan.world_size != before:
             why = "lost" if not f.planned else f.resize[1] if f.resize is not None else "handoff"

@@ -71,6 +71,12 @@ class Plan:
     dropped: list[str] = field(default_factory=list)
     #: the ranks a spare took that no process held before: the job grew (``resize_plan``)
     grown: list[int] = field(default_factory=list)
+    #: spares that catch up in the background (``catch_up``), each from the rank named: process ->
+    #: source rank; they are not members of this generation
+    followers: dict[str, int] = field(default_factory=dict)
+    #: the ranks of ``grown`` whose spare caught up: their source (``sources``) sends only what the
+    #: catch-up does not bring, and the two compare digests
+    caught_up: list[int] = field(default_factory=list)
 
     def to_json(self) -> str:
         return json.dumps(
@@ -86,6 +92,8 @@ class Plan:
                 "hosts": {str(k): v for k, v in self.hosts.items()},
                 "dropped": self.dropped,
                 "grown": self.grown,
+                "followers": self.followers,
+                "caught_up": self.caught_up,
             }
         )
 
@@ -104,6 +112,8 @@ class Plan:
             hosts={int(k): str(v) for k, v in d.get("hosts", {}).items()},
             dropped=[str(p) for p in d.get("dropped", [])],
             grown=[int(r) for r in d.get("grown", [])],
+            followers={str(k): int(v) for k, v in d.get("followers", {}).items()},
+            caught_up=[int(r) for r in d.get("caught_up", [])],
         )
 
     def newcomer(self, rank: int) -> bool:

@@ -92,6 +92,11 @@ def heartbeat(proc: str) -> str:
     return f"hb/{proc}"
 
 
+def catch_up_prefix(gen: int, token: str, proc: str) -> str:
+    """The rendezvous of the pair group over which ``proc`` catches up, named in generation ``gen``."""
+    return f"gen/{gen}/catchup/{token}/{proc}/"
+
+
 def assign(proc: str) -> str:
     return f"assign/{proc}"
 

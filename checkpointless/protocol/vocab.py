@@ -30,6 +30,9 @@ class Event(StrEnum):
     NOTICE_RECEIVED = "notice_received"  # a worker got SIGTERM: a preemption notice
     HANDOFF_STARTED = "handoff_started"  # the generation aborted to move a rank that has notice
     HANDOFF_DONE = "handoff_done"  # its generation trains without the leaving process
+    CATCH_UP_STARTED = "catch_up_started"  # a spare follows a rank in the background (``target``, ``rank``)
+    CATCH_UP_SENT = "catch_up_sent"  # the source sent its copy (``bytes``, ``seconds``, ``step``)
+    CATCH_UP_ENDED = "catch_up_ended"  # the follower took its rank (``ok``) or gave up (``error``)
     HOST_DRAINED = "host_drained"  # a host's agent got SIGTERM: its ranks handed over, it left the job
     SPARE_RESTART_SCHEDULED = "spare_restart_scheduled"
     SPARE_POOL_EXHAUSTED = "spare_pool_exhausted"
@@ -65,6 +68,7 @@ class Phase(StrEnum):
 
     STARTING = "starting"
     SPARE = "spare"
+    FOLLOWING = "following"  # a spare catching up in the background (``applied``: the step it holds)
     JOINING = "joining"
     IDLE = "idle"
     COMPUTE = "compute"

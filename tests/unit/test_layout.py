@@ -80,6 +80,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "recovery_source",
             "consistency",
             "joining",
+            "catch_up",
+            "following",
             "ending",
             "notice",
         ),

@@ -1,0 +1,276 @@
+"""A spare that catches up in the background while the survivors train (``recovery.never_wait``).
+
+A generation's plan may name followers: ready spares, each with a source rank (``Plan.followers``).
+The source:
+
+1. at the end of its entry into the generation (a step boundary) copies its registered state in
+   memory: the one part of a catch-up the survivors wait for;
+2. from then on records, at every call of its optimizer's ``step`` (a pre-hook), what the optimizer
+   is given: every parameter's gradient (None where it has none) and every parameter group's
+   settings but its parameters (the learning rate a scheduler set, the betas, ...). A step's
+   records are kept if the step commits, dropped if it fails;
+3. a sender thread forms a group of two with the follower (``keys.catch_up_prefix``), sends the
+   copy, then each committed step's records in order (``send_state``: authenticated with the job's
+   secret, checked before anything is loaded);
+4. when a plan makes the follower a member (``Plan.caught_up``) it sends the end: the last step
+   committed, whose records the follower then holds; any other plan gives the catch-up up.
+
+The follower loads the copy into its own tensors and, for each step, sets the gradients and the
+groups' settings and calls its own optimizer's ``step``: the same implementation on the same values
+gives the same bits. At the join its source sends the rest of the state (buffers, progress, the
+scheduler, user state: everything but the parameters and the optimizer's per-parameter state,
+``light_state``), and the two compare a digest of the whole state (``Member``); a difference (a
+script that changes its parameters outside the optimizer's step) sends everything, as for any
+replacement. A step whose optimizer is called with a closure (LBFGS) cannot be followed: the
+catch-up is given up, and the spare joins later like any other.
+
+Bounded: at most ``MAX_BEHIND`` committed steps wait to be sent (each one gradient in memory); a
+follower further behind is given up. Memory at the source: one copy of the state while it is sent.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from checkpointless.comm import Group
+from checkpointless.errors import CatchUpFailed
+from checkpointless.state import TransferStats, recv_state, send_state
+
+log = logging.getLogger(__name__)
+
+MAX_BEHIND = 8  # committed steps whose records may wait to be sent
+
+
+def _copy(obj: Any) -> Any:
+    """A deep copy of a state dict: tensors cloned, containers rebuilt, the rest as it is (plain
+    values: numbers, strings)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: _copy(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_copy(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_copy(v) for v in obj)
+    return obj
+
+
+def _settings(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: _copy(v) for k, v in group.items() if k != "params"}
+
+
+class StepLog:
+    """What an optimizer's ``step`` is given, recorded at each call (a pre-hook), kept per
+    committed step."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer | None) -> None:
+        self._optimizer = optimizer
+        self._pending: list[dict[str, Any]] = []
+        self.closure = False  # a step was called with a closure: it cannot be followed
+        self._hook = None if optimizer is None else optimizer.register_step_pre_hook(self._before_step)
+
+    def _before_step(
+        self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        if len(args) > 1 or kwargs.get("closure") is not None:  # args[0] is the optimizer
+            self.closure = True
+        grads = [
+            None if p.grad is None else p.grad.detach().clone()
+            for g in optimizer.param_groups
+            for p in g["params"]
+        ]
+        self._pending.append({"grads": grads, "groups": [_settings(g) for g in optimizer.param_groups]})
+
+    def take(self) -> list[dict[str, Any]]:
+        """The records of the step that just committed."""
+        out, self._pending = self._pending, []
+        return out
+
+    def drop(self) -> None:
+        """The step failed: its records go."""
+        self._pending = []
+
+    def close(self) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        self._pending = []
+
+
+def apply_step(optimizer: torch.optim.Optimizer | None, calls: list[dict[str, Any]]) -> None:
+    """A followed step: the optimizer's ``step`` called as the source's was, on the same values."""
+    if optimizer is None:
+        return
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for call in calls:
+        if len(call["grads"]) != len(params) or len(call["groups"]) != len(optimizer.param_groups):
+            raise CatchUpFailed("the source's optimizer has other parameters than this one's")
+        for group, settings in zip(optimizer.param_groups, call["groups"], strict=True):
+            group.update(settings)
+        for p, grad in zip(params, call["grads"], strict=True):
+            p.grad = None if grad is None else grad.to(p.device)
+        optimizer.step()
+    for p in params:
+        p.grad = None
+
+
+def light_state(state: dict[str, Any], params: set[str]) -> dict[str, Any]:
+    """``state`` (a registry's) without what a caught-up follower holds already: the model's
+    parameters (``params``: their names in its state dict) and the optimizer's per-parameter state."""
+    out = dict(state)
+    if "model" in out:
+        out["model"] = {k: v for k, v in out["model"].items() if k not in params}
+    if isinstance(out.get("optimizer"), dict) and "state" in out["optimizer"]:
+        out["optimizer"] = {**out["optimizer"], "state": {}}
+    return out
+
+
+def fill_light(received: dict[str, Any], own: dict[str, Any], params: set[str]) -> dict[str, Any]:
+    """A light state completed with the follower's own parameters and optimizer state."""
+    out = dict(received)
+    if "model" in out:
+        out["model"] = {**out["model"], **{k: v for k, v in own["model"].items() if k in params}}
+    if isinstance(out.get("optimizer"), dict) and "state" in out["optimizer"]:
+        out["optimizer"] = {**out["optimizer"], "state": own["optimizer"]["state"]}
+    return out
+
+
+class CatchUpSource:
+    """The source side (see the module docstring): the copy taken at construction, its sender
+    thread started by ``start``; ``committed`` after each commit, ``drop`` after a failed attempt,
+    ``finish`` or ``abandon`` at the next plan."""
+
+    def __init__(
+        self, follower: str, state: dict[str, Any], step: int, optimizer: torch.optim.Optimizer | None,
+        *, secret: bytes, connect: Callable[[], Group], on_sent: Callable[[TransferStats], None],
+    ) -> None:  # fmt: skip
+        self.follower = follower
+        self._snapshot: dict[str, Any] | None = {"step": step, "state": _copy(state)}
+        self._log = StepLog(optimizer)
+        self._secret, self._connect, self._on_sent = secret, connect, on_sent
+        self._queue: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self._group: Group | None = None
+        self._lock = threading.Lock()
+        self.error: str | None = None
+        self.last_step = step  # the last step queued
+        self._thread = threading.Thread(target=self._send, name=f"catch-up-{follower}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def committed(self, step: int) -> None:
+        """A step committed: its records queued for the follower (or the catch-up given up)."""
+        calls = self._log.take()
+        if self._log.closure:
+            self._fail("the optimizer's step was called with a closure: a follower cannot replay it")
+        elif self._queue.qsize() >= MAX_BEHIND:
+            self._fail(f"the follower fell more than {MAX_BEHIND} steps behind")
+        if self.error is None:
+            self._queue.put({"step": step, "calls": calls})
+            self.last_step = step
+
+    def drop(self) -> None:
+        self._log.drop()
+
+    def finish(self, step: int, timeout: float) -> bool:
+        """The follower joins at ``step`` (the last committed): the end sent once every record is;
+        whether the follower has it all."""
+        self._log.close()
+        if self.error is None and self.last_step == step:
+            self._queue.put({"step": step, "end": True})
+        else:
+            self._fail(self.error or f"the follower holds step {self.last_step}, not {step}")
+        self._thread.join(timeout)
+        ok = self.error is None and not self._thread.is_alive()
+        if not ok:
+            self._fail(self.error or "the end of the catch-up was not sent in time")
+        return ok
+
+    def abandon(self, why: str) -> None:
+        """Given up (a plan that does not take the follower): the thread stopped, the pair group torn
+        down (the follower's wait fails at once)."""
+        self._log.close()
+        self._fail(why)
+        self._thread.join(5.0)
+
+    def _fail(self, why: str) -> None:
+        with self._lock:
+            if self.error is None:
+                self.error = why
+            group = self._group
+        self._queue.put(None)
+        if group is not None:
+            group.release()
+
+    def _send(self) -> None:
+        group: Group | None = None
+        try:
+            group = self._connect()
+            with self._lock:
+                self._group = group
+                if self.error is not None:
+                    return
+            assert self._snapshot is not None
+            stats = send_state(group, 1, self._snapshot, key=self._secret)
+            self._snapshot = None
+            self._on_sent(stats)
+            while True:
+                record = self._queue.get()
+                if record is None:
+                    return
+                send_state(group, 1, record, key=self._secret)
+                if record.get("end"):
+                    ack = torch.zeros(1, dtype=torch.int64)
+                    group.recv(ack, 1)  # the follower applied everything: the group may go
+                    return
+        except Exception as e:  # the follower died, or the group was released: given up
+            with self._lock:
+                if self.error is None:
+                    self.error = f"{type(e).__name__}: {e}"
+            log.warning("catch-up of %s ended: %s", self.follower, self.error)
+        finally:
+            self._snapshot = None
+            if group is not None:
+                group.abort()
+
+
+def follow(
+    group: Group, secret: bytes, into: dict[str, Any], load: Callable[[dict[str, Any]], None],
+    optimizer: torch.optim.Optimizer | None, applied: Callable[[int], None],
+) -> int:  # fmt: skip
+    """The follower's side: the source's copy loaded (``load``; ``into``: the registry's own
+    tensors, received in place), then its records applied in order until the end; the step it
+    then holds. ``applied(step)`` after each step. ``CatchUpFailed`` if the source gives up."""
+    try:
+        first, _ = recv_state(group, 0, key=secret, into={"step": 0, "state": into})
+        load(first["state"])
+        step = int(first["step"])
+        applied(step)
+        while True:
+            record, _ = recv_state(group, 0, key=secret)
+            if record.get("end"):
+                if int(record["step"]) != step:
+                    raise CatchUpFailed(
+                        f"the catch-up ends at step {record['step']} but this spare holds {step}"
+                    )
+                group.send(torch.ones(1, dtype=torch.int64), 0)
+                return step
+            if int(record["step"]) != step + 1:
+                raise CatchUpFailed(f"step {record['step']} came after step {step}")
+            apply_step(optimizer, record["calls"])
+            step = int(record["step"])
+            applied(step)
+    except CatchUpFailed:
+        raise
+    except Exception as e:  # the source gave up or died: a spare again
+        raise CatchUpFailed(f"{type(e).__name__}: {e}") from None

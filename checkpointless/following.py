@@ -1,0 +1,136 @@
+"""A member's catch-ups (``catch_up``): the followers it is the source of, started at the end of its
+entry into a generation and ended at the next plan; a spare's side of one; and the light transfer
+at the join, where the follower becomes a member and the two compare what they hold."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from datetime import timedelta
+
+import torch
+
+from checkpointless.catch_up import CatchUpSource, fill_light, follow, light_state
+from checkpointless.comm import Group
+from checkpointless.control.auth import pg_token
+from checkpointless.control.client import ControlClient
+from checkpointless.control.dial import connect
+from checkpointless.control.plan import Plan
+from checkpointless.errors import CatchUpFailed
+from checkpointless.model_holder import ModelHolder
+from checkpointless.protocol import keys
+from checkpointless.protocol.vocab import Event, Phase
+from checkpointless.state import TransferStats, combined_digest, recv_state, send_state
+
+log = logging.getLogger(__name__)
+
+
+def _param_names(model: torch.nn.Module | None) -> set[str]:
+    return set() if model is None else {n for n, _ in model.named_parameters(remove_duplicate=False)}
+
+
+class CatchUps:
+    """The catch-ups of one process (see the module docstring)."""
+
+    def __init__(self, client: ControlClient, secret: bytes, model: ModelHolder, timeout: timedelta) -> None:
+        self._client, self._secret, self._model, self._timeout = client, secret, model, timeout
+        self._sources: dict[str, CatchUpSource] = {}  # follower -> its catch-up
+
+    def _pair(self, gen: int, follower: str, rank: int) -> Group:
+        """The group of two over which ``follower`` catches up (the source is rank 0)."""
+        prefix = keys.catch_up_prefix(gen, pg_token(self._secret, gen), follower)
+        store = connect(self._client.addr, self._timeout)
+        return Group(store, gen, rank, 2, prefix=prefix, timeout=self._timeout)
+
+    # -- the source's side ----------------------------------------------------------------
+    def settle(self, plan: Plan, rank: int, committed: int) -> None:
+        """At the next plan, before its group forms: a follower the plan makes a member fed from
+        this rank gets the end of its catch-up; every other catch-up is given up."""
+        for follower, source in list(self._sources.items()):
+            new = plan.rank_of(follower)
+            ours = new is not None and new in plan.caught_up and plan.sources.get(new) == rank
+            if ours and source.finish(committed, self._timeout.total_seconds()):
+                log.info("[gen %d] %s caught up at step %d", plan.gen, follower, committed)
+            else:
+                source.abandon("a new generation without it" if not ours else "it did not catch up")
+                self._client.emit(Event.CATCH_UP_ENDED, sync=True, rank=rank, gen=plan.gen, target=follower,
+                                  ok=False, error=str(source.error)[:300])  # fmt: skip
+            del self._sources[follower]
+
+    def start(self, plan: Plan, rank: int, committed: int) -> None:
+        """The plan's followers fed from ``rank``: each a copy of the state now and a sender thread."""
+        optimizer = getattr(self._model, "optimizer", None)
+        for follower, src in sorted(plan.followers.items()):
+            if src != rank:
+                continue
+
+            def sent(stats: TransferStats, follower: str = follower) -> None:
+                self._client.emit(Event.CATCH_UP_SENT, rank=rank, gen=plan.gen, target=follower, step=committed,
+                                  bytes=stats.bytes, seconds=round(stats.seconds, 4))  # fmt: skip
+
+            source = CatchUpSource(
+                follower, self._model.registry.state_dict(), committed, optimizer, secret=self._secret,
+                connect=functools.partial(self._pair, plan.gen, follower, 0), on_sent=sent,
+            )  # fmt: skip
+            self._sources[follower] = source
+            source.start()
+
+    def committed(self, step: int) -> None:
+        for source in self._sources.values():
+            source.committed(step)
+
+    def drop(self) -> None:
+        for source in self._sources.values():
+            source.drop()
+
+    # -- the follower's side -------------------------------------------------------------
+    def follow(self, plan: Plan) -> int | None:
+        """This spare follows its source until the end (the step it holds) or until the catch-up is
+        given up (None: a spare again, holding nothing valid)."""
+        client, proc = self._client, self._client.proc
+        client.update(phase=Phase.FOLLOWING, applied=-1)
+        registry = self._model.registry
+        group: Group | None = None
+        try:
+            group = self._pair(plan.gen, proc, 1)
+            return follow(
+                group, self._secret, registry.state_dict(), registry.load_state_dict,
+                getattr(self._model, "optimizer", None), lambda step: client.update(applied=step),
+            )  # fmt: skip
+        except (CatchUpFailed, RuntimeError, OSError) as e:
+            log.warning("[gen %d] catch-up given up: %s", plan.gen, e)
+            client.emit(
+                Event.CATCH_UP_ENDED, sync=True, gen=plan.gen, target=proc, ok=False, error=str(e)[:300]
+            )
+            client.update(phase=Phase.SPARE, applied=None)
+            return None
+        finally:
+            if group is not None:
+                group.abort()
+
+
+def send_light(group: Group, dst: int, model: ModelHolder, secret: bytes) -> bool:
+    """The join of a caught-up follower, source side: the state but what it holds, then the two
+    digests compared; whether they matched (if not, the caller sends everything)."""
+    names = _param_names(model.model)
+    send_state(group, dst, light_state(model.registry.state_dict(), names), key=secret)
+    mine = torch.frombuffer(bytearray(combined_digest(model.entries())), dtype=torch.uint8)
+    theirs = torch.zeros(32, dtype=torch.uint8)
+    group.control.recv(theirs, dst)
+    same = torch.tensor([int(torch.equal(mine, theirs))], dtype=torch.int64)
+    group.control.send(same, dst)
+    return bool(same.item())
+
+
+def recv_light(group: Group, src: int, model: ModelHolder, secret: bytes) -> tuple[TransferStats, bool]:
+    """The join, follower side: the rest of the state loaded, the digests compared; the
+    transfer's figures and whether the follower holds what its source does."""
+    names = _param_names(model.model)
+    own = model.registry.state_dict()
+    received, stats = recv_state(group, src, key=secret, into=light_state(own, names))
+    model.registry.load_state_dict(fill_light(received, own, names))
+    mine = torch.frombuffer(bytearray(combined_digest(model.entries())), dtype=torch.uint8)
+    group.control.send(mine, src)
+    same = torch.zeros(1, dtype=torch.int64)
+    group.control.recv(same, src)
+    return stats, bool(same.item())

@@ -1,0 +1,102 @@
+"""``--never-wait``: a lost worker's shares go to the survivors at once (no transfer to wait for), a
+ready spare catches up in the background (a copy of the state, then what the optimizer was given at
+every step since) and takes shares back once it has: the run stays the fault-free run, bit for bit
+with the exact sum."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integration.test_exact_resize import STEPS, _bitwise, _command
+from tests.integration.test_shares import SCRIPT
+from tests.jobs import logs_of, run_job
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("four")
+    result = run_job(workers=4, spares=0, steps=STEPS, exact_resize=True, command=_command(out))
+    assert result.ok, f"{result.error}\n{logs_of(result)}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def twenty(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The fault-free run of 20 steps at 4 workers."""
+    out = tmp_path_factory.mktemp("twenty")
+    result = run_job(workers=4, spares=0, steps=20, exact_resize=True,
+                     command=[sys.executable, SCRIPT, "20", str(out)])  # fmt: skip
+    assert result.ok, f"{result.error}\n{logs_of(result)}"
+    return out
+
+
+def _kinds(result: Any, *kinds: str) -> list[dict[str, Any]]:
+    return [e for e in result.events if e["kind"] in kinds]
+
+
+def test_a_kill_shrinks_at_once_and_the_spare_catches_up_then_joins(tmp_path: Path, four: Path) -> None:
+    result = run_job(workers=4, spares=1, min_workers=2, steps=STEPS, exact_resize=True, never_wait=True,
+                     faults=["kill:rank=1@step=3"], command=_command(tmp_path / "e", "--pause", "0.3"))  # fmt: skip
+    assert result.ok, f"{result.error}\n{logs_of(result)}"
+    _bitwise(four, tmp_path / "e")
+    sizes = [(e["before"], e["replicas"], e["why"]) for e in _kinds(result, "resized")]
+    assert sizes == [(4, 3, "lost"), (3, 4, "catch_up")], sizes
+    started = _kinds(result, "catch_up_started")
+    assert len(started) == 1, started
+    sent = _kinds(result, "catch_up_sent")
+    assert len(sent) == 1 and sent[0]["bytes"] > 0, sent
+    ended = _kinds(result, "catch_up_ended")
+    assert [e["ok"] for e in ended] == [True], ended  # the light join: the digests matched
+    # the recovery of the kill moved no state: nobody received anything in it
+    first = next(e for e in _kinds(result, "generation_started") if e["gen"] == 1)
+    assert first["sources"] == {} and first["replaced"] == {}, first
+    assert result.report["steps_completed"] == STEPS
+    assert all(f["lost_steps"] == 0 for f in result.report["faults"])
+
+
+def _killer(who: str, once: list[str]) -> Any:
+    """An ``on_tick`` that SIGKILLs the follower (``who="follower"``) or its source (``"source"``)
+    once the follower has applied a step of the catch-up (its heartbeat says so)."""
+
+    def tick(coord: Any) -> None:
+        plan = coord.plan
+        if once or plan is None:
+            return
+        for follower, src in plan.followers.items():
+            view = coord.table.procs.get(follower)
+            if view is None or int(view.hb.get("applied", -1)) < plan.resume_step:
+                continue
+            target = follower if who == "follower" else plan.members[src]
+            os.kill(coord.table[target].handle.pid, signal.SIGKILL)
+            once.append(target)
+            return
+
+    return tick
+
+
+@pytest.mark.parametrize("who", ["follower", "source"])
+def test_a_kill_during_the_catch_up_is_one_more_fault(tmp_path: Path, twenty: Path, who: str) -> None:
+    """The spare that catches up dies (the pool starts another, which follows in turn), or its
+    source does (one more shrink; the spare, given up, follows again): the job ends at full size,
+    the same run bit for bit."""
+    killed: list[str] = []
+    result = run_job(workers=4, spares=1, min_workers=2, steps=20, exact_resize=True, never_wait=True,
+                     resize_interval_s=0.5, faults=["kill:rank=1@step=3"], on_tick=_killer(who, killed),
+                     command=[sys.executable, SCRIPT, "20", str(tmp_path / "e"), "--pause", "0.3"])  # fmt: skip
+    assert result.ok, f"{result.error}\n{logs_of(result)}"
+    assert len(killed) == 1, killed
+    _bitwise(twenty, tmp_path / "e")
+    assert result.report["steps_completed"] == 20
+    assert all(f["lost_steps"] == 0 for f in result.report["faults"]), result.report["faults"]
+    ended = _kinds(result, "catch_up_ended")
+    assert any(e["ok"] is False for e in ended) and ended[-1]["ok"] is True, ended
+    sizes = [(e["before"], e["replicas"], e["why"]) for e in _kinds(result, "resized")]
+    assert sizes[0] == (4, 3, "lost") and sizes[-1][1] == 4 and sizes[-1][2] == "catch_up", sizes

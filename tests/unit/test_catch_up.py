@@ -1,0 +1,108 @@
+"""The catch-up's replay (``catch_up``): a copy of the state plus what the optimizer was given at
+each step since, applied by another optimizer of the same kind, gives the same bits; a step called
+with a closure cannot be followed; the light state leaves out exactly what a follower holds."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from checkpointless.catch_up import StepLog, _copy, apply_step, fill_light, light_state
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 2))
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, sched: object, step: int) -> None:
+    g = torch.Generator().manual_seed(step)
+    x, y = torch.randn(32, 8, generator=g), torch.randn(32, 2, generator=g)
+    opt.zero_grad()
+    nn.functional.mse_loss(model(x), y).backward()
+    nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    if step % 3 == 2:
+        model[3].bias.grad = None  # a parameter without a gradient at some steps
+    opt.step()
+    sched.step()  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+def test_replaying_the_records_on_a_copy_gives_the_same_bits(kind: str) -> None:
+    def make(model: nn.Module) -> tuple[torch.optim.Optimizer, object]:
+        if kind == "adamw":
+            opt: torch.optim.Optimizer = torch.optim.AdamW(
+                [{"params": model[0].parameters()}, {"params": model[3].parameters(), "lr": 3e-3}], lr=1e-3
+            )
+        else:
+            opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True)
+        return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+
+    source = _model()
+    opt, sched = make(source)
+    for s in range(3):
+        _train(source, opt, sched, s)
+    # the follower: a model built alike, the copy loaded, then each step's records applied
+    follower = _model()
+    fopt, _ = make(follower)
+    snapshot = _copy({"model": source.state_dict(), "optimizer": opt.state_dict()})
+    log = StepLog(opt)
+    records = []
+    for s in range(3, 9):
+        _train(source, opt, sched, s)
+        records.append(log.take())
+    log.close()
+    follower.load_state_dict(snapshot["model"])
+    fopt.load_state_dict(snapshot["optimizer"])
+    for calls in records:
+        assert len(calls) == 1
+        apply_step(fopt, calls)
+    for (name, a), b in zip(source.named_parameters(), follower.parameters(), strict=True):
+        assert torch.equal(a, b), name
+    state_a, state_b = opt.state_dict(), fopt.state_dict()
+    assert state_a["param_groups"] == state_b["param_groups"]
+    for k, v in state_a["state"].items():
+        for name, t in v.items():
+            assert torch.equal(torch.as_tensor(t), torch.as_tensor(state_b["state"][k][name])), (k, name)
+
+
+def test_a_failed_step_s_records_are_dropped_and_a_closure_is_seen() -> None:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    log = StepLog(opt)
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    log.drop()
+    assert log.take() == [] and not log.closure
+    opt.step()
+    assert len(log.take()) == 1 and not log.closure
+    opt.step(lambda: torch.tensor(0.0))
+    assert log.closure
+    log.close()
+    opt.step()
+    assert log.take() == []  # the hook is gone
+
+
+def test_the_light_state_leaves_out_parameters_and_optimizer_state_only() -> None:
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    names = {n for n, _ in model.named_parameters()}
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "progress": {"committed": 7}}
+    light = light_state(state, names)
+    assert set(light["model"]) == set(model.state_dict()) - names  # the BatchNorm buffers stay
+    assert (
+        light["optimizer"]["state"] == {}
+        and light["optimizer"]["param_groups"] == opt.state_dict()["param_groups"]
+    )
+    assert light["progress"] == {"committed": 7}
+    own = copy.deepcopy(state)
+    whole = fill_light(light, own, names)
+    assert (
+        set(whole["model"]) == set(state["model"])
+        and whole["optimizer"]["state"] is own["optimizer"]["state"]
+    )
