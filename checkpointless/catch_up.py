@@ -3,8 +3,10 @@
 A generation's plan may name followers: ready spares, each with a source rank (``Plan.followers``).
 The source:
 
-1. at the end of its entry into the generation (a step boundary) copies its registered state in
-   memory: the one part of a catch-up the survivors wait for;
+1. at the end of its entry into the generation (a step boundary) takes its registered state as it
+   is: the parameters and the optimizer's state by reference (nothing else changes them before
+   the optimizer's next step, which waits until they are sent), everything else copied (buffers
+   that a forward pass updates, progress, user state: small);
 2. from then on records, at every call of its optimizer's ``step`` (a pre-hook), what the optimizer
    is given: every parameter's gradient (None where it has none) and every parameter group's
    settings but its parameters (the learning rate a scheduler set, the betas, ...). A step's
@@ -24,8 +26,11 @@ script that changes its parameters outside the optimizer's step) sends everythin
 replacement. A step whose optimizer is called with a closure (LBFGS) cannot be followed: the
 catch-up is given up, and the spare joins later like any other.
 
-Bounded: at most ``MAX_BEHIND`` committed steps wait to be sent (each one gradient in memory); a
-follower further behind is given up. Memory at the source: one copy of the state while it is sent.
+What the survivors wait for: the source's first optimizer step after the catch-up started waits
+until the state is sent (the forward and backward passes of that step run meanwhile); with a step
+longer than the transfer, nothing. Bounded: at most ``MAX_BEHIND`` committed steps wait to be sent
+(each one gradient in memory); a follower further behind is given up. No copy of the parameters or
+the optimizer state is made.
 """
 
 from __future__ import annotations
@@ -45,20 +50,31 @@ from checkpointless.state import TransferStats, recv_state, send_state
 log = logging.getLogger(__name__)
 
 MAX_BEHIND = 8  # committed steps whose records may wait to be sent
+CONNECT_WAIT_S = 5.0  # how long a source's optimizer step waits for its follower to connect
 
 
-def _copy(obj: Any) -> Any:
-    """A deep copy of a state dict: tensors cloned, containers rebuilt, the rest as it is (plain
-    values: numbers, strings)."""
+def _copy(obj: Any, keep: frozenset[int] = frozenset()) -> Any:
+    """A deep copy of a state dict: tensors cloned (but those whose storage is in ``keep``, taken as
+    they are), containers rebuilt, the rest as it is (plain values: numbers, strings)."""
     if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
+        return obj.detach() if obj.untyped_storage().data_ptr() in keep else obj.detach().clone()
     if isinstance(obj, dict):
-        return {k: _copy(v) for k, v in obj.items()}
+        return {k: _copy(v, keep) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_copy(v) for v in obj]
+        return [_copy(v, keep) for v in obj]
     if isinstance(obj, tuple):
-        return tuple(_copy(v) for v in obj)
+        return tuple(_copy(v, keep) for v in obj)
     return obj
+
+
+def _optimizer_storages(optimizer: torch.optim.Optimizer | None) -> frozenset[int]:
+    """The storages that only the optimizer's step changes: its parameters and its state."""
+    if optimizer is None:
+        return frozenset()
+    out = {p.untyped_storage().data_ptr() for g in optimizer.param_groups for p in g["params"]}
+    for per_param in optimizer.state.values():
+        out.update(t.untyped_storage().data_ptr() for t in per_param.values() if isinstance(t, torch.Tensor))
+    return frozenset(out)
 
 
 def _settings(group: dict[str, Any]) -> dict[str, Any]:
@@ -69,8 +85,11 @@ class StepLog:
     """What an optimizer's ``step`` is given, recorded at each call (a pre-hook), kept per
     committed step."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer | None) -> None:
-        self._optimizer = optimizer
+    def __init__(
+        self, optimizer: torch.optim.Optimizer | None, before: Callable[[], None] = lambda: None
+    ) -> None:
+        """``before()`` runs first at each step (the source: until its state is sent)."""
+        self._optimizer, self._before = optimizer, before
         self._pending: list[dict[str, Any]] = []
         self.closure = False  # a step was called with a closure: it cannot be followed
         self._hook = None if optimizer is None else optimizer.register_step_pre_hook(self._before_step)
@@ -78,6 +97,7 @@ class StepLog:
     def _before_step(
         self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> None:
+        self._before()
         if len(args) > 1 or kwargs.get("closure") is not None:  # args[0] is the optimizer
             self.closure = True
         grads = [
@@ -142,7 +162,7 @@ def fill_light(received: dict[str, Any], own: dict[str, Any], params: set[str]) 
 
 
 class CatchUpSource:
-    """The source side (see the module docstring): the copy taken at construction, its sender
+    """The source side (see the module docstring): the state taken at construction, its sender
     thread started by ``start``; ``committed`` after each commit, ``drop`` after a failed attempt,
     ``finish`` or ``abandon`` at the next plan."""
 
@@ -151,8 +171,13 @@ class CatchUpSource:
         *, secret: bytes, connect: Callable[[], Group], on_sent: Callable[[TransferStats], None],
     ) -> None:  # fmt: skip
         self.follower = follower
-        self._snapshot: dict[str, Any] | None = {"step": step, "state": _copy(state)}
-        self._log = StepLog(optimizer)
+        self._snapshot: dict[str, Any] | None = {
+            "step": step,
+            "state": _copy(state, _optimizer_storages(optimizer)),
+        }
+        self._connected = threading.Event()  # the pair group formed (or the catch-up over)
+        self._sent = threading.Event()  # the snapshot is out (or the catch-up over): the optimizer may step
+        self._log = StepLog(optimizer, self._wait_sent)
         self._secret, self._connect, self._on_sent = secret, connect, on_sent
         self._queue: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self._group: Group | None = None
@@ -163,10 +188,6 @@ class CatchUpSource:
 
     def start(self) -> None:
         self._thread.start()
-
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive() and self.error is None
 
     def committed(self, step: int) -> None:
         """A step committed: its records queued for the follower (or the catch-up given up)."""
@@ -203,6 +224,20 @@ class CatchUpSource:
         self._fail(why)
         self._thread.join(5.0)
 
+    def _wait_sent(self) -> None:
+        """Before the optimizer changes what the snapshot refers to: until it is sent (or given up).
+        A follower that has not connected ``CONNECT_WAIT_S`` later (it died, or it is slow) is given
+        up: the step does not wait for a formation that may never end."""
+        if self._sent.is_set():
+            return
+        self._connected.wait(CONNECT_WAIT_S)
+        with self._lock:
+            connected = self._group is not None
+            if not connected and self.error is None:
+                self.error = "the follower had not connected when the next step's optimizer ran"
+        if connected:
+            self._sent.wait()
+
     def _fail(self, why: str) -> None:
         with self._lock:
             if self.error is None:
@@ -218,11 +253,13 @@ class CatchUpSource:
             group = self._connect()
             with self._lock:
                 self._group = group
+                self._connected.set()
                 if self.error is not None:
                     return
             assert self._snapshot is not None
             stats = send_state(group, 1, self._snapshot, key=self._secret)
             self._snapshot = None
+            self._sent.set()
             self._on_sent(stats)
             while True:
                 record = self._queue.get()
@@ -240,6 +277,8 @@ class CatchUpSource:
             log.warning("catch-up of %s ended: %s", self.follower, self.error)
         finally:
             self._snapshot = None
+            self._connected.set()
+            self._sent.set()
             if group is not None:
                 group.abort()
 

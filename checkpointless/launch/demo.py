@@ -67,14 +67,18 @@ def train(spec: DemoModel) -> None:
     session = cl.Session(model, optimizer, seed=spec.seed)  # a spare waits here for a rank
     for step in session.steps(spec.steps):
         with session.attempt() as attempt:
-            inputs, targets = data.batch(step, session.dp_rank, session.dp_size)
-            inputs, targets = inputs.to(session.device), targets.to(session.device)
-            loss = model(inputs, targets)
-            loss.backward()
+            tokens = 0
+            for _share in session.shares():  # one per replica, or more once the job shrank
+                inputs, targets = data.batch(step, session.dp_rank, session.dp_size)
+                inputs, targets = inputs.to(session.device), targets.to(session.device)
+                loss = model(inputs, targets)
+                loss.backward()
+                session.log(loss=loss.item())
+                tokens += inputs.numel()
             session.reduce_gradients()
             optimizer.step()
             optimizer.zero_grad(set_to_none=False)
-            session.log(loss=loss.item(), tokens=inputs.numel())
+            session.log(tokens=tokens)
         if not attempt.committed:
             continue  # the step failed and was recovered: steps() yields it again
         if session.rank == 0 and spec.eval_every and (step + 1) % spec.eval_every == 0:
