@@ -75,6 +75,9 @@ class Ending:
                 break
             if client.is_set(keys.abort(m.generation)):
                 m.recover(Reason.PEER_FAILURE)
+                # a rank that joined this generation (a replacement, a newcomer) runs the final
+                # check from its own finish(): every member runs it, or none (``due``)
+                self._final_check()
                 digest = self._model.digest(steps.committed)
                 entries = self._model.entries()
                 client.update(phase=Phase.DONE)

@@ -15,6 +15,7 @@ import os
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, NoReturn
 
@@ -91,6 +92,7 @@ class Member:
             has_state  # whether this process holds valid job state (a spare does not until it receives)
         )
         self.fatal_sent = False  # this process reported a mistake no recovery can fix
+        self.abort_seen = -1  # the generation whose abort the heartbeat thread saw
         self._host_ranks: list[int] = []  # the ranks on this process's host (a host fault hits them all)
         self._lineages: dict[int, int] = {}  # every member's, as last exchanged in a recovery
         self.trainable = TrainableAgreement(self)
@@ -343,9 +345,8 @@ class Member:
         assert self.group is not None
         # leave the generation as soon as the coordinator aborts it, even while its collectives
         # still work (a peer cut off from the coordinator only): the heartbeat thread releases it
-        client.watch_abort(
-            plan.gen, self._generation.release if self._generation is not None else self.group.release
-        )
+        release = self._generation.release if self._generation is not None else self.group.release
+        client.watch_abort(plan.gen, lambda: self._aborted(plan.gen, release))
         if self._generation is not None:
             self._build()
         if plan.world_size > 1:
@@ -379,6 +380,17 @@ class Member:
         if self.catch_ups is not None and plan.followers:
             self.catch_ups.start(plan, rank, self._steps.committed)
 
+    def _aborted(self, gen: int, release: Callable[[], None]) -> None:
+        """The heartbeat thread saw generation ``gen`` aborted: its collectives released."""
+        self.abort_seen = gen
+        release()
+
+    def check_abort(self) -> None:
+        """A generation of one has no collective to fail: its member leaves an aborted one at the
+        reduction (a change of size that grows it back, a handoff)."""
+        if self.world_size == 1 and self.client is not None and self.abort_seen == self.generation:
+            raise CollectiveError(f"gen {self.generation}: aborted by the coordinator")
+
     def _form(self, plan: Plan) -> None:
         assert self._formation is not None
         try:
@@ -406,6 +418,7 @@ class Member:
         # received in place, into this process's own tensors: it holds no valid state until loaded
         self.has_state = False
         if light:
+            hook()
             stats, same = recv_light(self.group, src, self._model, self._secret)
             client.emit(Event.CATCH_UP_ENDED, sync=True, rank=rank, gen=plan.gen, step=plan.resume_step, src=src,
                         ok=same, bytes=stats.bytes, seconds=round(stats.seconds, 4))  # fmt: skip

@@ -100,3 +100,50 @@ def test_a_kill_during_the_catch_up_is_one_more_fault(tmp_path: Path, twenty: Pa
     assert any(e["ok"] is False for e in ended) and ended[-1]["ok"] is True, ended
     sizes = [(e["before"], e["replicas"], e["why"]) for e in _kinds(result, "resized")]
     assert sizes[0] == (4, 3, "lost") and sizes[-1][1] == 4 and sizes[-1][2] == "catch_up", sizes
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """``reference(workers, steps)``: the fault-free run of that size, made once."""
+    made: dict[tuple[int, int], Path] = {}
+
+    def get(workers: int, steps: int) -> Path:
+        if (workers, steps) not in made:
+            out = tmp_path_factory.mktemp(f"ref{workers}x{steps}")
+            result = run_job(workers=workers, spares=0, steps=steps, exact_resize=True,
+                             command=[sys.executable, SCRIPT, str(steps), str(out)])  # fmt: skip
+            assert result.ok, f"{result.error}\n{logs_of(result)}"
+            made[workers, steps] = out
+        return made[workers, steps]
+
+    return get
+
+
+@pytest.mark.parametrize(
+    ("workers", "faults"),
+    [
+        (2, ["kill:rank=1@step=3"]),
+        (8, ["kill:rank=5@step=3"]),
+        (4, ["hang:rank=2@step=3"]),
+        (4, ["kill:rank=1@step=3", "exception:rank=0@step=5"]),  # a recovery during the catch-up
+        (4, ["kill:rank=1@step=3", "kill:spare@recovery"]),  # the newcomer dies as it joins
+        (4, ["kill:rank=1@step=3", "kill:source@recovery"]),  # its source dies as it joins
+    ],
+    ids=["kill-2", "kill-8", "hang-4", "exception-during", "newcomer-killed", "source-killed"],
+)
+def test_never_wait_through_faults_is_the_fault_free_run(
+    tmp_path: Path, reference: Any, workers: int, faults: list[str]
+) -> None:
+    steps = 20
+    result = run_job(workers=workers, spares=1, min_workers=max(1, workers // 2), steps=steps, exact_resize=True,
+                     never_wait=True, resize_interval_s=0.5, faults=faults, hang_timeout_s=4.0, timeout_s=240,
+                     command=[sys.executable, SCRIPT, str(steps), str(tmp_path / "e"), "--pause", "0.3"])  # fmt: skip
+    assert result.ok, f"{result.error}\n{logs_of(result)}"
+    _bitwise(reference(workers, steps), tmp_path / "e")
+    report = result.report
+    assert report["steps_completed"] == steps
+    assert all(f["lost_steps"] == 0 for f in report["faults"]), report["faults"]
+    sizes = [(e["before"], e["replicas"], e["why"]) for e in _kinds(result, "resized")]
+    assert sizes[0] == (workers, workers - 1, "lost"), sizes
+    assert sizes[-1] == (workers - 1, workers, "catch_up"), sizes  # back to full size by catching up
+    assert _kinds(result, "catch_up_ended")[-1]["ok"] is True
