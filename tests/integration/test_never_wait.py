@@ -147,3 +147,39 @@ def test_never_wait_through_faults_is_the_fault_free_run(
     assert sizes[0] == (workers, workers - 1, "lost"), sizes
     assert sizes[-1] == (workers - 1, workers, "catch_up"), sizes  # back to full size by catching up
     assert _kinds(result, "catch_up_ended")[-1]["ok"] is True
+
+
+@pytest.mark.timeout(120)
+def test_ctrl_c_during_a_catch_up_stops_the_job_reports_it_and_leaves_nothing(tmp_path: Path) -> None:
+    from tests.integration.test_adversarial import (
+        _cli,
+        _events,
+        _launcher_tree,
+        _no_traceback,
+        _poll,
+        _wait_gone,
+    )
+
+    out = tmp_path / "run"
+    # a kill, then long steps: Ctrl-C lands as the spare has its copy (before it joins, or as it does)
+    proc = _cli("launch", "--workers", "4", "--spares", "1", "--min-workers", "2", "--never-wait", "--quiet",
+                "--fault", "kill:rank=1@step=3", "--out", str(out),
+                "--", sys.executable, SCRIPT, "400", str(tmp_path / "e"), "--pause", "1.5")  # fmt: skip
+    with _launcher_tree(proc) as seen:
+        _poll(lambda: '"catch_up_sent"' in _text(out / "events.jsonl"), 90, "the catch-up", proc, seen)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, stderr = proc.communicate(timeout=40)
+        assert proc.returncode == 128 + signal.SIGINT, stderr[-3000:]
+        _no_traceback(stderr)
+        assert len([ln for ln in stderr.splitlines() if ln.startswith("error:")]) == 1, stderr
+        events = _events(out / "events.jsonl")
+        assert events[-1]["kind"] == "job_finished"
+        left = _wait_gone(seen, 5)
+        assert len(seen) >= 4 and not left, f"children {sorted(seen)}, alive after exit: {left}"
+
+
+def _text(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
