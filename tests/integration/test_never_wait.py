@@ -183,3 +183,29 @@ def _text(path: Path) -> str:
         return path.read_text()
     except OSError:
         return ""
+
+
+@pytest.mark.timeout(180)
+def test_a_stranger_forging_every_key_does_not_steer_a_catch_up(tmp_path: Path, twenty: Path) -> None:
+    """A stranger on the store's port forges every key of the protocol (plans, aborts, assignments,
+    heartbeats of the spares, the stop) through a never-wait recovery: the catch-up and the join
+    happen as without it, and the run is the fault-free run bit for bit."""
+    from checkpointless.config import JobConfig, RecoveryConfig
+    from checkpointless.fault_grammar import parse_faults
+    from checkpointless.launch.launcher import Launcher
+    from tests.integration.test_adversarial import _free_port, _stranger
+
+    port = _free_port()
+    job = JobConfig(workers=4, spares=1, faults=parse_faults(["kill:rank=1@step=3"]),
+                    recovery=RecoveryConfig(collective_timeout_s=30.0, plan_timeout_s=60.0, min_workers=2,
+                                            exact_resize=True, never_wait=True, resize_interval_s=0.5))  # fmt: skip
+    command = [sys.executable, SCRIPT, "20", str(tmp_path / "e"), "--pause", "0.3"]
+    with _stranger(port, tmp_path / "stranger.json") as stranger:
+        result = Launcher(job, command, total_steps=20, port=port, timeout_s=120).run()
+        attack = stranger()
+    assert result.ok, f"{result.error}\n{logs_of(result)}"
+    assert attack["rounds"] >= 1, attack
+    _bitwise(twenty, tmp_path / "e")
+    sizes = [(e["before"], e["replicas"], e["why"]) for e in _kinds(result, "resized")]
+    assert sizes == [(4, 3, "lost"), (3, 4, "catch_up")], sizes
+    assert result.report["rejected_messages"]["count"] > 0
