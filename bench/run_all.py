@@ -47,7 +47,9 @@ Benchmarks (each also runs alone: ``python -m bench.NAME [--quick]``):
   the single-host kill stall, 2 hosts x 2 ranks + 2 spare hosts, bitwise against the fault-free run;
 - ``startup``: a job's start, wall time and CPU with and without the fork server, interleaved;
 - ``share_cost``: step time of the share loop and of ``--exact-resize`` against the plain step,
-  interleaved, paired per repetition.
+  interleaved, paired per repetition;
+- ``never_wait``: the survivor's stall after a kill, today's replacement against ``--never-wait``,
+  at 130 MB and 1.5 GB of state, paired per kill.
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ from bench import (
     integrations,
     kill_cost,
     large_state,
+    never_wait,
     node_stall,
     recovery_stall,
     scale,
@@ -115,6 +118,11 @@ BENCHES: list[tuple[str, str, Any]] = [
     ("node_stall", "Several hosts: kill-node and partition stall, next to the single-host kill", node_stall),
     ("startup", "A job's start with and without the fork server", startup),
     ("share_cost", "Steady cost of the share loop and of --exact-resize against the plain step", share_cost),
+    (
+        "never_wait",
+        "Never wait: the survivor's stall after a kill, replacement against --never-wait",
+        never_wait,
+    ),
 ]
 
 
@@ -222,6 +230,8 @@ def targets(results: dict[str, Any]) -> str:
             )  # fmt: skip
     if results.get("share_cost"):
         rows += share_cost.verdict_rows(results["share_cost"])
+    if results.get("never_wait"):
+        rows += never_wait.verdict_rows(results["never_wait"])
     integ = results.get("integrations")
     if integ:
         rows += integrations.verdict_rows(integ)

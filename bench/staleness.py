@@ -37,6 +37,7 @@ MEASURES: dict[str, list[str]] = {
     "recovery_stall": RUNTIME,
     "steady_state": RUNTIME,
     "share_cost": RUNTIME,
+    "never_wait": RUNTIME,
     "compare": RUNTIME,
     "hang_compare": RUNTIME,
     "kill_cost": RUNTIME,

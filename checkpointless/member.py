@@ -93,6 +93,7 @@ class Member:
         )
         self.fatal_sent = False  # this process reported a mistake no recovery can fix
         self.abort_seen = -1  # the generation whose abort the heartbeat thread saw
+        self.planned_leave = -1  # the generation whose planned end the heartbeat thread saw
         self._host_ranks: list[int] = []  # the ranks on this process's host (a host fault hits them all)
         self._lineages: dict[int, int] = {}  # every member's, as last exchanged in a recovery
         self.trainable = TrainableAgreement(self)
@@ -381,15 +382,26 @@ class Member:
             self.catch_ups.start(plan, rank, self._steps.committed)
 
     def _aborted(self, gen: int, release: Callable[[], None]) -> None:
-        """The heartbeat thread saw generation ``gen`` aborted: its collectives released."""
+        """The heartbeat thread saw generation ``gen`` aborted: its collectives released, unless
+        the change is planned (``keys.planned``): then the step in flight goes on, and the member
+        leaves at its commit (``leave_if_planned``); a peer that left first fails the next step's
+        collectives, which is a recovery from the same committed step."""
+        if self._client().is_set(keys.planned(gen)):
+            self.planned_leave = gen
+            return
         self.abort_seen = gen
         release()
 
     def check_abort(self) -> None:
         """A generation of one has no collective to fail: its member leaves an aborted one at the
-        reduction (a change of size that grows it back, a handoff)."""
+        reduction."""
         if self.world_size == 1 and self.client is not None and self.abort_seen == self.generation:
             raise CollectiveError(f"gen {self.generation}: aborted by the coordinator")
+
+    def leave_if_planned(self) -> None:
+        """After a commit: leave a generation whose planned end this process saw, at this boundary."""
+        if self.client is not None and self.planned_leave == self.generation:
+            self.recover(Reason.PLANNED)
 
     def _form(self, plan: Plan) -> None:
         assert self._formation is not None

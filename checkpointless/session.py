@@ -484,6 +484,9 @@ class Session:
     @contextlib.contextmanager
     def attempt(self) -> Iterator[Attempt]:
         """One try of the current step; commits on normal exit, recovers on any exception."""
+        # a planned change (a resize, a handoff) seen during the last step starts at this boundary,
+        # once the script's code after that step's block ran
+        self._member.leave_if_planned()
         step = self._steps.next
         current = Attempt(step)
         self._attempted = True

@@ -102,23 +102,26 @@ class FailureCourse:
         self._p.published.publish(keys.plan(0), plan.to_json())
         self._p.published.publish(keys.LATEST_GEN, "0")
 
-    def fail(self, now: float) -> Failure:
-        """The current generation's failure: started (its abort published) if none is under way."""
+    def fail(self, now: float, *, planned: bool = False) -> Failure:
+        """The current generation's failure: started (its abort published) if none is under way.
+        ``planned``: a change nothing forced: the members finish the step in flight first."""
         assert self.plan is not None
         if self.failure is None:
             self._p.outcome.reset()  # finished ranks recover too, and report again
             self.failure = Failure(self.plan.gen, now)
+            if planned:
+                self._p.published.publish(keys.planned(self.plan.gen), "1")
             self._p.published.publish(keys.abort(self.plan.gen), "1")
             self.recovering = None
         return self.failure
 
     def resize(self, size: int, why: str, now: float, newcomers: list[str] | None = None) -> None:
         """Change the job's size to ``size`` replicas (``why``: ``request``, ``capacity``): the
-        generation is aborted as for a failure (the step in flight is done again), every member
-        reports, and ``resize_plan`` makes the next one, which the spares join or the highest
+        generation is aborted as for a failure, but planned (the members leave at the commit of the
+        step in flight), every member reports, and ``resize_plan`` makes the next one, which the spares join or the highest
         ranks leave."""
         assert self.failure is None
-        failure = self.fail(now)
+        failure = self.fail(now, planned=True)
         failure.resize, failure.newcomers = (size, why), list(newcomers or [])
         self._emit(
             Event.RESIZE_STARTED, replicas=size, before=self.plan.world_size if self.plan else 0, why=why
@@ -129,7 +132,7 @@ class FailureCourse:
         elastic job without enough spares): the generation is aborted as for a failure, every member
         reports (the leaving ones too: they hold the state, and they exit once the plan is out)."""
         assert self.failure is None and self.plan is not None
-        self.fail(now).leaving = set(ranks)
+        self.fail(now, planned=True).leaving = set(ranks)
         for rank in sorted(ranks):
             self._emit(Event.HANDOFF_STARTED, rank=rank, target=self.plan.members[rank])
 

@@ -117,6 +117,12 @@ def fault_fired(index: int, rank: int) -> str:
     return f"fault/{index}/rank/{rank}/fired"
 
 
+def planned(gen: int) -> str:
+    """Set before ``abort(gen)`` when the change is one nothing forced (a resize, a handoff): the
+    members finish the step in flight and leave at its commit instead of dropping it."""
+    return f"gen/{gen}/planned"
+
+
 def abort(gen: int) -> str:
     """Set by the coordinator when generation ``gen`` failed: idle members must report."""
     return f"gen/{gen}/abort"

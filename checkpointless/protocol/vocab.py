@@ -91,6 +91,7 @@ class Reason(StrEnum):
     STATE_DIVERGED = "state_diverged"  # a replica's state digest differs from the majority's
     PEER_FAILURE = "peer_failure"  # a finished rank joins a recovery
     HOST_LOST = "host_lost"  # the process's host was lost (its agent silent, or not answering an order)
+    PLANNED = "planned"  # a change nothing forced: the member left at a commit
 
 
 class Role(StrEnum):

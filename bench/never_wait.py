@@ -1,0 +1,247 @@
+"""The survivor's stall after a kill: today's replacement against never-wait, at 130 MB and 1.5 GB.
+
+Jobs: the demo (TinyGPT with AdamW; its step computes the replica's shares), 2 workers and 1
+spare, gloo on loopback, one intra-op thread per process, run by ``Launcher`` as
+``checkpointless demo`` does. Two states: 130 MB (``bench/recovery_stall.py``'s model: 10.9M
+parameters, global batch 8) and 1.5 GB (``bench/large_state.py``'s: 126.6M parameters, one sample
+per rank). Two modes:
+
+- ``replace``: the spare that is ready takes the lost rank; the survivor waits while the spare
+  receives the whole state from it;
+- ``never_wait``: ``--min-workers 1 --never-wait``: the survivor takes the lost share at once and
+  trains alone with both shares, while the spare catches up in the background and then joins.
+
+Each job SIGKILLs rank 1 ``KILLS`` times (``kill:rank=1@step=S``), ``SPACING`` steps apart, so
+that the job is back at two replicas and the pool's next spare is ready before the next kill
+(checked per kill). Per kill, on the survivor's (rank 0's, the same process throughout) commits:
+
+- ``stall_s``: its gap between the commit before the kill and the next one, minus one normal step
+  at its new share count (the median interval of its commits in the generation the kill started,
+  or, where that generation committed fewer than two steps, the share count times the median
+  step before the first kill);
+- ``full_s``: kill -> the job trains at two replicas again (``recovery_done`` of the replacement;
+  ``resize_done`` of the catch-up's join);
+- ``join_stall_s`` (never-wait): the survivor's gap around the join, minus one normal step.
+
+Pairs: the i-th kill of each mode at the same state size; the paired ratio never-wait/replace of
+the stalls with a 95% interval (``common.paired_interval``). Goal (issue 42): at 1.5 GB the
+survivor's stall at most 0.3 s, and not growing with the state. Every job's final state digest is
+reported (the two modes' differ: a shrink changes the rounding without ``--exact-resize``).
+
+Usage: ``python -m bench.never_wait [--quick]`` (writes ``bench/out/never_wait.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench import common
+from checkpointless.protocol.vocab import Event
+
+SIZES: dict[str, dict[str, Any]] = {
+    "130MB": {"vocab_size": 256, "seq_len": 64, "d_model": 384, "n_layer": 6, "n_head": 6, "global_batch": 8},
+    "1.5GB": {
+        "vocab_size": 256,
+        "seq_len": 64,
+        "d_model": 1024,
+        "n_layer": 10,
+        "n_head": 16,
+        "global_batch": 2,
+    },
+}
+MODES = ("replace", "never_wait")
+FIRST = 8
+SPACING = {"130MB": 40, "1.5GB": 14}
+KILLS, QUICK_KILLS = 10, 2
+TAIL = 6
+STALL_GOAL_S = 0.3  # at 1.5 GB
+
+
+def run_job(size: str, mode: str, kills: int, out: Path) -> Any:
+    from checkpointless.config import JobConfig, RecoveryConfig
+    from checkpointless.fault_grammar import parse_faults
+    from checkpointless.launch.demo import DemoModel, worker_command
+    from checkpointless.launch.launcher import Launcher
+
+    steps = [FIRST + i * SPACING[size] for i in range(kills)]
+    total = steps[-1] + TAIL
+    spec = DemoModel(steps=total, seed=0, lr=1e-3, eval_every=0, **SIZES[size])
+    extra = {"min_workers": 1, "never_wait": True, "resize_interval_s": 1.0} if mode == "never_wait" else {}
+    job = JobConfig(workers=2, spares=1, faults=parse_faults([f"kill:rank=1@step={s}" for s in steps]),
+                    recovery=RecoveryConfig(**extra))  # fmt: skip
+    launcher = Launcher(job, worker_command(spec), total_steps=total, out_dir=out, env=common.THREAD_ENV,
+                        timeout_s=3600)  # fmt: skip
+    return launcher.run()
+
+
+def _commits(events: list[dict[str, Any]], proc: str) -> list[tuple[float, int, int]]:
+    """``proc``'s commits: (time, step, generation), in time order."""
+    return sorted(
+        (float(e["t"]), int(e["step"]), int(e.get("gen") or 0))
+        for e in events
+        if e["kind"] == Event.STEP_COMMITTED and e.get("proc") == proc
+    )
+
+
+def _gap_around(commits: list[tuple[float, int, int]], t: float) -> tuple[float, int] | None:
+    """The gap between the last commit before ``t`` and the next one, and the generation of that one."""
+    before = [c for c in commits if c[0] < t]
+    after = [c for c in commits if c[0] > t]
+    if not before or not after:
+        return None
+    return after[0][0] - before[-1][0], after[0][2]
+
+
+def analyse(events: list[dict[str, Any]], mode: str) -> dict[str, Any]:
+    events = sorted(events, key=lambda e: float(e["t"]))
+    w0 = _commits(events, "w0")
+    kills = sorted(float(e["t"]) for e in events if e["kind"] == Event.FAULT_INJECTED)
+    normal = statistics.median(b[0] - a[0] for a, b in itertools.pairwise(w0) if b[0] < kills[0])
+    rows = []
+    for i, t in enumerate(kills):
+        gap = _gap_around(w0, t)
+        if gap is None:
+            continue
+        seconds, gen = gap
+        in_gen = [c for c in w0 if c[2] == gen]
+        new_step = (
+            statistics.median(b[0] - a[0] for a, b in itertools.pairwise(in_gen))
+            if len(in_gen) >= 3
+            else (2 if mode == "never_wait" else 1) * normal
+        )
+        row: dict[str, Any] = {
+            "kill": i,
+            "gap_s": seconds,
+            "new_step_s": new_step,
+            "stall_s": seconds - new_step,
+        }
+        ready = [float(e["t"]) for e in events if e["kind"] == Event.SPARE_READY and float(e["t"]) < t]
+        row["spare_ready_before"] = bool(ready)
+        if mode == "replace":
+            done = next((e for e in events if e["kind"] == Event.RECOVERY_DONE and float(e["t"]) > t), None)
+            row["full_s"] = None if done is None else float(done["t"]) - t
+            sent = next((e for e in events if e["kind"] == Event.TRANSFER_ENDED and float(e["t"]) > t), None)
+            row["bytes"] = None if sent is None else int(sent["bytes"])
+        else:
+            grow = next((e for e in events if e["kind"] == Event.RESIZED and e.get("why") == "catch_up"
+                         and float(e["t"]) > t), None)  # fmt: skip
+            done = None if grow is None else next(
+                (e for e in events if e["kind"] == Event.RESIZE_DONE and float(e["t"]) > float(grow["t"])), None
+            )  # fmt: skip
+            row["full_s"] = None if done is None else float(done["t"]) - t
+            sent = next((e for e in events if e["kind"] == Event.CATCH_UP_SENT and float(e["t"]) > t), None)
+            row["bytes"] = None if sent is None else int(sent["bytes"])
+            row["copy_send_s"] = None if sent is None else float(sent["seconds"])
+            started = next(
+                (e for e in events if e["kind"] == Event.RESIZE_STARTED and float(e["t"]) > t), None
+            )
+            join = None if started is None else _gap_around(w0, float(started["t"]))
+            row["join_stall_s"] = None if join is None else join[0] - normal
+        rows.append(row)
+    return {"normal_step_s": normal, "kills": rows}
+
+
+def run(quick: bool, out_dir: Path) -> dict[str, Any]:
+    from checkpointless.launch.demo import DemoModel, build
+    from checkpointless.models.tiny_gpt import n_params
+
+    kills = QUICK_KILLS if quick else KILLS
+    work = common.fresh_dir(out_dir / "never_wait")
+    t_start = time.time()
+    jobs: list[dict[str, Any]] = []
+    for size in SIZES:
+        params = n_params(build(DemoModel(**SIZES[size]))[0])  # type: ignore[arg-type]
+        for mode in MODES:
+            t0 = time.time()
+            result = run_job(size, mode, kills, common.fresh_dir(work / f"{size}-{mode}"))
+            if not result.ok:
+                raise RuntimeError(f"{size} {mode} failed: {result.error} (logs in {work})")
+            a = analyse(result.events, mode)
+            jobs.append({"size": size, "mode": mode, "params": params, "state_bytes": params * 12,
+                         "digest": result.digest, "wall_s": time.time() - t0, **a})  # fmt: skip
+            stalls = [r["stall_s"] for r in a["kills"]]
+            print(f"  never_wait {size} {mode:10s} stall median {statistics.median(stalls):.3f}s "
+                  f"(n={len(stalls)}, {time.time() - t0:.0f}s)", flush=True)  # fmt: skip
+    summary: dict[str, Any] = {}
+    for size in SIZES:
+        by = {j["mode"]: j for j in jobs if j["size"] == size}
+        s: dict[str, Any] = {}
+        for mode in MODES:
+            ks = by[mode]["kills"]
+            s[mode] = {k: common.summary(r.get(k) for r in ks) for k in ("stall_s", "full_s", "join_stall_s")}
+        pairs = list(zip(by["never_wait"]["kills"], by["replace"]["kills"], strict=False))
+        ratios = [a["stall_s"] / b["stall_s"] for a, b in pairs if a["stall_s"] > 0 and b["stall_s"] > 0]
+        s["paired_ratios"] = ratios
+        s["interval_ratio"] = common.paired_interval(ratios)
+        summary[size] = s
+    return {"quick": quick, "kills_per_job": kills, "spacing": SPACING, "goal_stall_s": STALL_GOAL_S,
+            "wall_s": time.time() - t_start, "summary": summary, "jobs": jobs}  # fmt: skip
+
+
+def verdict_rows(res: dict[str, Any]) -> list[list[Any]]:
+    """The summary table's rows (``run_all.targets``)."""
+    big = res["summary"].get("1.5GB")
+    if not big:
+        return []
+    st = big["never_wait"]["stall_s"]
+    ok = None if not st.get("n") else st["p95"] <= res["goal_stall_s"]
+    rows = [["never-wait: survivor's stall after a kill at 1.5 GB, median (p95)", f"≤ {res['goal_stall_s']:g} s",
+             f"{st['median']:.3f} s ({st['p95']:.3f} s), n={st['n']}",
+             "–" if ok is None else ("met" if ok else "**not met**")]]  # fmt: skip
+    pi = big.get("interval_ratio")
+    if pi:
+        g, lo, hi = pi
+        rows.append(["never-wait / replacement stall at 1.5 GB, paired ratio (geometric mean, 95% interval)",
+                     "< 1", f"{g:.3f} [{lo:.3f}, {hi:.3f}], n={len(big['paired_ratios'])}",
+                     common.interval_verdict(lo, hi, 1.0)])  # fmt: skip
+    return rows
+
+
+def markdown(res: dict[str, Any]) -> str:
+    rows = []
+    for size, s in res["summary"].items():
+        pi = s.get("interval_ratio")
+        for mode in MODES:
+            m = s[mode]
+            ratio = "–" if mode == "replace" or not pi else f"{pi[0]:.3f} [{pi[1]:.3f}, {pi[2]:.3f}]"
+            rows.append([size, mode, m["stall_s"].get("n"), m["stall_s"].get("median"), m["stall_s"].get("p95"),
+                         m["full_s"].get("median"), m["join_stall_s"].get("median"), ratio])  # fmt: skip
+    table = common.md_table(
+        ["state", "mode", "kills", "stall s (median)", "stall s (p95)", "kill -> two replicas s (median)",
+         "join stall s (median)", "stall ratio never-wait / replace (95% interval)"],
+        rows,
+    )  # fmt: skip
+    jobs = common.md_table(
+        ["state", "mode", "normal step s", "bytes of the copy / transfer", "wall s", "final digest"],
+        [[j["size"], j["mode"], j["normal_step_s"], next((k["bytes"] for k in j["kills"] if k.get("bytes")), None),
+          j["wall_s"], str(j["digest"])[:16]] for j in res["jobs"]],
+    )  # fmt: skip
+    return (
+        f"2 workers + 1 spare, {res['kills_per_job']} kills of rank 1 per job"
+        + (" (quick run)" if res.get("quick") else "")
+        + ". Stall = the survivor's gap between its commits around the kill, minus one normal step at"
+        " its new share count (two shares alone under never-wait). The join stall is never-wait's"
+        " second stop, when the spare that caught up takes its rank back.\n\n"
+        f"{table}\n\n{jobs}\n\nNot run side by side here: torchft and torchrun + DCP at these sizes"
+        " (see the 1.5 GB report for their figures from another run).\n"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true")
+    a = p.parse_args(argv)
+    res = run(a.quick, common.OUT)
+    common.write_json(common.OUT / "never_wait.json", res)
+    print(markdown(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
