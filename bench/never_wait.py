@@ -16,9 +16,9 @@ that the job is back at two replicas and the pool's next spare is ready before t
 (checked per kill). Per kill, on the survivor's (rank 0's, the same process throughout) commits:
 
 - ``stall_s``: its gap between the commit before the kill and the next one, minus one normal step
-  at its new share count (the median interval of its commits in the generation the kill started,
-  or, where that generation committed fewer than two steps, the share count times the median
-  step before the first kill);
+  at its new share count: for ``replace``, the job's median step before its first kill; for
+  ``never_wait``, the median step of a calibration job of the same model with one worker holding
+  both shares (run just before, fault-free: the survivor alone has both cores);
 - ``full_s``: kill -> the job trains at two replicas again (``recovery_done`` of the replacement;
   ``resize_done`` of the catch-up's join);
 - ``join_stall_s`` (never-wait): the survivor's gap around the join, minus one normal step.
@@ -60,7 +60,25 @@ FIRST = 8
 SPACING = {"130MB": 40, "1.5GB": 14}
 KILLS, QUICK_KILLS = 10, 2
 TAIL = 6
+CALIBRATION_STEPS, WARMUP = 10, 2
 STALL_GOAL_S = 0.3  # at 1.5 GB
+
+
+def calibrate(size: str, out: Path) -> float:
+    """The median step of one worker holding both shares (what never-wait's survivor trains)."""
+    from checkpointless.config import JobConfig, RecoveryConfig
+    from checkpointless.launch.demo import DemoModel, worker_command
+    from checkpointless.launch.launcher import Launcher
+
+    total = CALIBRATION_STEPS
+    spec = DemoModel(steps=total, seed=0, lr=1e-3, eval_every=0, **SIZES[size])
+    job = JobConfig(workers=1, spares=0, recovery=RecoveryConfig(shares=2))
+    result = Launcher(job, worker_command(spec), total_steps=total, out_dir=out, env=common.THREAD_ENV,
+                      timeout_s=1800).run()  # fmt: skip
+    if not result.ok:
+        raise RuntimeError(f"{size} calibration failed: {result.error}")
+    w0 = _commits(result.events, "w0")[WARMUP:]
+    return statistics.median(b[0] - a[0] for a, b in itertools.pairwise(w0))
 
 
 def run_job(size: str, mode: str, kills: int, out: Path) -> Any:
@@ -98,7 +116,7 @@ def _gap_around(commits: list[tuple[float, int, int]], t: float) -> tuple[float,
     return after[0][0] - before[-1][0], after[0][2]
 
 
-def analyse(events: list[dict[str, Any]], mode: str) -> dict[str, Any]:
+def analyse(events: list[dict[str, Any]], mode: str, alone_step: float) -> dict[str, Any]:
     events = sorted(events, key=lambda e: float(e["t"]))
     w0 = _commits(events, "w0")
     kills = sorted(float(e["t"]) for e in events if e["kind"] == Event.FAULT_INJECTED)
@@ -108,13 +126,8 @@ def analyse(events: list[dict[str, Any]], mode: str) -> dict[str, Any]:
         gap = _gap_around(w0, t)
         if gap is None:
             continue
-        seconds, gen = gap
-        in_gen = [c for c in w0 if c[2] == gen]
-        new_step = (
-            statistics.median(b[0] - a[0] for a, b in itertools.pairwise(in_gen))
-            if len(in_gen) >= 3
-            else (2 if mode == "never_wait" else 1) * normal
-        )
+        seconds, _gen = gap
+        new_step = alone_step if mode == "never_wait" else normal
         row: dict[str, Any] = {
             "kill": i,
             "gap_s": seconds,
@@ -157,13 +170,15 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
     jobs: list[dict[str, Any]] = []
     for size in SIZES:
         params = n_params(build(DemoModel(**SIZES[size]))[0])  # type: ignore[arg-type]
+        alone = calibrate(size, common.fresh_dir(work / f"{size}-alone"))
+        print(f"  never_wait {size} one worker, two shares: median step {alone:.3f}s", flush=True)
         for mode in MODES:
             t0 = time.time()
             result = run_job(size, mode, kills, common.fresh_dir(work / f"{size}-{mode}"))
             if not result.ok:
                 raise RuntimeError(f"{size} {mode} failed: {result.error} (logs in {work})")
-            a = analyse(result.events, mode)
-            jobs.append({"size": size, "mode": mode, "params": params, "state_bytes": params * 12,
+            a = analyse(result.events, mode, alone)
+            jobs.append({"size": size, "mode": mode, "params": params, "state_bytes": params * 12, "alone_step_s": alone,
                          "digest": result.digest, "wall_s": time.time() - t0, **a})  # fmt: skip
             stalls = [r["stall_s"] for r in a["kills"]]
             print(f"  never_wait {size} {mode:10s} stall median {statistics.median(stalls):.3f}s "
@@ -218,9 +233,11 @@ def markdown(res: dict[str, Any]) -> str:
         rows,
     )  # fmt: skip
     jobs = common.md_table(
-        ["state", "mode", "normal step s", "bytes of the copy / transfer", "wall s", "final digest"],
-        [[j["size"], j["mode"], j["normal_step_s"], next((k["bytes"] for k in j["kills"] if k.get("bytes")), None),
-          j["wall_s"], str(j["digest"])[:16]] for j in res["jobs"]],
+        ["state", "mode", "normal step s", "one worker, two shares: step s", "bytes of the copy / transfer",
+         "wall s", "final digest"],
+        [[j["size"], j["mode"], j["normal_step_s"], j.get("alone_step_s"),
+          next((k["bytes"] for k in j["kills"] if k.get("bytes")), None), j["wall_s"], str(j["digest"])[:16]]
+         for j in res["jobs"]],
     )  # fmt: skip
     return (
         f"2 workers + 1 spare, {res['kills_per_job']} kills of rank 1 per job"
