@@ -194,6 +194,28 @@ def _no_traceback(stderr: str) -> None:
     assert "Traceback" not in stderr, stderr[-4000:]
 
 
+def _text(path: Path) -> str:
+    """A file's text, or "" while it does not exist."""
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
+def _interrupt(proc: subprocess.Popen[str], seen: set[int], out: Path) -> str:
+    """Ctrl-C to a launcher started by ``_cli``: it exits 130 with one error line and no traceback,
+    its event log ends with ``job_finished``, and none of its children is left; its stderr."""
+    os.killpg(proc.pid, signal.SIGINT)
+    _, stderr = proc.communicate(timeout=40)
+    assert proc.returncode == 128 + signal.SIGINT, stderr[-3000:]
+    _no_traceback(stderr)
+    assert len([ln for ln in stderr.splitlines() if ln.startswith("error:")]) == 1, stderr
+    assert _events(out / "events.jsonl")[-1]["kind"] == "job_finished"
+    left = _wait_gone(seen, 5)
+    assert len(seen) >= 4 and not left, f"children {sorted(seen)}, alive after exit: {left}"
+    return stderr
+
+
 # -- in-process jobs --------------------------------------------------------------------------------
 
 

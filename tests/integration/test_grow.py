@@ -6,8 +6,6 @@ lost, the processes let go exit by themselves."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -126,14 +124,7 @@ def test_a_syncbatchnorm_under_an_elastic_size_is_refused_in_one_line(tmp_path: 
 
 @pytest.mark.timeout(120)
 def test_ctrl_c_during_a_resize_stops_the_job_reports_it_and_leaves_nothing(tmp_path: Path) -> None:
-    from tests.integration.test_adversarial import (
-        _cli,
-        _events,
-        _launcher_tree,
-        _no_traceback,
-        _poll,
-        _wait_gone,
-    )
+    from tests.integration.test_adversarial import _cli, _interrupt, _launcher_tree, _poll, _text
 
     out = tmp_path / "run"
     proc = _cli("launch", "--workers", "4", "--spares", "0", "--min-workers", "2", "--quiet", "--out", str(out),
@@ -145,26 +136,12 @@ def test_ctrl_c_during_a_resize_stops_the_job_reports_it_and_leaves_nothing(tmp_
         assert asked.returncode == 0, asked.stderr
         # the resize waits for --resize-interval (10 s) after the start; then Ctrl-C inside it
         _poll(lambda: '"resize_started"' in _text(out / "events.jsonl"), 60, "the resize", proc, seen)
-        os.killpg(proc.pid, signal.SIGINT)
-        _, stderr = proc.communicate(timeout=40)
-        assert proc.returncode == 128 + signal.SIGINT, stderr[-3000:]
-        _no_traceback(stderr)
-        assert len([ln for ln in stderr.splitlines() if ln.startswith("error:")]) == 1, stderr
+        _interrupt(proc, seen, out)
         report = json.loads((out / "report.json").read_text())
-        assert "SIGINT" in report["error"] and _events(out / "events.jsonl")[-1]["kind"] == "job_finished"
-        assert not (out / "control.json").exists()
-        left = _wait_gone(seen, 5)
-        assert len(seen) >= 4 and not left, f"children {sorted(seen)}, alive after exit: {left}"
+        assert "SIGINT" in report["error"] and not (out / "control.json").exists()
     after = subprocess.run([sys.executable, "-m", "checkpointless", "scale", str(out), "--workers", "3"],
                            capture_output=True, text=True, timeout=60)  # fmt: skip
     assert after.returncode == 2 and "no running job" in after.stderr, after.stderr
-
-
-def _text(path: Path) -> str:
-    try:
-        return path.read_text()
-    except OSError:
-        return ""
 
 
 def test_an_elastic_size_on_several_hosts_is_one_line_for_now() -> None:

@@ -21,32 +21,31 @@ pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
-def four(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("four")
-    result = run_job(workers=4, spares=0, steps=STEPS, exact_resize=True, command=_command(out))
-    assert result.ok, f"{result.error}\n{logs_of(result)}"
-    return out
+def reference(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """``reference(workers, steps)``: the fault-free run of that size, made once."""
+    made: dict[tuple[int, int], Path] = {}
 
+    def get(workers: int, steps: int) -> Path:
+        if (workers, steps) not in made:
+            out = tmp_path_factory.mktemp(f"ref{workers}x{steps}")
+            result = run_job(workers=workers, spares=0, steps=steps, exact_resize=True,
+                             command=[sys.executable, SCRIPT, str(steps), str(out)])  # fmt: skip
+            assert result.ok, f"{result.error}\n{logs_of(result)}"
+            made[workers, steps] = out
+        return made[workers, steps]
 
-@pytest.fixture(scope="module")
-def twenty(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The fault-free run of 20 steps at 4 workers."""
-    out = tmp_path_factory.mktemp("twenty")
-    result = run_job(workers=4, spares=0, steps=20, exact_resize=True,
-                     command=[sys.executable, SCRIPT, "20", str(out)])  # fmt: skip
-    assert result.ok, f"{result.error}\n{logs_of(result)}"
-    return out
+    return get
 
 
 def _kinds(result: Any, *kinds: str) -> list[dict[str, Any]]:
     return [e for e in result.events if e["kind"] in kinds]
 
 
-def test_a_kill_shrinks_at_once_and_the_spare_catches_up_then_joins(tmp_path: Path, four: Path) -> None:
+def test_a_kill_shrinks_at_once_and_the_spare_catches_up_then_joins(tmp_path: Path, reference: Any) -> None:
     result = run_job(workers=4, spares=1, min_workers=2, steps=STEPS, exact_resize=True, never_wait=True,
                      faults=["kill:rank=1@step=3"], command=_command(tmp_path / "e", "--pause", "0.3"))  # fmt: skip
     assert result.ok, f"{result.error}\n{logs_of(result)}"
-    _bitwise(four, tmp_path / "e")
+    _bitwise(reference(4, STEPS), tmp_path / "e")
     sizes = [(e["before"], e["replicas"], e["why"]) for e in _kinds(result, "resized")]
     assert sizes == [(4, 3, "lost"), (3, 4, "catch_up")], sizes
     started = _kinds(result, "catch_up_started")
@@ -83,7 +82,7 @@ def _killer(who: str, once: list[str]) -> Any:
 
 
 @pytest.mark.parametrize("who", ["follower", "source"])
-def test_a_kill_during_the_catch_up_is_one_more_fault(tmp_path: Path, twenty: Path, who: str) -> None:
+def test_a_kill_during_the_catch_up_is_one_more_fault(tmp_path: Path, reference: Any, who: str) -> None:
     """The spare that catches up dies (the pool starts another, which follows in turn), or its
     source does (one more shrink; the spare, given up, follows again): the job ends at full size,
     the same run bit for bit."""
@@ -93,30 +92,13 @@ def test_a_kill_during_the_catch_up_is_one_more_fault(tmp_path: Path, twenty: Pa
                      command=[sys.executable, SCRIPT, "20", str(tmp_path / "e"), "--pause", "0.3"])  # fmt: skip
     assert result.ok, f"{result.error}\n{logs_of(result)}"
     assert len(killed) == 1, killed
-    _bitwise(twenty, tmp_path / "e")
+    _bitwise(reference(4, 20), tmp_path / "e")
     assert result.report["steps_completed"] == 20
     assert all(f["lost_steps"] == 0 for f in result.report["faults"]), result.report["faults"]
     ended = _kinds(result, "catch_up_ended")
     assert any(e["ok"] is False for e in ended) and ended[-1]["ok"] is True, ended
     sizes = [(e["before"], e["replicas"], e["why"]) for e in _kinds(result, "resized")]
     assert sizes[0] == (4, 3, "lost") and sizes[-1][1] == 4 and sizes[-1][2] == "catch_up", sizes
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """``reference(workers, steps)``: the fault-free run of that size, made once."""
-    made: dict[tuple[int, int], Path] = {}
-
-    def get(workers: int, steps: int) -> Path:
-        if (workers, steps) not in made:
-            out = tmp_path_factory.mktemp(f"ref{workers}x{steps}")
-            result = run_job(workers=workers, spares=0, steps=steps, exact_resize=True,
-                             command=[sys.executable, SCRIPT, str(steps), str(out)])  # fmt: skip
-            assert result.ok, f"{result.error}\n{logs_of(result)}"
-            made[workers, steps] = out
-        return made[workers, steps]
-
-    return get
 
 
 @pytest.mark.parametrize(
@@ -151,14 +133,7 @@ def test_never_wait_through_faults_is_the_fault_free_run(
 
 @pytest.mark.timeout(120)
 def test_ctrl_c_during_a_catch_up_stops_the_job_reports_it_and_leaves_nothing(tmp_path: Path) -> None:
-    from tests.integration.test_adversarial import (
-        _cli,
-        _events,
-        _launcher_tree,
-        _no_traceback,
-        _poll,
-        _wait_gone,
-    )
+    from tests.integration.test_adversarial import _cli, _interrupt, _launcher_tree, _poll, _text
 
     out = tmp_path / "run"
     # a kill, then long steps: Ctrl-C lands as the spare has its copy (before it joins, or as it does)
@@ -167,26 +142,11 @@ def test_ctrl_c_during_a_catch_up_stops_the_job_reports_it_and_leaves_nothing(tm
                 "--", sys.executable, SCRIPT, "400", str(tmp_path / "e"), "--pause", "1.5")  # fmt: skip
     with _launcher_tree(proc) as seen:
         _poll(lambda: '"catch_up_sent"' in _text(out / "events.jsonl"), 90, "the catch-up", proc, seen)
-        os.killpg(proc.pid, signal.SIGINT)
-        _, stderr = proc.communicate(timeout=40)
-        assert proc.returncode == 128 + signal.SIGINT, stderr[-3000:]
-        _no_traceback(stderr)
-        assert len([ln for ln in stderr.splitlines() if ln.startswith("error:")]) == 1, stderr
-        events = _events(out / "events.jsonl")
-        assert events[-1]["kind"] == "job_finished"
-        left = _wait_gone(seen, 5)
-        assert len(seen) >= 4 and not left, f"children {sorted(seen)}, alive after exit: {left}"
-
-
-def _text(path: Path) -> str:
-    try:
-        return path.read_text()
-    except OSError:
-        return ""
+        _interrupt(proc, seen, out)
 
 
 @pytest.mark.timeout(180)
-def test_a_stranger_forging_every_key_does_not_steer_a_catch_up(tmp_path: Path, twenty: Path) -> None:
+def test_a_stranger_forging_every_key_does_not_steer_a_catch_up(tmp_path: Path, reference: Any) -> None:
     """A stranger on the store's port forges every key of the protocol (plans, aborts, assignments,
     heartbeats of the spares, the stop) through a never-wait recovery: the catch-up and the join
     happen as without it, and the run is the fault-free run bit for bit."""
@@ -205,7 +165,7 @@ def test_a_stranger_forging_every_key_does_not_steer_a_catch_up(tmp_path: Path, 
         attack = stranger()
     assert result.ok, f"{result.error}\n{logs_of(result)}"
     assert attack["rounds"] >= 1, attack
-    _bitwise(twenty, tmp_path / "e")
+    _bitwise(reference(4, 20), tmp_path / "e")
     sizes = [(e["before"], e["replicas"], e["why"]) for e in _kinds(result, "resized")]
     assert sizes == [(4, 3, "lost"), (3, 4, "catch_up")], sizes
     assert result.report["rejected_messages"]["count"] > 0
