@@ -384,8 +384,8 @@ class Member:
     def _aborted(self, gen: int, release: Callable[[], None]) -> None:
         """The heartbeat thread saw generation ``gen`` aborted: its collectives released, unless
         the change is planned (``keys.planned``): then the step in flight goes on, and the member
-        leaves at its commit (``leave_if_planned``); a peer that left first fails the next step's
-        collectives, which is a recovery from the same committed step."""
+        leaves as the next attempt begins (``leave_if_planned``); a peer that left first fails the
+        next step's collectives, which is a recovery from the same committed step."""
         if self._client().is_set(keys.planned(gen)):
             self.planned_leave = gen
             return
@@ -399,7 +399,7 @@ class Member:
             raise CollectiveError(f"gen {self.generation}: aborted by the coordinator")
 
     def leave_if_planned(self) -> None:
-        """After a commit: leave a generation whose planned end this process saw, at this boundary."""
+        """As an attempt begins: leave a generation whose planned end this process saw."""
         if self.client is not None and self.planned_leave == self.generation:
             self.recover(Reason.PLANNED)
 
