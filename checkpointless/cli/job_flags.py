@@ -230,6 +230,12 @@ def job_config(
         if getattr(args, "exact_resize", None):
             changes["exact_resize"] = True
         if getattr(args, "never_wait", None):
+            low = getattr(args, "min_workers", None)
+            if low is None or low >= args.workers:
+                raise UsageError(
+                    f"--never-wait needs --min-workers below --workers {args.workers}: the survivors take a "
+                    "lost worker's shares while a spare catches up"
+                )
             changes["never_wait"] = True
         port = getattr(args, "control_port", None)
         if port is not None and not 0 <= port < 65536:

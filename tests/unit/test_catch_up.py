@@ -106,3 +106,25 @@ def test_the_light_state_leaves_out_parameters_and_optimizer_state_only() -> Non
         set(whole["model"]) == set(state["model"])
         and whole["optimizer"]["state"] is own["optimizer"]["state"]
     )
+
+
+@pytest.mark.parametrize("flags", [[], ["--min-workers", "2"]])
+def test_never_wait_without_a_smaller_size_is_one_line_and_exit_2(flags: list[str]) -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "checkpointless", "demo", "--workers", "2", "--never-wait",
+                           "--steps", "2", *flags], capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 2 and done.stdout == "", done
+    assert done.stderr.strip().splitlines() == [
+        "error: --never-wait needs --min-workers below --workers 2: the survivors take a lost worker's shares "
+        "while a spare catches up"
+    ], done.stderr
+
+
+def test_the_configuration_names_the_same_mistake() -> None:
+    from checkpointless.config import JobConfig, RecoveryConfig
+
+    with pytest.raises(ValueError, match="never_wait needs min_workers below workers"):
+        JobConfig(workers=2, recovery=RecoveryConfig(never_wait=True))
+    assert JobConfig(workers=2, recovery=RecoveryConfig(never_wait=True, min_workers=1)).recovery.never_wait
