@@ -35,7 +35,9 @@ the optimizer state is made.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -50,6 +52,7 @@ from checkpointless.state import TransferStats, recv_state, send_state
 log = logging.getLogger(__name__)
 
 MAX_BEHIND = 8  # committed steps whose records may wait to be sent
+SENDER_NICE = 10  # the sender thread's nice (a thread's own, on Linux)
 CONNECT_WAIT_S = 5.0  # how long a source's optimizer step waits for its follower to connect
 
 
@@ -249,6 +252,8 @@ class CatchUpSource:
 
     def _send(self) -> None:
         group: Group | None = None
+        with contextlib.suppress(OSError):  # the training thread comes first on this process's core
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), SENDER_NICE)
         try:
             group = self._connect()
             with self._lock:

@@ -26,6 +26,8 @@ from checkpointless.protocol.vocab import Event, Phase
 
 log = logging.getLogger(__name__)
 
+FOLLOWER_NICE = 10  # a spare that catches up in the background (``recovery.never_wait``)
+
 
 def _env_int(name: str) -> int | None:
     """An integer the agent put in the environment, or None where it did not."""
@@ -33,8 +35,8 @@ def _env_int(name: str) -> int | None:
     return int(text) if text.lstrip("-").isdigit() else None
 
 
-def _restore_priority() -> None:
-    """Nice 0 for every thread of this process (nice is per thread on Linux). Its scheduling
+def _set_priority(nice: int) -> None:
+    """``nice`` for every thread of this process (nice is per thread on Linux). Its scheduling
     autogroup is the launcher's, shared with the workers: left as it is."""
     try:
         tids = [int(t) for t in os.listdir("/proc/self/task")]
@@ -42,11 +44,23 @@ def _restore_priority() -> None:
         tids = [0]
     for tid in tids:
         try:
-            if os.getpriority(os.PRIO_PROCESS, tid) > 0:
-                os.setpriority(os.PRIO_PROCESS, tid, 0)
+            if os.getpriority(os.PRIO_PROCESS, tid) != nice:
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
         except OSError as e:  # not allowed (the launcher only nices where it is), or the thread ended
             if e.errno != errno.ESRCH:
-                log.warning("could not restore normal priority of thread %d: %s", tid, e)
+                log.warning("could not set the priority of thread %d to %d: %s", tid, nice, e)
+
+
+def _restore_priority() -> None:
+    _set_priority(0)
+
+
+def _may_restore() -> bool:
+    """Whether this process may go back to nice 0 after lowering its priority (root, or a nice
+    limit that allows it): a follower lowers its own only then."""
+    import resource
+
+    return os.geteuid() == 0 or resource.getrlimit(resource.RLIMIT_NICE)[0] >= 20
 
 
 def member_of_the_job(
@@ -101,7 +115,14 @@ def start_as_spare(member: Member, model: ModelHolder) -> bool:
         # a follower (``recovery.never_wait``): it catches up in the background, then waits for the
         # generation that makes it a member (or, given up, for any other)
         assert member.catch_ups is not None
-        member.catch_ups.follow(plan)
+        background = _may_restore()
+        if background:  # the survivors train on the same hosts' cores: they come first
+            _set_priority(FOLLOWER_NICE)
+        try:
+            member.catch_ups.follow(plan)
+        finally:
+            if background:
+                _restore_priority()
     _enter_first(member, plan)
     return True
 
