@@ -9,6 +9,8 @@ Definitions (the contract other tools read):
   (:func:`checkpointless.observe.fault_list.derive_faults`, whose docstring defines each field).
 - ``durable``: how fresh the durable tier was (:func:`durable_summary`).
 - ``loss_by_step`` and ``replicas_by_step``: :func:`by_step`.
+- ``catch_ups``: every spare that caught up in the background (``recovery.never_wait``):
+  :func:`catch_ups`.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from checkpointless.observe.fields import integer, number, unpacked
 from checkpointless.observe.progress import StepStats
 from checkpointless.protocol.vocab import Event
 
-__all__ = ["build_report", "by_step", "durable_summary"]
+__all__ = ["build_report", "by_step", "catch_ups", "durable_summary"]
 
 
 def by_step(events: list[dict[str, Any]]) -> tuple[dict[str, float], dict[str, int]]:
@@ -48,6 +50,35 @@ def by_step(events: list[dict[str, Any]]) -> tuple[dict[str, float], dict[str, i
         if weighted:
             losses[str(step)] = sum(v * w for v, w in weighted) / sum(w for _, w in weighted)
     return losses, replicas
+
+
+def catch_ups(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per catch-up, in time order: the spare (``target``), its source rank and the
+    generation that named it, the step of the copy it received, that copy's ``bytes`` and
+    ``copy_s`` (sending it), how it ended (``ok``: it joined and the digests matched; else
+    ``error``, or None while it had not ended) and ``seconds`` from its start to that end."""
+    out: list[dict[str, Any]] = []
+    started = [e for e in events if e.get("kind") == Event.CATCH_UP_STARTED]
+    for i, s in enumerate(started):
+        target, t0 = s.get("target"), number(s.get("t")) or 0.0
+        nxt = next((number(x.get("t")) for x in started[i + 1 :] if x.get("target") == target), None)
+
+        def mine(e: dict[str, Any], t0: float = t0, nxt: float | None = nxt, target: Any = target) -> bool:
+            t = number(e.get("t")) or 0.0
+            return t >= t0 and (nxt is None or t < nxt) and target in (e.get("target"), e.get("proc"))
+
+        sent = next((e for e in events if e.get("kind") == Event.CATCH_UP_SENT and mine(e)), None)
+        ended = next((e for e in events if e.get("kind") == Event.CATCH_UP_ENDED and mine(e)), None)
+        out.append({
+            "target": target, "source_rank": integer(s.get("rank")), "gen": integer(s.get("gen")),
+            "from_step": integer(s.get("step")),
+            "bytes": None if sent is None else integer(sent.get("bytes")),
+            "copy_s": None if sent is None else number(sent.get("seconds")),
+            "ok": None if ended is None else bool(ended.get("ok")),
+            "error": None if ended is None else ended.get("error"),
+            "seconds": None if ended is None else round((number(ended.get("t")) or t0) - t0, 4),
+        })  # fmt: skip
+    return out
 
 
 def durable_summary(events: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -110,4 +141,5 @@ def build_report(
         "durable": durable_summary(events),
         "loss_by_step": losses,
         "replicas_by_step": replicas,
+        "catch_ups": catch_ups(events),
     }

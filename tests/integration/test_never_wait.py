@@ -54,6 +54,11 @@ def test_a_kill_shrinks_at_once_and_the_spare_catches_up_then_joins(tmp_path: Pa
     assert len(sent) == 1 and sent[0]["bytes"] > 0, sent
     ended = _kinds(result, "catch_up_ended")
     assert [e["ok"] for e in ended] == [True], ended  # the light join: the digests matched
+    (summary,) = result.report["catch_ups"]
+    assert summary["ok"] is True and summary["target"] == started[0]["target"] and summary["bytes"] > 0, (
+        summary
+    )
+    assert summary["from_step"] == 2 and summary["seconds"] > 0, summary
     # the recovery of the kill moved no state: nobody received anything in it
     first = next(e for e in _kinds(result, "generation_started") if e["gen"] == 1)
     assert first["sources"] == {} and first["replaced"] == {}, first

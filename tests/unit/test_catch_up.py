@@ -128,3 +128,28 @@ def test_the_configuration_names_the_same_mistake() -> None:
     with pytest.raises(ValueError, match="never_wait needs min_workers below workers"):
         JobConfig(workers=2, recovery=RecoveryConfig(never_wait=True))
     assert JobConfig(workers=2, recovery=RecoveryConfig(never_wait=True, min_workers=1)).recovery.never_wait
+
+
+def test_the_report_lists_each_catch_up_and_how_it_ended() -> None:
+    from checkpointless.observe.report import catch_ups
+
+    def ev(t: float, kind: str, **f: object) -> dict[str, object]:
+        return {"t": t, "kind": kind, **f}
+
+    events = [
+        ev(1.0, "catch_up_started", proc="coordinator", rank=2, gen=1, step=4, target="s0"),
+        ev(1.2, "catch_up_sent", proc="w3", rank=2, gen=1, step=4, target="s0", bytes=100, seconds=0.1),
+        ev(1.5, "catch_up_ended", proc="s0", gen=1, target="s0", ok=False, error="source gone"),
+        ev(3.0, "catch_up_started", proc="coordinator", rank=0, gen=3, step=9, target="s0"),
+        ev(3.1, "catch_up_sent", proc="w0", rank=0, gen=3, step=9, target="s0", bytes=100, seconds=0.05),
+        ev(4.0, "catch_up_ended", proc="s0", rank=3, gen=4, step=11, src=0, ok=True),
+        ev(5.0, "catch_up_started", proc="coordinator", rank=1, gen=5, step=20, target="s1"),
+    ]
+    got = catch_ups(events)
+    assert [(c["target"], c["source_rank"], c["from_step"], c["ok"], c["error"]) for c in got] == [
+        ("s0", 2, 4, False, "source gone"),
+        ("s0", 0, 9, True, None),
+        ("s1", 1, 20, None, None),
+    ]
+    assert got[0]["seconds"] == 0.5 and got[1]["seconds"] == 1.0 and got[1]["copy_s"] == 0.05
+    assert got[2]["bytes"] is None and got[2]["seconds"] is None
