@@ -1167,3 +1167,75 @@ def test_the_error_several_lost_ranks_ended_with_leads() -> None:
     assert same_error({0: same, 1: gloo}) is None  # one rank alone raised: a fault of its own
     assert same_error({0: same, 1: "[rank1]: ValueError: x"}) is None
     assert same_error({0: "", 1: "  "}) is None
+
+
+# == never-wait: the survivors shrink, a ready spare follows, then joins once caught up =============
+
+
+def test_never_wait_shrinks_names_a_follower_then_grows_it_back_once_caught_up() -> None:
+    job = Job(workers=3, spares=1, min_workers=2, never_wait=True)
+    job.steady(committed=4)
+    job.exit("w1", -9)
+    job["w0"].recover()
+    job["w2"].recover()
+    job.tick()
+    plan = job.plan(1)
+    assert plan is not None and plan.members == {0: "w0", 1: "w2"} and plan.sources == {}  # a shrink
+    assert plan.followers == {"s0": 1}  # the ready spare follows a holder (the highest rank)
+    assert job.store.get(keys.assign("s0")) == "1"
+    assert [(e["target"], e["rank"], e["step"]) for e in job.kinds("catch_up_started")] == [("s0", 1, 4)]
+    job["w0"].enter(0, 1, 4)
+    job["w2"].enter(1, 1, 4)
+    job["s0"].heartbeat(phase="following", applied=-1)
+    job["w0"].commit(5, 0.5)
+    job["w2"].commit(5, 0.5)
+    job.tick()
+    assert job.kinds("recovery_done") and job.store.get(keys.abort(1)) is None  # behind: no change yet
+    job["s0"].heartbeat(applied=3)
+    job.tick(4)
+    assert job.store.get(keys.abort(1)) is None  # two steps behind still
+    job["s0"].heartbeat(applied=4)
+    job.tick()
+    # caught up: a planned grow (the members finish the step in flight first)
+    assert job.store.get(keys.planned(1)) == "1" and job.store.get(keys.abort(1)) == "1"
+    (started,) = job.kinds("resize_started")
+    assert (started["before"], started["replicas"], started["why"]) == (2, 3, "catch_up")
+    job["w0"].recover("planned")
+    job["w2"].recover("planned")
+    job.tick()
+    grown = job.plan(2)
+    assert grown is not None and grown.members == {0: "w0", 1: "w2", 2: "s0"}
+    assert grown.caught_up == [2] and grown.sources == {2: 1} and grown.followers == {}
+    assert job.store.get(keys.assign("s0")) == "2"
+
+
+def test_never_wait_with_no_spare_ready_shrinks_and_follows_once_capacity_beyond_the_reserve_is_ready() -> (
+    None
+):
+    job = Job(workers=3, spares=1, min_workers=2, never_wait=True, resize_interval_s=1.0)
+    job.steady(committed=4, spares_ready=False)
+    job.exit("w1", -9)
+    job["w0"].recover()
+    job["w2"].recover()
+    job.tick()
+    plan = job.plan(1)
+    assert plan is not None and plan.world_size == 2 and plan.followers == {}
+    job["w0"].enter(0, 1, 4)
+    job["w2"].enter(1, 1, 4)
+    job["w0"].commit(5, 0.5)
+    job["w2"].commit(5, 0.5)
+    job["s0"].ready_spare()
+    job.tick(8)
+    assert job.kinds("resize_started") == []  # the one ready spare is the reserve for faults
+    assert [name for name, _ in job.spawned] == ["s1"]  # the pool tops up for the replica it lacks
+    job["s1"].ready_spare()
+    job.tick(2)
+    # capacity beyond the reserve: a planned change of the same size names a follower
+    (started,) = job.kinds("resize_started")
+    assert (started["replicas"], started["why"]) == (2, "follow")
+    job["w0"].recover("planned")
+    job["w2"].recover("planned")
+    job.tick()
+    follow = job.plan(2)
+    assert follow is not None and follow.world_size == 2 and follow.grown == []
+    assert len(follow.followers) == 1 and set(follow.followers.values()) == {1}
