@@ -92,7 +92,7 @@ class StepLog:
         self, optimizer: torch.optim.Optimizer | None, before: Callable[[], None] = lambda: None
     ) -> None:
         """``before()`` runs first at each step (the source: until its state is sent)."""
-        self._optimizer, self._before = optimizer, before
+        self._before = before
         self._pending: list[dict[str, Any]] = []
         self.closure = False  # a step was called with a closure: it cannot be followed
         self._hook = None if optimizer is None else optimizer.register_step_pre_hook(self._before_step)
@@ -199,9 +199,11 @@ class CatchUpSource:
             self._fail("the optimizer's step was called with a closure: a follower cannot replay it")
         elif self._queue.qsize() >= MAX_BEHIND:
             self._fail(f"the follower fell more than {MAX_BEHIND} steps behind")
-        if self.error is None:
-            self._queue.put({"step": step, "calls": calls})
-            self.last_step = step
+        if self.error is not None:
+            self._log.close()  # given up: the steps that follow record nothing
+            return
+        self._queue.put({"step": step, "calls": calls})
+        self.last_step = step
 
     def drop(self) -> None:
         self._log.drop()

@@ -58,7 +58,7 @@ class CatchUps:
             del self._sources[follower]
 
     def start(self, plan: Plan, rank: int, committed: int) -> None:
-        """The plan's followers fed from ``rank``: each a copy of the state now and a sender thread."""
+        """The plan's followers fed from ``rank``: each the state as it is now and a sender thread."""
         optimizer = getattr(self._model, "optimizer", None)
         for follower, src in sorted(plan.followers.items()):
             if src != rank:
@@ -122,15 +122,19 @@ def send_light(group: Group, dst: int, model: ModelHolder, secret: bytes) -> boo
     return bool(same.item())
 
 
-def recv_light(group: Group, src: int, model: ModelHolder, secret: bytes) -> tuple[TransferStats, bool]:
+def recv_light(
+    group: Group, src: int, model: ModelHolder, secret: bytes
+) -> tuple[TransferStats, bool, int | None]:
     """The join, follower side: the rest of the state loaded, the digests compared; the
-    transfer's figures and whether the follower holds what its source does."""
+    transfer's figures, whether the follower holds what its source does, and the lineage the
+    source's state says it descends from (None if it says none)."""
     names = _param_names(model.model)
     own = model.registry.state_dict()
     received, stats = recv_state(group, src, key=secret, into=light_state(own, names))
+    sent = received.get("progress", {}).get("lineage")
     model.registry.load_state_dict(fill_light(received, own, names))
     mine = torch.frombuffer(bytearray(combined_digest(model.entries())), dtype=torch.uint8)
     group.control.send(mine, src)
     same = torch.zeros(1, dtype=torch.int64)
     group.control.recv(same, src)
-    return stats, bool(same.item())
+    return stats, bool(same.item()), None if sent is None else int(sent)

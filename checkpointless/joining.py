@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
@@ -35,16 +36,16 @@ def _env_int(name: str) -> int | None:
     return int(text) if text.lstrip("-").isdigit() else None
 
 
-def _set_priority(nice: int) -> None:
-    """``nice`` for every thread of this process (nice is per thread on Linux). Its scheduling
-    autogroup is the launcher's, shared with the workers: left as it is."""
+def _renice(keep: Callable[[int], bool], nice: int) -> None:
+    """``nice`` for every thread of this process whose own ``keep`` refuses (nice is per thread on
+    Linux). Its scheduling autogroup is the launcher's, shared with the workers: left as it is."""
     try:
         tids = [int(t) for t in os.listdir("/proc/self/task")]
     except OSError:
         tids = [0]
     for tid in tids:
         try:
-            if os.getpriority(os.PRIO_PROCESS, tid) != nice:
+            if not keep(os.getpriority(os.PRIO_PROCESS, tid)):
                 os.setpriority(os.PRIO_PROCESS, tid, nice)
         except OSError as e:  # not allowed (the launcher only nices where it is), or the thread ended
             if e.errno != errno.ESRCH:
@@ -52,7 +53,13 @@ def _set_priority(nice: int) -> None:
 
 
 def _restore_priority() -> None:
-    _set_priority(0)
+    """Nice 0 for every thread niced above it (one a script raised is left alone)."""
+    _renice(lambda current: current <= 0, 0)
+
+
+def _lower_priority(nice: int) -> None:
+    """At least ``nice`` for every thread."""
+    _renice(lambda current: current >= nice, nice)
 
 
 def _may_restore() -> bool:
@@ -117,7 +124,7 @@ def start_as_spare(member: Member, model: ModelHolder) -> bool:
         assert member.catch_ups is not None
         background = _may_restore()
         if background:  # the survivors train on the same hosts' cores: they come first
-            _set_priority(FOLLOWER_NICE)
+            _lower_priority(FOLLOWER_NICE)
         try:
             member.catch_ups.follow(plan)
         finally:

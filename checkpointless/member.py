@@ -431,30 +431,29 @@ class Member:
         self.has_state = False
         if light:
             hook()
-            stats, same = recv_light(self.group, src, self._model, self._secret)
+            stats, same, sent_lineage = recv_light(self.group, src, self._model, self._secret)
             client.emit(Event.CATCH_UP_ENDED, sync=True, rank=rank, gen=plan.gen, step=plan.resume_step, src=src,
                         ok=same, bytes=stats.bytes, seconds=round(stats.seconds, 4))  # fmt: skip
             if same:
-                self.has_state = True
-                self._took_state(plan.resume_step)
-                sent = self._model.registry.state_dict().get("progress", {}).get("lineage")
-                self._steps.descend(
-                    self._lineages.get(src, own_lineage(plan.gen, src) if sent is None else int(sent))
-                )
+                self._loaded(plan, src, sent_lineage)
                 return
             log.warning("[gen %d rank %d] the catch-up differs from rank %d's state: receiving all of it",
                         plan.gen, rank, src)  # fmt: skip
         stats, kept, sent_lineage = transfer_in(self.group, src, self._model, self._secret, hook)
-        self.has_state = True
-        self._took_state(plan.resume_step)
-        # the source's lineage: as the holders exchanged it, else as its state says
-        lineage = own_lineage(plan.gen, src) if sent_lineage is None else sent_lineage
-        self._steps.descend(self._lineages.get(src, lineage))
+        self._loaded(plan, src, sent_lineage)
         client.emit(
             Event.TRANSFER_ENDED, rank=rank, gen=plan.gen, step=plan.resume_step, src=src,
             bytes=stats.bytes, seconds=stats.seconds, waited_s=round(stats.waited_s, 4), sha256_ok=True,
             kept_bytes=kept,
         )  # fmt: skip
+
+    def _loaded(self, plan: Plan, src: int, sent_lineage: int | None) -> None:
+        """The state from ``src`` is loaded: it descends from the source's lineage (as the holders
+        exchanged it, else as its state says)."""
+        self.has_state = True
+        self._took_state(plan.resume_step)
+        lineage = own_lineage(plan.gen, src) if sent_lineage is None else sent_lineage
+        self._steps.descend(self._lineages.get(src, lineage))
 
     def _took_state(self, step: int) -> None:
         """State was loaded into the model: its buffers committed, its trainable flags (which came

@@ -448,9 +448,7 @@ class Coordinator:
         if not following:
             return False
         highest = max(int(self.table[n].hb.get("committed", -1)) for n in self.plan.members.values())
-        caught = [
-            n for n in following if int(self.table.procs[n].hb.get("applied", -1)) >= max(0, highest - 1)
-        ]
+        caught = [n for n in following if int(self.table[n].hb.get("applied", -1)) >= max(0, highest - 1)]
         if caught and size < self.sizing.target:
             self.course.resize(size + len(caught), "catch_up", now, newcomers=caught)
         return True

@@ -117,9 +117,9 @@ class FailureCourse:
 
     def resize(self, size: int, why: str, now: float, newcomers: list[str] | None = None) -> None:
         """Change the job's size to ``size`` replicas (``why``: ``request``, ``capacity``): the
-        generation is aborted as for a failure, but planned (the members leave at the commit of the
-        step in flight), every member reports, and ``resize_plan`` makes the next one, which the spares join or the highest
-        ranks leave."""
+        generation is aborted as for a failure, but planned (the members finish the step in flight
+        and leave as the next one begins), every member reports, and ``resize_plan`` makes the next
+        one, which the spares join or the highest ranks leave."""
         assert self.failure is None
         failure = self.fail(now, planned=True)
         failure.resize, failure.newcomers = (size, why), list(newcomers or [])
