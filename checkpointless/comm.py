@@ -47,10 +47,13 @@ same way when its owner releases it.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import queue
 import threading
+import time
+import weakref
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -74,9 +77,29 @@ RELEASE_POLL_S = 0.05  # how often a gloo wait looks whether its group was relea
 _graveyard: list[tuple[Any, list[Any]]] = []  # (aborted gloo group, its collectives still running)
 
 
+_live: weakref.WeakSet[Group] = weakref.WeakSet()  # the groups this module formed, until aborted
+EXIT_WAIT_S = 2.0  # how long the exit waits for aborted groups' collectives to end
+
+
 def _sweep() -> None:
     """Drop the aborted groups whose last collective has ended (their destructors are quick now)."""
     _graveyard[:] = [(pg, works) for pg, works in _graveyard if not all(w.is_completed() for w in works)]
+
+
+@atexit.register
+def _abort_at_exit() -> None:
+    """Abort the groups still formed when the interpreter exits, while it can still run their
+    destructors: a gloo group destroyed during finalization, with work still holding tensors,
+    can abort the process (``terminate called without an active exception``). Runs after the
+    non-daemon threads have ended; a daemon thread blocked in one of them sees it fail."""
+    for group in list(_live):
+        with contextlib.suppress(Exception):
+            group.release()
+            group.abort()
+    deadline = time.monotonic() + EXIT_WAIT_S
+    while _graveyard and time.monotonic() < deadline:
+        _sweep()
+        time.sleep(RELEASE_POLL_S)
 
 
 _BACKEND_MARKS = ("gloo", "NCCL", "ProcessGroup", "Connection reset", "Connection closed")
@@ -236,6 +259,7 @@ class Group:
             raise CollectiveError(f"gen {gen}: group formation failed: {e}") from None
         self._owned = True
         self._released = False
+        _live.add(self)
         self._owner_released: Callable[[], bool] | None = None
         self._waiter: _Waiter | None = None  # started at the first point-to-point transfer
         self._tickets: dict[int, _Ticket] = {}  # transfers posted, their waits submitted: by id
@@ -489,6 +513,7 @@ class Group:
         self._tickets = {}
         if waiter is not None:
             waiter.close()
+        _live.discard(self)
         pg, self.pg = self.pg, None
         running = [w for w, p2p in self._pending.values() if not p2p and not w.is_completed()]
         self._pending = {}

@@ -281,3 +281,30 @@ def test_a_transfer_on_a_wrapped_group_gives_up_when_its_owner_releases_it() -> 
     while waiters() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not waiters(), waiters()
+
+
+def test_the_exit_aborts_the_groups_still_formed_even_with_a_transfer_pending() -> None:
+    """A process that exits with its groups formed (a script that never closed them, a test
+    leaving one behind) has them aborted by the exit hook while the interpreter still runs: a
+    gloo group destroyed during finalization with work holding tensors can abort the process.
+    Here rank 0 leaves a receive nobody answers; the hook aborts both groups and the receive's
+    wait ends (failed) within the hook's bound."""
+    kept: list[Group] = []
+    recv: list[Any] = []
+
+    def rank_fn(rank: int, store: TCPStore) -> None:
+        g = Group(store, 0, rank, 2, prefix="atexit/", timeout=TIMEOUT)
+        g.allreduce_([torch.ones(2)])
+        if rank == 0:
+            recv.append(g.pg.recv([torch.zeros(4)], 1, 0))  # never sent
+        kept.append(g)
+
+    run_ranks(2, rank_fn)
+    assert all(g in comm._live for g in kept)
+    t0 = time.monotonic()
+    comm._abort_at_exit()
+    assert time.monotonic() - t0 < comm.EXIT_WAIT_S + 5
+    assert not any(g in comm._live for g in kept)
+    assert all(g.pg is None for g in kept)
+    with pytest.raises(RuntimeError):
+        recv[0].wait(timedelta(seconds=10))

@@ -53,6 +53,7 @@ def run_pair(fn: Callable[[Group], Any], gen: int = 0, timeout_s: float = 20) ->
     sender may stay blocked on messages nobody will receive until ``timeout_s``."""
     master = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=20))
     results: list[Any] = [None, None]
+    done = [threading.Event(), threading.Event()]
 
     def target(rank: int) -> None:
         store = TCPStore("127.0.0.1", master.port, is_master=False, timeout=timedelta(seconds=20))
@@ -62,7 +63,12 @@ def run_pair(fn: Callable[[Group], Any], gen: int = 0, timeout_s: float = 20) ->
         except Exception as e:
             traceback.clear_frames(e.__traceback__)  # a live Work in a frame keeps the sockets open
             results[rank] = e
+            done[rank].set()
             group.abort()  # destroys the group: the peer's pending transfer fails at once
+        else:
+            done[rank].set()
+            done[1 - rank].wait(timeout_s)  # the peer may still be reading what this rank sent
+            group.abort()
 
     threads = [threading.Thread(target=target, args=(r,)) for r in (0, 1)]
     for t in threads:
