@@ -79,6 +79,7 @@ class FakeProcess:
     """A ``ProcessHandle``: alive until ``exit``; ``kill`` is counted."""
 
     relayed = False  # beats into the store itself (one host)
+    leaving = False
 
     def __init__(
         self, name: str, log: str = "", *, die_on_kill: bool = False, host: str = "localhost"

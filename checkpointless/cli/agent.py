@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="once cut off from the coordinator for its lease, this host stops its processes and "
                    "waits up to S seconds for the coordinator to answer again, then rejoins the job as a "
                    "spare host (default 0: it exits at once, code 3)")  # fmt: skip
+    p.add_argument("--notice-file", type=Path, default=None, metavar="PATH",
+                   help="drain this host once PATH exists (a preemption notice: have the cloud's notice "
+                   "handler create it); the same as this agent's SIGTERM")  # fmt: skip
     return p
 
 
@@ -80,7 +83,7 @@ def run(argv: list[str]) -> int:
     agent = HostAgent(
         args.coordinator, secret, command, nproc=args.nproc_per_node, spare=args.spare, host=args.host_name,
         addr=args.addr, log_dir=args.log_dir, node_rank=args.node_rank, join_timeout_s=args.join_timeout,
-        clock_skew_s=args.clock_skew, rejoin_window_s=args.rejoin_window,
+        clock_skew_s=args.clock_skew, rejoin_window_s=args.rejoin_window, notice_file=args.notice_file,
     )  # fmt: skip
     try:
         return main_agent(agent)

@@ -10,7 +10,19 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from checkpointless.cli import agent, cluster, coordinator, demo, dryrun, launch, report, run, scale, simulate
+from checkpointless.cli import (
+    agent,
+    cluster,
+    coordinator,
+    demo,
+    drain,
+    dryrun,
+    launch,
+    report,
+    run,
+    scale,
+    simulate,
+)
 from checkpointless.errors import UsageError, UserInputError
 
 
@@ -56,6 +68,10 @@ COMMANDS: dict[str, Command] = {
     "scale": Command(
         "ask a running job to train with N workers (an elastic job: --min-workers / --max-workers)",
         scale.build_parser, scale.run,
+    ),
+    "drain": Command(
+        "ask a running job on several hosts to drain host N (its ranks handed over, no lost step)",
+        drain.build_parser, drain.run,
     ),
     "simulate": Command(
         "goodput of checkpoint-restart against checkpointless at cluster scale",

@@ -5,6 +5,7 @@ The coordinator asks (``Coordinator._on_exit``) and acts on the answer."""
 from __future__ import annotations
 
 import json
+import signal
 from collections.abc import Callable
 
 from checkpointless.control.auth import SignedStore
@@ -13,7 +14,9 @@ from checkpointless.control.processes import ProcessTable, ProcessView
 from checkpointless.control.spares import SparePool
 from checkpointless.errors import JobFailed
 from checkpointless.protocol import keys
-from checkpointless.protocol.vocab import Event, Reason, Role
+from checkpointless.protocol.vocab import Event, Phase, Reason, Role
+
+_LEFT = (0, -signal.SIGTERM)  # how a spare that was told to leave exits (the job's word, a notice)
 
 
 class ExitJudge:
@@ -46,7 +49,14 @@ class ExitJudge:
                 self._spares.died_starting(name, f"{what}; last log line: {tail or '(empty)'}", now)
                 return False
             raise JobFailed(f"{what}; last log line: {tail or '(empty)'}{hint(tail)}")
-        if role == Role.WORKER and code == 0 and not p.killed:
+        if code in _LEFT and not p.killed and p.hb.get("phase") in (Phase.SPARE, Phase.FOLLOWING):
+            # a spare told to leave while it waited (its host drained: the job's word, or SIGTERM):
+            # not a fault. One given a rank as it left (the plan crossed the notice) lost that
+            # rank: a fault, below.
+            if role == Role.SPARE:
+                self._spares.replace_now(now)
+                return False
+        elif role == Role.WORKER and code == 0 and not p.killed:
             raise JobFailed(
                 f"{name} (rank {rank}) exited with code 0 before the job finished "
                 "(does the loop end early, or is session.finish() missing?)"

@@ -28,6 +28,11 @@ class ProcessHandle(Protocol):
     process itself: the coordinator reads its host's value, not its own keys."""
 
     @property
+    def leaving(self) -> bool:
+        """Its host is being drained (a notice): a spare there is given no rank."""
+        ...
+
+    @property
     def pid(self) -> int:
         """Its pid on its host (0 until known)."""
         ...
@@ -170,10 +175,11 @@ class ProcessTable:
         return [(n, p) for n, p in self.procs.items() if p.live]
 
     def ready_spares(self) -> list[str]:
-        """Spares waiting for a rank (their heartbeat says so) and alive."""
+        """Spares waiting for a rank (their heartbeat says so), alive, on a host not being drained."""
         return [
             n for n, p in self.procs.items()
-            if p.role == Role.SPARE and not p.killed and p.hb.get("phase") == Phase.SPARE and p.handle.alive()
+            if p.role == Role.SPARE and not p.killed and p.hb.get("phase") == Phase.SPARE and not p.handle.leaving
+            and p.handle.alive()
         ]  # fmt: skip
 
     def live_spares(self) -> list[str]:

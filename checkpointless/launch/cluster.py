@@ -76,6 +76,8 @@ class LocalCluster:
                             # a host back from a partition rejoins as a spare host (the command's own
                             # end removes every host, so no agent outlives it)
                             "--rejoin-window", "60",
+                            # a preemption notice for the host: creating this file drains it
+                            "--notice-file", str(log_dir(name) / "notice"),
                         ]  # fmt: skip
                         argv += ["--spare"] if i >= self.nodes else ["--node-rank", str(i)]
                         f = open(log_dir(name) / "agent.log", "wb")  # noqa: SIM115 (closed below)

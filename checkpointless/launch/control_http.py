@@ -1,9 +1,11 @@
 """The job's control endpoint over HTTP: ``POST /scale`` asks the job for a size
-(:class:`~checkpointless.control.size_requests.SizeRequests`), ``GET /scale`` says where it stands.
+(:class:`~checkpointless.control.size_requests.SizeRequests`), ``GET /scale`` says where it stands;
+``POST /drain`` asks it to drain a host (:class:`~checkpointless.launch.drains.DrainRequests`).
 
 Every request carries ``Authorization: Bearer <token>``, the token of the run's ``control.json``
-(readable by its user only); ``checkpointless scale`` (``cli/scale.py``) is the client. Replies are
-JSON: ``{"ok": false, "error": "<one line>"}`` for every refusal.
+(readable by its user only); ``checkpointless scale`` and ``checkpointless drain``
+(``cli/job_control.py``) are the clients. Replies are JSON: ``{"ok": false, "error": "<one line>"}``
+for every refusal.
 """
 
 from __future__ import annotations
@@ -18,11 +20,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from checkpointless.control.size_requests import SizeRequests
+from checkpointless.launch.drains import DrainRequests
 
 log = logging.getLogger(__name__)
 
 MAX_BODY = 4096
-"""The largest ``POST /scale`` body read (bytes); a larger one is refused unread."""
+"""The largest ``POST`` body read (bytes); a larger one is refused unread."""
 POLL = 0.1
 """How often the serving loop looks for ``close`` (seconds)."""
 CLOSE_TIMEOUT = 5.0
@@ -30,12 +33,17 @@ CLOSE_TIMEOUT = 5.0
 
 
 class ControlServer:
-    """Serves ``/scale`` for one job on ``host:port`` (port 0: any free one) in a daemon thread,
-    each request in its own daemon thread, until ``close``."""
+    """Serves ``/scale`` and ``/drain`` for one job on ``host:port`` (port 0: any free one) in a
+    daemon thread, each request in its own daemon thread, until ``close``. ``drains``: None where
+    the job has no hosts to drain (``POST /drain`` is then refused, 400)."""
 
-    def __init__(self, requests: SizeRequests, token: str, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self, requests: SizeRequests, token: str, host: str = "127.0.0.1", port: int = 0,
+        drains: DrainRequests | None = None,
+    ) -> None:  # fmt: skip
         assert token, "an empty token would let anyone in"
         self.requests = requests
+        self.drains = drains
         self.token = token
         handler = functools.partial(_Handler, control=self)
         self._http = ThreadingHTTPServer((host, port), handler)  # binds now: the port is known
@@ -71,6 +79,10 @@ class ControlServer:
         return hmac.compare_digest((header or "").encode(), expected)
 
 
+_POST_FIELDS = {"/scale": "workers", "/drain": "node"}  # each request's one field
+_EXAMPLES = {"workers": 4, "node": 1}
+
+
 class _Handler(BaseHTTPRequestHandler):
     """One request to the control endpoint (a thread each)."""
 
@@ -95,7 +107,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(HTTPStatus.OK, self.control.requests.view())
 
     def do_POST(self) -> None:
-        if self.path != "/scale":
+        field = _POST_FIELDS.get(self.path)
+        if field is None:
             self._not_found()
             return
         if not self.control.authorized(self.headers.get("Authorization")):
@@ -112,19 +125,28 @@ class _Handler(BaseHTTPRequestHandler):
             body = json.loads(self.rfile.read(int(length)))
         except ValueError:
             body = None
-        if not isinstance(body, dict) or "workers" not in body:
-            self._refuse(HTTPStatus.BAD_REQUEST, 'the body must be a JSON object like {"workers": 4}')
+        if not isinstance(body, dict) or field not in body:
+            self._refuse(
+                HTTPStatus.BAD_REQUEST,
+                f'the body must be a JSON object like {{"{field}": {_EXAMPLES[field]}}}',
+            )
             return
-        reason = self.control.requests.ask(body["workers"])
+        if self.path == "/scale":
+            reason = self.control.requests.ask(body[field])
+        elif self.control.drains is None:
+            reason = "this job has no hosts to drain"
+        else:
+            reason = self.control.drains.ask(body[field])
         if reason is not None:
             self._refuse(HTTPStatus.BAD_REQUEST, reason)
             return
-        self._reply(
-            HTTPStatus.ACCEPTED, {"ok": True, "workers": body["workers"], **self.control.requests.view()}
-        )
+        self._reply(HTTPStatus.ACCEPTED, {"ok": True, field: body[field], **self.control.requests.view()})
 
     def _not_found(self) -> None:
-        self._refuse(HTTPStatus.NOT_FOUND, f"no {self.command} {self.path} here (only GET and POST /scale)")
+        self._refuse(
+            HTTPStatus.NOT_FOUND,
+            f"no {self.command} {self.path} here (only GET and POST /scale, POST /drain)",
+        )
 
     do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _not_found
 

@@ -110,8 +110,12 @@ class HostAgent:
         join_timeout_s: float = 60.0,
         clock_skew_s: float = 0.0,
         rejoin_window_s: float = 0.0,
+        notice_file: Path | None = None,
     ) -> None:
+        """``notice_file``: a path whose appearance is a preemption notice for this host (what a
+        cloud's notice handler writes): the host drains, as on the agent's SIGTERM."""
         self.coordinator, self._secret, self.command = coordinator, secret, command
+        self.notice_file = notice_file
         self.rejoin_window_s = rejoin_window_s
         self._fenced_at: float | None = None  # when it fenced its host, waiting to rejoin
         self.clock_skew_s = clock_skew_s
@@ -130,7 +134,8 @@ class HostAgent:
         self._closing = False
         self._lease_s = 1.0
         self._reset_done: int | None = None  # the index of the last reset order carried out
-        self.drain_asked = False  # SIGTERM came (a preemption notice for the host): set by the handler
+        # a notice for the host: its SIGTERM (set by the handler), the notice file, a drain order
+        self.drain_asked = False
         self._draining = False  # the host's processes were told (SIGTERM: each hands its rank over)
 
     # -- joining ------------------------------------------------------------------------
@@ -265,6 +270,9 @@ class HostAgent:
         while True:
             wakeups.wait(max(0.0, min(interval, next_beat - time.monotonic())))
             self._stop_late()
+            if not self.drain_asked and self.notice_file is not None and self.notice_file.exists():
+                log.warning("agent %s: the notice file %s appeared", self.host, self.notice_file)
+                self.drain_asked = True
             if self.drain_asked and not self._draining:
                 self._drain()
             exited = [n for n, c in list(self.agent.children.items()) if not c.alive() and n not in reported]
@@ -308,11 +316,11 @@ class HostAgent:
 
     def _drain(self) -> None:
         """A notice for the whole host (its agent's SIGTERM, what Kubernetes sends a pod and Slurm a
-        step's tasks): every process of the host gets SIGTERM (a worker hands its rank over, a spare
+        step's tasks; its notice file; ``checkpointless drain``'s order): every process of the host gets SIGTERM (a worker hands its rank over, a spare
         ends), the status says ``draining`` (no new spare comes here), and once none is left the
         status says ``drained`` and the agent exits 0."""
         self._draining = True
-        log.warning("agent %s: SIGTERM: draining this host (its ranks are handed over)", self.host)
+        log.warning("agent %s: a notice: draining this host (its ranks are handed over)", self.host)
         for child in list(self.agent.children.values()):
             if child.alive():
                 with contextlib.suppress(OSError):
@@ -372,6 +380,8 @@ class HostAgent:
             pass
         elif op == "reset":  # this host was lost (a partition it came back from): its processes go
             self._reset(int(order.get("index", -1)))
+        elif op == "drain":  # ``checkpointless drain``: the status loop drains the host
+            self.drain_asked = True
         elif op == "stop":  # a grace period (the ranks see job/stop), then by force (``_stop_late``)
             self._stopping = self._stopping or time.monotonic() + _STOP_GRACE_S
 
@@ -414,9 +424,10 @@ class HostAgent:
             self._last_usage = self._sampler.sample()
         status = {"seq": self._seq, "procs": procs, "stopped": stopped, "usage": self._last_usage}
         if self._draining:
-            drained = not any(p["alive"] for p in procs.values())
             status["draining"] = True
-            if drained:  # its processes' last events before the word that they are gone
+            # (once the job's end stopped them, they are stopped, not drained)
+            if not self._stopping and not any(p["alive"] for p in procs.values()):
+                # its processes' last events before the word that they are gone
                 self.relay.flush()
                 status["drained"] = stopped = True
         if self._reset_done is not None:

@@ -53,6 +53,7 @@ from checkpointless.control.processes import ProcessBackend, ProcessTable
 from checkpointless.control.size_requests import SizeRequests
 from checkpointless.errors import LaunchError
 from checkpointless.launch.control_http import ControlServer
+from checkpointless.launch.drains import DrainRequests
 from checkpointless.launch.events import EventCollector, Rejections
 from checkpointless.launch.job_stop import JobStop
 from checkpointless.launch.remote import ClusterSpec, RemoteNodes
@@ -139,6 +140,7 @@ class Launcher:
         self._collector = EventCollector(self._log, self._rejections)
         self._secret = secret or new_secret()
         self._sizes = SizeRequests(job.min_size, job.max_size, job.workers)
+        self._drains = DrainRequests(self._drain_refusal)
         self._control_port = control_port
         self._http: ControlServer | None = None
 
@@ -246,18 +248,33 @@ class Launcher:
         )  # fmt: skip
 
     def _control_server(self) -> ControlServer | None:
-        """The control endpoint (``POST /scale``), bound: on every interface at ``--control-port``,
+        """The control endpoint (``POST /scale``, ``POST /drain``), bound: on every interface at ``--control-port``,
         else on a free loopback port where the run folder's ``control.json`` can name it."""
         if self._control_port is None and self.folder.out_dir is None:
             return None
         host = "0.0.0.0" if self._control_port is not None else "127.0.0.1"
         try:
-            return ControlServer(self._sizes, control_token(self._secret), host, self._control_port or 0)
+            return ControlServer(
+                self._sizes, control_token(self._secret), host, self._control_port or 0, drains=self._drains
+            )
         except OSError as e:
             raise LaunchError(f"--control-port {self._control_port}: {e.strerror or e}") from e
 
+    def _drain_refusal(self, node: int) -> str | None:
+        """Why host ``node`` cannot be drained now (``DrainRequests``; the control server's thread)."""
+        if self.cluster is None:
+            return (
+                "the job runs on one host: drain is for a job on several hosts (to hand one worker's rank "
+                "over, send that worker SIGTERM)"
+            )
+        remote = self.remote
+        if remote is None:
+            return "the job's hosts have not joined yet: try again in a moment"
+        return remote.drain_refusal(node)
+
     def _close_control(self) -> None:
         """The job is over: nobody can steer it any more."""
+        self._drains.finish()
         self.folder.remove_control_file()
         if self._http is not None:
             self._http.close()
@@ -275,7 +292,7 @@ class Launcher:
             spare_nodes=c.spare_nodes, spares_per_node=c.spares_per_node, job_id=self.job_id, table=table,
             emit=lambda kind, **f: self._record(event(
                 kind, proc="coordinator", gen=self._coord.plan.gen if self._coord and self._coord.plan else 0, **f)),
-            spec=c, addr=store_addr,
+            spec=c, addr=store_addr, drains=self._drains,
         )  # fmt: skip
         # a host's usage every 2 s, at most 100 hosts' a second: at 2,000 hosts one sample of
         # each every 20 s (a Prometheus scrape's usual interval), not 1,000 events a second

@@ -39,6 +39,7 @@ from checkpointless.config import JobConfig
 from checkpointless.control.auth import SignedStore
 from checkpointless.control.processes import ProcessTable
 from checkpointless.errors import JobFailed
+from checkpointless.launch.drains import DrainRequests
 from checkpointless.protocol import keys
 from checkpointless.protocol.vocab import Event, Role
 
@@ -117,6 +118,11 @@ class RemoteProcess:
         self.lost = ""  # why its host was lost: dead to the job for good, even if the host comes back
 
     @property
+    def leaving(self) -> bool:
+        """Its host is being drained."""
+        return bool(self._host.status.get("draining"))
+
+    @property
     def pid(self) -> int:
         """Its pid on its host (0 until its agent reported it)."""
         report = self._report()
@@ -183,8 +189,10 @@ class RemoteNodes:
         table: ProcessTable | None = None,
         spec: ClusterSpec | None = None,
         addr: str = "",
+        drains: DrainRequests | None = None,
     ) -> None:
-        """``table``: the coordinator's process table, read for when a process was last heard
+        """``drains``: where ``checkpointless drain`` asks for a host's drain (taken each ``poll``).
+        ``table``: the coordinator's process table, read for when a process was last heard
         (a host whose agent is slow but whose processes still beat is not lost) and whether it
         holds a rank (where spares go). ``spec``: how the hosts' agents start and where their
         logs go; ``addr``: the coordinator's store, as the agents dial it (``start_job``)."""
@@ -210,6 +218,7 @@ class RemoteNodes:
         self._timeout = host_timeout(job)
         self._answer_s = answer_window(job)
         self.beat_s = status_interval(job)
+        self._drains = drains
 
     # -- registration ----------------------------------------------------------------
     def publish_job(self) -> None:
@@ -372,6 +381,33 @@ class RemoteNodes:
             # a live agent answers at once (its order thread wakes on the key, then it beats)
             host.asked, host.asked_seq = self._clock(), host.seq
 
+    def drain_refusal(self, node: int) -> str | None:
+        """Why host ``node`` cannot be drained now (one line), or None. Reads only: any thread."""
+        try:
+            hosts = list(self.hosts.values())
+        except RuntimeError:  # a host joining in the launcher's thread right now
+            return "the job's hosts are joining: try again in a moment"
+        host = next((h for h in hosts if h.node == node), None)
+        if host is None:
+            known = sorted(h.node for h in hosts)
+            return f"no node {node} in this job (its nodes: {', '.join(map(str, known)) or 'none yet'})"
+        if host.lost:
+            return f"node {node} ({host.name}) has left the job: {host.lost}"
+        if host.status.get("draining"):
+            return f"node {node} ({host.name}) is being drained already"
+        return None
+
+    def _drain_asked(self) -> None:
+        """Order each host asked for by ``checkpointless drain`` to drain (its agent does what its
+        SIGTERM would: ``host_agent.py``)."""
+        for node in self._drains.take() if self._drains is not None else ():
+            host = next((h for h in self.hosts.values() if h.node == node), None)
+            if host is None or host.lost:
+                continue  # gone since the request was taken
+            log.warning("host %s (node %d): drain asked", host.name, node)
+            self.order(host, {"op": "drain"})
+            self._emit(Event.DRAIN_ASKED, host=host.name, node=node)
+
     def probe(self, names: list[str]) -> None:
         """Ask the agents of these processes' hosts for a sign of life (the coordinator waits for
         these processes to report a failure): a host that does not answer within the answer
@@ -393,6 +429,7 @@ class RemoteNodes:
         """Read every host's status in one round trip; declare silent hosts lost. The lost hosts
         that came back (their processes gone): each serves as a spare host now, for the caller
         to fill (``spawn_spare_on``)."""
+        self._drain_asked()
         now = self._clock()
         live = [h for h in self.hosts.values() if not h.lost]
         back = [h for h in self.hosts.values() if h.lost and h.reset is not None]  # may come back
@@ -414,6 +451,7 @@ class RemoteNodes:
             status = json.loads(text)
             if int(status.get("seq", -1)) <= h.seq:
                 continue  # a replay of an older status must not hide a lost host
+            draining = status.get("draining") and not h.status.get("draining")
             h.raw, h.status, h.seq, h.heard = raw, status, int(status["seq"]), now
             if h.asked is not None and h.seq > h.asked_seq:
                 h.asked = None  # answered
@@ -422,6 +460,8 @@ class RemoteNodes:
                 rejoined.append(h)
             elif status.get("drained") and not h.lost:
                 self._drained(h)
+            elif draining and not h.lost:
+                self._release_spares(h)
         quiet = {h.name for h in live if now - h.heard > self._timeout}  # agents silent too long
         heard: dict[str, float] = {}  # the latest heartbeat of any process of each of those hosts
         for n, p in self.children.items() if quiet else ():
@@ -437,6 +477,15 @@ class RemoteNodes:
                     h, f"its agent was silent for {silent:.1f}s (host timeout {self._timeout:g}s)", silent
                 )
         return rejoined
+
+    def _release_spares(self, h: _Host) -> None:
+        """A host being drained: its spares (no rank, none given from now on: ``leaving``) are told
+        to leave now, as at the job's end; each exits with status 0, which is no fault. A spare
+        waiting on the store would see its own SIGTERM only when its wait ends."""
+        for name, p in self.children.items():
+            if p._host is h and not self._table.is_worker(name):
+                with contextlib.suppress(RuntimeError, OSError):
+                    self.store.set(keys.assign(name), keys.STOP)
 
     def _drained(self, h: _Host) -> None:
         """A host drained on a notice (its agent's SIGTERM) has no process left and its agent exits:

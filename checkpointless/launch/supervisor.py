@@ -133,6 +133,7 @@ class _Child:
     """A started process, as the coordinator sees it."""
 
     relayed = False  # on the coordinator's host, it beats into the control store itself
+    leaving = False  # (this host is the launcher's: never drained)
 
     def __init__(
         self,

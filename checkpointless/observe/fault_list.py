@@ -113,6 +113,8 @@ _EXIT_CAUSES = frozenset({Reason.PROCESS_EXIT, Reason.START_FAILURE})  # the exi
 _ERROR_CHARS = 500
 _NOT_PROCESSES = frozenset({"coordinator", "launcher"})  # event sources that are not a job process
 
+_LEFT = (0, -_signal.SIGTERM)  # how a spare told to leave exits (``control/exits.py``)
+
 
 def signal_name(exitcode: int | None) -> str | None:
     """``SIGKILL`` for ``-9`` (a process killed by a signal); None for a normal exit or unknown."""
@@ -267,6 +269,8 @@ def _incidents(timed: list[tuple[float, dict[str, Any]]]) -> list[_Incident]:
         is_process_event = kind == Event.PROCESS_EXITED or (
             kind == Event.FAULT_DETECTED and reason in _PROCESS_CAUSES
         )
+        if kind == Event.PROCESS_EXITED and e.get("role") == Role.SPARE and e.get("exitcode") in _LEFT:
+            continue  # a spare told to leave (its host drained): no fault
         if is_process_event:
             cause = Reason.PROCESS_EXIT if kind == Event.PROCESS_EXITED else str(reason)
             seen = by_key.get(_str(e.get("target")) or "")

@@ -33,7 +33,8 @@ class Event(StrEnum):
     CATCH_UP_STARTED = "catch_up_started"  # a spare follows a rank in the background (``target``, ``rank``)
     CATCH_UP_SENT = "catch_up_sent"  # the source sent its copy (``bytes``, ``seconds``, ``step``)
     CATCH_UP_ENDED = "catch_up_ended"  # the follower took its rank (``ok``) or gave up (``error``)
-    HOST_DRAINED = "host_drained"  # a host's agent got SIGTERM: its ranks handed over, it left the job
+    DRAIN_ASKED = "drain_asked"  # checkpointless drain / POST /drain: the host's agent was told to drain
+    HOST_DRAINED = "host_drained"  # a host drained on a notice: its ranks handed over, it left the job
     SPARE_RESTART_SCHEDULED = "spare_restart_scheduled"
     SPARE_POOL_EXHAUSTED = "spare_pool_exhausted"
     STEP_COMMITTED = "step_committed"

@@ -7,14 +7,18 @@ namespace, no bridge, no process. Needs root (network namespaces); skipped other
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from checkpointless.cli.commands import main
 from checkpointless.observe.fields import unpacked
 from tests.jobs import COMMITTED, pids_whose_command
 
@@ -63,6 +67,18 @@ def reference() -> str:
         [*CLI, "demo", "--workers", "4", "--spares", "0", "--fault", "none", *STEPS],
         capture_output=True, text=True, timeout=300, env=ENV,
     )  # fmt: skip
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    return _digest(ref.stderr)
+
+
+LARGER = ("--d-model", "256", "--layers", "4")  # steps long enough for a handoff to come first
+
+
+@pytest.fixture(scope="module")
+def reference_larger() -> str:
+    """The fault-free digest of the demo with the ``LARGER`` model on one host."""
+    ref = subprocess.run([*CLI, "demo", "--workers", "4", "--spares", "0", "--fault", "none", *STEPS, *LARGER],
+                         capture_output=True, text=True, timeout=300, env=ENV)  # fmt: skip
     assert ref.returncode == 0, ref.stderr[-3000:]
     return _digest(ref.stderr)
 
@@ -579,19 +595,17 @@ def test_an_agent_with_another_secret_is_told_so(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(600)
-def test_a_host_with_notice_is_drained_into_the_spare_host_with_no_lost_step(tmp_path: Path) -> None:
+def test_a_host_with_notice_is_drained_into_the_spare_host_with_no_lost_step(
+    tmp_path: Path, reference_larger: str
+) -> None:
     """``preempt:node=1@step=6,notice=60``: host 1's agent gets SIGTERM (what Kubernetes sends a
     pod, Slurm a step's tasks). It drains its host: both of its ranks hand their places to the spare
     host's processes in one handoff, they exit 0, and the agent leaves the job once none is left
     (no host lost, no fault detected). Final state equal to the fault-free run."""
-    model = ("--d-model", "256", "--layers", "4")  # steps long enough for the handoff to come first
-    ref = subprocess.run([*CLI, "demo", "--workers", "4", "--spares", "0", "--fault", "none", *STEPS, *model],
-                         capture_output=True, text=True, timeout=300, env=ENV)  # fmt: skip
-    assert ref.returncode == 0, ref.stderr[-3000:]
     out = tmp_path / "cluster"
-    events = _cluster(out, "preempt:node=1@step=6,notice=60", model=model)
+    events = _cluster(out, "preempt:node=1@step=6,notice=60", model=LARGER)
     report = json.loads((out / "report.json").read_text())
-    assert report["final_state_sha256"] == _digest(ref.stderr) != "None"
+    assert report["final_state_sha256"] == reference_larger != "None"
     kinds = [e["kind"] for e in events]
     assert "host_drained" in kinds and "host_lost" not in kinds and "recovery_done" not in kinds, kinds
     handoffs = [e for e in events if e["kind"] == "handoff_started"]
@@ -600,3 +614,121 @@ def test_a_host_with_notice_is_drained_into_the_spare_host_with_no_lost_step(tmp
     assert sorted(assigned) == [2, 3] and set(assigned.values()) == {"s0", "s1"}
     assert report["steps_completed"] == 16 and all(f["lost_steps"] == 0 for f in report["faults"])
     assert [f["cause"] for f in report["faults"]] == [None], report["faults"]  # injected, nothing crashed
+
+
+def _committed_step(events: Path) -> int:
+    """The highest step any rank committed so far, from the streamed ``events.jsonl``."""
+    parsed = []
+    for line in (events.read_text() if events.exists() else "").splitlines():
+        if COMMITTED.search(line):
+            try:
+                parsed.append(json.loads(line))
+            except ValueError:  # a line being written
+                pass
+    return max((e["step"] for e in unpacked(parsed) if e.get("kind") == "step_committed"), default=-1)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("how", ["command", "notice-file"])
+def test_a_drain_asked_from_outside_hands_the_host_over_with_no_lost_step(
+    tmp_path: Path, reference_larger: str, how: str
+) -> None:
+    """``checkpointless drain RUN_DIR --node 1`` on a running job, or a notice handler creating host
+    1's notice file (``agent --notice-file``; ``cluster`` gives each host one in its log folder):
+    host 1 drains as on its agent's SIGTERM, both of its ranks handed to the spare host in one
+    handoff, no host lost, no fault, no lost step; the final state equals the fault-free run. A
+    second drain of the same host, and one of a node the job does not have, are refused in one line."""
+    out = tmp_path / "cluster"
+    err = (tmp_path / "cluster.err").open("w")
+    job = subprocess.Popen(
+        [*CLI, "cluster", "--nodes", "2", "--nproc-per-node", "2", "--spare-nodes", "1", "demo", *STEPS, *LARGER,
+         "--fault", "none", "--out", str(out)],
+        stdout=subprocess.DEVNULL, stderr=err, env=ENV,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while _committed_step(out / "events.jsonl") < 4:
+            assert job.poll() is None and time.monotonic() < deadline, (tmp_path / "cluster.err").read_text()
+            time.sleep(0.1)
+
+        def drain(node: int) -> tuple[int, str, str]:
+            """``checkpointless drain`` in this process (the command's start, a few seconds, would
+            come after this short job's end); the command itself: ``tests/unit/test_drain.py``."""
+            said, err_text = io.StringIO(), io.StringIO()
+            with contextlib.redirect_stderr(err_text), contextlib.redirect_stdout(said):
+                code = main(["drain", str(out), "--node", str(node)])
+            return code, said.getvalue(), err_text.getvalue()
+
+        if how == "command":
+            code, said, error = drain(1)
+            assert code == 0 and "to drain node 1" in said, error
+            refused = ((1, "is being drained already"), (7, "no node 7 in this job"))
+        else:
+            (out / "logs" / "host1" / "notice").touch()
+            refused = ((7, "no node 7 in this job"),)
+        for node, words in refused:
+            code, _, error = drain(node)
+            assert code == 2 and words in error and len(error.strip().splitlines()) == 1, error
+        assert job.wait(timeout=400) == 0, (tmp_path / "cluster.err").read_text()[-3000:]
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait(timeout=30)
+        err.close()
+    report = json.loads((out / "report.json").read_text())
+    assert report["final_state_sha256"] == reference_larger != "None"
+    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    kinds = [e["kind"] for e in events]
+    assert "host_drained" in kinds and "host_lost" not in kinds and "recovery_done" not in kinds, kinds
+    assert ("drain_asked" in kinds) == (how == "command"), kinds
+    handoffs = [e for e in events if e["kind"] == "handoff_started"]
+    assert sorted(e["rank"] for e in handoffs) == [2, 3] and len({e["gen"] for e in handoffs}) == 1, handoffs
+    assert report["steps_completed"] == 16 and all(f["lost_steps"] == 0 for f in report["faults"])
+
+
+@pytest.mark.timeout(600)
+def test_draining_the_spare_host_then_a_worker_host_with_no_spare_left_keeps_the_run(
+    tmp_path: Path, reference_larger: str
+) -> None:
+    """The spare host drained (its spares end, it leaves the job), then host 1 asked to drain with
+    no spare anywhere: its ranks have nowhere to go, so they train on (a notice with no successor
+    is no fault) and the job ends as the fault-free run, with host 1 still in it."""
+    out = tmp_path / "cluster"
+    err = (tmp_path / "cluster.err").open("w")
+    job = subprocess.Popen(
+        [*CLI, "cluster", "--nodes", "2", "--nproc-per-node", "2", "--spare-nodes", "1", "demo", *STEPS, *LARGER,
+         "--fault", "none", "--out", str(out)],
+        stdout=subprocess.DEVNULL, stderr=err, env=ENV,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while _committed_step(out / "events.jsonl") < 2:
+            assert job.poll() is None and time.monotonic() < deadline, (tmp_path / "cluster.err").read_text()
+            time.sleep(0.1)
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            assert main(["drain", str(out), "--node", "2"]) == 0
+        while '"host_drained"' not in (out / "events.jsonl").read_text():
+            assert job.poll() is None and time.monotonic() < deadline, (tmp_path / "cluster.err").read_text()
+            time.sleep(0.1)
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            assert main(["drain", str(out), "--node", "1"]) == 0
+        assert job.wait(timeout=400) == 0, (tmp_path / "cluster.err").read_text()[-3000:]
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait(timeout=30)
+        err.close()
+    report = json.loads((out / "report.json").read_text())
+    assert report["final_state_sha256"] == reference_larger != "None"
+    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
+    (end,) = [e["t"] for e in events if e["kind"] == "job_finished"]
+    # host 1 kept its ranks until the end (then its processes were gone: drained, after the end)
+    assert [e["host"] for e in events if e["kind"] == "host_drained" and e["t"] < end] == ["host2"]
+    assert [e["node"] for e in events if e["kind"] == "drain_asked"] == [2, 1]
+    kinds = [e["kind"] for e in events]
+    assert "host_lost" not in kinds and "recovery_done" not in kinds and "handoff_started" not in kinds, kinds
+    spares = {
+        e["target"]: e["exitcode"] for e in events if e["kind"] == "process_exited" and e["role"] == "spare"
+    }
+    assert set(spares) == {"s0", "s1"} and set(spares.values()) <= {0, -15}, spares  # told to leave
+    assert report["steps_completed"] == 16 and report["faults"] == []

@@ -640,6 +640,25 @@ def test_worker_exit_that_ends_the_job(joined: bool, code: int, log: str, match:
     assert job.store.get(keys.abort(0)) is None and job.spawned == []
 
 
+def test_a_spare_given_a_rank_as_it_left_on_a_notice_is_a_lost_rank_not_a_mistake() -> None:
+    """The plan that gives spare s0 rank 1 crosses its notice: it exits 0 still a spare (its last
+    heartbeat says so). Rank 1 is lost like any other (a fault, recovered), not a worker whose loop
+    ended early."""
+    job = Job(workers=2, spares=2)
+    job.steady(committed=3)
+    job.exit("w1", -9)
+    job.tick()
+    job["w0"].recover("peer_failure")
+    job.tick()
+    plan = job.plan(1)
+    assert plan is not None and plan.members[1] in ("s0", "s1")
+    newcomer = plan.members[1]
+    job.exit(newcomer, 0)  # its heartbeat still says "spare"
+    job.tick()
+    assert [f for f in job.faults() if f[1] == newcomer] == [("process_exit", newcomer)]
+    assert not job.coord.finished and job.store.get(keys.abort(1)) == "1"
+
+
 @pytest.mark.parametrize(("limit", "delays"), [(3, [0.5, 1.0, 2.0]), (1, [0.5]), (0, [])])
 def test_spares_dying_at_start_up_back_off_then_stop(limit: int, delays: list[float]) -> None:
     job = Job(workers=2, spares=1, spare_restart_limit=limit)
@@ -674,7 +693,8 @@ def test_spares_dying_at_start_up_back_off_then_stop(limit: int, delays: list[fl
     ("heartbeat", "code", "delay"),
     [
         ("spare", -9, None),  # ready, then lost: restarted at once
-        ("spare", 0, None),
+        ("spare", 0, None),  # told to leave (its host drained): no fault
+        ("spare", -15, None),  # SIGTERM while it waited: no fault either
         ("starting", -9, 0.5),  # joined (a Session) but died before it was ready: backoff
         (None, -9, 0.5),  # killed before its first heartbeat (e.g. out of memory while importing)
     ],
@@ -688,7 +708,8 @@ def test_spare_that_dies_after_start_up(heartbeat: str | None, code: int, delay:
     job.exit("s0", code)
     job.tick()
     died = job.clock.now
-    assert job.faults() == [("process_exit", "s0")]
+    # a ready spare that exits 0 or by SIGTERM was told to leave (its host drained): replaced, no fault
+    assert job.faults() == ([] if heartbeat == "spare" and code in (0, -15) else [("process_exit", "s0")])
     scheduled = job.kinds("spare_restart_scheduled")
     if delay is None:
         assert scheduled == [] and job.spawned == [("s1", died)]

@@ -22,6 +22,7 @@ SECRET = bytes(range(32))
 
 class _Child:
     relayed = False  # a process of this host: it writes its own event chunks
+    leaving = False
 
     def __init__(self) -> None:
         self.exited = False

@@ -173,6 +173,7 @@ def test_the_hosts_lease_advances_only_while_the_coordinator_answers() -> None:
 
 class _Handle:
     relayed = True
+    leaving = False
 
     def __init__(self, name: str, host: str) -> None:
         self.name, self.host = name, host

@@ -269,3 +269,42 @@ def test_spares_per_node_keep_a_process_fault_on_its_host() -> None:
     with pytest.raises(ValueError, match="spare\\(s\\) per node"):
         RemoteNodes(store, JobConfig(workers=4, spares=2), nodes=2, nproc_per_node=2, spare_nodes=1, job_id="j",
                     emit=lambda kind, **f: None, spares_per_node=1)  # fmt: skip
+
+
+def test_a_drain_asked_from_outside_is_ordered_to_the_hosts_agent_at_the_next_poll() -> None:
+    """``checkpointless drain``: the node is checked against the hosts as they stand (unknown, lost,
+    draining: refused in one line), then the next ``poll`` orders its agent to drain and says so
+    (``drain_asked``); the agent's status ``drained`` then takes the host out of the job, not lost."""
+    from checkpointless.launch.drains import DrainRequests
+
+    store = SignedStore(dist.HashStore(), new_secret())
+    job = JobConfig(workers=4, spares=2)
+    clock, seen = Clock(), []
+    holder: list[RemoteNodes] = []
+    drains = DrainRequests(lambda node: holder[0].drain_refusal(node))
+    r = RemoteNodes(store, job, nodes=2, nproc_per_node=2, spare_nodes=1, job_id="j",
+                    emit=lambda kind, **f: seen.append({**f, "kind": kind}), clock=clock, drains=drains)  # fmt: skip
+    holder.append(r)
+    assert drains.ask(1) == "no node 1 in this job (its nodes: none yet)"
+    for h, p, spare in (("a", 1, False), ("b", 2, False), ("c", 3, True)):
+        _hello(store, h, p, spare=spare)
+    r.accept(timeout_s=1)
+    r.start()
+    assert drains.ask(5) == "no node 5 in this job (its nodes: 0, 1, 2)"
+    assert drains.ask(1) is None
+    r.poll()
+    orders = [json.loads(store.get(keys.node_order("b", i)) or "{}") for i in range(r.hosts["b"].orders)]
+    assert orders[-1] == {"op": "drain"}
+    assert [(e["kind"], e["host"], e["node"]) for e in seen] == [("drain_asked", "b", 1)]
+    alive = {"alive": True, "cpu": 1.0, "pid": 7}
+    store.set(keys.node_status("b"), json.dumps({"seq": 1, "procs": {"w2": alive}, "draining": True}))
+    r.poll()
+    assert drains.ask(1) == "node 1 (b) is being drained already"
+    gone = {"alive": False, "exit": 0, "pid": 7}
+    store.set(
+        keys.node_status("b"),
+        json.dumps({"seq": 2, "procs": {"w2": gone}, "draining": True, "drained": True}),
+    )
+    r.poll()
+    assert drains.ask(1) == "node 1 (b) has left the job: drained on a notice"
+    assert [e["kind"] for e in seen] == ["drain_asked", "host_drained"]
