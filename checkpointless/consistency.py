@@ -6,6 +6,7 @@ independent copies is re-synced from it, and without a majority the job stops.""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from checkpointless.replicas import choose_sources, own_lineage, vote
 from checkpointless.state import combined_digest, first_difference
 
 if TYPE_CHECKING:
+    from checkpointless.control.client import ControlClient
     from checkpointless.member import Member
     from checkpointless.model_holder import ModelHolder
 
@@ -91,6 +93,23 @@ def layout_difference(rank_a: int, a: list[list[Any]], rank_b: int, b: list[list
     if extra:
         return f"parameter {extra[0]!r} exists on rank {rank_b} but not on rank {rank_a}"
     return f"parameters are registered in a different order on rank {rank_a} and rank {rank_b}"
+
+
+def layouts_differ(
+    group: Group, client: ControlClient, model: torch.nn.Module, gen: int, rank: int
+) -> str | None:
+    """Every rank's parameters must have the same names, shapes and dtypes: one tiny all-gather of
+    their digests; where they differ, the first difference in words (each rank's layout is read
+    from the store then), else None."""
+    text = json.dumps(layout_of(model))
+    client.publish(keys.layout(gen, rank), text)
+    digest = torch.frombuffer(bytearray(hashlib.sha256(text.encode()).digest()), dtype=torch.uint8)
+    digests = group.control.allgather(digest)
+    if all(torch.equal(d, digests[0]) for d in digests):
+        return None
+    layouts = {r: client.read_json(keys.layout(gen, r)) for r in range(len(digests))}
+    odd = next(r for r in range(1, len(digests)) if not torch.equal(digests[r], digests[0]))
+    return "model layouts differ between ranks: " + layout_difference(0, layouts[0], odd, layouts[odd])
 
 
 def holders_can_disagree(plan: Plan) -> bool:

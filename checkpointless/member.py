@@ -3,13 +3,12 @@ formed, its layout checked, state restored from the durable tier or moved peer t
 coordinator's plan says (the holders comparing theirs first), and the step re-executed.
 
 ``Member`` is the only writer of the process's place in the job (rank, world size, generation),
-of its group and, for a sharded model, of the generation's mesh, which the model holder receives.
+of its group and, for a sharded model, of the generation's mesh, which the model holder receives;
+the state it takes on the way in is its ``StateArrival``'s (``arrival.py``).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 import threading
@@ -21,14 +20,14 @@ from typing import Any, NoReturn
 
 import torch
 
+from checkpointless.arrival import StateArrival
 from checkpointless.comm import CollectiveError, Group, is_collective_failure
 from checkpointless.config import JobConfig
 from checkpointless.consistency import (
     TrainableAgreement,
     compare_holders,
     holders_can_disagree,
-    layout_difference,
-    layout_of,
+    layouts_differ,
 )
 from checkpointless.control.client import ControlClient
 from checkpointless.control.plan import Plan
@@ -36,16 +35,16 @@ from checkpointless.durable import DurableWriter
 from checkpointless.errors import Dismissed, FatalError, IntegrityError, Unrecoverable
 from checkpointless.fault_grammar import FaultSpec
 from checkpointless.faults import FaultInjector
-from checkpointless.following import CatchUps, recv_light, send_light
+from checkpointless.following import CatchUps, send_light
 from checkpointless.formation import Formation
 from checkpointless.fsdp import Generation
 from checkpointless.model_holder import ModelHolder
 from checkpointless.progress import StepState
 from checkpointless.protocol import keys
 from checkpointless.protocol.vocab import Event, Phase, Reason
-from checkpointless.recovery_source import restore_durable, transfer_in, transfer_out
+from checkpointless.recovery_source import transfer_out
 from checkpointless.replicas import own_lineage
-from checkpointless.state import TransferStats, combined_digest, recv_state, send_state
+from checkpointless.state import TransferStats, combined_digest
 
 log = logging.getLogger(__name__)
 
@@ -88,15 +87,12 @@ class Member:
         self.rank, self.world_size, self.generation = 0, 1, 0
         self.group: Group | None = None
         self._generation: Generation | None = None  # sharded: this generation's groups and mesh
-        self.has_state = (
-            has_state  # whether this process holds valid job state (a spare does not until it receives)
-        )
         self.fatal_sent = False  # this process reported a mistake no recovery can fix
         self.abort_seen = -1  # the generation whose abort the heartbeat thread saw
         self.planned_leave = -1  # the generation whose planned end the heartbeat thread saw
         self._host_ranks: list[int] = []  # the ranks on this process's host (a host fault hits them all)
-        self._lineages: dict[int, int] = {}  # every member's, as last exchanged in a recovery
         self.trainable = TrainableAgreement(self)
+        self._arrival = StateArrival(model, steps, self.trainable, secret, has_state=has_state)
         timeout = timedelta(seconds=rc.collective_timeout_s)
         #: the spares this process feeds in the background, or its own catch-up (``following``)
         self.catch_ups = None if client is None else CatchUps(client, secret, model, timeout)
@@ -147,6 +143,11 @@ class Member:
     @property
     def plan_timeout(self) -> timedelta:
         return timedelta(seconds=self.job.recovery.plan_timeout_s)
+
+    @property
+    def has_state(self) -> bool:
+        """Whether this process holds valid job state (a spare does not until it receives)."""
+        return self._arrival.has_state
 
     def _client(self) -> ControlClient:
         assert self.client is not None, "a process alone has no control plane"
@@ -319,7 +320,7 @@ class Member:
         client.update(rank=rank, gen=plan.gen, phase=Phase.JOINING)
         if self.catch_ups is not None and self.has_state:
             self.catch_ups.settle(plan, rank, self._steps.committed)
-        self._lineages = {}
+        self._arrival.exchanged({})
         if self.faults is not None and plan.newcomer(rank):
             self.faults.at_recovery(rank, plan.resume_step, self.fault_fired, at="join")
         if plan.shards > 1 and not self._model.sharded:
@@ -360,7 +361,8 @@ class Member:
                 hasher.join()
             elif holder:
                 hashing["d"] = combined_digest(self._model.entries())
-            sources, self._lineages = compare_holders(self, plan, hashing.get("d"), holder, self._steps)
+            sources, lineages = compare_holders(self, plan, hashing.get("d"), holder, self._steps)
+            self._arrival.exchanged(lineages)
         if rank in sources:
             self._receive(plan, sources[rank], light=rank in plan.caught_up)
         for dst in sorted(r for r, s in sources.items() if s == rank):
@@ -369,7 +371,7 @@ class Member:
             if dst in plan.caught_up and send_light(self.group, dst, self._model, self._secret):
                 continue
             transfer_out(self.group, dst, self._model, self._secret, gen=plan.gen, rank=rank)
-        self._relayout(plan.resume_step)
+        self._arrival.relayout(plan.resume_step)
         if plan.world_size > 1 and self._steps.committed < 0 and plan.restore is None:
             # nothing committed yet (generation 0, or a recovery before the first commit): every
             # replica starts from rank 0's parameters and buffers, as DDP's do
@@ -415,104 +417,41 @@ class Member:
             self.group = formed
 
     def _receive(self, plan: Plan, src: int, *, light: bool = False) -> None:
-        """This rank's state from ``src`` (a replacement's, or a survivor's that lost it); ``light``:
-        a spare that caught up receives what the catch-up did not bring, and everything only if the
-        two then differ."""
+        """This rank's state from ``src`` (``StateArrival.receive``)."""
         assert self.group is not None
-        client, rank = self._client(), self.rank
+        rank = self.rank
 
         def hook() -> None:
             # kill:spare@recovery hits a spare taking a rank only, never a lagging survivor that receives
             if self.faults is not None and plan.newcomer(rank):
                 self.faults.at_recovery(rank, plan.resume_step, self.fault_fired)
 
-        client.emit(Event.TRANSFER_BEGUN, rank=rank, gen=plan.gen, step=plan.resume_step, src=src)
-        # received in place, into this process's own tensors: it holds no valid state until loaded
-        self.has_state = False
-        if light:
-            hook()
-            stats, same, sent_lineage = recv_light(self.group, src, self._model, self._secret)
-            client.emit(Event.CATCH_UP_ENDED, sync=True, rank=rank, gen=plan.gen, step=plan.resume_step, src=src,
-                        ok=same, bytes=stats.bytes, seconds=round(stats.seconds, 4))  # fmt: skip
-            if same:
-                self._loaded(plan, src, sent_lineage)
-                return
-            log.warning("[gen %d rank %d] the catch-up differs from rank %d's state: receiving all of it",
-                        plan.gen, rank, src)  # fmt: skip
-        stats, kept, sent_lineage = transfer_in(self.group, src, self._model, self._secret, hook)
-        self._loaded(plan, src, sent_lineage)
-        client.emit(
-            Event.TRANSFER_ENDED, rank=rank, gen=plan.gen, step=plan.resume_step, src=src,
-            bytes=stats.bytes, seconds=stats.seconds, waited_s=round(stats.waited_s, 4), sha256_ok=True,
-            kept_bytes=kept,
-        )  # fmt: skip
-
-    def _loaded(self, plan: Plan, src: int, sent_lineage: int | None) -> None:
-        """The state from ``src`` is loaded: it descends from the source's lineage (as the holders
-        exchanged it, else as its state says)."""
-        self.has_state = True
-        self._took_state(plan.resume_step)
-        lineage = own_lineage(plan.gen, src) if sent_lineage is None else sent_lineage
-        self._steps.descend(self._lineages.get(src, lineage))
-
-    def _took_state(self, step: int) -> None:
-        """State was loaded into the model: its buffers committed, its trainable flags (which came
-        with it) the ones the ranks agree on."""
-        self._model.received(step)
-        self._relayout(step, took=True)
-
-    def _relayout(self, step: int, *, took: bool = False) -> None:
-        """The gradient buckets follow the trainable flags as they are now, which every rank holds
-        alike (a peer's state brought them, ``took``; or each undid its failed attempt's change)."""
-        if (self._model.relayout(step) or took) and self._model.model is not None and not self._model.sharded:
-            self.trainable.took([n for n, p in self._model.model.named_parameters() if p.requires_grad])
+        self._arrival.receive(self.group, self._client(), plan, rank, src, light=light, hook=hook)
 
     def resync_to(self, dst: int) -> None:
         """The consistency check: send this rank's state to a replica that differs from the majority."""
         assert self.group is not None
-        send_state(self.group, dst, self._model.registry.state_dict(), key=self._secret)
+        self._arrival.resync_to(self.group, dst)
 
     def resync_from(self, ref: int, lineage: int, step: int) -> TransferStats:
-        """The consistency check: this replica differs from its shard's majority: it takes ``ref``'s
-        state (whose computation descends from ``lineage``)."""
+        """The consistency check: this replica takes ``ref``'s state (``StateArrival.resync_from``)."""
         assert self.group is not None
-        self.has_state = False
-        state, stats = recv_state(self.group, ref, key=self._secret, into=self._model.registry.state_dict())
-        self._model.registry.load_state_dict(state)
-        self.has_state = True
-        self._steps.descend(lineage)
-        self._took_state(step)
-        return stats
+        return self._arrival.resync_from(self.group, ref, lineage, step)
 
     def _restore_durable(self, plan: Plan) -> Plan:
-        """Every rank rolls back to its run's newest durable snapshot at or before the plan's step
-        that every rank can load (``recovery_source.restore_durable``); the plan as followed."""
+        """The rollback to the durable tier (``StateArrival.restore_durable``); the plan as followed."""
         assert (
             self.group is not None and self.durable is not None
         )  # a rollback is planned only with the tier on
-        self.has_state = False
         try:
-            followed = restore_durable(plan, self.group, self.durable, self._model, self._client(),
-                                       rank=self.rank, shard=self.shard, replica=self.replica)  # fmt: skip
+            return self._arrival.restore_durable(plan, self.group, self.durable, self._client(), rank=self.rank,
+                                                 shard=self.shard, replica=self.replica)  # fmt: skip
         except Unrecoverable as e:
             self.fatal(str(e))
-        self._model.buffers.commit()
-        self.has_state = True
-        return followed
 
     def _check_layout(self, plan: Plan) -> None:
-        """Every rank's parameters must have the same names, shapes and dtypes (one tiny all-gather)."""
-        client, group, model = self._client(), self.group, self._model.model
-        assert group is not None and model is not None
-        mine = layout_of(model)
-        text = json.dumps(mine)
-        client.publish(keys.layout(plan.gen, self.rank), text)
-        digest = torch.frombuffer(bytearray(hashlib.sha256(text.encode()).digest()), dtype=torch.uint8)
-        digests = group.control.allgather(digest)
-        if all(torch.equal(d, digests[0]) for d in digests):
-            return
-        layouts = {r: client.read_json(keys.layout(plan.gen, r)) for r in range(plan.world_size)}
-        odd = next(r for r in range(1, plan.world_size) if not torch.equal(digests[r], digests[0]))
-        self.fatal(
-            "model layouts differ between ranks: " + layout_difference(0, layouts[0], odd, layouts[odd])
-        )
+        """Every rank's parameters must have the same names, shapes and dtypes (``layouts_differ``)."""
+        assert self.group is not None and self._model.model is not None
+        difference = layouts_differ(self.group, self._client(), self._model.model, plan.gen, self.rank)
+        if difference is not None:
+            self.fatal(difference)

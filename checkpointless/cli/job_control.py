@@ -4,14 +4,57 @@ drain`` post one request each. Every failure is a ``UserInputError`` of one line
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from checkpointless.errors import UserInputError
 from checkpointless.launch.outputs import CONTROL_FILE
+
+
+def parser_for(prog: str, description: str) -> argparse.ArgumentParser:
+    """A request's command line: ``RUN_DIR`` and ``--timeout``; the caller adds the request's field."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("run_dir", type=Path, metavar="RUN_DIR", help="the running job's --out directory")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="how long to wait for the job (default 10)",
+    )
+    return parser
+
+
+def ask(
+    prog: str, parser: argparse.ArgumentParser, argv: list[str], *, field: str, least: int, path: str,
+    said: Callable[[dict[str, Any], dict[str, Any], int], str],
+) -> int:  # fmt: skip
+    """Post ``{field: --field}`` to ``path`` of the job in ``RUN_DIR``; print ``said(control, reply,
+    value)``. The exit status: 0 once the job took the request; every failure prints one line to
+    stderr and returns 2 (argparse's own usage errors return its code)."""
+    try:
+        args = parser.parse_args(argv)
+        value = getattr(args, field)
+        if value < least:
+            parser.error(f"--{field} must be at least {least}, got {value}")
+        if not args.timeout > 0:
+            parser.error(f"--timeout must be above 0 seconds, got {args.timeout}")
+    except SystemExit as exc:  # argparse already printed usage
+        return exc.code if isinstance(exc.code, int) else 2
+    try:
+        control = read_control(args.run_dir)
+        reply = post(control, args.run_dir, path, {field: value}, args.timeout)
+    except UserInputError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    print(said(control, reply, value))
+    return 0
 
 
 def read_control(run_dir: Path) -> dict[str, Any]:

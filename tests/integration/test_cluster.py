@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -628,6 +629,49 @@ def _committed_step(events: Path) -> int:
     return max((e["step"] for e in unpacked(parsed) if e.get("kind") == "step_committed"), default=-1)
 
 
+class _RunningCluster:
+    """``cluster ... demo`` with the ``LARGER`` model, fault-free, running in the background: what
+    a test drives from outside while it trains."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.out, self._err_path = tmp_path / "cluster", tmp_path / "cluster.err"
+        self._err = self._err_path.open("w")
+        self.job = subprocess.Popen(
+            [*CLI, "cluster", "--nodes", "2", "--nproc-per-node", "2", "--spare-nodes", "1", "demo", *STEPS,
+             *LARGER, "--fault", "none", "--out", str(self.out)],
+            stdout=subprocess.DEVNULL, stderr=self._err, env=ENV,
+        )  # fmt: skip
+        self._deadline = time.monotonic() + 300
+
+    def __enter__(self) -> _RunningCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.job.poll() is None:
+            self.job.kill()
+            self.job.wait(timeout=30)
+        self._err.close()
+
+    def wait_until(self, done: Callable[[], bool]) -> None:
+        while not done():
+            assert self.job.poll() is None and time.monotonic() < self._deadline, self._err_path.read_text()
+            time.sleep(0.1)
+
+    def drain(self, node: int) -> tuple[int, str, str]:
+        """``checkpointless drain`` in this process (the command's start, a few seconds, would come
+        after this short job's end; the command itself: ``tests/unit/test_drain.py``): its exit
+        status, stdout and stderr."""
+        said, error = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stderr(error), contextlib.redirect_stdout(said):
+            code = main(["drain", str(self.out), "--node", str(node)])
+        return code, said.getvalue(), error.getvalue()
+
+    def ended(self) -> list[dict]:
+        """The job's events, once it ended with status 0."""
+        assert self.job.wait(timeout=400) == 0, self._err_path.read_text()[-3000:]
+        return [json.loads(line) for line in (self.out / "events.jsonl").read_text().splitlines()]
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("how", ["command", "notice-file"])
 def test_a_drain_asked_from_outside_hands_the_host_over_with_no_lost_step(
@@ -638,46 +682,21 @@ def test_a_drain_asked_from_outside_hands_the_host_over_with_no_lost_step(
     host 1 drains as on its agent's SIGTERM, both of its ranks handed to the spare host in one
     handoff, no host lost, no fault, no lost step; the final state equals the fault-free run. A
     second drain of the same host, and one of a node the job does not have, are refused in one line."""
-    out = tmp_path / "cluster"
-    err = (tmp_path / "cluster.err").open("w")
-    job = subprocess.Popen(
-        [*CLI, "cluster", "--nodes", "2", "--nproc-per-node", "2", "--spare-nodes", "1", "demo", *STEPS, *LARGER,
-         "--fault", "none", "--out", str(out)],
-        stdout=subprocess.DEVNULL, stderr=err, env=ENV,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 300
-        while _committed_step(out / "events.jsonl") < 4:
-            assert job.poll() is None and time.monotonic() < deadline, (tmp_path / "cluster.err").read_text()
-            time.sleep(0.1)
-
-        def drain(node: int) -> tuple[int, str, str]:
-            """``checkpointless drain`` in this process (the command's start, a few seconds, would
-            come after this short job's end); the command itself: ``tests/unit/test_drain.py``."""
-            said, err_text = io.StringIO(), io.StringIO()
-            with contextlib.redirect_stderr(err_text), contextlib.redirect_stdout(said):
-                code = main(["drain", str(out), "--node", str(node)])
-            return code, said.getvalue(), err_text.getvalue()
-
+    with _RunningCluster(tmp_path) as run:
+        run.wait_until(lambda: _committed_step(run.out / "events.jsonl") >= 4)
         if how == "command":
-            code, said, error = drain(1)
+            code, said, error = run.drain(1)
             assert code == 0 and "to drain node 1" in said, error
             refused = ((1, "is being drained already"), (7, "no node 7 in this job"))
         else:
-            (out / "logs" / "host1" / "notice").touch()
+            (run.out / "logs" / "host1" / "notice").touch()
             refused = ((7, "no node 7 in this job"),)
         for node, words in refused:
-            code, _, error = drain(node)
+            code, _, error = run.drain(node)
             assert code == 2 and words in error and len(error.strip().splitlines()) == 1, error
-        assert job.wait(timeout=400) == 0, (tmp_path / "cluster.err").read_text()[-3000:]
-    finally:
-        if job.poll() is None:
-            job.kill()
-            job.wait(timeout=30)
-        err.close()
-    report = json.loads((out / "report.json").read_text())
+        events = run.ended()
+    report = json.loads((run.out / "report.json").read_text())
     assert report["final_state_sha256"] == reference_larger != "None"
-    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
     kinds = [e["kind"] for e in events]
     assert "host_drained" in kinds and "host_lost" not in kinds and "recovery_done" not in kinds, kinds
     assert ("drain_asked" in kinds) == (how == "command"), kinds
@@ -693,34 +712,14 @@ def test_draining_the_spare_host_then_a_worker_host_with_no_spare_left_keeps_the
     """The spare host drained (its spares end, it leaves the job), then host 1 asked to drain with
     no spare anywhere: its ranks have nowhere to go, so they train on (a notice with no successor
     is no fault) and the job ends as the fault-free run, with host 1 still in it."""
-    out = tmp_path / "cluster"
-    err = (tmp_path / "cluster.err").open("w")
-    job = subprocess.Popen(
-        [*CLI, "cluster", "--nodes", "2", "--nproc-per-node", "2", "--spare-nodes", "1", "demo", *STEPS, *LARGER,
-         "--fault", "none", "--out", str(out)],
-        stdout=subprocess.DEVNULL, stderr=err, env=ENV,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 300
-        while _committed_step(out / "events.jsonl") < 2:
-            assert job.poll() is None and time.monotonic() < deadline, (tmp_path / "cluster.err").read_text()
-            time.sleep(0.1)
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            assert main(["drain", str(out), "--node", "2"]) == 0
-        while '"host_drained"' not in (out / "events.jsonl").read_text():
-            assert job.poll() is None and time.monotonic() < deadline, (tmp_path / "cluster.err").read_text()
-            time.sleep(0.1)
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            assert main(["drain", str(out), "--node", "1"]) == 0
-        assert job.wait(timeout=400) == 0, (tmp_path / "cluster.err").read_text()[-3000:]
-    finally:
-        if job.poll() is None:
-            job.kill()
-            job.wait(timeout=30)
-        err.close()
-    report = json.loads((out / "report.json").read_text())
+    with _RunningCluster(tmp_path) as run:
+        run.wait_until(lambda: _committed_step(run.out / "events.jsonl") >= 2)
+        assert run.drain(2)[0] == 0
+        run.wait_until(lambda: '"host_drained"' in (run.out / "events.jsonl").read_text())
+        assert run.drain(1)[0] == 0
+        events = run.ended()
+    report = json.loads((run.out / "report.json").read_text())
     assert report["final_state_sha256"] == reference_larger != "None"
-    events = [json.loads(line) for line in (out / "events.jsonl").read_text().splitlines()]
     (end,) = [e["t"] for e in events if e["kind"] == "job_finished"]
     # host 1 kept its ranks until the end (then its processes were gone: drained, after the end)
     assert [e["host"] for e in events if e["kind"] == "host_drained" and e["t"] < end] == ["host2"]

@@ -608,7 +608,17 @@ def test_loss_and_replicas_by_step_weigh_each_rank_by_its_shares_in_the_generati
 def test_a_spare_that_left_on_a_notice_is_no_fault_one_that_died_is() -> None:
     """A host drained: its spares exit with status 0 or by SIGTERM (no rank to hand over): not a
     fault. A spare killed is one."""
-    base = [{"t": 0.0, "kind": "job_started", "proc": "launcher", "rank": None, "gen": 0, "workers": 2, "spares": 2}]
+    base = [
+        {
+            "t": 0.0,
+            "kind": "job_started",
+            "proc": "launcher",
+            "rank": None,
+            "gen": 0,
+            "workers": 2,
+            "spares": 2,
+        }
+    ]
     left = {"t": 1.0, "kind": "process_exited", "proc": "coordinator", "rank": None, "gen": 0, "target": "s0",
             "role": "spare", "exitcode": 0, "joined": True}  # fmt: skip
     termed = {**left, "t": 1.5, "target": "s2", "exitcode": -15}
