@@ -37,9 +37,8 @@ def run(argv: list[str], topology: LocalCluster | None = None) -> int:
     positive("layers", args.layers)
     positive("d-model", args.d_model)
     job = job_config(args, args.steps, default_faults(args.workers, args.steps), topology=topology)
-    global_batch = (
-        args.global_batch if args.global_batch is not None else -(-16 // args.workers) * args.workers
-    )
+    shares = job.share_count  # the global batch is cut into shares (by default one per worker)
+    global_batch = args.global_batch if args.global_batch is not None else -(-16 // shares) * shares
     positive("global-batch", global_batch)
     spec = DemoModel(
         steps=args.steps, seed=args.seed, d_model=args.d_model, n_layer=args.layers, global_batch=global_batch
@@ -48,8 +47,9 @@ def run(argv: list[str], topology: LocalCluster | None = None) -> int:
         raise UsageError(
             f"--d-model must be a multiple of the demo's {spec.n_head} attention heads, got {args.d_model}"
         )
-    if spec.global_batch % args.workers:
-        raise UsageError(f"--global-batch {spec.global_batch} must be a multiple of --workers {args.workers}")
+    if spec.global_batch % shares:
+        what = f"--shares {shares}" if shares != args.workers else f"--workers {args.workers}"
+        raise UsageError(f"--global-batch {spec.global_batch} must be a multiple of {what}")
     console = stderr_console()
     console.print(
         f"checkpointless demo: {args.workers} workers + {args.spares} spare(s), {args.steps} steps, "

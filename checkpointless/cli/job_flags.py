@@ -252,11 +252,14 @@ def job_config(
             changes["exit_timeout_s"] = args.exit_timeout
         recovery = dataclasses.replace(base, **changes)
         low, high = recovery.min_workers, recovery.max_workers
-        if topology is not None and ((low and low < args.workers) or high > args.workers):
-            raise UsageError(
-                "--min-workers and --max-workers work on one host for now: an elastic size on several "
-                "hosts (whole hosts' worth) is not built yet"
-            )
+        if topology is not None:  # on several hosts a size is whole hosts' worth
+            per = topology.nproc_per_node
+            for flag, value in (("--min-workers", low), ("--max-workers", high)):
+                if value and value % per:
+                    raise UsageError(
+                        f"{flag} {value} must be a multiple of --nproc-per-node {per}: on several hosts the "
+                        "job changes size by whole hosts"
+                    )
         check_durable(recovery, "recovery.durable_dir" if args.durable_dir is None else "--durable-dir")
         # without --steps, the steps are checked once the script's session.steps(total) says it
         validate_schedule(faults, workers=args.workers, spares=args.spares, steps=steps or 2**62,

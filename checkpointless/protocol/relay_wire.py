@@ -28,6 +28,7 @@ from checkpointless.protocol.vocab import Event
 
 FORWARDED = (
     "seq", "phase", "rank", "gen", "committed", "step", "attempt", "step_time_s", "total", "report", "leaving",
+    "applied",
 )  # fmt: skip
 """The fields of a heartbeat the relay forwards, in this order: those the coordinator reads
 (``control/heartbeats.py``, ``detection.py``, ``coordinator.py``). Its clock (``t``: the relay's own
@@ -39,7 +40,8 @@ _SEPARATORS = (",", ":")
 """The relay value's ``json.dumps`` separators (compact: the coordinator reads one per host)."""
 
 _FORMATS = {"seq": "%d", "phase": '"%s"', "rank": "%d", "gen": "%d", "committed": "%d", "step": "%d",
-            "attempt": "%d", "step_time_s": "%r", "total": "%d", "report": "%s", "leaving": "%d"}  # fmt: skip
+            "attempt": "%d", "step_time_s": "%r", "total": "%d", "report": "%s", "leaving": "%d",
+            "applied": "%d"}  # fmt: skip
 """Each forwarded field's %-format as ``json.dumps`` writes its value (``report``: JSON text)."""
 
 _RELAY_VALUE = '{"seq":%d,"t":%r,"chunks":%d,"procs":{%s}}'

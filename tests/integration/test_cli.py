@@ -62,6 +62,10 @@ def _one_line_exit_2(r: subprocess.CompletedProcess[str], needle: str) -> None:
             ["demo", "--workers", "3", "--global-batch", "16"],
             "--global-batch 16 must be a multiple of --workers 3",
         ),
+        (
+            ["demo", "--workers", "2", "--shares", "6", "--global-batch", "16"],
+            "--global-batch 16 must be a multiple of --shares 6",
+        ),
         (["demo", "--global-batch", "-4"], "--global-batch must be >= 1"),
         # (were the check to regress, a tiny job would run, not the default demo)
         (["demo", "--global-batch", "0", *TINY_JOB], "--global-batch must be >= 1"),

@@ -84,11 +84,16 @@ def reference_larger() -> str:
     return _digest(ref.stderr)
 
 
-def _cluster(out: Path, *faults: str, model: tuple[str, ...] = ()) -> list[dict]:
+def _cluster(
+    out: Path, *faults: str, model: tuple[str, ...] = (), spare_nodes: int = 1, flags: tuple[str, ...] = ()
+) -> list[dict]:
+    """``cluster`` (two hosts of two, ``spare_nodes`` spare hosts) running the demo through
+    ``faults``, with ``model``'s sizes and the demo's other ``flags``: its events, once it ended with
+    status 0 leaving no namespace or bridge behind."""
     before = (_netns(), _bridges())
     run = subprocess.run(
-        [*CLI, "cluster", "--nodes", "2", "--nproc-per-node", "2", "--spare-nodes", "1", "demo", *STEPS, *model,
-         *(a for f in faults for a in ("--fault", f)), "--out", str(out)],
+        [*CLI, "cluster", "--nodes", "2", "--nproc-per-node", "2", "--spare-nodes", str(spare_nodes), "demo",
+         *STEPS, *model, *flags, *(a for f in faults for a in ("--fault", f)), "--out", str(out)],
         capture_output=True, text=True, timeout=400, env=ENV,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
@@ -731,3 +736,49 @@ def test_draining_the_spare_host_then_a_worker_host_with_no_spare_left_keeps_the
     }
     assert set(spares) == {"s0", "s1"} and set(spares.values()) <= {0, -15}, spares  # told to leave
     assert report["steps_completed"] == 16 and report["faults"] == []
+
+
+def _demo_digest(*flags: str) -> str:
+    """The fault-free digest of the demo on one host, four workers, with ``flags``."""
+    ref = subprocess.run([*CLI, "demo", "--workers", "4", "--spares", "0", "--fault", "none", *STEPS, *flags],
+                         capture_output=True, text=True, timeout=300, env=ENV)  # fmt: skip
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    return _digest(ref.stderr)
+
+
+@pytest.mark.timeout(600)
+def test_a_lost_host_with_no_spare_host_shrinks_the_job_by_a_host_and_it_stays_the_same_run(
+    tmp_path: Path,
+) -> None:
+    """``--min-workers 2`` on two hosts of two and no spare host: host 1 loses power at step 6, the
+    survivors on host 0 take its shares at once (4 -> 2 replicas, two shares each) and train on;
+    with ``--exact-resize`` the final state equals the fault-free run at four, bit for bit."""
+    flags = ("--exact-resize",)
+    out = tmp_path / "cluster"
+    events = _cluster(out, "kill:node=1@step=6", spare_nodes=0, flags=(*flags, "--min-workers", "2"))
+    report = json.loads((out / "report.json").read_text())
+    assert report["final_state_sha256"] == _demo_digest(*flags) != "None"
+    resized = [(e["before"], e["replicas"], e["why"]) for e in events if e["kind"] == "resized"]
+    assert resized == [(4, 2, "lost")], resized
+    assert report["replicas_by_step"]["15"] == 2 and report["steps_completed"] == 16
+    assert [f["lost_steps"] for f in report["faults"]] == [0], report["faults"]
+
+
+@pytest.mark.timeout(600)
+def test_never_wait_on_hosts_the_spare_host_catches_up_in_the_background_then_joins(tmp_path: Path) -> None:
+    """``--never-wait`` on two hosts of two with a spare host: host 1 loses power at step 6; the
+    survivors take its shares at once (no transfer to wait for) while the spare host's processes
+    catch up from them across hosts (their progress reaches the coordinator through their host's
+    relay), then join: back to four replicas, the state equal to the fault-free run bit for bit."""
+    flags = ("--exact-resize",)
+    out = tmp_path / "cluster"
+    events = _cluster(
+        out, "kill:node=1@step=6", model=LARGER, flags=(*flags, "--min-workers", "2", "--never-wait")
+    )
+    report = json.loads((out / "report.json").read_text())
+    assert report["final_state_sha256"] == _demo_digest(*flags, *LARGER) != "None"
+    resized = [(e["before"], e["replicas"], e["why"]) for e in events if e["kind"] == "resized"]
+    assert resized == [(4, 2, "lost"), (2, 4, "catch_up")], resized
+    ended = [e for e in events if e["kind"] == "catch_up_ended" and e.get("ok")]
+    assert sorted(e["proc"] for e in ended) == ["s0", "s1"], ended
+    assert all(f["lost_steps"] == 0 for f in report["faults"]), report["faults"]

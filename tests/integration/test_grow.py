@@ -144,9 +144,10 @@ def test_ctrl_c_during_a_resize_stops_the_job_reports_it_and_leaves_nothing(tmp_
     assert after.returncode == 2 and "no running job" in after.stderr, after.stderr
 
 
-def test_an_elastic_size_on_several_hosts_is_one_line_for_now() -> None:
-    for flag in (["--min-workers", "1"], ["--max-workers", "3", "--shares", "4"]):
+def test_an_elastic_size_on_several_hosts_that_is_not_whole_hosts_is_one_line() -> None:
+    for flag, words in ((["--min-workers", "1"], "--min-workers 1 must be a multiple of --nproc-per-node 2"),
+                        (["--max-workers", "5", "--shares", "6"], "--max-workers 5 must be a multiple")):  # fmt: skip
         done = subprocess.run([sys.executable, "-m", "checkpointless", "cluster", "--nodes", "2", "--nproc-per-node",
-                               "1", "demo", "--steps", "4", *flag], capture_output=True, text=True, timeout=60)  # fmt: skip
-        assert done.returncode == 2 and "work on one host for now" in done.stderr, done.stderr
+                               "2", "demo", "--steps", "4", *flag], capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert done.returncode == 2 and words in done.stderr, done.stderr
         assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr

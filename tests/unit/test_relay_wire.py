@@ -27,7 +27,8 @@ pytestmark = pytest.mark.timeout(30)
 
 HEARTBEAT = {"seq": 7, "phase": Phase.COMPUTE, "rank": 3, "gen": 1, "committed": 41, "total": 100, "start": 0,
              "step": 42, "attempt": 2, "step_time_s": 0.25, "loss": 2.5, "t": 1765000000.125, "chunks": 9,
-             "report": {"gen": 1, "rank": 3, "committed": 41, "reason": "collective_error"}, "leaving": 1}  # fmt: skip
+             "report": {"gen": 1, "rank": 3, "committed": 41, "reason": "collective_error"}, "leaving": 1,
+             "applied": 40}  # fmt: skip
 
 
 def test_the_relay_value_is_the_bytes_it_was() -> None:
@@ -40,7 +41,7 @@ def test_the_relay_value_is_the_bytes_it_was() -> None:
     assert text == (
         '{"seq":12,"t":1765000000.5,"chunks":4,"procs":{"w0":{"seq":7,"phase":"compute","rank":3,"gen":1,'
         '"committed":41,"step":42,"attempt":2,"step_time_s":0.25,"total":100,"report":{"gen":1,"rank":3,'
-        '"committed":41,"reason":"collective_error"},"leaving":1},"s1":{"seq":1,"phase":"spare"}}}'
+        '"committed":41,"reason":"collective_error"},"leaving":1,"applied":40},"s1":{"seq":1,"phase":"spare"}}}'
     )
     value = read_relay_value(text)
     assert (value.seq, value.t, value.chunks) == (12, 1765000000.5, 4)
@@ -63,11 +64,12 @@ def test_a_relay_value_without_a_clock_reads_with_none() -> None:
     [
         ("seq", "phase"),
         ("seq", "phase", "rank", "gen", "committed", "total"),
+        FORWARDED[:-3],
         FORWARDED[:-2],
         FORWARDED[:-1],
         FORWARDED,
     ],
-    ids=["bare", "joined", "stepping", "reported", "leaving"],
+    ids=["bare", "joined", "stepping", "reported", "leaving", "following"],
 )
 def test_the_template_writer_writes_the_encoders_bytes(fields: tuple[str, ...]) -> None:
     hb = {k: v for k, v in forwarded(HEARTBEAT).items() if k in fields}
