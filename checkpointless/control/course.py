@@ -183,18 +183,17 @@ class FailureCourse:
             self._resize(f, committed, spares)
             return
         shrink = False
+        rc = self._job.recovery
         if f.planned and self.can_hand_off(f.leaving, len(spares)):
             # the leaving ranks are planned as lost ones, their state not needed
             committed = {r: c for r, c in committed.items() if r not in f.leaving}
             f.holders -= f.leaving
-            shrink = len(f.leaving) > len(spares)
+            # never-wait: the others take their shares now (no transfer to wait for) while ready
+            # spares follow in the background, as after a loss
+            shrink = len(f.leaving) > len(spares) or self._never_wait_shrink(len(f.leaving))
         # else (a spare died since the handoff began) the leaving ranks stay: the generation forms
         # again as it was, and the coordinator tries the handoff again
-        rc = self._job.recovery
-        if (
-            not f.planned and f.dead and rc.never_wait and self.plan.shards == 1
-            and (self.plan.world_size - len(f.dead)) >= self._job.min_size
-        ):  # fmt: skip
+        if not f.planned and f.dead and self._never_wait_shrink(len(f.dead)):
             shrink = True  # the survivors take the lost shares now; ready spares follow, then join
         elif not f.planned and len(f.dead) > len(spares):
             self._p.spares.refill(self._clock())  # a new failure before the last recovery finished
@@ -233,6 +232,15 @@ class FailureCourse:
                 f"step {plan.resume_step} failed {self._retries[plan.resume_step]} times; giving up"
             )
         self._publish(plan, f)
+
+    def _never_wait_shrink(self, going: int) -> bool:
+        """``recovery.never_wait``: whether ``going`` ranks may leave by a shrink (a replicated job
+        keeping at least ``min_workers``)."""
+        assert self.plan is not None
+        return (
+            self._job.recovery.never_wait and self.plan.shards == 1
+            and self.plan.world_size - going >= self._job.min_size
+        )  # fmt: skip
 
     def can_hand_off(self, leaving: set[int], spares: int) -> bool:
         """Whether ``leaving`` ranks can go: to ``spares`` ready spares, or (an elastic replicated

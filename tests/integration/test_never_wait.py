@@ -66,6 +66,27 @@ def test_a_kill_shrinks_at_once_and_the_spare_catches_up_then_joins(tmp_path: Pa
     assert all(f["lost_steps"] == 0 for f in result.report["faults"])
 
 
+def test_a_notice_under_never_wait_leaves_at_the_step_boundary_and_the_spare_catches_up(
+    tmp_path: Path, reference: Any
+) -> None:
+    """``preempt:rank=1@step=3``: the rank with notice leaves at the next step boundary and the
+    others take its shares at once (no transfer to wait for, whatever the notice), while the ready
+    spare catches up from one of them in the background and joins: the same run, bit for bit, no
+    lost step. (Without ``--never-wait`` the spare takes the rank, receiving the whole state first.)"""
+    result = run_job(workers=4, spares=1, min_workers=2, steps=STEPS, exact_resize=True, never_wait=True,
+                     faults=["preempt:rank=1@step=3,notice=30"],
+                     command=_command(tmp_path / "e", "--pause", "0.3"))  # fmt: skip
+    assert result.ok, f"{result.error}\n{logs_of(result)}"
+    _bitwise(reference(4, STEPS), tmp_path / "e")
+    sizes = [(e["before"], e["replicas"], e["why"]) for e in _kinds(result, "resized")]
+    assert sizes == [(4, 3, "handoff"), (3, 4, "catch_up")], sizes
+    handed = next(e for e in _kinds(result, "generation_started") if e["gen"] == 1)
+    assert handed["sources"] == {} and handed["replaced"] == {}, handed  # no state moved
+    assert [e["ok"] for e in _kinds(result, "catch_up_ended")] == [True]
+    assert result.report["steps_completed"] == STEPS
+    assert all(f["lost_steps"] == 0 for f in result.report["faults"])
+
+
 def _killer(who: str, once: list[str]) -> Any:
     """An ``on_tick`` that SIGKILLs the follower (``who="follower"``) or its source (``"source"``)
     once the follower has applied a step of the catch-up (its heartbeat says so)."""

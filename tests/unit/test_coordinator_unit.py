@@ -1230,6 +1230,24 @@ def test_never_wait_shrinks_names_a_follower_then_grows_it_back_once_caught_up()
     assert job.store.get(keys.assign("s0")) == "2"
 
 
+def test_never_wait_hands_a_rank_with_notice_to_the_others_and_the_ready_spare_follows() -> None:
+    """Under never-wait a notice is a planned shrink even with a spare ready (no transfer to wait
+    for): the leaving rank is dropped, the spare follows a holder; without it the spare would take
+    the rank (``test_preempt``)."""
+    job = Job(workers=3, spares=1, min_workers=2, never_wait=True)
+    job.steady(committed=4)
+    job["w1"].heartbeat(leaving=1)
+    job.tick(3)
+    assert job.store.get(keys.planned(0)) == "1" and job.store.get(keys.abort(0)) == "1"
+    for proc in ("w0", "w1", "w2"):
+        job[proc].recover("planned")
+    job.tick()
+    plan = job.plan(1)
+    assert plan is not None and plan.members == {0: "w0", 1: "w2"} and plan.sources == {}
+    assert plan.replaced == {} and "w1" in plan.dropped and plan.followers == {"s0": 1}
+    assert [(e["before"], e["replicas"], e["why"]) for e in job.kinds("resized")] == [(3, 2, "handoff")]
+
+
 def test_never_wait_with_no_spare_ready_shrinks_and_follows_once_capacity_beyond_the_reserve_is_ready() -> (
     None
 ):
