@@ -443,7 +443,8 @@ class Coordinator:
         assert self.plan is not None
         following = [
             n for n in self.plan.followers
-            if (p := self.table.procs.get(n)) is not None and p.handle.alive() and p.hb.get("phase") == Phase.FOLLOWING
+            if (p := self.table.procs.get(n)) is not None and p.handle.alive() and not p.handle.leaving
+            and p.hb.get("phase") == Phase.FOLLOWING
         ]  # fmt: skip
         if not following:
             return False

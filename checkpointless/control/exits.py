@@ -16,7 +16,8 @@ from checkpointless.errors import JobFailed
 from checkpointless.protocol import keys
 from checkpointless.protocol.vocab import Event, Phase, Reason, Role
 
-_LEFT = (0, -signal.SIGTERM)  # how a spare that was told to leave exits (the job's word, a notice)
+LEFT_CODES = (0, -signal.SIGTERM)
+"""How a spare that was told to leave exits (the job's word, or a notice's SIGTERM): no fault."""
 
 
 class ExitJudge:
@@ -49,7 +50,7 @@ class ExitJudge:
                 self._spares.died_starting(name, f"{what}; last log line: {tail or '(empty)'}", now)
                 return False
             raise JobFailed(f"{what}; last log line: {tail or '(empty)'}{hint(tail)}")
-        if code in _LEFT and not p.killed and p.hb.get("phase") in (Phase.SPARE, Phase.FOLLOWING):
+        if code in LEFT_CODES and not p.killed and p.hb.get("phase") in (Phase.SPARE, Phase.FOLLOWING):
             # a spare told to leave while it waited (its host drained: the job's word, or SIGTERM):
             # not a fault. One given a rank as it left (the plan crossed the notice) lost that
             # rank: a fault, below.

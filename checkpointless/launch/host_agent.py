@@ -316,9 +316,10 @@ class HostAgent:
 
     def _drain(self) -> None:
         """A notice for the whole host (its agent's SIGTERM, what Kubernetes sends a pod and Slurm a
-        step's tasks; its notice file; ``checkpointless drain``'s order): every process of the host gets SIGTERM (a worker hands its rank over, a spare
-        ends), the status says ``draining`` (no new spare comes here), and once none is left the
-        status says ``drained`` and the agent exits 0."""
+        step's tasks; its notice file; ``checkpointless drain``'s order): every process of the host
+        gets SIGTERM (a worker hands its rank over, a spare ends), the status says ``draining`` (no
+        new spare comes here, none there gets a rank), and once none is left the status says
+        ``drained`` and the agent exits 0."""
         self._draining = True
         log.warning("agent %s: a notice: draining this host (its ranks are handed over)", self.host)
         for child in list(self.agent.children.values()):

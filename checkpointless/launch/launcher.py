@@ -248,8 +248,9 @@ class Launcher:
         )  # fmt: skip
 
     def _control_server(self) -> ControlServer | None:
-        """The control endpoint (``POST /scale``, ``POST /drain``), bound: on every interface at ``--control-port``,
-        else on a free loopback port where the run folder's ``control.json`` can name it."""
+        """The control endpoint (``POST /scale``, ``POST /drain``), bound: on every interface at
+        ``--control-port``, else on a free loopback port where the run folder's ``control.json`` can
+        name it."""
         if self._control_port is None and self.folder.out_dir is None:
             return None
         host = "0.0.0.0" if self._control_port is not None else "127.0.0.1"

@@ -56,6 +56,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from checkpointless.control.exits import LEFT_CODES
 from checkpointless.fault_grammar import FaultSpec
 from checkpointless.observe.fields import integer as _int
 from checkpointless.observe.fields import number as _num
@@ -112,8 +113,6 @@ _PROCESS_CAUSES = frozenset(
 _EXIT_CAUSES = frozenset({Reason.PROCESS_EXIT, Reason.START_FAILURE})  # the exit code tells how it ended
 _ERROR_CHARS = 500
 _NOT_PROCESSES = frozenset({"coordinator", "launcher"})  # event sources that are not a job process
-
-_LEFT = (0, -_signal.SIGTERM)  # how a spare told to leave exits (``control/exits.py``)
 
 
 def signal_name(exitcode: int | None) -> str | None:
@@ -269,7 +268,7 @@ def _incidents(timed: list[tuple[float, dict[str, Any]]]) -> list[_Incident]:
         is_process_event = kind == Event.PROCESS_EXITED or (
             kind == Event.FAULT_DETECTED and reason in _PROCESS_CAUSES
         )
-        if kind == Event.PROCESS_EXITED and e.get("role") == Role.SPARE and e.get("exitcode") in _LEFT:
+        if kind == Event.PROCESS_EXITED and e.get("role") == Role.SPARE and e.get("exitcode") in LEFT_CODES:
             continue  # a spare told to leave (its host drained): no fault
         if is_process_event:
             cause = Reason.PROCESS_EXIT if kind == Event.PROCESS_EXITED else str(reason)
