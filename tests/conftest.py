@@ -53,3 +53,40 @@ def _no_default_group_left() -> Iterator[None]:
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+# -- the test process's own exit ------------------------------------------------------------------
+# The unit tests form gloo groups, stores and torch.distributed's default group inside this process.
+# A C++ thread of one (a gloo worker releasing a tensor that a Python object owns) that needs the
+# GIL once the interpreter is finalizing is ended by CPython (pthread_exit) inside a noexcept
+# destructor: "terminate called without an active exception", exit 134, after every test passed
+# (pytorch/pytorch#190489; seen once in CI and once in a fresh clone here). The library aborts the
+# groups it formed at exit (``comm._abort_at_exit``); here the session also ends torch.distributed's
+# default group, then leaves with pytest's status without finalizing the interpreter.
+_EXIT_STATUS: list[int] = []
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    _EXIT_STATUS.append(int(exitstatus))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    import os
+    import sys
+
+    import torch.distributed as dist
+
+    from checkpointless import comm
+
+    if not _EXIT_STATUS or getattr(config, "workerinput", None) is not None:
+        return
+    comm._abort_at_exit()
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # a group already broken: the exit below does not need it
+            pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(_EXIT_STATUS[-1])
