@@ -60,9 +60,10 @@ def _no_default_group_left() -> Iterator[None]:
 # A C++ thread of one (a gloo worker releasing a tensor that a Python object owns) that needs the
 # GIL once the interpreter is finalizing is ended by CPython (pthread_exit) inside a noexcept
 # destructor: "terminate called without an active exception", exit 134, after every test passed
-# (pytorch/pytorch#190489; seen once in CI and once in a fresh clone here). The library aborts the
-# groups it formed at exit (``comm._abort_at_exit``); here the session also ends torch.distributed's
-# default group, then leaves with pytest's status without finalizing the interpreter.
+# (pytorch/pytorch#190489; seen once in CI and once in a fresh clone here). The session ends
+# torch.distributed's default group, runs the exit handlers (the library's ``comm._abort_at_exit``
+# among them), then leaves with pytest's status without finalizing the interpreter, as the fork
+# server's children do (``launch/forkserver.py``).
 _EXIT_STATUS: list[int] = []
 
 
@@ -72,16 +73,14 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 @pytest.hookimpl(trylast=True)
 def pytest_unconfigure(config: pytest.Config) -> None:
+    import atexit
     import os
     import sys
 
     import torch.distributed as dist
 
-    from checkpointless import comm
-
     if not _EXIT_STATUS or getattr(config, "workerinput", None) is not None:
         return
-    comm._abort_at_exit()
     if dist.is_available() and dist.is_initialized():
         try:
             dist.destroy_process_group()
@@ -89,4 +88,5 @@ def pytest_unconfigure(config: pytest.Config) -> None:
             pass
     sys.stdout.flush()
     sys.stderr.flush()
+    atexit._run_exitfuncs()  # as at a normal exit (the library's among them), the interpreter alive
     os._exit(_EXIT_STATUS[-1])
