@@ -35,7 +35,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             if item.nodeid == entry or item.nodeid.startswith((entry + "[", entry + "::")):
                 item.add_marker(pytest.mark.e2e)
                 seen.add(entry)
-    collected_all = any(item.nodeid.startswith("tests/integration/") for item in items)
+    # a stale line is only told apart from a test left out by the command line when whole files ran
+    whole_files = not any("::" in arg for arg in config.args)
+    collected_all = whole_files and any(item.nodeid.startswith("tests/integration/") for item in items)
     stale = [
         e for e in matrix if e not in seen and e.split("::")[0] in {i.nodeid.split("::")[0] for i in items}
     ]
@@ -81,6 +83,12 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
     if not _EXIT_STATUS or getattr(config, "workerinput", None) is not None:
         return
+    if _EXIT_STATUS[-1] not in (
+        pytest.ExitCode.OK,
+        pytest.ExitCode.TESTS_FAILED,
+        pytest.ExitCode.NO_TESTS_COLLECTED,
+    ):
+        return  # interrupted, a usage or internal error: pytest prints why after this hook
     if dist.is_available() and dist.is_initialized():
         try:
             dist.destroy_process_group()

@@ -89,14 +89,15 @@ class TickLoop:
         children = self.backend.children
         for host, (usage, procs) in self.backend.usage(self.usage.local).items():
             hosts[host] = usage  # each host's ranks from its own list: no scan of every process
-            for name in procs:
-                if name in ranks:
-                    self._rank_share(usage, now, ranks[name], name, children.get(name))
+            for name in procs:  # every process marked, so that a spare given a rank has a share at once
+                self._rank_share(usage, now, ranks.get(name), name, children.get(name))
         for host, usage in hosts.items():
             self.record(event(Event.HOST_USAGE, proc="launcher", gen=coord.plan.gen if coord.plan else 0,
                               host=host, **usage))  # fmt: skip
 
-    def _rank_share(self, usage: dict[str, Any], now: float, rank: int, name: str, handle: Any) -> None:
-        share = self.usage.rank_cpu(now, rank, name, handle.cpu_seconds() if handle is not None else None)
-        if share is not None:
+    def _rank_share(
+        self, usage: dict[str, Any], now: float, rank: int | None, name: str, handle: Any
+    ) -> None:
+        share = self.usage.rank_cpu(now, name, handle.cpu_seconds() if handle is not None else None)
+        if share is not None and rank is not None:
             usage.setdefault("ranks", {})[str(rank)] = share

@@ -161,7 +161,7 @@ class UsageRecorder:
             self._local = UsageSampler()
         return self._local.sample()
 
-    def rank_cpu(self, now: float, rank: int, name: str, cpu: float | None) -> float | None:
+    def rank_cpu(self, now: float, name: str, cpu: float | None) -> float | None:
         """``name``'s CPU share since its last sample, percent of one core (None the first time)."""
         if cpu is None:
             return None

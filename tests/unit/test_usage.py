@@ -21,9 +21,9 @@ def test_a_sample_has_this_hosts_cpu_share_and_memory() -> None:
 def test_rank_cpu_share_is_the_rate_of_its_cpu_time() -> None:
     r = UsageRecorder(every_s=2.0)
     assert r.due(10.0) and not r.due(11.0) and r.due(12.0)
-    assert r.rank_cpu(10.0, 0, "w0", 5.0) is None  # the first sample: no rate yet
-    assert r.rank_cpu(12.0, 0, "w0", 6.5) == 75.0
-    assert r.rank_cpu(14.0, 0, "w0", None) is None  # not readable (a lost host)
+    assert r.rank_cpu(10.0, "w0", 5.0) is None  # the first sample: no rate yet
+    assert r.rank_cpu(12.0, "w0", 6.5) == 75.0
+    assert r.rank_cpu(14.0, "w0", None) is None  # not readable (a lost host)
 
 
 def test_report_summary_and_metrics_per_host() -> None:
