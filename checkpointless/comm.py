@@ -208,6 +208,7 @@ class Group:
         self.backend = backend
         self.control: Group = self
         self._pending: dict[int, tuple[Any, bool]] = {}  # works not yet waited for: (work, p2p), by id
+        self._orphans: list[Any] = []  # the collectives still running when it was aborted
         self._default = default
         _sweep()
         prefix = prefix or f"pg/{gen}/"
@@ -376,6 +377,12 @@ class Group:
         except RuntimeError as e:  # gloo and NCCL errors (torch.distributed.DistError is one)
             raise CollectiveError(f"gen {self.gen}: allreduce failed: {e}") from None
 
+    def writing(self) -> bool:
+        """Whether a collective of this group may still write into its tensors: one not yet
+        waited for, or one still running when the group was aborted, that has not ended."""
+        works = [w for w, p2p in list(self._pending.values()) if not p2p] + self._orphans
+        return not all(w.is_completed() for w in works)
+
     def wait_all(self, works: list[Any]) -> None:
         """Wait for ``works`` (from ``allreduce_start``) in order. Empties the list, failed or not:
         a live Work keeps the group's sockets open (see the module doc)."""
@@ -517,6 +524,7 @@ class Group:
         pg, self.pg = self.pg, None
         running = [w for w, p2p in self._pending.values() if not p2p and not w.is_completed()]
         self._pending = {}
+        self._orphans = running
         if pg is None or not self._owned:
             return
         try:

@@ -188,6 +188,80 @@ def test_a_failed_attempt_leaves_no_trace_in_the_next(world: int, kind: str, buc
             assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("running", [True, False])
+def test_the_next_attempt_keeps_the_buckets_only_once_no_collective_can_write_into_them(
+    running: bool,
+) -> None:
+    """Rank 1 starts bucket 1's all-reduce and fails; rank 0 starts it only after rank 1 opened its
+    next attempt (``running``: the collective still in flight then) or only once rank 1's group
+    was aborted and the collective ended. In flight: the next attempt gets fresh buckets, and the
+    late write lands in the old ones only; ended: it keeps the old ones (no fresh host pages to
+    fault in). Either way the next attempt's gradients are a fresh reducer's, bit for bit."""
+    opened, kept = threading.Event(), []
+
+    def fn(rank: int, store: TCPStore) -> Any:
+        net = _net()
+        g0 = _group(store, 0, rank, 2, _GatedGroup)
+        assert isinstance(g0, _GatedGroup)
+        red = GradientReducer(list(net.parameters()), bucket_bytes=300)
+        if rank == 0:
+            g0.gate, g0.event = 1, opened
+            red.begin(g0)
+            _loss(net, _x(rank, 0)).backward()
+            with pytest.raises(Exception):  # noqa: B017  # rank 1's group goes: the reduction fails
+                red.reduce(g0)
+            red.abandon()
+            g0.abort()
+            return None
+
+        def failure() -> None:
+            raise _StepFailed("injected after a bucket was started")
+
+        g0.fail_after, g0.failure = 1, failure
+        red.begin(g0)
+        with pytest.raises(_StepFailed):
+            _loss(net, _x(rank, 0)).backward()
+        old = [b.data_ptr() for b in red._buckets]
+        held = red._buckets[1]
+        red.abandon()
+        if not running:
+            opened.set()  # the peer's late start completes the collective
+            before = held.clone()
+            deadline = time.monotonic() + 20
+            while torch.equal(held, before):
+                assert time.monotonic() < deadline, "the peer's all-reduce never completed"
+                time.sleep(0.01)
+            g0.abort()
+            deadline = time.monotonic() + 20
+            while g0.writing():
+                assert time.monotonic() < deadline, "an aborted group's collective never ended"
+                time.sleep(0.01)
+        red.begin(None)  # the next attempt, alone
+        kept.append([b.data_ptr() for b in red._buckets] == old)
+        if running:
+            before = held.clone()
+            opened.set()
+            deadline = time.monotonic() + 20
+            while torch.equal(held, before):  # the late write lands, in the old bucket
+                assert time.monotonic() < deadline, "the peer's all-reduce never completed"
+                time.sleep(0.01)
+            g0.abort()
+        _loss(net, _x(rank, 0)).backward()
+        red.reduce(None)
+        fresh = _net()
+        ref = GradientReducer(list(fresh.parameters()), bucket_bytes=300)
+        ref.begin(None)
+        _loss(fresh, _x(rank, 0)).backward()
+        ref.reduce(None)
+        return _grads(net), _grads(fresh)
+
+    _, (recovered, expected) = run_ranks(2, fn)
+    assert kept == [not running]
+    assert len(recovered) == len(expected) == 6
+    for a, b in zip(recovered, expected, strict=True):
+        assert torch.equal(a, b)
+
+
 def _accumulated(rank: int, store: TCPStore, *, overlap: bool, mode: str, world: int) -> list[torch.Tensor]:
     """Three steps of two backward passes each; ``mode``: ``sync`` (both reduce), ``no_sync``
     (the first inside ``local()``), ``unused`` (rank 0 leaves a layer out of its first pass)."""
