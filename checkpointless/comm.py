@@ -380,8 +380,10 @@ class Group:
     def writing(self) -> bool:
         """Whether a collective of this group may still write into its tensors: one not yet
         waited for, or one still running when the group was aborted, that has not ended."""
-        works = [w for w, p2p in list(self._pending.values()) if not p2p] + self._orphans
-        return not all(w.is_completed() for w in works)
+        self._orphans = [w for w in self._orphans if not w.is_completed()]  # no Work kept past its end
+        return bool(self._orphans) or not all(
+            w.is_completed() for w, p2p in list(self._pending.values()) if not p2p
+        )
 
     def wait_all(self, works: list[Any]) -> None:
         """Wait for ``works`` (from ``allreduce_start``) in order. Empties the list, failed or not:
