@@ -13,13 +13,16 @@ Every job is this file's worker (``--worker``) run by ``Launcher`` in-process, a
   same bits as ``plain``);
 - ``exact``: the share loop with ``RecoveryConfig(exact_resize=True)`` (``--exact-resize``): each
   share's gradient kept apart and summed in share order through an all-to-all and an all-gather
-  (``exact_sum``) after the backward pass, instead of the all-reduce overlapped with it.
+  (``exact_sum``) after the backward pass, instead of the all-reduce overlapped with it;
+- ``never_wait``: the share loop with ``--min-workers 1 --never-wait``: the all-reduce after the
+  backward pass instead of overlapped with it, and one more all-reduce of one element at the end of
+  the shares (the check that lets survivors keep their passes: ``checkpointless/takeover.py``).
 
 Step time is the interval between consecutive ``step_committed`` events of a rank, the first
 ``WARMUP`` steps of every run dropped; a run's step time is the median over both ranks' kept
 intervals. A repetition runs every variant once, the order rotating (each variant goes first in a
-third of them) so that the drift of this shared 2-core machine falls on all alike; its ratios are
-``shares``/``plain`` and ``exact``/``plain`` of the run medians. The repetitions' ratios give a
+quarter of them) so that the drift of this shared 2-core machine falls on all alike; its ratios are
+each variant's run median over ``plain``'s. The repetitions' ratios give a
 geometric mean with a 95% t interval on their logs (``common.paired_interval``). Goal: within 1%
 (the whole interval at or below 1.01). Peak RSS is each worker's own (``ru_maxrss``, read at the
 end of its loop); the final state digests say whether the variants computed the same thing.
@@ -43,12 +46,12 @@ from bench import common
 from bench.steady_state import HANG_TIMEOUT_S, MODEL, WARMUP
 from checkpointless.protocol.vocab import Event
 
-VARIANTS = ("plain", "shares", "exact")
-#: each repetition's order: the three rotations, so that each variant goes first a third of the time
+VARIANTS = ("plain", "shares", "exact", "never_wait")
+#: each repetition's order: the rotations, so that each variant goes first as often as the others
 ORDERS = tuple(VARIANTS[i:] + VARIANTS[:i] for i in range(len(VARIANTS)))
 STEPS, QUICK_STEPS = 32, 20
-"""Per run, the first ``WARMUP`` dropped: 23 intervals per rank in the full run (63 runs: ~22 min)."""
-REPS, QUICK_REPS = 21, 3
+"""Per run, the first ``WARMUP`` dropped: 23 intervals per rank in the full run (80 runs: ~28 min)."""
+REPS, QUICK_REPS = 20, 4
 GOAL = 1.01
 RSS_EVENT = "bench_peak_rss"
 """The custom event a worker emits after its loop: its own peak RSS (``ru_maxrss``, KiB)."""
@@ -97,7 +100,8 @@ def run_variant(variant: str, steps: int, work: Path) -> dict[str, Any]:
 
     # hang_timeout_s only sets failure detection (as in steady_state: a slow first step on this
     # loaded machine is not a hang)
-    recovery = RecoveryConfig(hang_timeout_s=HANG_TIMEOUT_S, exact_resize=variant == "exact")
+    never_wait = {"min_workers": 1, "never_wait": True} if variant == "never_wait" else {}
+    recovery = RecoveryConfig(hang_timeout_s=HANG_TIMEOUT_S, exact_resize=variant == "exact", **never_wait)
     job = JobConfig(workers=2, spares=0, faults=[], recovery=recovery)
     command = worker_command(steps, share_loop=variant != "plain")
     retried = None
@@ -193,6 +197,7 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
 _TITLES = {
     "shares": "share loop (one share per replica) step time vs the plain step",
     "exact": "`--exact-resize` step time vs the plain step",
+    "never_wait": "`--never-wait` step time vs the plain step",
 }
 
 
@@ -200,7 +205,7 @@ def verdict_rows(res: dict[str, Any]) -> list[list[Any]]:
     """The summary table's rows (``run_all.targets``): one per variant against ``plain``."""
     rows = []
     for v, title in _TITLES.items():
-        pi = res["summary"][v].get("interval_ratio")
+        pi = res["summary"].get(v, {}).get("interval_ratio")
         if not pi:
             continue
         g, lo, hi = pi
@@ -212,8 +217,9 @@ def verdict_rows(res: dict[str, Any]) -> list[list[Any]]:
 
 def markdown(res: dict[str, Any]) -> str:
     s = res["summary"]
+    variants = [v for v in VARIANTS if v in s]  # a result from before a variant was added lacks it
     rows = []
-    for v in VARIANTS:
+    for v in variants:
         iv, inner, rm = s[v]["interval"], s[v]["inner"], s[v]["run_median"]
         pi = s[v].get("interval_ratio")
         ratio = "1 (baseline)" if v == "plain" else f"{pi[0]:.3f} [{pi[1]:.3f}, {pi[2]:.3f}]" if pi else "–"
@@ -227,17 +233,18 @@ def markdown(res: dict[str, Any]) -> str:
          f"within {100 * (res['goal'] - 1):g}%", "peak RSS MB (worker)"],
         rows,
     )  # fmt: skip
-    by_rep = {v: {r["rep"]: r["median_s"] for r in res["runs"][v]} for v in VARIANTS}
+    by_rep = {v: {r["rep"]: r["median_s"] for r in res["runs"][v]} for v in variants}
     per_rep = common.md_table(
-        ["rep", "order", *(f"{v} s" for v in VARIANTS), *(f"{v}/plain" for v in VARIANTS[1:])],
-        [[i, " ".join(order), *(by_rep[v].get(i) for v in VARIANTS),
-          *(by_rep[v][i] / by_rep["plain"][i] for v in VARIANTS[1:])]
+        ["rep", "order", *(f"{v} s" for v in variants), *(f"{v}/plain" for v in variants[1:])],
+        [[i, " ".join(order), *(by_rep[v].get(i) for v in variants),
+          *(by_rep[v][i] / by_rep["plain"][i] for v in variants[1:])]
          for i, order in enumerate(res["orders"])],
     )  # fmt: skip
-    digests = {v: s[v]["digests"] for v in VARIANTS}
+    digests = {v: s[v]["digests"] for v in variants}
     same_shares = digests["shares"] == digests["plain"] and len(digests["plain"]) == 1
     same_exact = digests["exact"] == digests["plain"] and len(digests["plain"]) == 1
-    retried = sum(1 for v in VARIANTS for r in res["runs"][v] if r.get("failed_first_try"))
+    same_never = digests.get("never_wait") == digests["plain"] and len(digests["plain"]) == 1
+    retried = sum(1 for v in variants for r in res["runs"][v] if r.get("failed_first_try"))
     return (
         f"Model: TinyGPT, {res['params'] / 1e6:.1f}M parameters ({json.dumps(res['model'])}), AdamW, "
         f"world size 2, no spare; {res['reps']} interleaved repetitions of {res['steps_per_run']} steps "
@@ -249,7 +256,12 @@ def markdown(res: dict[str, Any]) -> str:
         f"Final state (model + AdamW, ``digest_state``) after the same steps: share loop "
         f"{'bitwise identical to' if same_shares else 'different from'} the plain step; "
         f"``--exact-resize`` {'bitwise identical to' if same_exact else 'different from'} the plain step "
-        f"(distinct digests: plain {len(digests['plain'])}, shares {len(digests['shares'])}, "
+        + (
+            ""
+            if "never_wait" not in digests
+            else f"; ``--never-wait`` {'bitwise identical to' if same_never else 'different from'} the plain step"
+        )
+        + f" (distinct digests: plain {len(digests['plain'])}, shares {len(digests['shares'])}, "
         f"exact {len(digests['exact'])}). Jobs ran with hang_timeout_s={HANG_TIMEOUT_S:g} (detection "
         f"only); runs that failed and were retried: {retried}.\n"
     )

@@ -143,6 +143,23 @@ class GradientReducer:
         self._divisor = divisor
         self._owners, self._stashed = owners, {}
 
+    def set_overlap(self, on: bool) -> None:
+        """Whether the buckets reduce during the backward pass (between attempts only)."""
+        self.overlap = on
+
+    def rebind(self, group: Group | None, owners: list[range]) -> None:
+        """The attempt goes on in another generation (``takeover``): its gradients as they are, every
+        pass so far local (no overlap: nothing was started), the next ones adding to them, the
+        reduction over ``group``, whose replicas hold ``owners``' shares (the exact sum's; each
+        share's gradient stashed so far is kept)."""
+        assert not self.overlap, "an attempt carried into another generation reduced nothing yet"
+        self._drop()
+        self._group = group if group is not None and group.world_size > 1 else None
+        self._used = self._group
+        self._open = self._in_pass = False
+        if self._owners is not None:
+            self._owners = owners
+
     def hold(self, on: bool) -> None:
         """While on, backward passes accumulate without reducing, as in ``local()`` (the passes of a
         replica's shares before its last: ``share_loop``)."""

@@ -42,6 +42,11 @@ class CollectiveError(CheckpointlessError, RuntimeError):
     """A collective of the current generation failed."""
 
 
+class StepRecovered(CheckpointlessError):
+    """The attempt failed and the member already entered the next generation (``takeover``): the
+    step runs again there, nothing more to recover."""
+
+
 class ExchangeRefused(CheckpointlessError):
     """An exchange of results between the ranks (``shards.exchange``) that no rank may use: a
     rank's results are not plain data, or the ranks cut the work differently. Every rank raises

@@ -225,6 +225,12 @@ class Member:
             and self._steps.failed_locally() > self.job.recovery.max_retries_per_step
         ):
             self.fatal(f"step {step} raised {self._steps.local_failures} times in a row: {exc!r}")
+        self.detected(exc, step, reason, **fields)
+        del exc
+        self.recover(reason)
+
+    def detected(self, exc: Exception, step: int, reason: str, **fields: Any) -> None:
+        """A failed attempt (or block) said: the log line and the ``fault_detected`` event."""
         log.warning(
             "[gen %d rank %d step %d] step failed (%s): %s", self.generation, self.rank, step, reason, exc
         )
@@ -232,30 +238,36 @@ class Member:
             Event.FAULT_DETECTED, sync=True, rank=self.rank, gen=self.generation, step=step,
             reason=reason, error=str(exc)[:300], **fields,
         )  # fmt: skip
-        del exc
-        self.recover(reason)
 
-    def recover(self, reason: str) -> None:
-        """Leave the broken generation and enter the next one (loops if that one fails too)."""
+    def recover(self, reason: str, keep: Callable[[Plan, int], bool] | None = None) -> bool:
+        """Leave the broken generation and enter the next one (loops if that one fails too).
+        ``keep(plan, rank)``: whether the failed attempt goes on in ``plan``'s generation at ``rank``
+        instead of being undone (``takeover``; the attempt was parked by the caller); whether it did."""
         client = self._client()
         client.watch_abort(None)
+        kept = keep is not None
         while True:
-            self._leave()
+            self._leave(undo=not kept)
             client.update(phase=Phase.RECOVERING)
             client.report_failure(self.generation, self.rank, self._steps.committed, reason, self.has_state)
             if self._generation is not None:  # sharded: its cleanup overlaps the coordinator's planning
                 self._generation.close()
                 self._generation = None
             plan = client.wait_plan(self.generation + 1, self.plan_timeout)
-            if plan.rank_of(client.proc) is None and (
-                client.proc in plan.dropped or client.proc in plan.replaced.values()
-            ):
+            rank = plan.rank_of(client.proc)
+            if rank is None and (client.proc in plan.dropped or client.proc in plan.replaced.values()):
                 self._dismissed(plan)  # a smaller job, or a handoff: another process holds its rank
+            if kept and (keep is None or rank is None or not keep(plan, rank)):
+                self._model.undo_attempt()
+                kept = False
             try:
                 self.enter(plan)
-                return
+                return kept
             except (CollectiveError, IntegrityError, TimeoutError) as e:
                 release_frames(e)
+                if kept:
+                    self._model.undo_attempt()
+                    kept = False
                 reason = Reason.COLLECTIVE_ERROR
                 log.warning("[gen %d rank %d] recovery failed: %s", plan.gen, self.rank, e)
                 client.emit(
@@ -283,11 +295,12 @@ class Member:
                             reason=Reason.COLLECTIVE_ERROR, error=str(exc)[:300])  # fmt: skip
         self.recover(Reason.COLLECTIVE_ERROR)
 
-    def _leave(self) -> None:
-        """Undo the failed attempt and leave the generation: the peers released, the model's part
-        of it dropped (sharded: this rank's state kept as plain tensors), the group aborted. The
-        generation's own groups are closed after the failure is reported (``recover``)."""
-        self._model.undo_attempt()
+    def _leave(self, undo: bool = True) -> None:
+        """Undo the failed attempt (``undo``) and leave the generation: the peers released, the
+        model's part of it dropped (sharded: this rank's state kept as plain tensors), the group
+        aborted. The generation's own groups are closed after the failure is reported (``recover``)."""
+        if undo:
+            self._model.undo_attempt()
         if self.catch_ups is not None:
             self.catch_ups.drop()  # the failed attempt's optimizer records
         if self._generation is not None:

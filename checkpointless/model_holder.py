@@ -214,6 +214,34 @@ class ReplicatedModel:
         self.buffers.restore()  # the failed attempt's forward pass updated them in place
         self.trainable.restore()
 
+    def no_overlap(self) -> None:
+        """Buckets reduce only at the reduction (``takeover``: a failed check before it leaves
+        every gradient local)."""
+        self._overlap = False
+        self.reducer.set_overlap(False)
+
+    def park_attempt(self) -> list[torch.Tensor] | None:
+        """The attempt in flight set aside while its member changes generation (``takeover``): the
+        buffers its passes moved returned (None without buffers), the committed ones in place;
+        see ``carriable`` for whether it can go on)."""
+        saved = self.buffers.snapshot() if self.buffers else None
+        self.buffers.restore()
+        return saved
+
+    def carriable(self) -> bool:
+        """Whether the attempt in flight can go on in another generation: it reduced nothing and
+        its trainable parameters are those its buckets were laid out for."""
+        return not self._overlap and not self.reducer.stale()
+
+    def resume_attempt(
+        self, parked: list[torch.Tensor] | None, group: Group | None, owners: list[range]
+    ) -> None:
+        """The parked attempt goes on over ``group``, whose replicas hold ``owners``' shares: its
+        buffers back, its gradients as they were."""
+        if parked is not None:
+            self.buffers.load(parked)
+        self.reducer.rebind(group, owners)
+
     def leave(self, keep: bool) -> None:
         """Kept across generations: the failed attempt was undone already."""
 

@@ -87,6 +87,11 @@ class StepState:
         self.next = step
         self.reexecute = step if recovered else None
 
+    def continued(self) -> None:
+        """The attempt in flight goes on in the generation just entered (``takeover``): not a
+        re-execution."""
+        self.reexecute = None
+
     def descend(self, lineage: int) -> None:
         """The state now descends from ``lineage`` (own after a check, a source's after a transfer)."""
         self.lineage = lineage

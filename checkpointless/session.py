@@ -45,7 +45,7 @@ from checkpointless.consistency import ReplicaCheck
 from checkpointless.control.client import die_with_parent
 from checkpointless.devices import local_device
 from checkpointless.ending import Ending
-from checkpointless.errors import FatalError, IntegrityError
+from checkpointless.errors import FatalError, IntegrityError, StepRecovered
 from checkpointless.fsdp import Build
 from checkpointless.joining import member_of_the_job, start_as_spare, start_as_worker
 from checkpointless.member import Member
@@ -60,6 +60,7 @@ from checkpointless.protocol.env import (
 from checkpointless.protocol.vocab import Event, Phase, Role
 from checkpointless.share_loop import ShareLoop, assign
 from checkpointless.state import Stateful
+from checkpointless.takeover import TakeOver
 
 if TYPE_CHECKING:
     from torch.utils.data import DataLoader, IterableDataset
@@ -180,6 +181,7 @@ class Session:
             self.job = JobConfig(workers=1, spares=0, seed=seed)
             self._shares = self._share_loop()
             self._member = Member(self.job, self._model, self._steps, device=self.device)
+            self._takeover = TakeOver(self.job, self._member, self._model, self._steps)
             self._check = ReplicaCheck(self._member, self._model, self._steps)
             self._end = Ending(self._member, self._model, self._steps, self._check)
             self._member.enter_alone()
@@ -189,6 +191,7 @@ class Session:
         self._shares = self._share_loop()
         spare = os.environ.get(ENV_ROLE, Role.WORKER) == Role.SPARE
         self._member = member_of_the_job(self.job, self._model, self._steps, self.device, seed, spare=spare)
+        self._takeover = TakeOver(self.job, self._member, self._model, self._steps)
         self._check = ReplicaCheck(self._member, self._model, self._steps)
         self._end = Ending(self._member, self._model, self._steps, self._check)
         client = self._member.client
@@ -309,7 +312,8 @@ class Session:
 
     def _share_loop(self) -> ShareLoop:
         return ShareLoop(self.job.share_count, hold=self._model.hold, reseed=self._seed_share,
-                         buffers=lambda: self._model.buffers, done=self._model.share_done)  # fmt: skip
+                         buffers=lambda: self._model.buffers, done=self._model.share_done,
+                         end=lambda computed: self._takeover.end(computed))  # fmt: skip
 
     def _outside_shares(self) -> int:
         """What an attempt's draws outside the share loop are seeded from, besides (seed, step): the
@@ -511,6 +515,8 @@ class Session:
             yield current
         except FatalError:
             raise
+        except StepRecovered:  # the member is in the next generation already (``takeover``)
+            return
         except Exception as exc:
             if self._member.client is None:
                 raise
@@ -588,7 +594,7 @@ class Session:
                 "each step must compute its replica's shares, `for share in session.shares():` around the forward "
                 "and backward passes"
             )
-        if self._member.faults is not None:
+        if self._member.faults is not None and not self._takeover.fired(self._steps.next):
             self._member.faults.at_step(
                 self.rank, self._steps.next, self._member.fault_fired, corrupt=self._model.flip_bit
             )

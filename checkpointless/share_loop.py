@@ -42,9 +42,11 @@ class ShareLoop:
     ``hold(True)`` makes the backward passes that follow accumulate without reducing, ``hold(False)``
     lets the next one reduce (the reducer's); ``reseed`` reseeds the RNG for (step, share);
     ``buffers`` gives the model's buffers; ``done(share)`` follows each share's passes (the exact sum
-    keeps that share's gradient apart: ``exact_sum``). A loop left by an exception touches nothing afterwards
-    (its generator may be closed during a later attempt): the next attempt starts from
-    ``begin_attempt``, and the reducer's ``begin`` lets go of the hold.
+    keeps that share's gradient apart: ``exact_sum``); ``end(computed)`` follows the last one and
+    returns the shares to compute next in the same attempt (``takeover``: a lost peer's). A loop
+    left by an exception touches nothing afterwards (its generator may be closed during a later
+    attempt): the next attempt starts from ``begin_attempt``, and the reducer's ``begin`` lets go
+    of the hold.
     """
 
     def __init__(
@@ -55,9 +57,11 @@ class ShareLoop:
         reseed: Callable[[int, int], None],
         buffers: Callable[[], BufferSync],
         done: Callable[[int], None] = lambda share: None,
+        end: Callable[[list[int]], list[int]] = lambda computed: [],
     ) -> None:
         self.shares = shares
         self._hold, self._reseed, self._buffers, self._done = hold, reseed, buffers, done
+        self._end = end
         self.current: int | None = None  # the share being computed (inside the loop)
         self.used = False  # the current attempt ran the loop
 
@@ -78,10 +82,12 @@ class ShareLoop:
         if self.used:
             raise RuntimeError("session.shares() runs once per attempt")
         self.used = True
-        mine = self.held(replica, replicas)
+        mine = list(self.held(replica, replicas))
         buffers = self._buffers()
         first: list[torch.Tensor] | None = None
-        for i, share in enumerate(mine):
+        i = 0
+        while i < len(mine):
+            share = mine[i]
             if i == 1 and buffers:
                 first = buffers.snapshot()
             if i >= 1 and buffers:
@@ -92,6 +98,10 @@ class ShareLoop:
             self._hold(not last)
             yield share
             self._done(share)
+            i += 1
+            if i == len(mine):
+                self.current = None
+                mine += self._end(list(mine))  # a peer lost at the end: its shares, taken over
         self._hold(False)
         self.current = None
         if first is not None:

@@ -195,3 +195,36 @@ def test_a_stranger_forging_every_key_does_not_steer_a_catch_up(tmp_path: Path, 
     sizes = [(e["before"], e["replicas"], e["why"]) for e in _kinds(result, "resized")]
     assert sizes == [(4, 3, "lost"), (3, 4, "catch_up")], sizes
     assert result.report["rejected_messages"]["count"] > 0
+
+
+@pytest.mark.parametrize(
+    ("workers", "fault", "taken", "again"),
+    [
+        (2, "kill:rank=1@step=3", {"w0": [1]}, set()),
+        (4, "kill:rank=3@step=3", {"w0": [], "w1": [], "w2": [3]}, set()),
+        (4, "kill:rank=1@step=3", {"w0": []}, {"w2", "w3"}),  # shares move: those two compute again
+        (4, "exception:rank=2@step=3", {"w0": [], "w1": [], "w3": []}, {"w2"}),
+        (8, "hang:rank=7@step=3", {**{f"w{r}": [] for r in range(6)}, "w6": [7]}, set()),
+    ],
+    ids=["kill-2", "kill-last-4", "kill-middle-4", "exception-4", "hang-last-8"],
+)
+def test_survivors_keep_their_passes_and_take_the_lost_shares_in_the_same_step(
+    tmp_path: Path, reference: Any, workers: int, fault: str, taken: dict[str, list[int]], again: set[str]
+) -> None:
+    """A peer lost at the end of its shares: each survivor whose new shares begin with those it
+    computed goes on with its attempt in the next generation and computes only the shares it lacks
+    (``shares_taken_over``); the others (their shares moved) and a peer that raised execute the
+    step again. The same run, bit for bit, with no lost step."""
+    steps = 8
+    result = run_job(workers=workers, spares=0, min_workers=max(1, workers // 2), steps=steps, exact_resize=True,
+                     never_wait=True, faults=[fault], hang_timeout_s=3.0, timeout_s=240,
+                     command=[sys.executable, SCRIPT, str(steps), str(tmp_path / "e"), "--pause", "0.2"])  # fmt: skip
+    assert result.ok, f"{result.error}\n{logs_of(result)}"
+    _bitwise(reference(workers, steps), tmp_path / "e")
+    over = {e["proc"]: e for e in _kinds(result, "shares_taken_over")}
+    assert {p: e["shares"] for p, e in over.items()} == taken, over
+    assert all(e["step"] == 3 for e in over.values()), over
+    redone = {e["proc"] for e in _kinds(result, "step_reexecuted") if e["step"] == 3}
+    assert redone == again, redone
+    assert result.report["steps_completed"] == steps
+    assert all(f["lost_steps"] == 0 for f in result.report["faults"]), result.report["faults"]

@@ -76,6 +76,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "model_holder",
             "share_loop",
             "member",
+            "takeover",
             "arrival",
             "formation",
             "recovery_source",
