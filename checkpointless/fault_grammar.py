@@ -18,6 +18,9 @@ Grammar of a spec::
     kill:spare@recovery         kill the spare that receives state in the next recovery
     kill:spare@join             kill the spare taking a rank before its generation's group forms
     kill:source@recovery        kill the survivor that sends state in the next recovery
+    kill:survivor@takeover      kill the next survivor that takes a lost rank's shares over inside
+                                its step, once it is in the new generation and before it computes
+                                them (--never-wait)
     partition:spare@recovery[,for=T]  partition:spare@join[,for=T]  partition:source@recovery[,for=T]
                                 cut the host of that process off the network at that moment (as
                                 ``partition:node``: for T seconds or for good; multi-host jobs)
@@ -44,9 +47,10 @@ _RECOVERY_SPECS = {  # a moment of a recovery -> how a spec names it (after ``KI
     "recovery": "spare@recovery",
     "join": "spare@join",
     "source": "source@recovery",
+    "takeover": "survivor@takeover",
 }
 _RECOVERY_SPEC = re.compile(
-    r"^(?P<kind>kill|partition):(?P<moment>spare@recovery|spare@join|source@recovery)"
+    r"^(?P<kind>kill|partition):(?P<moment>spare@recovery|spare@join|source@recovery|survivor@takeover)"
     r"(?:,for=(?P<for>\d+(?:\.\d+)?))?$"
 )
 
@@ -70,13 +74,14 @@ class FaultSpec:
     ``at`` is ``"step"`` (inside step ``step``, before the gradient reduction), ``"check"`` (at
     the consistency check before step ``step``), or a moment of the next recovery (``ranks``
     empty): ``"recovery"`` the spare receiving state, ``"join"`` the spare before its group
-    forms, ``"source"`` the survivor sending state.
+    forms, ``"source"`` the survivor sending state, ``"takeover"`` a survivor about to compute a
+    lost rank's shares in its step (``takeover.py``).
     """
 
     kind: str
     ranks: tuple[int, ...]
     step: int | None
-    at: str = "step"  # "step", "check", or a moment of recovery: "recovery", "join", "source"
+    at: str = "step"  # "step", "check", or a moment of recovery: "recovery", "join", "source", "takeover"
     node: int | None = None  # a host fault: every process of host ``node`` (``ranks`` empty)
     duration: float | None = None  # a partition's length in seconds (None: for good); a preemption's notice
 
@@ -192,6 +197,7 @@ def validate_schedule(
     nodes: int = 0,
     nproc_per_node: int = 0,
     min_workers: int = 0,
+    never_wait: bool = False,
 ) -> None:
     """Check a schedule against the job's shape; raise ``ValueError`` naming the problem.
 
@@ -217,6 +223,12 @@ def validate_schedule(
                 )
             f = FaultSpec(kind=f.kind, step=f.step, ranks=tuple(
                 range(f.node * nproc_per_node, (f.node + 1) * nproc_per_node)))  # fmt: skip
+        if f.at == "takeover":
+            if not never_wait or f.kind != "kill":
+                raise ValueError(
+                    f"fault {f}: only kill, and survivors take shares over only under --never-wait"
+                )
+            continue
         if f.at not in PER_RANK:
             if spares < 1:
                 raise ValueError(f"fault {f}: there is no spare to {f.kind} (--spares 0)")

@@ -112,4 +112,6 @@ class TakeOver:
         member.client.update(phase=Phase.COMPUTE, step=step)
         member.client.emit(Event.SHARES_TAKEN_OVER, rank=member.rank, gen=member.generation, step=step,
                            shares=extra)  # fmt: skip
+        if extra and member.faults is not None:
+            member.faults.at_recovery(member.rank, step, member.fault_fired, at="takeover")
         return extra

@@ -65,7 +65,7 @@ def add_job_args(p: argparse.ArgumentParser, *, workers: int, spares: int) -> No
     p.add_argument("--spares", type=int, default=spares, help="hot spare processes kept warm")
     p.add_argument("--fault", action="append", default=None, metavar="SPEC",
                    help="KIND:rank=R[,R]@step=S (kill|hang|exception|corrupt), kill|hang:rank=R@check=S (at a "
-                        "consistency check), kill:spare@recovery|join, kill:source@recovery, kill|partition:node=N@step=S, "
+                        "consistency check), kill:spare@recovery|join, kill:source@recovery, kill:survivor@takeover, kill|partition:node=N@step=S, "
                         "partition:spare@recovery|join[,for=T], partition:source@recovery[,for=T], or none")  # fmt: skip
     p.add_argument("--out", type=Path, default=None, help="write events.jsonl, report.json and logs here")
     p.add_argument("--seed", type=int, default=0)
@@ -267,7 +267,7 @@ def job_config(
                           consistency_every=recovery.consistency_every,
                           nodes=topology.nodes if topology else 0,
                           nproc_per_node=topology.nproc_per_node if topology else 0,
-                          min_workers=recovery.min_workers)  # fmt: skip
+                          min_workers=recovery.min_workers, never_wait=recovery.never_wait)  # fmt: skip
         check_out(args.out)  # created only once everything else is known to be right
         job = JobConfig(
             workers=args.workers,

@@ -228,3 +228,24 @@ def test_survivors_keep_their_passes_and_take_the_lost_shares_in_the_same_step(
     assert redone == again, redone
     assert result.report["steps_completed"] == steps
     assert all(f["lost_steps"] == 0 for f in result.report["faults"]), result.report["faults"]
+
+
+def test_a_survivor_killed_as_it_takes_shares_over_is_one_more_fault(tmp_path: Path, reference: Any) -> None:
+    """Rank 3 is lost at the end of step 3; rank 2 takes its share over and is killed in the new
+    generation before it computes it (``kill:survivor@takeover``), while ranks 0 and 1 wait at the
+    check there. That check fails too: rank 0 takes shares 0 and 1 and goes on again, rank 1 (its
+    shares moved) executes the step again. The same run, bit for bit, no lost step."""
+    steps = 8
+    result = run_job(workers=4, spares=0, min_workers=2, steps=steps, exact_resize=True, never_wait=True,
+                     faults=["kill:rank=3@step=3", "kill:survivor@takeover"], timeout_s=240,
+                     command=[sys.executable, SCRIPT, str(steps), str(tmp_path / "e"), "--pause", "0.2"])  # fmt: skip
+    assert result.ok, f"{result.error}\n{logs_of(result)}"
+    _bitwise(reference(4, steps), tmp_path / "e")
+    over = sorted((e["gen"], e["proc"], e["shares"]) for e in _kinds(result, "shares_taken_over"))
+    assert over == [(1, "w0", []), (1, "w1", []), (1, "w2", [3]), (2, "w0", [1])], over
+    redone = {e["proc"] for e in _kinds(result, "step_reexecuted") if e["step"] == 3}
+    assert redone == {"w1"}, redone
+    sizes = [(e["before"], e["replicas"]) for e in _kinds(result, "resized")]
+    assert sizes == [(4, 3), (3, 2)], sizes
+    assert result.report["steps_completed"] == steps
+    assert all(f["lost_steps"] == 0 for f in result.report["faults"]), result.report["faults"]

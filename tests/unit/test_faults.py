@@ -18,6 +18,7 @@ def test_parse_each_kind() -> None:
         "partition", (), None, "recovery", duration=3.0
     )
     assert parse_fault("partition:source@recovery") == FaultSpec("partition", (), None, "source")
+    assert parse_fault("kill:survivor@takeover") == FaultSpec("kill", (), None, "takeover")
     assert parse_fault("partition:spare@join,for=0.5") == FaultSpec(
         "partition", (), None, "join", duration=0.5
     )
@@ -46,7 +47,8 @@ def test_parse_errors_name_the_problem(spec: str, message: str) -> None:
 
 def test_round_trip_json() -> None:
     for s in ["kill:rank=1@step=30", "kill:spare@recovery", "hang:rank=0,1@step=2", "kill:rank=1@check=10",
-              "partition:spare@recovery,for=3", "partition:source@recovery", "kill:source@recovery"]:  # fmt: skip
+              "partition:spare@recovery,for=3", "partition:source@recovery", "kill:source@recovery",
+              "kill:survivor@takeover"]:  # fmt: skip
         f = parse_fault(s)
         assert FaultSpec.from_json(f.to_json()) == f
         assert str(f) == s
@@ -61,6 +63,7 @@ def test_round_trip_json() -> None:
         (["kill:rank=0,1@step=3"], 2, 2, 10, "every rank fails"),
         (["kill:spare@recovery"], 2, 0, 10, "no spare"),
         (["partition:spare@recovery,for=3"], 2, 1, 10, "needs a job on several hosts"),
+        (["kill:survivor@takeover"], 4, 1, 10, "only under --never-wait"),
         (["kill:rank=0,1@step=3"], 3, 0, 10, "--min-workers lets a job go on smaller"),
         (["kill:rank=1@step=3", "hang:rank=1@step=3"], 2, 2, 10, "already faulted"),
     ],
@@ -153,3 +156,11 @@ def test_an_elastic_schedule_may_lose_more_ranks_than_spares_down_to_its_minimum
         validate_schedule(
             parse_faults(["kill:rank=0,1@step=3"]), workers=4, spares=0, steps=10, min_workers=3
         )
+
+
+def test_a_takeover_fault_needs_never_wait_and_no_spare() -> None:
+    faults = parse_faults(["kill:rank=3@step=3", "kill:survivor@takeover"])
+    validate_schedule(faults, workers=4, spares=0, steps=10, min_workers=2, never_wait=True)
+    with pytest.raises(ValueError, match="only kill"):
+        validate_schedule(parse_faults(["partition:survivor@takeover"]), workers=4, spares=0, steps=10,
+                          min_workers=2, never_wait=True)  # fmt: skip
