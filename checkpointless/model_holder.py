@@ -222,8 +222,8 @@ class ReplicatedModel:
 
     def park_attempt(self) -> list[torch.Tensor] | None:
         """The attempt in flight set aside while its member changes generation (``takeover``): the
-        buffers its passes moved returned (None without buffers), the committed ones in place;
-        see ``carriable`` for whether it can go on)."""
+        buffers its passes moved returned (None without buffers), the committed ones in place
+        (``carriable``: whether it can go on)."""
         saved = self.buffers.snapshot() if self.buffers else None
         self.buffers.restore()
         return saved

@@ -40,9 +40,8 @@ class Event(StrEnum):
     STEP_COMMITTED = "step_committed"
     STEPS_COMMITTED = "steps_committed"  # one host's ranks' commits of one step, packed by its relay
     STEP_REEXECUTED = "step_reexecuted"
-    SHARES_TAKEN_OVER = (
-        "shares_taken_over"  # a survivor's step went on in the next generation (``shares``: added)
-    )
+    # a survivor's step went on in the next generation (``shares``: those it added; ``takeover.py``)
+    SHARES_TAKEN_OVER = "shares_taken_over"
     FAULT_INJECTED = "fault_injected"
     FAULT_DETECTED = "fault_detected"
     FAILURE_REPORTED = "failure_reported"
