@@ -231,7 +231,7 @@ class ReplicatedModel:
     def carriable(self) -> bool:
         """Whether the attempt in flight can go on in another generation: it reduced nothing and
         its trainable parameters are those its buckets were laid out for."""
-        return not self._overlap and not self.reducer.stale()
+        return not self.reducer.overlap and not self.reducer.stale()
 
     def resume_attempt(
         self, parked: list[torch.Tensor] | None, group: Group | None, owners: list[range]
