@@ -38,7 +38,7 @@ from checkpointless.control.clock import ClockOffsets
 from checkpointless.control.course import CourseParts, Failure, FailureCourse
 from checkpointless.control.detection import early_finish, hung, stuck
 from checkpointless.control.exits import ExitJudge
-from checkpointless.control.heartbeats import HeartbeatReader
+from checkpointless.control.heartbeats import HeartbeatReader, News
 from checkpointless.control.outcome import Outcome
 from checkpointless.control.pace import Pace
 from checkpointless.control.plan import Plan, initial_plan
@@ -273,7 +273,12 @@ class Coordinator:
 
     def _observe(self, now: float) -> None:
         """Read the heartbeats and take in what moved."""
-        for name, p, old in self.heartbeats.read(now):
+        self._take_in(self.heartbeats.read(now), now)
+
+    def _take_in(self, news: list[News], now: float) -> None:
+        """The heartbeats that moved: what they say (a spare ready, a step's time, a notice, a
+        report)."""
+        for name, p, old in news:
             hb = p.hb
             if hb.get("phase") == Phase.SPARE and not p.was_ready:
                 p.was_ready = True
@@ -339,9 +344,12 @@ class Coordinator:
 
     def _on_exit(self, name: str, p: ProcessView, rank: int | None, now: float) -> None:
         """A process is gone: a fault to recover from, a spare to restart, or the end of the job."""
-        role, p.role = p.role, Role.GONE
         if self.finished:
+            p.role = Role.GONE
             return
+        if not p.joined:
+            self._take_in(self.heartbeats.read_exited(name, p, now), now)
+        role, p.role = p.role, Role.GONE
         if self.exits.judge(name, p, role, rank, now) and rank is not None:
             self.fail(now).dead.add(rank)
 

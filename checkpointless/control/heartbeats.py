@@ -65,6 +65,21 @@ class HeartbeatReader:
         self._forgive_own_stall(now, self._clock() - began)
         return news
 
+    def read_exited(self, name: str, p: ProcessView, now: float) -> list[News]:
+        """One more read for process ``name``, which exited before any read brought a heartbeat of
+        it (a fast script may join, train and fail between two reads): whether it joined is in the
+        store. Its host's other processes come along (a relay value is read whole)."""
+        news: list[News] = []
+        if not p.handle.relayed:
+            self._read_direct([(name, p)], now, news)
+            return news
+        host = p.handle.host
+        same = [
+            (n, q) for n, q in self._table.live() if n != name and q.handle.relayed and q.handle.host == host
+        ]
+        self._read_relays({host: [*same, (name, p)]}, now, news)
+        return news
+
     def relay_chunks(self) -> dict[str, int]:
         """How many event chunks each host's relay says it has written (several hosts)."""
         return {h: v[1].chunks for h, v in self._relays.items()}

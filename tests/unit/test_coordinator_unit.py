@@ -640,6 +640,30 @@ def test_worker_exit_that_ends_the_job(joined: bool, code: int, log: str, match:
     assert job.store.get(keys.abort(0)) is None and job.spawned == []
 
 
+@pytest.mark.parametrize("code", [1, -9])
+def test_a_worker_that_joined_and_exited_between_two_reads_of_the_heartbeats_is_a_lost_rank(
+    code: int,
+) -> None:
+    """A fast script: rank 1 joins, trains and raises (or is killed) between two of the
+    coordinator's reads of the heartbeats, so no read brought its heartbeat yet. Its heartbeat is
+    in the store: it joined, and its rank is lost like any other (a fault, recovered), not a
+    command that failed to start."""
+    job = Job(workers=2, spares=1)
+    job["w0"].enter(0, 0)
+    job["s0"].ready_spare()
+    job.tick()
+    job["w1"].enter(1, 0, 3)  # written once, never read: the exit comes before the next read
+    job.exit("w1", code)
+    job.tick(dt=DT / 10)
+    (exited,) = job.kinds("process_exited")
+    assert (exited["target"], exited["joined"]) == ("w1", True)
+    assert job.faults() == [("process_exit", "w1")]
+    job["w0"].recover()
+    job.tick(4)
+    plan = job.plan(1)
+    assert plan is not None and plan.members[1] == "s0", plan
+
+
 def test_a_spare_given_a_rank_as_it_left_on_a_notice_is_a_lost_rank_not_a_mistake() -> None:
     """The plan that gives spare s0 rank 1 crosses its notice: it exits 0 still a spare (its last
     heartbeat says so). Rank 1 is lost like any other (a fault, recovered), not a worker whose loop

@@ -226,6 +226,34 @@ def test_the_coordinator_reads_a_key_per_host_and_ignores_replays_and_forgeries(
     assert members.clock_of("w1") == "h1"
 
 
+def test_a_relayed_process_that_exits_before_a_read_brought_its_heartbeat_had_joined(
+    coordinator: tuple[Any, SignedStore],
+) -> None:
+    """Several hosts: rank 1 joins, trains and raises between two reads of the relays. The exit is
+    judged on one more read of its host's value: it joined (a lost rank, recovered, not a command
+    that failed to start), and its host's other process takes its heartbeat from the same read."""
+    _server, view = coordinator
+    seen: list[dict[str, Any]] = []
+    coord = Coordinator(view, JobConfig(workers=2), 10, spawn_spare=lambda: None, emit=seen.append)
+    w1 = _Handle("w1", "h1")
+    coord.start([_Handle("w0", "h1"), w1], [])
+    procs = {
+        n: {"seq": 1, "rank": r, "gen": 0, "committed": 3, "phase": "idle"}
+        for r, n in enumerate(("w0", "w1"))
+    }
+    view.set(keys.node_relay("h1"), json.dumps({"seq": 1, "t": time.time(), "chunks": 0, "procs": procs}))
+    w1.alive = lambda: False  # type: ignore[method-assign]
+    w1.exitcode = lambda: 1  # type: ignore[method-assign]
+    coord._check_processes(time.monotonic())  # no read of the heartbeats before it
+    (exited,) = [e for e in seen if e["kind"] == Event.PROCESS_EXITED]
+    assert (exited["target"], exited["joined"]) == ("w1", True)
+    assert [(e["reason"], e["target"]) for e in seen if e["kind"] == Event.FAULT_DETECTED] == [
+        ("process_exit", "w1")
+    ]
+    assert coord.failure is not None and coord.failure.dead == {1}
+    assert coord.member_status()[0]["committed"] == 3  # w0's heartbeat came with the same value
+
+
 def test_a_relayed_failure_report_reaches_the_coordinator_in_its_hosts_value_and_no_key_of_its_own(
     coordinator: tuple[Any, SignedStore], relay: Relay
 ) -> None:
