@@ -8,7 +8,8 @@ The source:
    the optimizer's next step, which waits until they are sent), everything else copied (buffers
    that a forward pass updates, progress, user state: small);
 2. from then on records, at every call of its optimizer's ``step`` (a pre-hook), what the optimizer
-   is given: every parameter's gradient (None where it has none) and every parameter group's
+   is given: every parameter's gradient (None where it has none; copied into pooled buffers, given
+   back once sent, ``GradBuffers``) and every parameter group's
    settings but its parameters (the learning rate a scheduler set, the betas, ...). A step's
    records are kept if the step commits, dropped if it fails;
 3. a sender thread forms a group of two with the follower (``keys.catch_up_prefix``), sends the
@@ -84,6 +85,65 @@ def _settings(group: dict[str, Any]) -> dict[str, Any]:
     return {k: _copy(v) for k, v in group.items() if k != "params"}
 
 
+class GradBuffers:
+    """Flat buffers a step's gradients are copied into, one per dtype and device (each parameter a
+    slice at a fixed offset), reused once the step is sent: a record is a copy into pages touched
+    before, not a fresh allocation (at 126M parameters here: 0.03 s against 0.2 s a step). The
+    training thread takes a set, the sender gives it back."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self._sizes: dict[tuple[torch.dtype, torch.device], int] = {}
+        self._slots: list[tuple[tuple[torch.dtype, torch.device], int]] = []  # per parameter
+        for p in params:
+            key = (p.dtype, p.device)
+            self._slots.append((key, self._sizes.get(key, 0)))
+            self._sizes[key] = self._sizes.get(key, 0) + p.numel()
+        self._shapes = [p.shape for p in params]
+        self.count = len(params)
+        self._free: list[dict[tuple[torch.dtype, torch.device], torch.Tensor]] = []
+        self._lock = threading.Lock()
+
+    def _new(self) -> dict[tuple[torch.dtype, torch.device], torch.Tensor]:
+        return {key: torch.empty(n, dtype=key[0], device=key[1]) for key, n in self._sizes.items()}
+
+    def touch(self) -> None:
+        """One set allocated and written ahead (the sender thread, before the first record)."""
+        bufs = self._new()
+        for t in bufs.values():
+            t.zero_()
+        self.release(bufs)
+
+    def copy(
+        self, grads: list[torch.Tensor | None]
+    ) -> tuple[list[torch.Tensor | None], dict[tuple[torch.dtype, torch.device], torch.Tensor]]:
+        """``grads`` (one per parameter, in order) copied into a set: the copies and the set to give
+        back once they are sent. A gradient unlike its parameter (another dtype or shape) is cloned."""
+        with self._lock:
+            bufs = self._free.pop() if self._free else None
+        if bufs is None:
+            bufs = self._new()
+        out: list[torch.Tensor | None] = []
+        with torch.no_grad():
+            for grad, (key, at), shape in zip(grads, self._slots, self._shapes, strict=True):
+                if grad is None:
+                    out.append(None)
+                elif (grad.dtype, grad.device) != key or grad.shape != shape:
+                    out.append(grad.detach().clone())
+                else:
+                    out.append(bufs[key][at : at + grad.numel()].view(shape).copy_(grad.detach()))
+        return out, bufs
+
+    def release(self, bufs: dict[tuple[torch.dtype, torch.device], torch.Tensor]) -> None:
+        """A set given back (one of another layout, from before a parameter group was added: dropped)."""
+        if {key: t.numel() for key, t in bufs.items()} != self._sizes:
+            return
+        with self._lock:
+            self._free.append(bufs)
+
+
+Buffers = dict[tuple[torch.dtype, torch.device], torch.Tensor]
+
+
 class StepLog:
     """What an optimizer's ``step`` is given, recorded at each call (a pre-hook), kept per
     committed step."""
@@ -93,8 +153,10 @@ class StepLog:
     ) -> None:
         """``before()`` runs first at each step (the source: until its state is sent)."""
         self._before = before
-        self._pending: list[dict[str, Any]] = []
+        self._pending: list[tuple[dict[str, Any], Buffers]] = []
         self.closure = False  # a step was called with a closure: it cannot be followed
+        params = [] if optimizer is None else [p for g in optimizer.param_groups for p in g["params"]]
+        self.buffers = GradBuffers(params)
         self._hook = None if optimizer is None else optimizer.register_step_pre_hook(self._before_step)
 
     def _before_step(
@@ -103,20 +165,23 @@ class StepLog:
         self._before()
         if len(args) > 1 or kwargs.get("closure") is not None:  # args[0] is the optimizer
             self.closure = True
-        grads = [
-            None if p.grad is None else p.grad.detach().clone()
-            for g in optimizer.param_groups
-            for p in g["params"]
-        ]
-        self._pending.append({"grads": grads, "groups": [_settings(g) for g in optimizer.param_groups]})
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        if len(params) != self.buffers.count:
+            self.buffers = GradBuffers(params)  # a parameter group was added
+        grads, bufs = self.buffers.copy([p.grad for p in params])
+        call = {"grads": grads, "groups": [_settings(g) for g in optimizer.param_groups]}
+        self._pending.append((call, bufs))
 
-    def take(self) -> list[dict[str, Any]]:
-        """The records of the step that just committed."""
+    def take(self) -> tuple[list[dict[str, Any]], list[Buffers]]:
+        """The records of the step that just committed, and the buffers they are in (``buffers``
+        takes them back once sent)."""
         out, self._pending = self._pending, []
-        return out
+        return [call for call, _ in out], [bufs for _, bufs in out]
 
     def drop(self) -> None:
-        """The step failed: its records go."""
+        """The step failed: its records go, their buffers back."""
+        for _, bufs in self._pending:
+            self.buffers.release(bufs)
         self._pending = []
 
     def close(self) -> None:
@@ -182,7 +247,7 @@ class CatchUpSource:
         self._sent = threading.Event()  # the snapshot is out (or the catch-up over): the optimizer may step
         self._log = StepLog(optimizer, self._wait_sent)
         self._secret, self._connect, self._on_sent = secret, connect, on_sent
-        self._queue: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[dict[str, Any], list[Buffers]] | None] = queue.Queue()
         self._group: Group | None = None
         self._lock = threading.Lock()
         self.error: str | None = None
@@ -191,10 +256,17 @@ class CatchUpSource:
 
     def start(self) -> None:
         self._thread.start()
+        # the first record's buffers written ahead, beside the training thread, not in its step
+        threading.Thread(target=self._touch, name=f"catch-up-{self.follower}-buffers", daemon=True).start()
+
+    def _touch(self) -> None:
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), SENDER_NICE)
+        self._log.buffers.touch()
 
     def committed(self, step: int) -> None:
         """A step committed: its records queued for the follower (or the catch-up given up)."""
-        calls = self._log.take()
+        calls, bufs = self._log.take()
         if self._log.closure:
             self._fail("the optimizer's step was called with a closure: a follower cannot replay it")
         elif self._queue.qsize() >= MAX_BEHIND:
@@ -202,7 +274,7 @@ class CatchUpSource:
         if self.error is not None:
             self._log.close()  # given up: the steps that follow record nothing
             return
-        self._queue.put({"step": step, "calls": calls})
+        self._queue.put(({"step": step, "calls": calls}, bufs))
         self.last_step = step
 
     def drop(self) -> None:
@@ -213,7 +285,7 @@ class CatchUpSource:
         whether the follower has it all."""
         self._log.close()
         if self.error is None and self.last_step == step:
-            self._queue.put({"step": step, "end": True})
+            self._queue.put(({"step": step, "end": True}, []))
         else:
             self._fail(self.error or f"the follower holds step {self.last_step}, not {step}")
         self._thread.join(timeout)
@@ -269,10 +341,13 @@ class CatchUpSource:
             self._sent.set()
             self._on_sent(stats)
             while True:
-                record = self._queue.get()
-                if record is None:
+                item = self._queue.get()
+                if item is None:
                     return
+                record, bufs = item
                 send_state(group, 1, record, key=self._secret)
+                for b in bufs:
+                    self._log.buffers.release(b)
                 if record.get("end"):
                     ack = torch.zeros(1, dtype=torch.int64)
                     group.recv(ack, 1)  # the follower applied everything: the group may go

@@ -53,7 +53,7 @@ def test_replaying_the_records_on_a_copy_gives_the_same_bits(kind: str) -> None:
     records = []
     for s in range(3, 9):
         _train(source, opt, sched, s)
-        records.append(log.take())
+        records.append(log.take()[0])  # kept: their buffers are never given back, so never reused
     log.close()
     follower.load_state_dict(snapshot["model"])
     fopt.load_state_dict(snapshot["optimizer"])
@@ -76,14 +76,68 @@ def test_a_failed_step_s_records_are_dropped_and_a_closure_is_seen() -> None:
     model(torch.randn(4, 8)).sum().backward()
     opt.step()
     log.drop()
-    assert log.take() == [] and not log.closure
+    assert log.take() == ([], []) and not log.closure
     opt.step()
-    assert len(log.take()) == 1 and not log.closure
+    assert len(log.take()[0]) == 1 and not log.closure
     opt.step(lambda: torch.tensor(0.0))
     assert log.closure
     log.close()
     opt.step()
-    assert log.take() == []  # the hook is gone
+    assert log.take() == ([], [])  # the hook is gone
+
+
+def test_a_steps_gradients_are_copied_into_buffers_reused_only_once_given_back() -> None:
+    """The records' gradients live in pooled buffers: equal to what the optimizer was given, apart
+    from the next step's until the sender gives them back, then reused (no fresh pages); a dropped
+    step's buffers come back at once."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    log = StepLog(opt)
+    log.buffers.touch()
+    (touched,) = log.buffers._free
+    steps = []
+    for s in range(3):
+        model.zero_grad()
+        model(torch.randn(4, 8, generator=torch.Generator().manual_seed(s))).sum().backward()
+        given = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        opt.step()
+        (call,), bufs = log.take()
+        steps.append((call, bufs, given))
+    (c0, b0, g0), (c1, b1, g1), (c2, b2, g2) = steps
+    assert b0 == [touched] and b1[0] is not touched and b2[0] is not b1[0]  # none given back yet
+    for call, given in ((c0, g0), (c1, g1), (c2, g2)):  # each step's own values, none overwritten
+        assert all(
+            torch.equal(a, b) for a, b in zip(call["grads"], given, strict=True)
+        )  # every one has a gradient
+    log.buffers.release(b1[0])
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    _, (b3,) = log.take()
+    assert b3 is b1[0]  # reused
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    log.drop()  # a failed step: its buffers back at once
+    assert len(log.buffers._free) == 1
+    log.close()
+
+
+def test_a_pooled_record_is_sent_and_replayed_to_the_same_bits() -> None:
+    """A record's gradients are views into a pooled buffer: ``apply_step`` on them gives the bits
+    of the source's own step."""
+    source, follower = _model(), _model()
+    opt = torch.optim.AdamW(source.parameters(), lr=1e-3)
+    fopt = torch.optim.AdamW(follower.parameters(), lr=1e-3)
+    log = StepLog(opt)
+    for s in range(3):
+        opt.zero_grad()
+        source(torch.randn(4, 8, generator=torch.Generator().manual_seed(s))).pow(2).sum().backward()
+        opt.step()
+        calls, bufs = log.take()
+        apply_step(fopt, calls)
+        for b in bufs:
+            log.buffers.release(b)
+    log.close()
+    assert all(torch.equal(a, b) for a, b in zip(source.parameters(), follower.parameters(), strict=True))
 
 
 def test_the_light_state_leaves_out_parameters_and_optimizer_state_only() -> None:
