@@ -149,11 +149,15 @@ class StepLog:
     committed step."""
 
     def __init__(
-        self, optimizer: torch.optim.Optimizer | None, before: Callable[[], None] = lambda: None
-    ) -> None:
-        """``before()`` runs first at each step (the source: until its state is sent)."""
-        self._before = before
+        self, optimizer: torch.optim.Optimizer | None, before: Callable[[], None] = lambda: None,
+        on_call: Callable[[dict[str, Any], Buffers], None] | None = None,
+    ) -> None:  # fmt: skip
+        """``before()`` runs first at each step (the source: until its state is sent); ``on_call``
+        takes each call's record as it is made (the source: sent at once, while the optimizer
+        steps), instead of ``take`` at the commit."""
+        self._before, self._on_call = before, on_call
         self._pending: list[tuple[dict[str, Any], Buffers]] = []
+        self.calls = 0  # calls recorded since the last commit or failure
         self.closure = False  # a step was called with a closure: it cannot be followed
         params = [] if optimizer is None else [p for g in optimizer.param_groups for p in g["params"]]
         self.buffers = GradBuffers(params)
@@ -170,19 +174,23 @@ class StepLog:
             self.buffers = GradBuffers(params)  # a parameter group was added
         grads, bufs = self.buffers.copy([p.grad for p in params])
         call = {"grads": grads, "groups": [_settings(g) for g in optimizer.param_groups]}
-        self._pending.append((call, bufs))
+        self.calls += 1
+        if self._on_call is not None:
+            self._on_call(call, bufs)
+        else:
+            self._pending.append((call, bufs))
 
     def take(self) -> tuple[list[dict[str, Any]], list[Buffers]]:
         """The records of the step that just committed, and the buffers they are in (``buffers``
         takes them back once sent)."""
-        out, self._pending = self._pending, []
+        out, self._pending, self.calls = self._pending, [], 0
         return [call for call, _ in out], [bufs for _, bufs in out]
 
     def drop(self) -> None:
         """The step failed: its records go, their buffers back."""
         for _, bufs in self._pending:
             self.buffers.release(bufs)
-        self._pending = []
+        self._pending, self.calls = [], 0
 
     def close(self) -> None:
         if self._hook is not None:
@@ -245,13 +253,14 @@ class CatchUpSource:
         }
         self._connected = threading.Event()  # the pair group formed (or the catch-up over)
         self._sent = threading.Event()  # the snapshot is out (or the catch-up over): the optimizer may step
-        self._log = StepLog(optimizer, self._wait_sent)
+        self._log = StepLog(optimizer, self._wait_sent, self._call)
         self._secret, self._connect, self._on_sent = secret, connect, on_sent
         self._queue: queue.Queue[tuple[dict[str, Any], list[Buffers]] | None] = queue.Queue()
         self._group: Group | None = None
         self._lock = threading.Lock()
         self.error: str | None = None
         self.last_step = step  # the last step queued
+        self._behind = 0  # committed steps queued, not yet sent
         self._thread = threading.Thread(target=self._send, name=f"catch-up-{follower}", daemon=True)
 
     def start(self) -> None:
@@ -264,20 +273,36 @@ class CatchUpSource:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), SENDER_NICE)
         self._log.buffers.touch()
 
+    def _call(self, call: dict[str, Any], bufs: Buffers) -> None:
+        """A call of the optimizer's step, recorded: queued at once (sent while the optimizer
+        steps); the follower applies it once the step's commit follows."""
+        if self.error is None:
+            self._queue.put(({"call": call}, [bufs]))
+        else:
+            self._log.buffers.release(bufs)
+
     def committed(self, step: int) -> None:
-        """A step committed: its records queued for the follower (or the catch-up given up)."""
-        calls, bufs = self._log.take()
+        """A step committed: the follower told to apply its calls (or the catch-up given up)."""
+        calls = self._log.calls
+        self._log.take()
+        with self._lock:
+            behind = self._behind
         if self._log.closure:
             self._fail("the optimizer's step was called with a closure: a follower cannot replay it")
-        elif self._queue.qsize() >= MAX_BEHIND:
+        elif behind >= MAX_BEHIND:
             self._fail(f"the follower fell more than {MAX_BEHIND} steps behind")
         if self.error is not None:
             self._log.close()  # given up: the steps that follow record nothing
             return
-        self._queue.put(({"step": step, "calls": calls}, bufs))
+        with self._lock:
+            self._behind += 1
+        self._queue.put(({"step": step, "calls": calls}, []))
         self.last_step = step
 
     def drop(self) -> None:
+        """A failed attempt: the follower drops the calls it was sent for it."""
+        if self._log.calls and self.error is None:
+            self._queue.put(({"drop": True}, []))
         self._log.drop()
 
     def finish(self, step: int, timeout: float) -> bool:
@@ -348,6 +373,9 @@ class CatchUpSource:
                 send_state(group, 1, record, key=self._secret)
                 for b in bufs:
                     self._log.buffers.release(b)
+                if "calls" in record:
+                    with self._lock:
+                        self._behind -= 1
                 if record.get("end"):
                     ack = torch.zeros(1, dtype=torch.int64)
                     group.recv(ack, 1)  # the follower applied everything: the group may go
@@ -377,10 +405,17 @@ def follow(
         load(first["state"])
         step = int(first["step"])
         applied(step)
+        calls: list[dict[str, Any]] = []  # the current step's, sent as the source's optimizer made them
         while True:
             record, _ = recv_state(group, 0, key=secret)
+            if "call" in record:
+                calls.append(record["call"])
+                continue
+            if record.get("drop"):  # the attempt failed: its calls go
+                calls = []
+                continue
             if record.get("end"):
-                if int(record["step"]) != step:
+                if int(record["step"]) != step or calls:
                     raise CatchUpFailed(
                         f"the catch-up ends at step {record['step']} but this spare holds {step}"
                     )
@@ -388,7 +423,12 @@ def follow(
                 return step
             if int(record["step"]) != step + 1:
                 raise CatchUpFailed(f"step {record['step']} came after step {step}")
-            apply_step(optimizer, record["calls"])
+            if int(record["calls"]) != len(calls):
+                raise CatchUpFailed(
+                    f"step {record['step']} made {record['calls']} call(s), {len(calls)} came"
+                )
+            apply_step(optimizer, calls)
+            calls = []
             step = int(record["step"])
             applied(step)
     except CatchUpFailed:

@@ -23,16 +23,16 @@ pytestmark = pytest.mark.timeout(300)
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """``reference(workers, steps)``: the fault-free run of that size, made once."""
-    made: dict[tuple[int, int], Path] = {}
+    made: dict[tuple[int, int, tuple[str, ...]], Path] = {}
 
-    def get(workers: int, steps: int) -> Path:
-        if (workers, steps) not in made:
+    def get(workers: int, steps: int, *extra: str) -> Path:
+        if (workers, steps, extra) not in made:
             out = tmp_path_factory.mktemp(f"ref{workers}x{steps}")
             result = run_job(workers=workers, spares=0, steps=steps, exact_resize=True,
-                             command=[sys.executable, SCRIPT, str(steps), str(out)])  # fmt: skip
+                             command=[sys.executable, SCRIPT, str(steps), str(out), *extra])  # fmt: skip
             assert result.ok, f"{result.error}\n{logs_of(result)}"
-            made[workers, steps] = out
-        return made[workers, steps]
+            made[workers, steps, extra] = out
+        return made[workers, steps, extra]
 
     return get
 
@@ -64,6 +64,23 @@ def test_a_kill_shrinks_at_once_and_the_spare_catches_up_then_joins(tmp_path: Pa
     assert first["sources"] == {} and first["replaced"] == {}, first
     assert result.report["steps_completed"] == STEPS
     assert all(f["lost_steps"] == 0 for f in result.report["faults"])
+
+
+def test_a_script_that_changes_its_parameters_outside_the_optimizer_gets_the_whole_state_at_the_join(
+    tmp_path: Path, reference: Any
+) -> None:
+    """The catch-up replays the optimizer's steps only: a script that scales a weight after each
+    step leaves the spare with other parameters than its source. The join's digests differ, the
+    spare receives the whole state instead, and the run stays the fault-free run, bit for bit."""
+    result = run_job(workers=2, spares=1, min_workers=1, steps=STEPS, exact_resize=True, never_wait=True,
+                     faults=["kill:rank=1@step=3"],
+                     command=_command(tmp_path / "e", "--pause", "0.3", "--decay-outside"))  # fmt: skip
+    assert result.ok, f"{result.error}\n{logs_of(result)}"
+    _bitwise(reference(2, STEPS, "--decay-outside"), tmp_path / "e")
+    assert [e["ok"] for e in _kinds(result, "catch_up_ended")] == [False]
+    (full,) = _kinds(result, "transfer_ended")  # the whole state, to the spare that caught up
+    assert full["bytes"] > 0 and full["step"] > 3, full
+    assert result.report["steps_completed"] == STEPS
 
 
 def test_a_notice_under_never_wait_leaves_at_the_step_boundary_and_the_spare_catches_up(

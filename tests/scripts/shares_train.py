@@ -63,6 +63,9 @@ def main() -> None:
             session.reduce_gradients()
             opt.step()
             opt.zero_grad()
+            if "--decay-outside" in sys.argv:
+                with torch.no_grad():
+                    model[0].weight.mul_(0.999)
         if attempt.committed:
             with open(out / f"losses-{os.getpid()}.jsonl", "a") as f:
                 f.write(json.dumps(losses) + "\n")

@@ -5,6 +5,8 @@ with a closure cannot be followed; the light state leaves out exactly what a fol
 from __future__ import annotations
 
 import copy
+import functools
+from typing import Any
 
 import pytest
 import torch
@@ -207,3 +209,79 @@ def test_the_report_lists_each_catch_up_and_how_it_ended() -> None:
     ]
     assert got[0]["seconds"] == 0.5 and got[1]["seconds"] == 1.0 and got[1]["copy_s"] == 0.05
     assert got[2]["bytes"] is None and got[2]["seconds"] is None
+
+
+def test_a_source_and_its_follower_over_a_real_pair_group_end_at_the_same_bits() -> None:
+    """Source and follower on two threads over a real gloo pair: the copy, then each call of the
+    optimizer's step sent as it is made; a failed attempt's calls dropped (the follower never
+    applies them), a step with two calls applied as two, the end acknowledged: the follower holds
+    the source's parameters and optimizer state bit for bit."""
+    from datetime import timedelta
+
+    from checkpointless.catch_up import CatchUpSource, follow
+    from checkpointless.comm import Group
+    from tests.unit.test_reducer import run_ranks
+
+    secret = b"s" * 32
+    timeout = timedelta(seconds=30)
+
+    def grads(model: nn.Module, seed: int) -> None:
+        model.zero_grad()
+        g = torch.Generator().manual_seed(seed)
+        nn.functional.mse_loss(
+            model(torch.randn(8, 8, generator=g)), torch.randn(8, 2, generator=g)
+        ).backward()
+
+    def rank_fn(rank: int, store: Any) -> Any:
+        model = _model()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        pair = functools.partial(Group, store, 0, rank, 2, prefix="catch-up/", timeout=timeout)
+        if rank == 1:
+            group = pair()
+            try:
+                state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+
+                def load(st: dict[str, Any]) -> None:
+                    model.load_state_dict(st["model"])
+                    opt.load_state_dict(st["optimizer"])
+
+                held = follow(group, secret, state, load, opt, lambda step: None)
+            finally:
+                group.abort()
+            return held, copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+        for s in range(2):
+            grads(model, s)
+            opt.step()
+        sent: list[Any] = []
+        source = CatchUpSource("s", {"model": model.state_dict(), "optimizer": opt.state_dict()}, 1, opt,
+                               secret=secret, connect=pair, on_sent=sent.append)  # fmt: skip
+        source.start()
+        grads(model, 2)
+        opt.step()
+        source.committed(2)
+        undo = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+        grads(model, 99)
+        opt.step()  # an attempt that fails after its optimizer step: undone, its call dropped
+        model.load_state_dict(undo[0])
+        opt.load_state_dict(undo[1])
+        source.drop()
+        grads(model, 3)
+        opt.step()
+        source.committed(3)
+        grads(model, 4)
+        opt.step()
+        grads(model, 5)
+        opt.step()  # two calls in one step
+        source.committed(4)
+        assert source.finish(4, 30.0), source.error
+        assert len(sent) == 1
+        return 4, copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+
+    (step_a, model_a, opt_a), (step_b, model_b, opt_b) = run_ranks(2, rank_fn)
+    assert step_a == step_b == 4
+    params = {n for n, _ in _model().named_parameters()}  # the buffers come with the join's light state
+    assert all(torch.equal(model_a[k], model_b[k]) for k in params)
+    for k, v in opt_a["state"].items():
+        assert all(
+            torch.equal(torch.as_tensor(t), torch.as_tensor(opt_b["state"][k][n])) for n, t in v.items()
+        )
