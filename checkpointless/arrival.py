@@ -18,7 +18,8 @@ from checkpointless.consistency import TrainableAgreement
 from checkpointless.control.client import ControlClient
 from checkpointless.control.plan import Plan
 from checkpointless.durable import DurableWriter
-from checkpointless.following import recv_light
+from checkpointless.errors import IntegrityError
+from checkpointless.following import JoinCheck, recv_light
 from checkpointless.model_holder import ModelHolder
 from checkpointless.progress import StepState
 from checkpointless.protocol.vocab import Event
@@ -39,6 +40,8 @@ class StateArrival:
         self._model, self._steps, self._trainable, self._secret = model, steps, trainable, secret
         self.has_state = has_state  # whether this process holds valid job state (a spare does not yet)
         self._lineages: dict[int, int] = {}  # every member's, as last exchanged in a recovery
+        # a caught-up spare's check of its state against its source's, pending since its join
+        self._join: tuple[JoinCheck, dict[str, object]] | None = None
 
     def exchanged(self, lineages: dict[int, int]) -> None:
         """The members' lineages as the holders exchanged them entering this generation."""
@@ -49,21 +52,19 @@ class StateArrival:
         hook: Callable[[], None],
     ) -> None:  # fmt: skip
         """This rank's state from ``src`` (a replacement's, or a survivor's that lost it); ``light``:
-        a spare that caught up receives what the catch-up did not bring, and everything only if the
-        two then differ. ``hook`` runs as the first piece arrives (the fault injector's)."""
+        a spare that caught up receives what the catch-up did not bring, and checks the whole
+        against its source's digest beside its first step (``verify``). ``hook`` runs as the first
+        piece arrives (the fault injector's)."""
         client.emit(Event.TRANSFER_BEGUN, rank=rank, gen=plan.gen, step=plan.resume_step, src=src)
         # received in place, into this process's own tensors: it holds no valid state until loaded
         self.has_state = False
         if light:
             hook()
-            stats, same, sent_lineage = recv_light(group, src, self._model, self._secret)
-            client.emit(Event.CATCH_UP_ENDED, sync=True, rank=rank, gen=plan.gen, step=plan.resume_step, src=src,
-                        ok=same, bytes=stats.bytes, seconds=round(stats.seconds, 4))  # fmt: skip
-            if same:
-                self._loaded(plan, src, sent_lineage)
-                return
-            log.warning("[gen %d rank %d] the catch-up differs from rank %d's state: receiving all of it",
-                        plan.gen, rank, src)  # fmt: skip
+            stats, check, sent_lineage = recv_light(group, src, self._model, self._secret)
+            self._loaded(plan, src, sent_lineage)
+            self._join = check, {"rank": rank, "gen": plan.gen, "step": plan.resume_step, "src": src,
+                                 "bytes": stats.bytes, "seconds": round(stats.seconds, 4)}  # fmt: skip
+            return
         stats, kept, sent_lineage = transfer_in(group, src, self._model, self._secret, hook)
         self._loaded(plan, src, sent_lineage)
         client.emit(
@@ -71,6 +72,23 @@ class StateArrival:
             bytes=stats.bytes, seconds=stats.seconds, waited_s=round(stats.waited_s, 4), sha256_ok=True,
             kept_bytes=kept,
         )  # fmt: skip
+
+    def verify(self, client: ControlClient) -> None:
+        """A caught-up spare, before any gradient of its first step leaves it: its state against its
+        source's digest. If they differ it holds no valid state and ``IntegrityError`` fails the
+        attempt: the recovery sends it everything. Nothing pending: nothing to do."""
+        if self._join is None:
+            return
+        check, fields = self._join
+        self._join = None
+        same = check.same()
+        client.emit(Event.CATCH_UP_ENDED, sync=True, ok=same, **fields)  # type: ignore[arg-type]
+        if not same:
+            self.has_state = False
+            raise IntegrityError(
+                f"the state this rank caught up to differs from rank {fields['src']}'s (a script that changes "
+                "its parameters outside the optimizer's step?): it receives all of it in the recovery"
+            )
 
     def _loaded(self, plan: Plan, src: int, sent_lineage: int | None) -> None:
         """The state from ``src`` is loaded: it descends from the source's lineage (as the holders

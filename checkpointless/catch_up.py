@@ -57,21 +57,21 @@ SENDER_NICE = 10  # the sender thread's nice (a thread's own, on Linux)
 CONNECT_WAIT_S = 5.0  # how long a source's optimizer step waits for its follower to connect
 
 
-def _copy(obj: Any, keep: frozenset[int] = frozenset()) -> Any:
+def copy_state(obj: Any, keep: frozenset[int] = frozenset()) -> Any:
     """A deep copy of a state dict: tensors cloned (but those whose storage is in ``keep``, taken as
     they are), containers rebuilt, the rest as it is (plain values: numbers, strings)."""
     if isinstance(obj, torch.Tensor):
         return obj.detach() if obj.untyped_storage().data_ptr() in keep else obj.detach().clone()
     if isinstance(obj, dict):
-        return {k: _copy(v, keep) for k, v in obj.items()}
+        return {k: copy_state(v, keep) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_copy(v, keep) for v in obj]
+        return [copy_state(v, keep) for v in obj]
     if isinstance(obj, tuple):
-        return tuple(_copy(v, keep) for v in obj)
+        return tuple(copy_state(v, keep) for v in obj)
     return obj
 
 
-def _optimizer_storages(optimizer: torch.optim.Optimizer | None) -> frozenset[int]:
+def optimizer_storages(optimizer: torch.optim.Optimizer | None) -> frozenset[int]:
     """The storages that only the optimizer's step changes: its parameters and its state."""
     if optimizer is None:
         return frozenset()
@@ -82,7 +82,7 @@ def _optimizer_storages(optimizer: torch.optim.Optimizer | None) -> frozenset[in
 
 
 def _settings(group: dict[str, Any]) -> dict[str, Any]:
-    return {k: _copy(v) for k, v in group.items() if k != "params"}
+    return {k: copy_state(v) for k, v in group.items() if k != "params"}
 
 
 class GradBuffers:
@@ -249,7 +249,7 @@ class CatchUpSource:
         self.follower = follower
         self._snapshot: dict[str, Any] | None = {
             "step": step,
-            "state": _copy(state, _optimizer_storages(optimizer)),
+            "state": copy_state(state, optimizer_storages(optimizer)),
         }
         self._connected = threading.Event()  # the pair group formed (or the catch-up over)
         self._sent = threading.Event()  # the snapshot is out (or the catch-up over): the optimizer may step

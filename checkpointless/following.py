@@ -1,26 +1,43 @@
 """A member's catch-ups (``catch_up``): the followers it is the source of, started at the end of its
 entry into a generation and ended at the next plan; a spare's side of one; and the light transfer
-at the join, where the follower becomes a member and the two compare what they hold."""
+at the join, where the follower becomes a member and the two compare what they hold.
+
+At the join the source sends what the catch-up did not bring and the digest of its whole state
+(hashed while it waited for the follower to apply the last step). The follower hashes its own
+beside its first step (nothing it compares changes before its optimizer's step but what a forward
+pass moves, copied first) and compares before any gradient leaves it (``JoinCheck``): the
+survivors do not wait for a hash of the whole state. If the two differ (a script that changes its
+parameters outside the optimizer's step) the follower's attempt fails holding no valid state, and
+the recovery sends it everything."""
 
 from __future__ import annotations
 
 import functools
 import logging
+import threading
 from datetime import timedelta
+from typing import Any
 
 import torch
 
-from checkpointless.catch_up import CatchUpSource, fill_light, follow, light_state
+from checkpointless.catch_up import (
+    CatchUpSource,
+    copy_state,
+    fill_light,
+    follow,
+    light_state,
+    optimizer_storages,
+)
 from checkpointless.comm import Group
 from checkpointless.control.auth import pg_token
 from checkpointless.control.client import ControlClient
 from checkpointless.control.dial import connect
 from checkpointless.control.plan import Plan
 from checkpointless.errors import CatchUpFailed
-from checkpointless.model_holder import ModelHolder
+from checkpointless.model_holder import ModelHolder, compared_state
 from checkpointless.protocol import keys
 from checkpointless.protocol.vocab import Event, Phase
-from checkpointless.state import TransferStats, combined_digest, recv_state, send_state
+from checkpointless.state import TransferStats, combined_digest, entry_digests, recv_state, send_state
 
 log = logging.getLogger(__name__)
 
@@ -29,12 +46,46 @@ def _param_names(model: torch.nn.Module | None) -> set[str]:
     return set() if model is None else {n for n, _ in model.named_parameters(remove_duplicate=False)}
 
 
+class StateDigest:
+    """``combined_digest`` of a holder's compared state (``Member``'s replicas compare the same),
+    made in a thread: what only the optimizer's step changes is read in place (nothing changes it
+    before this process's next optimizer step), the rest (buffers a forward pass moves, progress,
+    user state: small) copied first."""
+
+    def __init__(self, model: ModelHolder) -> None:
+        optimizer = getattr(model, "optimizer", None)
+        state = copy_state(compared_state(model.registry), optimizer_storages(optimizer))
+        self._out: dict[str, bytes] = {}
+        self._thread = threading.Thread(target=self._hash, args=(state,), name="cl-state-digest", daemon=True)
+        self._thread.start()
+
+    def _hash(self, state: dict[str, Any]) -> None:
+        self._out["d"] = combined_digest(entry_digests(state))
+
+    def result(self) -> bytes | None:
+        """The digest (None if hashing failed)."""
+        self._thread.join()
+        return self._out.get("d")
+
+
+class JoinCheck:
+    """A caught-up follower's state against its source's digest (the module docstring): ``same``
+    waits for its own digest, made beside its first step."""
+
+    def __init__(self, model: ModelHolder, theirs: bytes) -> None:
+        self._theirs, self._mine = theirs, StateDigest(model)
+
+    def same(self) -> bool:
+        return self._mine.result() == self._theirs
+
+
 class CatchUps:
     """The catch-ups of one process (see the module docstring)."""
 
     def __init__(self, client: ControlClient, secret: bytes, model: ModelHolder, timeout: timedelta) -> None:
         self._client, self._secret, self._model, self._timeout = client, secret, model, timeout
         self._sources: dict[str, CatchUpSource] = {}  # follower -> its catch-up
+        self._digest: StateDigest | None = None  # this source's, hashed from the join's settle
 
     def _pair(self, gen: int, follower: str, rank: int) -> Group:
         """The group of two over which ``follower`` catches up (the source is rank 0)."""
@@ -45,10 +96,12 @@ class CatchUps:
     # -- the source's side ----------------------------------------------------------------
     def settle(self, plan: Plan, rank: int, committed: int) -> None:
         """At the next plan, before its group forms: a follower the plan makes a member fed from
-        this rank gets the end of its catch-up; every other catch-up is given up."""
+        this rank gets the end of its catch-up (the state's digest hashed meanwhile, for the join);
+        every other catch-up is given up."""
+        if any(self._joins(plan, rank, follower) for follower in self._sources):
+            self._digest = StateDigest(self._model)
         for follower, source in list(self._sources.items()):
-            new = plan.rank_of(follower)
-            ours = new is not None and new in plan.caught_up and plan.sources.get(new) == rank
+            ours = self._joins(plan, rank, follower)
             if ours and source.finish(committed, self._timeout.total_seconds()):
                 log.info("[gen %d] %s caught up at step %d", plan.gen, follower, committed)
             else:
@@ -56,6 +109,19 @@ class CatchUps:
                 self._client.emit(Event.CATCH_UP_ENDED, sync=True, rank=rank, gen=plan.gen, target=follower,
                                   ok=False, error=str(source.error)[:300])  # fmt: skip
             del self._sources[follower]
+
+    @staticmethod
+    def _joins(plan: Plan, rank: int, follower: str) -> bool:
+        """Whether ``plan`` makes ``follower`` a member fed from ``rank``."""
+        new = plan.rank_of(follower)
+        return new is not None and new in plan.caught_up and plan.sources.get(new) == rank
+
+    def digest(self, fresh: bool) -> bytes:
+        """This source's digest for the join: hashed from ``settle`` on, or now where ``fresh`` (its
+        state moved since: it received some in this generation)."""
+        early, self._digest = self._digest, None
+        value = None if early is None or fresh else early.result()
+        return value if value is not None else combined_digest(self._model.entries())
 
     def start(self, plan: Plan, rank: int, committed: int) -> None:
         """The plan's followers fed from ``rank``: each the state as it is now and a sender thread."""
@@ -109,32 +175,25 @@ class CatchUps:
                 group.abort()
 
 
-def send_light(group: Group, dst: int, model: ModelHolder, secret: bytes) -> bool:
-    """The join of a caught-up follower, source side: the state but what it holds, then the two
-    digests compared; whether they matched (if not, the caller sends everything)."""
+def send_light(group: Group, dst: int, model: ModelHolder, secret: bytes, digest: bytes) -> None:
+    """The join of a caught-up follower, source side: the state but what it holds, then the digest
+    of the whole (``CatchUps.digest``), which the follower checks its own against."""
     names = _param_names(model.model)
     send_state(group, dst, light_state(model.registry.state_dict(), names), key=secret)
-    mine = torch.frombuffer(bytearray(combined_digest(model.entries())), dtype=torch.uint8)
-    theirs = torch.zeros(32, dtype=torch.uint8)
-    group.control.recv(theirs, dst)
-    same = torch.tensor([int(torch.equal(mine, theirs))], dtype=torch.int64)
-    group.control.send(same, dst)
-    return bool(same.item())
+    group.control.send(torch.frombuffer(bytearray(digest), dtype=torch.uint8), dst)
 
 
 def recv_light(
     group: Group, src: int, model: ModelHolder, secret: bytes
-) -> tuple[TransferStats, bool, int | None]:
-    """The join, follower side: the rest of the state loaded, the digests compared; the
-    transfer's figures, whether the follower holds what its source does, and the lineage the
-    source's state says it descends from (None if it says none)."""
+) -> tuple[TransferStats, JoinCheck, int | None]:
+    """The join, follower side: the rest of the state loaded and the source's digest received; the
+    transfer's figures, the check of this state against that digest (made beside the first step),
+    and the lineage the source's state says it descends from (None if it says none)."""
     names = _param_names(model.model)
     own = model.registry.state_dict()
     received, stats = recv_state(group, src, key=secret, into=light_state(own, names))
     sent = received.get("progress", {}).get("lineage")
     model.registry.load_state_dict(fill_light(received, own, names))
-    mine = torch.frombuffer(bytearray(combined_digest(model.entries())), dtype=torch.uint8)
-    group.control.send(mine, src)
-    same = torch.zeros(1, dtype=torch.int64)
-    group.control.recv(same, src)
-    return stats, bool(same.item()), None if sent is None else int(sent)
+    theirs = torch.zeros(32, dtype=torch.uint8)
+    group.control.recv(theirs, src)
+    return stats, JoinCheck(model, theirs.numpy().tobytes()), None if sent is None else int(sent)

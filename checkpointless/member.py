@@ -9,6 +9,7 @@ the state it takes on the way in is its ``StateArrival``'s (``arrival.py``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -214,6 +215,13 @@ class Member:
         rc = self.job.recovery
         return self.poll_abort(rc.hang_timeout_s + 4 * rc.heartbeat_interval_s) is True
 
+    def verify_join(self) -> None:
+        """A spare that caught up and joined checks its state against its source's before any
+        gradient of its first step leaves it (``StateArrival.verify``: ``IntegrityError`` if they
+        differ)."""
+        if self.client is not None:
+            self._arrival.verify(self.client)
+
     def on_failure(self, exc: Exception, step: int, *, peers: bool | None = None, **fields: Any) -> None:
         """Report a failed attempt (or block: ``fields`` go into the event) and recover; ``peers``:
         whether peers caused it, when the caller already knows."""
@@ -246,6 +254,8 @@ class Member:
         client = self._client()
         client.watch_abort(None)
         kept = keep is not None
+        with contextlib.suppress(IntegrityError):  # failed before its join's check: the verdict is reported
+            self.verify_join()
         while True:
             self._leave(undo=not kept)
             client.update(phase=Phase.RECOVERING)
@@ -381,7 +391,11 @@ class Member:
         for dst in sorted(r for r, s in sources.items() if s == rank):
             if self.faults is not None:
                 self.faults.at_recovery(rank, plan.resume_step, self.fault_fired, at="source")
-            if dst in plan.caught_up and send_light(self.group, dst, self._model, self._secret):
+            if dst in plan.caught_up:
+                assert self.catch_ups is not None
+                send_light(
+                    self.group, dst, self._model, self._secret, self.catch_ups.digest(fresh=rank in sources)
+                )
                 continue
             transfer_out(self.group, dst, self._model, self._secret, gen=plan.gen, rank=rank)
         self._arrival.relayout(plan.resume_step)

@@ -79,14 +79,19 @@ def _broadcast(tensors: list[torch.Tensor], broadcast: Callable[[list[torch.Tens
             t.copy_(wire)
 
 
-def compared_entries(registry: StateRegistry) -> list[tuple[str, str]]:
-    """Per-entry digests of everything registered (model with buffers, optimizer with its
-    ``param_groups``, user state, step and data position) but the per-rank RNG states, the lineage
-    and ``per_rank`` objects: what every replica of a shard must hold alike."""
+def compared_state(registry: StateRegistry) -> dict[str, Any]:
+    """Everything registered (model with buffers, optimizer with its ``param_groups``, user state,
+    step and data position) but the per-rank RNG states, the lineage and ``per_rank`` objects:
+    what every replica of a shard must hold alike."""
     state = registry.compared_state_dict()
     if "progress" in state:
         state["progress"] = {k: v for k, v in state["progress"].items() if k not in ("rng", "lineage")}
-    return entry_digests(state)
+    return state
+
+
+def compared_entries(registry: StateRegistry) -> list[tuple[str, str]]:
+    """Per-entry digests of ``compared_state``: what replicas compare."""
+    return entry_digests(compared_state(registry))
 
 
 def _registry_of(entries: dict[str, Any], state: dict[str, Stateful], progress: Progress) -> StateRegistry:

@@ -599,6 +599,7 @@ class Session:
                 self.rank, self._steps.next, self._member.fault_fired, corrupt=self._model.flip_bit
             )
         self._member.check_abort()
+        self._member.verify_join()
         if self._member.client is not None:
             self._member.client.update(phase=Phase.REDUCE)
         self._model.reduce(self._member.group, self._steps.next, self._member.trainable.agree)

@@ -70,6 +70,7 @@ class TakeOver:
             assert self._model is not None
             member.faults.at_step(member.rank, step, member.fault_fired, corrupt=self._model.flip_bit)
         self._fired = step
+        member.verify_join()  # a spare that just joined: before the check, which its peers make too
         while True:
             group = member.group
             if group is None or group.world_size == 1:

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from checkpointless.catch_up import StepLog, _copy, apply_step, fill_light, light_state
+from checkpointless.catch_up import StepLog, apply_step, copy_state, fill_light, light_state
 
 
 def _model() -> nn.Module:
@@ -50,7 +50,7 @@ def test_replaying_the_records_on_a_copy_gives_the_same_bits(kind: str) -> None:
     # the follower: a model built alike, the copy loaded, then each step's records applied
     follower = _model()
     fopt, _ = make(follower)
-    snapshot = _copy({"model": source.state_dict(), "optimizer": opt.state_dict()})
+    snapshot = copy_state({"model": source.state_dict(), "optimizer": opt.state_dict()})
     log = StepLog(opt)
     records = []
     for s in range(3, 9):
@@ -285,3 +285,49 @@ def test_a_source_and_its_follower_over_a_real_pair_group_end_at_the_same_bits()
         assert all(
             torch.equal(torch.as_tensor(t), torch.as_tensor(opt_b["state"][k][n])) for n, t in v.items()
         )
+
+
+def test_a_join_check_hashes_beside_a_forward_pass_and_sees_a_change_outside_the_optimizer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``StateDigest`` equals the holder's own digest of its compared state; a forward pass that
+    moves the running statistics while it hashes does not change it (what a forward pass moves is
+    copied first), so the spare's first step cannot fail the check; a parameter changed outside
+    the optimizer's step does (``JoinCheck``)."""
+    import threading
+
+    from checkpointless import following
+    from checkpointless.following import JoinCheck, StateDigest
+    from checkpointless.model_holder import ReplicatedModel
+    from checkpointless.progress import Progress, StepState
+    from checkpointless.state import combined_digest
+
+    def holder() -> ReplicatedModel:
+        model = _model()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        return ReplicatedModel(model, opt, {}, Progress(StepState()), overlap=False, broadcast_buffers=True)
+
+    source, spare = holder(), holder()
+    theirs = combined_digest(source.entries())
+    assert StateDigest(source).result() == theirs
+    go = threading.Event()
+    real = following.entry_digests
+
+    def held(state: Any) -> Any:  # the hash begins only once the forward pass is over
+        assert go.wait(10)
+        return real(state)
+
+    monkeypatch.setattr(following, "entry_digests", held)
+    check = JoinCheck(spare, theirs)
+    assert spare.model is not None
+    spare.model(torch.randn(4, 8))  # the first step's forward pass moves the BatchNorm statistics
+    go.set()
+    assert check.same()
+    monkeypatch.setattr(following, "entry_digests", real)
+    changed = holder()
+    assert changed.model is not None
+    with torch.no_grad():
+        changed.model[0].weight.mul_(0.999)  # outside the optimizer's step
+    assert not JoinCheck(changed, theirs).same()
