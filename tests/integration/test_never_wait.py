@@ -13,9 +13,10 @@ from typing import Any
 
 import pytest
 
+from checkpointless.launch.launcher import Launcher
 from tests.integration.test_exact_resize import STEPS, _bitwise, _command
 from tests.integration.test_shares import SCRIPT
-from tests.jobs import logs_of, run_job
+from tests.jobs import kill_while_starting, logs_of, run_job
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -81,6 +82,30 @@ def test_a_script_that_changes_its_parameters_outside_the_optimizer_gets_the_who
     (full,) = _kinds(result, "transfer_ended")  # the whole state, to the spare that caught up
     assert full["bytes"] > 0 and full["step"] > 3, full
     assert result.report["steps_completed"] == STEPS
+
+
+def test_a_worker_killed_at_start_up_under_never_wait_shrinks_then_the_spare_catches_up(
+    tmp_path: Path, reference: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGKILLed while it starts, once generation 0 names it: the survivor goes on alone from the
+    start; the spare, once ready, catches up (from the state before the first step, or a later
+    one) and joins; the run is the fault-free run bit for bit."""
+    monkeypatch.setenv("CHECKPOINTLESS_FORK_SERVER", "0")  # started the slow way: it is seen starting
+    launcher: list[Launcher] = []
+    killed: list[str] = []
+    result = run_job(workers=2, spares=1, min_workers=1, steps=STEPS, exact_resize=True, never_wait=True,
+                     command=_command(tmp_path / "e", "--pause", "0.3"), on_tick=kill_while_starting("w1", launcher, killed),
+                     launcher=launcher, resize_interval_s=1.0)  # fmt: skip
+    assert killed == ["w1"]
+    assert result.ok, f"{result.error}\n{logs_of(result)}"
+    _bitwise(reference(2, STEPS), tmp_path / "e")
+    (fault,) = result.report["faults"]
+    assert (fault["proc"], fault["signal"], fault["lost_steps"]) == ("w1", "SIGKILL", 0), fault
+    sizes = [(e["before"], e["replicas"], e["why"]) for e in _kinds(result, "resized")]
+    # the grow needs the spare ready and caught up before the job's end: most runs, not all (a
+    # catch-up the end cuts short ends not ok)
+    assert sizes[0] == (2, 1, "lost") and sizes[1:] in ([], [(1, 2, "catch_up")]), sizes
+    assert any(e["ok"] for e in _kinds(result, "catch_up_ended")) == (len(sizes) == 2)
 
 
 def test_a_notice_under_never_wait_leaves_at_the_step_boundary_and_the_spare_catches_up(
