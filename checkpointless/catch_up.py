@@ -9,29 +9,30 @@ The source:
    that a forward pass updates, progress, user state: small);
 2. from then on records, at every call of its optimizer's ``step`` (a pre-hook), what the optimizer
    is given: every parameter's gradient (None where it has none; copied into pooled buffers, given
-   back once sent, ``GradBuffers``) and every parameter group's
-   settings but its parameters (the learning rate a scheduler set, the betas, ...). A step's
-   records are kept if the step commits, dropped if it fails;
+   back once sent, ``GradBuffers``) and every parameter group's settings but its parameters (the
+   learning rate a scheduler set, the betas, ...);
 3. a sender thread forms a group of two with the follower (``keys.catch_up_prefix``), sends the
-   copy, then each committed step's records in order (``send_state``: authenticated with the job's
-   secret, checked before anything is loaded);
+   copy, then each call as it is made (while the optimizer steps), the commit of each step (how
+   many calls it made) and a drop for a failed attempt's calls, in order (``send_state``:
+   authenticated with the job's secret, checked before anything is loaded);
 4. when a plan makes the follower a member (``Plan.caught_up``) it sends the end: the last step
-   committed, whose records the follower then holds; any other plan gives the catch-up up.
+   committed, whose calls the follower then holds; any other plan gives the catch-up up.
 
-The follower loads the copy into its own tensors and, for each step, sets the gradients and the
-groups' settings and calls its own optimizer's ``step``: the same implementation on the same values
-gives the same bits. At the join its source sends the rest of the state (buffers, progress, the
-scheduler, user state: everything but the parameters and the optimizer's per-parameter state,
-``light_state``), and the two compare a digest of the whole state (``Member``); a difference (a
-script that changes its parameters outside the optimizer's step) sends everything, as for any
-replacement. A step whose optimizer is called with a closure (LBFGS) cannot be followed: the
-catch-up is given up, and the spare joins later like any other.
+The follower loads the copy into its own tensors and, once a step's commit arrives, sets the
+gradients and the groups' settings of each of its calls and calls its own optimizer's ``step``: the
+same implementation on the same values gives the same bits. At the join its source sends the rest
+of the state (buffers, progress, the scheduler, user state: everything but the parameters and the
+optimizer's per-parameter state, ``light_state``) and the digest of the whole, which the follower
+checks its own against (``following.JoinCheck``); a difference (a script that changes its
+parameters outside the optimizer's step) sends everything, as for any replacement. A step whose
+optimizer is called with a closure (LBFGS) cannot be followed: the catch-up is given up, and the
+spare joins later like any other.
 
 What the survivors wait for: the source's first optimizer step after the catch-up started waits
 until the state is sent (the forward and backward passes of that step run meanwhile); with a step
 longer than the transfer, nothing. Bounded: at most ``MAX_BEHIND`` committed steps wait to be sent
-(each one gradient in memory); a follower further behind is given up. No copy of the parameters or
-the optimizer state is made.
+(each one set of gradient buffers); a follower further behind is given up. No copy of the
+parameters or the optimizer state is made.
 """
 
 from __future__ import annotations
@@ -85,6 +86,10 @@ def _settings(group: dict[str, Any]) -> dict[str, Any]:
     return {k: copy_state(v) for k, v in group.items() if k != "params"}
 
 
+Buffers = dict[tuple[torch.dtype, torch.device], torch.Tensor]
+"""One set of ``GradBuffers``: a flat tensor per (dtype, device)."""
+
+
 class GradBuffers:
     """Flat buffers a step's gradients are copied into, one per dtype and device (each parameter a
     slice at a fixed offset), reused once the step is sent: a record is a copy into pages touched
@@ -100,22 +105,21 @@ class GradBuffers:
             self._sizes[key] = self._sizes.get(key, 0) + p.numel()
         self._shapes = [p.shape for p in params]
         self.count = len(params)
-        self._free: list[dict[tuple[torch.dtype, torch.device], torch.Tensor]] = []
+        self._free: list[Buffers] = []
         self._lock = threading.Lock()
 
-    def _new(self) -> dict[tuple[torch.dtype, torch.device], torch.Tensor]:
+    def _new(self) -> Buffers:
         return {key: torch.empty(n, dtype=key[0], device=key[1]) for key, n in self._sizes.items()}
 
     def touch(self) -> None:
-        """One set allocated and written ahead (the sender thread, before the first record)."""
+        """One set allocated and written ahead (a thread of its own as the catch-up starts, so that
+        the first record is no fresh allocation either)."""
         bufs = self._new()
         for t in bufs.values():
             t.zero_()
         self.release(bufs)
 
-    def copy(
-        self, grads: list[torch.Tensor | None]
-    ) -> tuple[list[torch.Tensor | None], dict[tuple[torch.dtype, torch.device], torch.Tensor]]:
+    def copy(self, grads: list[torch.Tensor | None]) -> tuple[list[torch.Tensor | None], Buffers]:
         """``grads`` (one per parameter, in order) copied into a set: the copies and the set to give
         back once they are sent. A gradient unlike its parameter (another dtype or shape) is cloned."""
         with self._lock:
@@ -133,15 +137,12 @@ class GradBuffers:
                     out.append(bufs[key][at : at + grad.numel()].view(shape).copy_(grad.detach()))
         return out, bufs
 
-    def release(self, bufs: dict[tuple[torch.dtype, torch.device], torch.Tensor]) -> None:
+    def release(self, bufs: Buffers) -> None:
         """A set given back (one of another layout, from before a parameter group was added: dropped)."""
         if {key: t.numel() for key, t in bufs.items()} != self._sizes:
             return
         with self._lock:
             self._free.append(bufs)
-
-
-Buffers = dict[tuple[torch.dtype, torch.device], torch.Tensor]
 
 
 class StepLog:

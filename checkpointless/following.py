@@ -98,8 +98,8 @@ class CatchUps:
         """At the next plan, before its group forms: a follower the plan makes a member fed from
         this rank gets the end of its catch-up (the state's digest hashed meanwhile, for the join);
         every other catch-up is given up."""
-        if any(self._joins(plan, rank, follower) for follower in self._sources):
-            self._digest = StateDigest(self._model)
+        joins = any(self._joins(plan, rank, follower) for follower in self._sources)
+        self._digest = StateDigest(self._model) if joins else None
         for follower, source in list(self._sources.items()):
             ours = self._joins(plan, rank, follower)
             if ours and source.finish(committed, self._timeout.total_seconds()):
@@ -117,10 +117,9 @@ class CatchUps:
         return new is not None and new in plan.caught_up and plan.sources.get(new) == rank
 
     def digest(self, fresh: bool) -> bytes:
-        """This source's digest for the join: hashed from ``settle`` on, or now where ``fresh`` (its
-        state moved since: it received some in this generation)."""
-        early, self._digest = self._digest, None
-        value = None if early is None or fresh else early.result()
+        """This source's digest for the joins of this generation: hashed from ``settle`` on, or now
+        where ``fresh`` (its state moved since: it received some in this generation)."""
+        value = None if self._digest is None or fresh else self._digest.result()
         return value if value is not None else combined_digest(self._model.entries())
 
     def start(self, plan: Plan, rank: int, committed: int) -> None:
