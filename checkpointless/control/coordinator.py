@@ -55,6 +55,7 @@ from checkpointless.protocol.vocab import Event, Phase, Reason, Role, event
 log = logging.getLogger(__name__)
 
 _SWEEP_S = 1.0  # steady state: how often the keys behind the wake-ups are read anyway
+CATCH_UP_GRACE_STEPS = 2  # committed steps the first caught-up follower waits for the others
 INTRUDER_CHECK_S = 5.0  # how often the plain (un-namespaced) key names are checked for strangers' writes
 
 __all__ = ["Coordinator", "Failure", "JobFailed", "ProcessHandle"]
@@ -104,6 +105,7 @@ class Coordinator:
             job, parts, self._emit, self._clock, probe, target=lambda: self.sizing.target
         )
         self._sized_gen = 0  # the generation the sizing last saw start
+        self._first_caught: tuple[int, int] | None = None  # (generation, step) a follower first caught up
         self.notices: set[str] = set()  # members whose process has notice, not handed off yet
         self._last_notice = float("-inf")  # when the newest notice was seen
         self._last_poll = float("-inf")
@@ -447,7 +449,10 @@ class Coordinator:
 
     def _check_catch_up(self, size: int, now: float) -> bool:
         """``recovery.never_wait``: followers that caught up (at most a step behind the members)
-        grow the job at once; whether a catch-up is under way (no other change of size then)."""
+        grow the job, all in one join: the first to catch up waits up to ``CATCH_UP_GRACE_STEPS``
+        committed steps for the others (each join stops the members once), then goes with those
+        caught up (the others follow again later). Whether a catch-up is under way (no other
+        change of size then)."""
         assert self.plan is not None
         following = [
             n for n in self.plan.followers
@@ -458,7 +463,13 @@ class Coordinator:
             return False
         highest = max(int(self.table[n].hb.get("committed", -1)) for n in self.plan.members.values())
         caught = [n for n in following if int(self.table[n].hb.get("applied", -1)) >= max(0, highest - 1)]
-        if caught and size < self.sizing.target:
+        if not caught:
+            return True
+        if self._first_caught is None or self._first_caught[0] != self.plan.gen:
+            self._first_caught = (self.plan.gen, highest)
+        if len(caught) < len(following) and highest - self._first_caught[1] < CATCH_UP_GRACE_STEPS:
+            return True
+        if size < self.sizing.target:
             self.course.resize(size + len(caught), "catch_up", now, newcomers=caught)
         return True
 

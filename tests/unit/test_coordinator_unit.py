@@ -1254,6 +1254,44 @@ def test_never_wait_shrinks_names_a_follower_then_grows_it_back_once_caught_up()
     assert job.store.get(keys.assign("s0")) == "2"
 
 
+@pytest.mark.parametrize("second", ["catches_up", "lags"])
+def test_never_wait_grows_with_every_follower_in_one_join_or_after_a_grace_with_those_caught_up(
+    second: str,
+) -> None:
+    """Two hosts' worth of followers: the first to catch up waits (up to two committed steps) for
+    the other, so that one join stops the members once; a follower still behind after that is left
+    out (it follows again later)."""
+    job = Job(workers=4, spares=2, min_workers=2, never_wait=True)
+    job.steady(committed=4)
+    job.exit("w2", -9)
+    job.exit("w3", -9)
+    job["w0"].recover()
+    job["w1"].recover()
+    job.tick()
+    plan = job.plan(1)
+    assert plan is not None and plan.members == {0: "w0", 1: "w1"} and set(plan.followers) == {"s0", "s1"}
+    for r in (0, 1):
+        job[f"w{r}"].enter(r, 1, 4)
+        job[f"w{r}"].commit(5, 0.5)
+    job["s0"].heartbeat(phase="following", applied=5)
+    job["s1"].heartbeat(phase="following", applied=2)
+    job.tick(4)
+    assert job.store.get(keys.abort(1)) is None  # s0 caught up, s1 close: one join for both
+    if second == "catches_up":
+        job["s1"].heartbeat(applied=5)
+        job.tick()
+        (started,) = job.kinds("resize_started")
+        assert (started["before"], started["replicas"]) == (2, 4)
+        return
+    for step in (6, 7):
+        for r in (0, 1):
+            job[f"w{r}"].commit(step, 0.5)
+        job["s0"].heartbeat(applied=step)
+        job.tick()
+    (started,) = job.kinds("resize_started")  # two steps later: s0 alone
+    assert (started["before"], started["replicas"]) == (2, 3)
+
+
 def test_never_wait_hands_a_rank_with_notice_to_the_others_and_the_ready_spare_follows() -> None:
     """Under never-wait a notice is a planned shrink even with a spare ready (no transfer to wait
     for): the leaving rank is dropped, the spare follows a holder; without it the spare would take
