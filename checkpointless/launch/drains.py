@@ -22,6 +22,9 @@ class DrainRequests:
         self._refusal = refusal
         self._lock = threading.Lock()
         self._asked: list[int] = []
+        # every node ever asked: between the launcher's take and the agent's next status (which says
+        # it drains) the hosts' view does not show it yet, and a second ask must still be refused
+        self._ever: set[int] = set()
         self._finished = False
 
     def ask(self, node: object) -> str | None:
@@ -31,11 +34,12 @@ class DrainRequests:
         with self._lock:
             if self._finished:
                 return "the job has finished"
-            if node in self._asked:
-                return f"node {node} is being drained already"
-            reason = self._refusal(node)
+            reason = self._refusal(node)  # a host drained and gone says so
+            if reason is None and node in self._ever:
+                reason = f"node {node} is being drained already"
             if reason is None:
                 self._asked.append(node)
+                self._ever.add(node)
         return reason
 
     def take(self) -> list[int]:

@@ -58,6 +58,9 @@ def test_a_drain_is_checked_at_once_and_taken_once_in_order(drains: DrainRequest
     assert drains.ask(True) is not None and drains.ask("1") is not None and drains.ask(1.0) is not None
     assert drains.take() == [2, 0]
     assert drains.take() == []
+    # taken, and the hosts' view does not say it drains yet (the agent's next status): still refused
+    assert drains.ask(2) == "node 2 is being drained already"
+    assert drains.take() == []
     drains.finish()
     assert drains.ask(1) == "the job has finished" and drains.take() == []
 
