@@ -7,6 +7,15 @@ from __future__ import annotations
 import select
 import socket
 import threading
+import time
+
+
+def _readable(sock: socket.socket, timeout_s: float) -> bool:
+    """Whether ``sock`` has something to read within ``timeout_s`` (``poll``: any descriptor number;
+    ``select`` fails past 1024, which a long test session's process reaches)."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(timeout_s * 1000))
 
 
 class CutProxy:
@@ -69,11 +78,10 @@ class CutProxy:
         while not self._closed:
             listener = self._listener
             if listener is None:  # frozen: no listener until ``restore``
-                select.select([], [], [], 0.05)
+                time.sleep(0.05)
                 continue
             try:
-                ready, _, _ = select.select([listener], [], [], 0.05)
-                if not ready:
+                if not _readable(listener, 0.05):
                     continue
                 conn, _ = listener.accept()
             except (OSError, ValueError):
@@ -99,8 +107,7 @@ class CutProxy:
         while not self._closed:
             self._up.wait()
             try:
-                ready, _, _ = select.select([src], [], [], 0.05)
-                if not ready:
+                if not _readable(src, 0.05):
                     continue
                 if not self._up.is_set():
                     continue  # frozen while it waited: hold the bytes
