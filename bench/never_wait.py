@@ -23,9 +23,14 @@ that the job is back at two replicas and the pool's next spare is ready before t
   ``resize_done`` of the catch-up's join);
 - ``join_stall_s`` (never-wait): the survivor's gap around the join, minus one normal step.
 
-Pairs: the i-th kill of each mode at the same state size; the paired ratio never-wait/replace of
-the stalls with a 95% interval (``common.paired_interval``). Goal (issue 42): at 1.5 GB the
-survivor's stall at most 0.3 s, and not growing with the state. Every job's final state digest is
+The peers (full mode; ``bench.never_wait_peers``): torchft at its shortest stable heartbeat and
+torchrun + DCP on the same models, rank 1 killed from outside every few seconds, their rank 0's
+stall measured the same way.
+
+Pairs: the i-th kill of each system at the same state size; the paired ratios never-wait/replace,
+never-wait/torchft and never-wait/torchrun of the stalls, each with a 95% interval
+(``common.paired_interval``). Goal (issue 42): at 1.5 GB the survivor's stall at most 0.3 s and
+at most a third of torchft's, and not growing with the state. Every job's final state digest is
 reported (the two modes' differ: a shrink changes the rounding without ``--exact-resize``).
 
 Usage: ``python -m bench.never_wait [--quick]`` (writes ``bench/out/never_wait.json``).
@@ -41,7 +46,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import common
+from bench import common, never_wait_peers
 from checkpointless.protocol.vocab import Event
 
 SIZES: dict[str, dict[str, Any]] = {
@@ -62,6 +67,7 @@ KILLS, QUICK_KILLS = 10, 2
 TAIL = 6
 CALIBRATION_STEPS, WARMUP = 10, 2
 STALL_GOAL_S = 0.3  # at 1.5 GB
+TORCHFT_SHARE_GOAL = 1 / 3  # of torchft's stall, at 1.5 GB
 
 
 def calibrate(size: str, out: Path) -> float:
@@ -168,6 +174,7 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
     work = common.fresh_dir(out_dir / "never_wait")
     t_start = time.time()
     jobs: list[dict[str, Any]] = []
+    skipped: dict[str, str] = {}
     for size in SIZES:
         params = n_params(build(DemoModel(**SIZES[size]))[0])  # type: ignore[arg-type]
         alone = calibrate(size, common.fresh_dir(work / f"{size}-alone"))
@@ -183,20 +190,35 @@ def run(quick: bool, out_dir: Path) -> dict[str, Any]:
             stalls = [r["stall_s"] for r in a["kills"]]
             print(f"  never_wait {size} {mode:10s} stall median {statistics.median(stalls):.3f}s "
                   f"(n={len(stalls)}, {time.time() - t0:.0f}s)", flush=True)  # fmt: skip
+        for peer in () if quick else never_wait_peers.PEERS:
+            if (why := never_wait_peers.available(peer)) is not None:
+                skipped[peer] = why
+                continue
+            t0 = time.time()
+            spec = DemoModel(steps=1, seed=0, lr=1e-3, eval_every=0, **SIZES[size])
+            a = never_wait_peers.run_peer(peer, spec, size, kills, common.fresh_dir(work / f"{size}-{peer}"))
+            jobs.append({"size": size, "mode": peer, "params": params, "state_bytes": params * 12,
+                         "digest": None, "wall_s": time.time() - t0, **a})  # fmt: skip
+            stalls = [r["stall_s"] for r in a["kills"]]
+            print(f"  never_wait {size} {peer:10s} stall median {statistics.median(stalls):.3f}s "
+                  f"(n={len(stalls)}, {time.time() - t0:.0f}s)", flush=True)  # fmt: skip
     summary: dict[str, Any] = {}
     for size in SIZES:
         by = {j["mode"]: j for j in jobs if j["size"] == size}
-        s: dict[str, Any] = {}
-        for mode in MODES:
-            ks = by[mode]["kills"]
-            s[mode] = {k: common.summary(r.get(k) for r in ks) for k in ("stall_s", "full_s", "join_stall_s")}
-        pairs = list(zip(by["never_wait"]["kills"], by["replace"]["kills"], strict=False))
-        ratios = [a["stall_s"] / b["stall_s"] for a, b in pairs if a["stall_s"] > 0 and b["stall_s"] > 0]
-        s["paired_ratios"] = ratios
-        s["interval_ratio"] = common.paired_interval(ratios)
+        s: dict[str, Any] = {mode: never_wait_peers.summary(job) for mode, job in by.items()}
+        for other in ("replace", *never_wait_peers.PEERS):
+            if other not in by:
+                continue
+            pairs = list(zip(by["never_wait"]["kills"], by[other]["kills"], strict=False))
+            ratios = [a["stall_s"] / b["stall_s"] for a, b in pairs if a["stall_s"] > 0 and b["stall_s"] > 0]
+            key = "" if other == "replace" else f"_{other}"
+            s[f"paired_ratios{key}"] = ratios
+            s[f"interval_ratio{key}"] = common.paired_interval(ratios)
         summary[size] = s
     return {"quick": quick, "kills_per_job": kills, "spacing": SPACING, "goal_stall_s": STALL_GOAL_S,
-            "wall_s": time.time() - t_start, "summary": summary, "jobs": jobs}  # fmt: skip
+            "goal_torchft_share": TORCHFT_SHARE_GOAL, "peers_skipped": skipped,
+            "kill_every_s": never_wait_peers.KILL_EVERY_S, "wall_s": time.time() - t_start,
+            "summary": summary, "jobs": jobs}  # fmt: skip
 
 
 def verdict_rows(res: dict[str, Any]) -> list[list[Any]]:
@@ -209,44 +231,62 @@ def verdict_rows(res: dict[str, Any]) -> list[list[Any]]:
     rows = [["never-wait: survivor's stall after a kill at 1.5 GB, median (p95)", f"≤ {res['goal_stall_s']:g} s",
              f"{st['median']:.3f} s ({st['p95']:.3f} s), n={st['n']}",
              "–" if ok is None else ("met" if ok else "**not met**")]]  # fmt: skip
-    pi = big.get("interval_ratio")
-    if pi:
-        g, lo, hi = pi
-        rows.append(["never-wait / replacement stall at 1.5 GB, paired ratio (geometric mean, 95% interval)",
-                     "< 1", f"{g:.3f} [{lo:.3f}, {hi:.3f}], n={len(big['paired_ratios'])}",
-                     common.interval_verdict(lo, hi, 1.0)])  # fmt: skip
+    share = res.get("goal_torchft_share", TORCHFT_SHARE_GOAL)
+    for key, what, limit, goal in (("", "replacement", 1.0, "< 1"),
+                                   ("_torchft", "torchft", share, f"≤ {share:.3g}")):  # fmt: skip
+        pi = big.get(f"interval_ratio{key}")
+        if pi:
+            g, lo, hi = pi
+            rows.append([f"never-wait / {what} stall at 1.5 GB, paired ratio (geometric mean, 95% interval)",
+                         goal, f"{g:.3f} [{lo:.3f}, {hi:.3f}], n={len(big[f'paired_ratios{key}'])}",
+                         common.interval_verdict(lo, hi, limit)])  # fmt: skip
     return rows
 
 
 def markdown(res: dict[str, Any]) -> str:
     rows = []
     for size, s in res["summary"].items():
-        pi = s.get("interval_ratio")
-        for mode in MODES:
+        for mode in (*MODES, *never_wait_peers.PEERS):
+            if mode not in s:
+                continue
             m = s[mode]
-            ratio = "–" if mode == "replace" or not pi else f"{pi[0]:.3f} [{pi[1]:.3f}, {pi[2]:.3f}]"
+            key = "" if mode == "replace" else f"_{mode}"
+            pi = s.get(f"interval_ratio{key}") if mode != "never_wait" else None
+            ratio = "–" if not pi else f"{pi[0]:.3f} [{pi[1]:.3f}, {pi[2]:.3f}]"
             rows.append([size, mode, m["stall_s"].get("n"), m["stall_s"].get("median"), m["stall_s"].get("p95"),
                          m["full_s"].get("median"), m["join_stall_s"].get("median"), ratio])  # fmt: skip
     table = common.md_table(
-        ["state", "mode", "kills", "stall s (median)", "stall s (p95)", "kill -> two replicas s (median)",
-         "join stall s (median)", "stall ratio never-wait / replace (95% interval)"],
+        ["state", "system", "kills", "stall s (median)", "stall s (p95)", "kill -> two replicas s (median)",
+         "join stall s (median)", "never-wait's stall / this one's, paired (95% interval)"],
         rows,
     )  # fmt: skip
     jobs = common.md_table(
-        ["state", "mode", "normal step s", "one worker, two shares: step s", "bytes of the copy / transfer",
-         "wall s", "final digest"],
+        ["state", "system", "normal step s", "one worker, two shares: step s", "bytes of the copy / transfer",
+         "settings", "wall s", "final digest"],
         [[j["size"], j["mode"], j["normal_step_s"], j.get("alone_step_s"),
-          next((k["bytes"] for k in j["kills"] if k.get("bytes")), None), j["wall_s"], str(j["digest"])[:16]]
+          next((k["bytes"] for k in j["kills"] if k.get("bytes")), None),
+          ", ".join(f"{k}={v}" for k, v in (j.get("settings") or {}).items()) or "–", j["wall_s"],
+          str(j["digest"])[:16] if j.get("digest") else "–"]
          for j in res["jobs"]],
     )  # fmt: skip
+    alone = {j["size"]: j["alone_steps"] for j in res["jobs"] if j["mode"] == "torchft"}
+    peers = (
+        " torchft and torchrun + DCP: rank 1 killed from outside every"
+        f" {', '.join(f'{v:g} s at {k}' for k, v in (res.get('kill_every_s') or {}).items())};"
+        " their stall is rank 0's gap around the kill minus its normal step. torchft's survivor trains"
+        " on alone with half the batch (steps trained alone, the other half's samples dropped: "
+        + ", ".join(f"{n} at {k}" for k, n in alone.items())
+        + "); torchrun restarts both processes from the newest checkpoint."
+        if alone or any(j["mode"] == "torchrun" for j in res["jobs"])
+        else " Peers not run" + (" (quick run)." if res.get("quick") else ".")
+    )
+    skipped = "".join(f" {p} skipped: {why}." for p, why in (res.get("peers_skipped") or {}).items())
     return (
         f"2 workers + 1 spare, {res['kills_per_job']} kills of rank 1 per job"
         + (" (quick run)" if res.get("quick") else "")
         + ". Stall = the survivor's gap between its commits around the kill, minus one normal step at"
-        " its new share count (two shares alone under never-wait). The join stall is never-wait's"
-        " second stop, when the spare that caught up takes its rank back.\n\n"
-        f"{table}\n\n{jobs}\n\nNot run side by side here: torchft and torchrun + DCP at these sizes"
-        " (see the 1.5 GB report for their figures from another run).\n"
+        " its new share count (two shares alone under never-wait). The join stall is the second stop,"
+        " when the replacement takes its rank back." + peers + skipped + f"\n\n{table}\n\n{jobs}\n"
     )
 
 
