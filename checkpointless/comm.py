@@ -11,9 +11,9 @@ objects that touch no global state.
 Failure semantics: any collective that fails (a peer died, the group was
 aborted, a timeout) raises ``CollectiveError``. ``abort`` *destroys* this
 process's group, which closes its connections and makes every peer's pending
-collective on the group fail too (measured with 4 ranks: a rank blocked in the
-ring all-reduce on a live neighbour is released within ~30 ms once that
-neighbour drops its group). ``ProcessGroupGloo.abort()`` alone does not close
+collective on the group fail too (seen with 4 ranks: a rank blocked in the
+ring all-reduce on a live neighbour is released as soon as that neighbour
+drops its group). ``ProcessGroupGloo.abort()`` alone does not close
 anything: the sockets live as long as the group object or any of its pending
 ``Work`` objects, so no ``Work`` outlives a failed call but in the group's own table of works
 not yet waited for, which ``abort`` empties (a ``CollectiveError`` carries no reference to one),

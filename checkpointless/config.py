@@ -22,9 +22,10 @@ class RecoveryConfig:
     """A process with no heartbeat for this long is declared hung, killed and replaced: a stopped
     process, a frozen host. Where the launcher can read the process's CPU time (its own host), a
     process silent but using CPU (a full garbage collection, native code holding the GIL: they stop
-    the heartbeat thread, not the process) is not hung until ``progress_timeout_s``. 0.5 s made no
-    false kill at 16 workers and 2 spares on 2 cores with two busy loops beside them (measured:
-    ``bench/hang_compare.py``'s fault-free jobs and ``tests/integration/test_lease_under_load.py``)."""
+    the heartbeat thread, not the process) is not hung until ``progress_timeout_s``. The default
+    must make no false kill on a loaded machine: ``bench/hang_compare.py``'s fault-free jobs and
+    ``tests/integration/test_lease_under_load.py`` (16 workers and 2 spares on 2 cores with two busy
+    loops beside them) check it."""
     progress_timeout_s: float = 60.0
     """A process computing a step this long (or five normal steps, if longer) while a peer
     already waits in that step's reduction is declared hung, killed and replaced. Its

@@ -23,7 +23,7 @@ An abandoned attempt (``abandon``) leaves no trace in the next one: the buckets 
 may still write into (an all-reduce in flight on a live peer completes after the failure) are
 dropped, and the next attempt gets fresh ones, unless by its ``begin`` every collective has ended
 (the failed group aborted): then it keeps them. Host memory is the point: fresh buckets are pages
-the kernel must fault in and zero (about 0.16 s per 500 MB here), inside the survivors' stall.
+the kernel must fault in and zero, inside the survivors' stall (``bench/recovery_stall.py``).
 """
 
 from __future__ import annotations

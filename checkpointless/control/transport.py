@@ -207,7 +207,7 @@ class RelayedTransport:
         agent's relay forwards it in the host's one value (``launch/relay.py``) and the coordinator
         reads it at every poll: no call on the coordinator's store. Written there, the 16,000
         reports of 2,000 hosts x 8 ranks were 4 calls each on its one store thread, and the
-        simulated hosts took 4.8 s to make them (``bench/control_scale.py``)."""
+        simulated hosts took seconds to make them (``bench/control_scale.py`` measures it)."""
         self._link.update(report={"gen": gen, "rank": rank, "committed": committed, "reason": reason,
                                   "has_state": has_state})  # fmt: skip
         self._link.flush()

@@ -26,7 +26,7 @@ It deletes none: after each pass it writes every host's count of chunks read in 
 
 The chunks wait in the coordinator's store, in the coordinator's process, until it reads them. A
 coordinator that reads events more slowly than the ranks commit steps (2,000 hosts x 8 ranks on 2
-cores took in 2,400 of 16,000 a second) grew by 333 MB a minute that way. So a relay keeps at most
+cores, ``bench/control_scale.py``) grew without bound that way. So a relay keeps at most
 ``WINDOW_BYTES`` of its chunks unread there: beyond, it holds its host's new events itself and
 writes them later, several beats' worth in one chunk of up to ``CHUNK_BYTES`` (fewer, larger chunks:
 the coordinator's passes are bounded in chunks, so they carry more events). While it holds, it looks

@@ -68,7 +68,7 @@ def host_timeout(job: JobConfig) -> float:
     """How long a host's agent (and every process on it) may stay silent before the host is lost:
     four times a process's hang timeout (2 s by default). An agent does little, but losing a host
     costs all of its ranks, and a host whose cores its ranks keep busy starves it: on 2 cores with 9
-    processes its beats came up to 1 s apart while 6 of them imported torch."""
+    processes its beats came more than a hang timeout apart while 6 of them imported torch."""
     return 4 * job.recovery.hang_timeout_s
 
 

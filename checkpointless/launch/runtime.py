@@ -22,10 +22,9 @@ def steady_gc() -> Iterator[None]:
 
     A full collection scans every object the collector tracks. At 2,000 hosts x 8 ranks the launcher
     holds a few hundred thousand (the process table, the hosts' statuses, the events kept), and
-    Python's default schedule ran a full collection about every second, 0.2-0.6 s each on this
-    machine's loaded cores, none of which found garbage (``gc.callbacks`` in the
-    ``bench/control_scale.py`` coordinator): a third of the loop's time, and a plan 0.7 s late when
-    one fell between a host's loss and its plan. So what exists when the loop starts (the process
+    Python's default schedule ran full collections often and long on loaded cores, none of which
+    found garbage (``gc.callbacks`` in the ``bench/control_scale.py`` coordinator): a large share of
+    the loop's time, and a plan late when one fell between a host's loss and its plan. So what exists when the loop starts (the process
     table, the modules) is frozen out of every collection (``gc.freeze``: freed as usual when its
     count drops, never scanned), and a full collection comes after ``FULL_GC_EVERY`` collections of
     the middle generation. Restored at the end: the launcher may run in a test's process."""

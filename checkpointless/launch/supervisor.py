@@ -194,7 +194,7 @@ class Wakeups:
     """What ends the launcher's wait between two ticks besides the clock: a child's exit (its
     pidfd becomes readable) or a failure report (the report bell writes a byte to a pipe). In
     steady state the launcher then ticks at the heartbeat pace, not every 10 ms: each wake-up on a
-    machine the workers keep busy delays one of them (1.5% of an HSDP 2x2 step here). Without
+    machine the workers keep busy delays one of them (``bench/control_load.py`` counts them). Without
     pidfds (Linux < 5.3) it ticks every 10 ms as before."""
 
     def __init__(self) -> None:

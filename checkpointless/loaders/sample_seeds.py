@@ -17,8 +17,8 @@ training's own draws (dropout) as they were. A dataset that reads a batch at onc
 the part's first position: the same whatever the workers and after a recovery, not when the number
 of ranks changes.
 
-Seeding three generators costs about 7 us a sample (Python's ``random`` alone 4 us), a few percent
-of a step that reads its samples by indexing tensors. Most datasets draw nothing, so a part is first
+Seeding three generators for every sample is not free (Python's ``random`` the dearest of them), and
+is felt in a step that reads its samples by indexing tensors. Most datasets draw nothing, so a part is first
 read under one seeding (its first sample's seed), and the generators are looked at afterwards: if
 none moved, no sample drew, and per-sample seeds would have given the same samples. If one moved,
 the part is read again, each sample under its own seed, and so is every later part of this reader
@@ -58,7 +58,7 @@ def sample_seed(seed: int, step: int, position: int) -> int:
 
 def seed_all(value: int) -> None:
     """Seed the CPU generator, Python's ``random`` and (where imported) NumPy's with ``value``."""
-    torch.default_generator.manual_seed(value)  # not torch.manual_seed: 100x slower (other devices)
+    torch.default_generator.manual_seed(value)  # not torch.manual_seed: it seeds every device too
     random.seed(value)
     np = sys.modules.get("numpy")  # seeded only where something imported it
     if np is not None:

@@ -4,7 +4,7 @@ Each rank commits a step every step: 16,000 commits a second at 2,000 hosts x 8 
 a second (2,000 events: each host's relay packs its ranks' commits of a step into one
 ``steps_committed`` event, which counts here as its ranks' commits), and each host reports its
 usage every few seconds. Kept in memory, one event per rank and step grew the coordinator's
-process by about 1 GB a minute there (``bench/control_scale.py``). So
+process without bound there (``bench/control_scale.py --soak`` measures it). So
 :class:`EventLog` writes every event to the file as it arrives, hands it to its listeners (the live
 console, the Prometheus feed), folds it into figures of bounded size (:class:`StepStats` with a
 window, :class:`UsageSummary`), and keeps in memory (``events``: the report's fault list, the
@@ -47,8 +47,8 @@ log = logging.getLogger(__name__)
 KEEP_COMMITS = 50_000
 """Step commits kept in memory before only some are (about 30 MB of events, 600 bytes each; a job of 8
 ranks keeps every commit of 6,250 steps). It was 200,000: at 2,000 hosts x 8 ranks the launcher's
-memory levelled off at 810 MB with that budget and 590 MB with this one and ``KEEP_USAGE``'s
-(``bench/control_scale.py --hosts 2000 --soak``)."""
+memory levels off lower with this budget and ``KEEP_USAGE``'s than with that one
+(``bench/control_scale.py --hosts 2000 --soak`` measures it)."""
 KEEP_USAGE = 5_000
 """``host_usage`` samples kept in memory, likewise (3 hours of one host's every 2 s)."""
 
@@ -79,7 +79,8 @@ class EventLog:
         self._held: dict[Any, tuple[deque[dict[str, Any]], deque[tuple[str | None, float | None]]]] = {}
         # the kept events to time again at the end, and beside them the clock and their own time of each.
         # Not a tuple per event: a tuple holding a dict stays tracked by Python's garbage collector,
-        # and 200,000 of them made each full collection of a 2,000-host launcher 0.2 s longer
+        # and 200,000 of them made each full collection of a 2,000-host launcher measurably longer
+        # (``bench/control_scale.py``)
         self._retime: list[dict[str, Any]] = []
         self._retime_from: list[tuple[str, float]] = []  # (clock, sent): atomic, not tracked
         self._stream: IO[str] | None = None

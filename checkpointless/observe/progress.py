@@ -47,8 +47,8 @@ _Commit = tuple[float, int, int]  # (t, step, gen), ordered as a rank's history
 
 def _bucket(gap: float) -> float:
     """An interval rounded to 4 significant digits (0.05% at most): a windowed ``StepStats`` counts
-    intervals by these. At 10 µs, the 16,000 ranks' intervals of a 2,000-host job spread over 40,000
-    distinct values in 6 minutes, in each of the launcher's three live views."""
+    intervals by these. At 10 µs, the 16,000 ranks' intervals of a 2,000-host job spread over tens of
+    thousands of distinct values within minutes, in each of the launcher's three live views."""
     if gap <= 0.0 or not math.isfinite(gap):
         return gap
     return round(gap, 3 - math.floor(math.log10(gap)))
