@@ -1,7 +1,7 @@
 """Training recipes: typed YAML configs, Hugging Face model builders and a dry-run estimator.
 
-``config`` is the recipe schema and ``loader`` the schema-free YAML-to-dataclass loader it
-uses (PyYAML only); ``models`` and ``dryrun`` import ``torch`` and, lazily,
+``config`` is the recipe schema, ``loader`` the schema-free YAML-to-dataclass loader it
+uses and ``safe_yaml`` the limited YAML reading below both (PyYAML only); ``models`` and ``dryrun`` import ``torch`` and, lazily,
 ``transformers`` (the ``recipes`` extra).
 """
 

@@ -8,8 +8,8 @@ default. ``--set``-style overrides (``"optim.lr=1e-3"``) are applied to the raw 
 before validation, so they go through exactly the same checks.
 
 This module is the schema; reading YAML safely (alias, size and depth limits: see
-:data:`MAX_YAML_NODES`, :data:`MAX_YAML_DEPTH`), the strict type checks and the overrides
-are the schema-free :mod:`checkpointless.recipes.loader`.
+:data:`MAX_YAML_NODES`, :data:`MAX_YAML_DEPTH`) is :mod:`checkpointless.recipes.safe_yaml`, the
+strict type checks and the overrides the schema-free :mod:`checkpointless.recipes.loader`.
 
 Every dataclass validates its own values in ``__post_init__`` and raises
 :class:`RecipeError` (a :class:`ValueError`) naming the offending field, so configs built
@@ -39,8 +39,8 @@ from typing import TYPE_CHECKING, Any, Literal
 from checkpointless.config import RecoveryConfig
 from checkpointless.corpus import BYTE_VOCAB_SIZE  # 256 byte values + end-of-document
 from checkpointless.errors import RecipeError
-from checkpointless.recipes import loader
-from checkpointless.recipes.loader import MAX_YAML_DEPTH, MAX_YAML_NODES
+from checkpointless.recipes import loader, safe_yaml
+from checkpointless.recipes.safe_yaml import MAX_YAML_DEPTH, MAX_YAML_NODES
 
 if TYPE_CHECKING:
     from checkpointless.corpus import TokenDataset
@@ -764,5 +764,5 @@ def load_recipe(
     another machine). Every problem raises :class:`RecipeError` (a :class:`ValueError`)
     naming the file and the dotted key, in one line.
     """
-    raw = loader.load_file(path, what="recipe")
+    raw = safe_yaml.load_file(path, what="recipe")
     return recipe_from_dict(raw, overrides, source=str(path), check_data=check_data)

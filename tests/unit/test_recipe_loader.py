@@ -1,4 +1,4 @@
-"""Tests for checkpointless.recipes.loader: the schema-free YAML-to-dataclass loader."""
+"""Tests for checkpointless.recipes.loader and safe_yaml: the schema-free YAML-to-dataclass loader."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from checkpointless.errors import RecipeError
-from checkpointless.recipes import loader
-from checkpointless.recipes.loader import MAX_YAML_DEPTH, MAX_YAML_NODES
+from checkpointless.recipes import loader, safe_yaml
+from checkpointless.recipes.safe_yaml import MAX_YAML_DEPTH, MAX_YAML_NODES
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -47,8 +47,16 @@ def _build(raw: dict[str, Any], overrides: tuple[str, ...] = ()) -> Outer:
     return loader.from_mapping(Outer, raw, overrides, source="cfg.yaml")
 
 
-def test_loader_knows_nothing_about_recipes() -> None:
-    tree = ast.parse(Path(loader.__file__).read_text(encoding="utf-8"))
+@pytest.mark.parametrize(
+    ("module", "allowed"),
+    [
+        (loader, {"checkpointless.errors", "checkpointless.recipes.safe_yaml"}),
+        (safe_yaml, {"checkpointless.errors"}),
+    ],
+    ids=["loader", "safe_yaml"],
+)
+def test_loader_knows_nothing_about_recipes(module: Any, allowed: set[str]) -> None:
+    tree = ast.parse(Path(module.__file__).read_text(encoding="utf-8"))
     imported = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module:
@@ -56,7 +64,7 @@ def test_loader_knows_nothing_about_recipes() -> None:
         elif isinstance(node, ast.Import):
             imported.update(alias.name for alias in node.names)
     ours = {m for m in imported if m.startswith("checkpointless")}
-    assert ours == {"checkpointless.errors"}, ours
+    assert ours == allowed, ours
 
 
 def test_builds_nested_dataclasses_in_canonical_form() -> None:
@@ -141,7 +149,7 @@ def test_overrides_are_checked_like_the_file_and_leave_the_input_alone() -> None
 
 
 def test_exponent_floats_are_numbers() -> None:
-    assert loader.safe_load("a: 1e-3\nb: 2E5\nc: 3.0e+2\nd: '1e-3'\ne: 1_000\n") == {
+    assert safe_yaml.safe_load("a: 1e-3\nb: 2E5\nc: 3.0e+2\nd: '1e-3'\ne: 1_000\n") == {
         "a": 1e-3,
         "b": 2e5,
         "c": 300.0,
@@ -152,15 +160,15 @@ def test_exponent_floats_are_numbers() -> None:
 
 def test_load_file_errors_are_one_line_and_name_the_file(tmp_path: Path) -> None:
     with pytest.raises(RecipeError, match=r"nope\.yaml: cannot read thing:"):
-        loader.load_file(tmp_path / "nope.yaml", what="thing")
+        safe_yaml.load_file(tmp_path / "nope.yaml", what="thing")
     empty = tmp_path / "empty.yaml"
     empty.write_text("# nothing\n", encoding="utf-8")
     with pytest.raises(RecipeError, match=r"empty\.yaml: thing is empty$"):
-        loader.load_file(empty, what="thing")
+        safe_yaml.load_file(empty, what="thing")
     bad = tmp_path / "bad.yaml"
     bad.write_text("a: [1,\nb: {\n", encoding="utf-8")
     with pytest.raises(RecipeError, match=r"bad\.yaml: invalid YAML: .*line \d+, column \d+\)$") as info:
-        loader.load_file(bad)
+        safe_yaml.load_file(bad)
     assert "\n" not in str(info.value)
 
 
@@ -179,9 +187,9 @@ def test_an_alias_counts_as_deep_as_what_it_expands_to(k: int) -> None:
 
     def outcome(text: str) -> object:
         try:
-            return loader.safe_load(text)
+            return safe_yaml.safe_load(text)
         except yaml.YAMLError as exc:
-            return "refused: " + loader.yaml_message(exc)
+            return "refused: " + safe_yaml.yaml_message(exc)
 
     written, via_alias = outcome(inline), outcome(aliased)
     # b's scalar sits k + 3 levels down: the document mapping, b's list, k lists, the scalar
@@ -232,13 +240,13 @@ def test_hostile_yaml_is_refused_quickly_in_one_line(tmp_path: Path, text: str, 
     limit = sys.getrecursionlimit()
     start = time.perf_counter()
     with pytest.raises(yaml.YAMLError) as info:
-        loader.safe_load(text)
-    message = loader.yaml_message(info.value)
+        safe_yaml.safe_load(text)
+    message = safe_yaml.yaml_message(info.value)
     assert needle in message and "\n" not in message, message
     path = tmp_path / "hostile.yaml"
     path.write_text(text, encoding="utf-8")
     with pytest.raises(RecipeError, match=r"hostile\.yaml: invalid YAML: ") as err:
-        loader.load_file(path)
+        safe_yaml.load_file(path)
     assert needle in str(err.value)
     if text[0].isalpha():  # a mapping: the same document as a --set value, in flow style
         flow = "{" + text.strip().replace("\n", ", ") + "}"
