@@ -114,7 +114,8 @@ def protocol_rates(hosts: int, hang: float, step_s: float, protocol: str = RELAY
 
 # -- the simulated hosts ---------------------------------------------------------------
 # a process's heartbeat (``ControlClient``'s fields), as json.dumps writes it: per-rank, on the
-# coordinator's store
+# coordinator's store (``tests/unit/test_bench_control_scale.py`` checks them against a real
+# ``HeartbeatLink``'s and the relay's ``FORWARDED``)
 _HB_BARE = '{"seq": %d, "phase": "%s", "t": %r, "chunks": %d}'
 _HB_JOINED = '{"seq": %d, "phase": "%s", "rank": %d, "gen": %d, "committed": %d, "total": %d, "start": 0, "t": %r, "chunks": %d}'
 _HB_STEPPING = (
@@ -131,12 +132,28 @@ _FORWARDED = {
     for reported in (False, True)
 }
 
-_STEP_EVENT = (  # vocab.event(STEP_COMMITTED, ...) as json.dumps writes it, one line
-    '{"t": %r, "kind": "step_committed", "proc": "%s", "rank": %d, "gen": %d, "step": %d, "step_time_s": %r, '
-    '"loss": %r}\n'
+
+def json_template(obj: dict[str, Any], formats: dict[str, str]) -> str:
+    """``json.dumps(obj)`` with the value of each key of ``formats`` left as that %-format (``%r``,
+    ``"%s"``, ...): the package's own encoder decides the fields, their order and the rest."""
+    text = json.dumps({k: f"@{k}@" if k in formats else v for k, v in obj.items()})
+    for k, f in formats.items():
+        text = text.replace(f'"@{k}@"', f)
+    return text
+
+
+# a rank's step_committed event as ``Session._commit`` emits it (``vocab.event``, one line of a chunk)
+# with the demo's one metric, and its row in a host's packed event (``relay_wire.pack_commits``)
+_COMMIT = event(Event.STEP_COMMITTED, proc="", rank=0, gen=0, step=0, step_time_s=0.0, loss=0.0)
+_COMMIT_FORMATS = {"t": "%r", "proc": '"%s"', "rank": "%d", "gen": "%d", "step": "%d", "step_time_s": "%r",
+                   "loss": "%r"}  # fmt: skip
+_STEP_EVENT = (
+    json_template(_COMMIT, {k: f.replace("%", f"%({k})") for k, f in _COMMIT_FORMATS.items()}) + "\n"
 )
-# its row in a host's packed event
-_ROW = packed_row_template('"proc": "%s", "rank": %d, "step_time_s": %r, "loss": %r')
+_ROW_FIELDS = ("proc", "rank", "step_time_s", "loss")  # a row's arguments, in this order
+_ROW_OWN = {k: v for k, v in _COMMIT.items() if k not in ("t", "kind", "gen", "step")}
+assert tuple(_ROW_OWN) == _ROW_FIELDS, f"the commit's own fields are now {tuple(_ROW_OWN)}"
+_ROW = packed_row_template(json_template(_ROW_OWN, _COMMIT_FORMATS)[1:-1])
 
 
 def packed_commits(host: str, gen: int, step: int, rows: list[tuple[float, str, int, float, float]]) -> str:
@@ -145,7 +162,8 @@ def packed_commits(host: str, gen: int, step: int, rows: list[tuple[float, str, 
     ``json.dumps`` make it (``tests/unit/test_bench_control_scale.py`` compares them)."""
     if len(rows) == 1:
         t, proc, rank, step_time, loss = rows[0]
-        return _STEP_EVENT % (t, proc, rank, gen, step, step_time, loss)
+        return _STEP_EVENT % {"t": t, "proc": proc, "rank": rank, "gen": gen, "step": step,
+                              "step_time_s": step_time, "loss": loss}  # fmt: skip
     args = [(t, (proc, rank, st, loss)) for t, proc, rank, st, loss in rows]
     return packed_text(host, gen, step, _ROW, args) + "\n"
 
@@ -919,7 +937,8 @@ class Simulator:
             row = (time.time(), p.name, p.rank, p.step_time, p.loss)
             ag.commits.setdefault((gen, p.committed), []).append(row)
         else:
-            text = _STEP_EVENT % (time.time(), p.name, p.rank, gen, p.committed, p.step_time, p.loss)
+            text = _STEP_EVENT % {"t": time.time(), "proc": p.name, "rank": p.rank, "gen": gen, "step": p.committed,
+                                  "step_time_s": p.step_time, "loss": p.loss}  # fmt: skip
             self._chunk(ag, p, text, "commit")
         self._heartbeat(ag, p, "commit")
         p.phase = Phase.COMPUTE  # the next step starts at once; the next beat shows it

@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
+from torch.distributed import TCPStore
 
 from bench import common, control_scale, scale_sim
 from checkpointless.control.auth import SignedStore, job_namespace, new_secret, write_secret_file
+from checkpointless.control.link import HeartbeatLink
 from checkpointless.observe.fields import commits
 from checkpointless.protocol import keys
 from checkpointless.protocol.relay_wire import (
@@ -112,6 +116,61 @@ def test_a_simulated_relay_value_is_the_bytes_the_relay_writes(tmp_path: Path) -
         assert list(hb) == list(forwarded(hb))  # in the relay's order
         shapes.add(tuple(hb))
     assert len(shapes) == 6
+
+
+@pytest.fixture
+def link() -> Iterator[tuple[HeartbeatLink, SignedStore]]:
+    """A process's real heartbeat connection (``ControlClient``'s) to a real store, and the store."""
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    secret = new_secret()
+    store = SignedStore(server, secret, namespace=job_namespace(secret))
+    hb = HeartbeatLink(f"127.0.0.1:{server.port}", "w3", lambda raw: SignedStore(raw, secret, namespace=store.namespace),
+                       timeout=timedelta(seconds=10), lease=10.0)  # fmt: skip
+    yield hb, store
+    del hb, server
+
+
+def test_a_simulated_commit_is_the_line_a_rank_writes(link: tuple[HeartbeatLink, SignedStore]) -> None:
+    """The simulator writes a rank's ``step_committed`` event from a template (``scale_sim``'s
+    ``json_template`` of ``vocab.event``): the bytes a real heartbeat link writes of the event
+    ``Session._commit`` emits (the demo's one metric, ``loss``), alone and packed."""
+    hb, store = link
+    hb.update(rank=3, gen=1)
+    hb.emit(Event.STEP_COMMITTED, rank=3, gen=1, step=7, step_time_s=0.987654, loss=2.123456)
+    hb.flush()
+    line = store.get(keys.events("w3", 0))
+    assert line is not None
+    t = json.loads(line)["t"]
+    assert scale_sim.packed_commits("h0", 1, 7, [(t, "w3", 3, 0.987654, 2.123456)]) == line
+    two = [(t, "w3", 3, 0.987654, 2.123456), (t + 0.5, "w4", 4, 0.5, 3.0)]
+    evs = [(r[1], json.loads(scale_sim.packed_commits("h0", 1, 7, [r]))) for r in two]
+    assert scale_sim.packed_commits("h0", 1, 7, two) == json.dumps(pack_commits("h0", evs)[0][1]) + "\n"
+
+
+def test_a_simulated_per_rank_heartbeat_has_a_real_ones_fields(
+    tmp_path: Path, link: tuple[HeartbeatLink, SignedStore]
+) -> None:
+    """Per-rank, the simulator writes a process's heartbeat from a template: before it joins, the
+    fields a real heartbeat link writes; joined and stepping, those the coordinator reads (the
+    relay's ``FORWARDED``: the relayed simulation's are built from them) and the link's own."""
+    hb, store = link
+    hb.flush()
+    real = store.get(keys.heartbeat("w3"))
+    assert real is not None
+    own = set(json.loads(real))  # the link's own fields: seq, phase, its clock, its chunk count
+    sim, _ = _simulator(tmp_path, scale_sim.PER_RANK)
+    ag = sim.agents[0]
+    ag.conn = _Writes()  # type: ignore[assignment]
+    sim._on_order(ag, {"op": "spawn", "name": "w3", "role": Role.WORKER})
+    sim._run_work(float("inf"))
+    p = ag.procs["w3"]
+    bare = json.loads(sim._hb_text(p))
+    assert set(bare) == own and [type(bare[k]) for k in own] == [type(json.loads(real)[k]) for k in own]
+    for attempt in (0, 3):  # joined, then stepping
+        p.rank, p.gen, p.committed, p.phase, p.attempt, p.step_time = 3, 0, 2, Phase.COMPUTE, attempt, 0.5
+        beat = json.loads(sim._hb_text(p))
+        assert forwarded(beat) == json.loads(scale_sim.Simulator._forwarded_text(p))
+        assert set(beat) - set(FORWARDED) <= own | {"start", "loss"}  # the rest: the link's, the session's
 
 
 def test_the_relay_protocol_asks_far_fewer_calls_of_the_store() -> None:
