@@ -16,6 +16,7 @@ What the launcher promises (``checkpointless/launch/launcher.py``, module doc), 
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import re
@@ -30,7 +31,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from rich.console import Console
 
+from checkpointless.cli.job_run import print_result
 from checkpointless.config import JobConfig, RecoveryConfig
 from checkpointless.control.coordinator import Coordinator, JobFailed
 from checkpointless.corpus.shm_cache import ShmBatchCache
@@ -560,6 +563,14 @@ def test_a_stranger_who_lists_the_keys_cannot_abort_or_stop_a_job(tmp_path: Path
     assert ns and any(k == keys.abort(0) for k in attack["keys"]), attack  # it named the real keys
     rejected = result.report["rejected_messages"]
     assert rejected["count"] > 0 and keys.abort(0) in rejected["keys"], rejected
+    # what the command prints of this result names them as messages from outside the job
+    console = Console(file=io.StringIO(), record=True, width=250)
+    print_result(console, result, "demo")
+    said = " ".join(console.export_text().split())
+    assert (
+        f"ignored {rejected['count']} control message(s) not sealed with this job's secret (someone else "
+        "writes to the job's store)"
+    ) in said, said
 
 
 @pytest.mark.timeout(120)
