@@ -543,6 +543,7 @@ def test_coordinator_refuses_bad_input_in_one_line(
     for extra, words in {
         ("--join-timeout", "nan"): "--join-timeout must be a finite number of seconds",
         ("--join-timeout", "-1"): "--join-timeout must be > 0 seconds",
+        ("--join-timeout", "0"): "--join-timeout must be > 0 seconds, got 0",
         ("--bind", "999.1.1.1"): "--bind '999.1.1.1' is not an IP address",
         ("--nodes", "0"): "--nodes must be >= 1",
     }.items():
