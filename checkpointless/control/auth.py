@@ -147,6 +147,16 @@ def pg_token(secret: bytes, gen: int) -> str:
     return mac(secret, b"pg", str(gen).encode()).hex()[:32]
 
 
+class _ClosedStore:
+    """What a closed ``SignedStore`` reads and writes: every call fails as a store gone away."""
+
+    def __getattr__(self, name: str) -> Any:
+        def closed(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError(f"the control store is closed ({name})")
+
+        return closed
+
+
 class SignedStore:
     """A c10d store whose values are sealed with the job's secret (see the module doc).
 
@@ -169,6 +179,13 @@ class SignedStore:
         self.on_reject = on_reject
         self.namespace = namespace
         self._rejected: set[tuple[str, bytes]] = set()
+
+    def close(self) -> None:
+        """Let go of the underlying store: the launcher's is a ``TCPStore`` server, whose thread,
+        listener and connections end once the last reference to it goes (the launcher's objects
+        hold this one in reference cycles, which only a full collection would free). Any later
+        use raises ``RuntimeError``, as a store that went away does."""
+        self.raw = _ClosedStore()
 
     def name(self, key: str) -> str:
         """Where ``key`` lives in the underlying store."""

@@ -241,6 +241,7 @@ class Launcher:
         )  # fmt: skip
         write_error = self.folder.write(self._log, events, report)
         self.folder.finish(error)
+        self.store.close()  # the server's thread and sockets end now, not at some later collection
         return JobResult(
             ok=error is None, digest=coord.digest, report=report, events=events, error=error,
             out_dir=self.folder.out_dir, logs=self._log_paths(), pids=self._pids(), interrupted=interrupted,
