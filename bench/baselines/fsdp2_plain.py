@@ -29,7 +29,8 @@ def worker(args: argparse.Namespace) -> int:
     from torch.distributed.device_mesh import init_device_mesh
 
     from checkpointless.corpus.shm_cache import CachedDataset, ShmBatchCache
-    from checkpointless.recipes.config import load_recipe, open_dataset
+    from checkpointless.recipes.config import load_recipe
+    from checkpointless.recipes.preflight import open_dataset
     from checkpointless.recipes.train import build_training
 
     torch.set_num_threads(1)

@@ -1,4 +1,4 @@
-"""Build Hugging Face causal LMs from a :class:`~checkpointless.recipes.config.ModelConfig`.
+"""Build Hugging Face causal LMs from a :class:`~checkpointless.recipes.model_config.ModelConfig`.
 
 Models are built from a config, seeded so that every process building the same recipe gets
 bitwise identical weights, or, with ``model.pretrained``, loaded from a local checkpoint
@@ -9,8 +9,8 @@ ever sees ``loss = model(inputs, targets)``. ``transformers`` and ``peft`` are i
 that importing this module (and the recipe configs) stays cheap.
 
 The builders read a :class:`ModelConfig` by its fields only, so this module names it for the type
-checker and does not import ``recipes.config`` at run time: ``config.check_lora`` builds the
-recipe's model with :func:`build_hf_model`, and the import goes one way only.
+checker and does not import ``recipes.model_config`` at run time: ``preflight.check_lora`` builds
+the recipe's model with :func:`build_hf_model`, and the import goes one way only.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from torch import nn
 from checkpointless.errors import RecipeError
 
 if TYPE_CHECKING:
-    from checkpointless.recipes.config import ModelConfig
+    from checkpointless.recipes.model_config import ModelConfig
 
 __all__ = [
     "CausalLMWithLoss",
@@ -119,8 +119,8 @@ def _from_pretrained(cfg: ModelConfig) -> Any:
     The recipe's config (``hf_config``: eager attention, no cache, ``extra``) is the model's; the
     checkpoint supplies every weight, in fp32 (cast to the recipe's dtype by ``build_model``). A
     weight the checkpoint lacks, has in another shape, or has that the model does not use is an
-    error, never a silent random initialisation (``config.check_pretrained`` names the usual causes
-    before anything starts).
+    error, never a silent random initialisation (``preflight.check_pretrained`` names the usual
+    causes before anything starts).
     """
     assert cfg.pretrained is not None
     model, info = _model_class(cfg).from_pretrained(

@@ -136,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     import checkpointless as cl
     from checkpointless.corpus import TokenDataset
     from checkpointless.corpus.shm_cache import CachedDataset, ShmBatchCache
-    from checkpointless.recipes.config import load_recipe, open_dataset
+    from checkpointless.recipes.config import load_recipe
+    from checkpointless.recipes.preflight import open_dataset
 
     p = argparse.ArgumentParser(prog="python -m checkpointless.recipes.train")
     p.add_argument("recipe")
@@ -202,7 +203,7 @@ def train_sharded(cfg: RecipeConfig) -> int:
     import checkpointless as cl
     from checkpointless.corpus import TokenDataset
     from checkpointless.corpus.shm_cache import CachedDataset, ShmBatchCache
-    from checkpointless.recipes.config import open_dataset
+    from checkpointless.recipes.preflight import open_dataset
 
     steps, dc = cfg.train.steps, cfg.data
     device = cl.local_device()  # session.device

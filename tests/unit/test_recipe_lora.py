@@ -12,8 +12,9 @@ import yaml
 
 import checkpointless as cl
 from checkpointless.cli import main
-from checkpointless.recipes.config import LoraConfig, RecipeError, load_recipe, recipe_from_dict
+from checkpointless.recipes.config import RecipeError, load_recipe, recipe_from_dict
 from checkpointless.recipes.dryrun import dry_run, format_dry_run
+from checkpointless.recipes.model_config import LoraConfig
 from checkpointless.recipes.models import build_hf_model
 from checkpointless.recipes.precision import MasterWeightAdamW
 from checkpointless.recipes.train import build_training

@@ -14,7 +14,6 @@ import torch
 import yaml
 
 from checkpointless.recipes.config import (
-    ModelConfig,
     OptimConfig,
     ParallelConfig,
     RecipeConfig,
@@ -22,6 +21,7 @@ from checkpointless.recipes.config import (
     load_recipe,
     recipe_from_dict,
 )
+from checkpointless.recipes.model_config import ModelConfig
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 ALL_RECIPES = sorted(RECIPES.glob("*.yaml"))
