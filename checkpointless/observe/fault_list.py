@@ -53,15 +53,21 @@ from __future__ import annotations
 import math
 import signal as _signal
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from checkpointless.control.exits import LEFT_CODES
 from checkpointless.fault_grammar import FaultSpec
+from checkpointless.observe.fault_figures import (
+    first_detection,
+    recovery_windows,
+    replacement,
+    stall_and_lost,
+)
 from checkpointless.observe.fields import integer as _int
 from checkpointless.observe.fields import number as _num
 from checkpointless.observe.fields import text as _str
 from checkpointless.observe.fields import unpacked
+from checkpointless.observe.incidents import Incident, find_incidents
 from checkpointless.observe.progress import StepStats
 from checkpointless.protocol.vocab import Event, Reason, Role
 
@@ -101,17 +107,6 @@ FAULT_EVENT_KINDS: frozenset[str] = frozenset(
     }
 )
 
-_PROCESS_CAUSES = frozenset(
-    {
-        Reason.PROCESS_EXIT,
-        Reason.HEARTBEAT_TIMEOUT,
-        Reason.NO_PROGRESS,
-        Reason.START_FAILURE,
-        Reason.START_TIMEOUT,
-    }
-)
-_EXIT_CAUSES = frozenset({Reason.PROCESS_EXIT, Reason.START_FAILURE})  # the exit code tells how it ended
-_ERROR_CHARS = 500
 _NOT_PROCESSES = frozenset({"coordinator", "launcher"})  # event sources that are not a job process
 
 
@@ -201,128 +196,8 @@ class Fault:
         }
 
 
-@dataclass
-class _Incident:
-    """The detection(s) of one root cause in one process (or one rank's raising step)."""
-
-    key: str
-    cause: str
-    t: float
-    gen: int | None
-    rank: int | None
-    proc: str | None
-    role: str
-    exitcode: int | None = None
-    step: int | None = None
-    error: str | None = None
-    claimed: bool = field(default=False)
-
-
-def _error_text(e: dict[str, Any]) -> str | None:
-    text = _str(e.get("error")) or _str(e.get("log_tail"))
-    if text is None:
-        return None
-    return text if len(text) <= _ERROR_CHARS else "..." + text[-_ERROR_CHARS:]
-
-
-def _incidents(timed: list[tuple[float, dict[str, Any]]]) -> list[_Incident]:
-    """Root-cause detections, one per failed process (hang + the coordinator's kill = one)."""
-    members: dict[int, str] = {}
-    by_key: dict[str, _Incident] = {}
-    out: list[_Incident] = []
-    for t, e in timed:
-        kind = e.get("kind")
-        if kind == Event.GENERATION_STARTED:
-            raw = e.get("members")
-            if isinstance(raw, dict):
-                for k, v in raw.items():
-                    r = _int(k)
-                    if r is not None and isinstance(v, str):
-                        members[r] = v
-            continue
-        reason = _str(e.get("reason"))
-        rank, gen = _int(e.get("rank")), _int(e.get("gen"))
-        proc = _str(e.get("proc"))
-        if kind == Event.HOST_LOST:  # each process of the host: its silence or exit was the host's
-            procs = e.get("procs")
-            for lost in (p for p in (procs if isinstance(procs, list) else []) if isinstance(p, str)):
-                r = next((k for k, v in members.items() if v == lost), None)
-                inc = by_key.get(lost)
-                if inc is None:
-                    by_key[lost] = _Incident(lost, Reason.HOST_LOST, t, gen, r, lost,
-                                             Role.WORKER if r is not None else Role.SPARE)  # fmt: skip
-                    out.append(by_key[lost])
-                elif inc.cause in (Reason.HEARTBEAT_TIMEOUT, Reason.PROCESS_EXIT, Reason.NO_PROGRESS):
-                    inc.cause = Reason.HOST_LOST  # the more specific reason (detected at its first sign)
-            continue
-        if kind == Event.STATE_DIVERGED:  # one incident per replica that differed from the majority
-            odd = e.get("ranks")
-            for r in (_int(x) for x in (odd if isinstance(odd, list) else [])):
-                dkey = f"diverged gen {gen} rank {r}"
-                if r is not None and dkey not in by_key:
-                    by_key[dkey] = _Incident(dkey, Reason.STATE_DIVERGED, t, gen, r, members.get(r), "worker",
-                                             step=_int(e.get("step")), error=_str(e.get("entry")))  # fmt: skip
-                    out.append(by_key[dkey])
-            continue
-        # only the coordinator detects these (a worker reports exceptions and collective errors)
-        is_process_event = kind == Event.PROCESS_EXITED or (
-            kind == Event.FAULT_DETECTED and reason in _PROCESS_CAUSES
-        )
-        if kind == Event.PROCESS_EXITED and e.get("role") == Role.SPARE and e.get("exitcode") in LEFT_CODES:
-            continue  # a spare told to leave (its host drained): no fault
-        if is_process_event:
-            cause = Reason.PROCESS_EXIT if kind == Event.PROCESS_EXITED else str(reason)
-            seen = by_key.get(_str(e.get("target")) or "")
-            if seen is not None and seen.cause == Reason.HOST_LOST:
-                continue  # its host's loss, seen again as the process's exit
-            target = _str(e.get("target"))
-            if target is None and rank is not None and kind == Event.FAULT_DETECTED:
-                target = members.get(rank)
-            key = target or f"rank {rank} gen {gen}"
-            role = _str(e.get("role")) or (Role.SPARE if rank is None else Role.WORKER)
-            exitcode = _int(e.get("exitcode"))
-            inc = by_key.get(key)
-            if inc is None:
-                inc = _Incident(key, cause, t, gen, rank, target, role, step=_int(e.get("step")))
-                by_key[key] = inc
-                out.append(inc)
-            else:
-                if inc.rank is None and rank is not None:
-                    inc.rank = rank
-                if _str(e.get("role")):
-                    inc.role = str(e["role"])
-                if cause == Reason.START_FAILURE and inc.cause == Reason.PROCESS_EXIT:
-                    inc.cause = cause  # the more specific reason for the same exit
-            if inc.cause in _EXIT_CAUSES and inc.exitcode is None:
-                inc.exitcode = exitcode
-            inc.error = inc.error or _error_text(e)
-            continue
-        if (kind == Event.FAULT_DETECTED and reason == Reason.EXCEPTION) or (
-            kind == Event.FAILURE_REPORTED and reason == Reason.EXCEPTION
-        ):
-            # the worker's own detection, or the coordinator's view of it (live, before
-            # worker events are collected): one fault per rank and generation
-            key = f"exception gen {gen} rank {rank}"
-            from_worker = kind == Event.FAULT_DETECTED
-            inc = by_key.get(key)
-            if inc is None:
-                step = _int(e.get("step"))
-                committed = _int(e.get("committed"))
-                if step is None and committed is not None:
-                    step = committed + 1
-                name = proc if from_worker else (members.get(rank) if rank is not None else None)
-                inc = _Incident(key, Reason.EXCEPTION, t, gen, rank, name, "worker", step=step)
-                by_key[key] = inc
-                out.append(inc)
-            elif from_worker:
-                inc.proc = proc or inc.proc
-                inc.step = _int(e.get("step")) if _int(e.get("step")) is not None else inc.step
-            inc.error = inc.error or _error_text(e)
-    return out
-
-
 _Firings = list[tuple[float, dict[str, Any]]]  # the (t, fault_injected) of one injected fault
-_Raw = tuple[float, "_Firings | None", list[_Incident], list[str]]  # t, firings, detections, identities
+_Raw = tuple[float, "_Firings | None", list[Incident], list[str]]  # t, firings, detections, identities
 
 
 def _rank_order(rank: int | None) -> tuple[bool, int]:
@@ -344,7 +219,7 @@ def _spec_of(inj: dict[str, Any], specs: list[Any]) -> str:
     )
 
 
-def _matches(inj: dict[str, Any], inc: _Incident, t_inj: float) -> bool:
+def _matches(inj: dict[str, Any], inc: Incident, t_inj: float) -> bool:
     if inc.claimed or inc.t < t_inj:
         return False
     if (inj.get("fault") == "exception") != (inc.cause == Reason.EXCEPTION):
@@ -355,38 +230,6 @@ def _matches(inj: dict[str, Any], inc: _Incident, t_inj: float) -> bool:
     if proc is not None and inc.proc is not None and proc not in _NOT_PROCESSES:
         return proc == inc.proc
     return _int(inj.get("rank")) is not None and _int(inj.get("rank")) == inc.rank
-
-
-def _first_detection(
-    timed: list[tuple[float, dict[str, Any]]], after: float, until: float, gen: int | None
-) -> float | None:
-    """The first ``fault_detected`` (any reason) in ``[after, until]`` in generation ``gen``."""
-    for t, e in timed:
-        if t > until:
-            break
-        if t >= after and e.get("kind") == Event.FAULT_DETECTED:
-            g = _int(e.get("gen"))
-            if gen is None or g is None or g == gen:
-                return t
-    return None
-
-
-def _recovery_windows(timed: list[tuple[float, dict[str, Any]]]) -> list[tuple[float, float]]:
-    """(new generation published, recovery done) for every recovery. A recovery that a second
-    failure cut short (its generation never reported done) lasts until a later one is done, not
-    until the end of the job: a fault after that is a fault in a step again."""
-    started: dict[int, float] = {}
-    done: dict[int, float] = {}
-    for t, e in timed:
-        g = _int(e.get("gen"))
-        if g is None or g < 1:
-            continue
-        if e.get("kind") == Event.GENERATION_STARTED:
-            started.setdefault(g, t)
-        elif e.get("kind") in (Event.RECOVERY_DONE, Event.RESIZE_DONE, Event.HANDOFF_DONE):
-            done.setdefault(g, t)
-    ends = sorted(done.items())
-    return [(t0, next((t for h, t in ends if h >= g), math.inf)) for g, t0 in started.items()]
 
 
 def derive_faults(events: list[dict[str, Any]], step_time: float | None = None) -> list[Fault]:
@@ -403,7 +246,7 @@ def derive_faults(events: list[dict[str, Any]], step_time: float | None = None) 
         if e.get("kind") == Event.JOB_STARTED and isinstance(e.get("faults"), list):
             specs = list(e["faults"])
             break
-    incidents = _incidents(timed)
+    incidents = find_incidents(timed)
 
     # injected faults: a spec naming several ranks fires once in each, and stays one fault
     groups: dict[Any, list[tuple[float, dict[str, Any]]]] = {}
@@ -415,7 +258,7 @@ def derive_faults(events: list[dict[str, Any]], step_time: float | None = None) 
     # (t, firings of an injected fault or None, incidents, identities)
     raw: list[_Raw] = []
     for gkey, firings in groups.items():
-        claimed: list[_Incident] = []
+        claimed: list[Incident] = []
         for t_inj, firing in firings:
             # a host fault hits every rank of its host: the first detection of each after the firing
             each = [dict(firing, rank=r, proc=None) for r in firing.get("ranks") or []]
@@ -429,7 +272,7 @@ def derive_faults(events: list[dict[str, Any]], step_time: float | None = None) 
         raw.append((firings[0][0], firings, claimed, [ident] + [i.key for i in claimed]))
 
     # real faults: processes lost in one generation from one cause (and exit code) are one fault
-    real: dict[tuple[Any, ...], list[_Incident]] = {}
+    real: dict[tuple[Any, ...], list[Incident]] = {}
     for inc in incidents:
         if not inc.claimed:
             real.setdefault((inc.gen, inc.cause, inc.role, inc.exitcode), []).append(inc)
@@ -440,7 +283,7 @@ def derive_faults(events: list[dict[str, Any]], step_time: float | None = None) 
     stats = StepStats.of(events)
     commits = stats.commits
     step_time = stats.step_time_s if step_time is None else step_time
-    windows = _recovery_windows(timed)
+    windows = recovery_windows(timed)
     used_assignments: set[int] = set()
     faults: list[Fault] = []
     for t, fired, incs, keys in raw:
@@ -469,7 +312,7 @@ def derive_faults(events: list[dict[str, Any]], step_time: float | None = None) 
             target = str(inj.get("target") or "step")
             # the first sign of it: its own detection, or a peer's error in that generation before it
             until = t_det if t_det is not None else math.inf
-            det = _first_detection(timed, t, until, _int(inj.get("gen")))
+            det = first_detection(timed, t, until, _int(inj.get("gen")))
             if t_det is not None:
                 det = t_det if det is None else min(det, t_det)
             detection_s: float | None = None if det is None else round(det - t, 4)
@@ -489,11 +332,11 @@ def derive_faults(events: list[dict[str, Any]], step_time: float | None = None) 
             target = "recovery" if any(a <= t_det <= b for a, b in windows) else "step"
             detection_s = None
         spare_only = role == Role.SPARE and not ranks
-        stall, lost = (0.0, 0) if spare_only else _stall(commits, ranks, t, step_time)
+        stall, lost = (0.0, 0) if spare_only else stall_and_lost(commits, ranks, t, step_time)
         replaced_by: str | None = None
         t_rec: float | None = None
         if not spare_only:
-            replaced_by, t_rec = _replacement(
+            replaced_by, t_rec = replacement(
                 timed, cause, kind, ranks, procs, gen, t if t_det is None else t_det, used_assignments
             )
         faults.append(
@@ -522,84 +365,6 @@ def derive_faults(events: list[dict[str, Any]], step_time: float | None = None) 
             )
         )
     return faults
-
-
-def _stall(
-    commits: dict[int, list[tuple[float, int, int]]], ranks: list[int], t_ref: float, step_time: float
-) -> tuple[float, int]:
-    stall = 0.0
-    lost = 0
-    seen = False
-    # the healthy ranks; when every rank was hit (rolled back to a durable snapshot), the ranks themselves
-    for healthy_only in (True, False):
-        for rank, cs in commits.items():
-            if healthy_only and rank in ranks:
-                continue
-            before = [c for c in cs if c[0] <= t_ref]
-            after = [c for c in cs if c[0] > t_ref]
-            if not before or not after:
-                continue
-            seen = True
-            stall = max(stall, after[0][0] - before[-1][0] - step_time)
-            lost = max(lost, max(c[1] for c in before) - after[0][1] + 1)
-        if seen:
-            break
-    return round(max(0.0, stall), 4), max(0, lost)
-
-
-def _replacement(
-    timed: list[tuple[float, dict[str, Any]]],
-    cause: str | None,
-    kind: str,
-    ranks: list[int],
-    procs: list[str],
-    gen: int | None,
-    t_det: float,
-    used: set[int],
-) -> tuple[str | None, float | None]:
-    """(replaced_by, recovery done time) for one fault.
-
-    A spare counts when it was assigned one of the fault's ranks in the generation that follows the
-    detection (by rank and generation, never by position, so a fault on several ranks cannot shift
-    the next fault's figures); without generations, the first unused assignment after the detection.
-    """
-    next_gen = None if gen is None else gen + 1
-    recovered = None
-    for t, e in timed:
-        if t >= t_det and e.get("kind") == Event.RECOVERY_DONE:
-            g = _int(e.get("gen"))
-            if next_gen is None or g is None or g == next_gen:
-                recovered = t
-                break
-    exception = cause == Reason.EXCEPTION or (cause is None and kind == "exception")
-    if exception:
-        # recovered in place only if the rank committed again in a later generation, in its own process
-        for t, e in timed:
-            if t <= t_det or e.get("kind") != Event.STEP_COMMITTED or _int(e.get("rank")) not in ranks:
-                continue
-            g, p = _int(e.get("gen")), _str(e.get("proc"))
-            if gen is not None and g is not None and g <= gen:
-                continue
-            if procs and p is not None and p not in procs:
-                continue
-            return "in-place", recovered
-        return None, None
-    spares: list[str] = []
-    for t, e in timed:
-        if t < t_det or e.get("kind") != Event.SPARE_ASSIGNED or id(e) in used:
-            continue
-        if _int(e.get("rank")) not in ranks:
-            continue
-        g = _int(e.get("gen"))
-        if next_gen is not None and g is not None and g != next_gen:
-            continue
-        used.add(id(e))
-        name = _str(e.get("target"))
-        if name and name not in spares:
-            spares.append(name)
-    if not spares:
-        return None, recovered
-    return ",".join(spares), recovered
 
 
 def fault_entries(events: list[dict[str, Any]], step_time: float | None = None) -> list[dict[str, Any]]:
