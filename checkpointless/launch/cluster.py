@@ -8,6 +8,7 @@ runs a job on them.
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import sys
 import tempfile
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import IO
 
 from checkpointless.control.auth import new_secret, write_secret_file
-from checkpointless.launch.outputs import CONTROL_FILE
+from checkpointless.launch.outputs import CONTROL_FILE, temp_logs_glob
 from checkpointless.launch.remote import ClusterSpec
 
 
@@ -58,11 +59,12 @@ class LocalCluster:
         def log_dir(host: str) -> Path:
             return logs / host
 
-        # the secret's folder (the hosts' logs too, without --out) and the run's control file go
-        # with the hosts, by the reaper if this command is SIGKILLed
+        # the secret's folder (the hosts' logs too, without --out), the run's control file and the
+        # launcher's own log folder (without --out; empty here: the agents keep the processes' logs)
+        # go with the hosts, by the reaper if this command is SIGKILLed
         leftovers = [str(tmp)] + ([str(out / CONTROL_FILE)] if out is not None else [])
         try:
-            with Hosts(total, leftovers) as net:
+            with Hosts(total, leftovers, [temp_logs_glob(os.getpid())] if out is None else []) as net:
 
                 def start_agents(store_addr: str) -> None:
                     for i in range(total):

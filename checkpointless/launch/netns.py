@@ -15,6 +15,7 @@ on a normal exit; the reaper then finds nothing to do.
 from __future__ import annotations
 
 import contextlib
+import glob
 import ipaddress
 import json
 import os
@@ -65,6 +66,9 @@ class Topology:
     leftovers: list[str] = field(default_factory=list)
     """Files and folders of the command's that must not outlive it either (the job's secret file,
     the run folder's control file, the hosts' logs when the run keeps none)."""
+    leftover_globs: list[str] = field(default_factory=list)
+    """Likewise, as glob patterns: what the command makes after the hosts are up (the launcher's
+    temporary log folder, ``outputs.temp_logs_glob``)."""
 
 
 def down(t: Topology) -> None:
@@ -82,7 +86,7 @@ def down(t: Topology) -> None:
     for veth in t.host_veths:
         _ip("link", "del", veth, check=False)
     _ip("link", "del", t.bridge, check=False)
-    for path in t.leftovers:
+    for path in [*t.leftovers, *(p for pattern in t.leftover_globs for p in glob.glob(pattern))]:
         if os.path.isdir(path) and not os.path.islink(path):
             shutil.rmtree(path, ignore_errors=True)
         else:
@@ -93,8 +97,11 @@ def down(t: Topology) -> None:
 class Hosts:
     """``n`` hosts as network namespaces (see the module docstring); a context manager."""
 
-    def __init__(self, n: int, leftovers: list[str] | None = None) -> None:
-        """``leftovers``: paths removed with the hosts (``Topology.leftovers``)."""
+    def __init__(
+        self, n: int, leftovers: list[str] | None = None, leftover_globs: list[str] | None = None
+    ) -> None:
+        """``leftovers``, ``leftover_globs``: paths, and glob patterns of paths, removed with the
+        hosts (``Topology.leftovers``)."""
         if not 1 <= n <= MAX_HOSTS:
             raise LaunchError(f"{n} hosts: this machine makes 1 to {MAX_HOSTS}")
         if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("unshare") is None:
@@ -107,6 +114,7 @@ class Hosts:
             namespaces=[f"cl{tag}h{i}" for i in range(n)],
             host_veths=[f"clv{tag}h{i}" for i in range(n)],
             leftovers=list(leftovers or []),
+            leftover_globs=list(leftover_globs or []),
         )
         self.hostnames = [f"host{i}" for i in range(n)]
         self._reaper: subprocess.Popen[bytes] | None = None

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -24,6 +25,17 @@ CONTROL_FILE = "control.json"
 control token that is not the job's secret (``auth.control_token``): what a command given only
 the run folder needs to reach the job. Removed at the job's end (by ``checkpointless cluster``'s
 reaper too, when the command was SIGKILLed); a stale one is removed with the previous run's files."""
+
+
+TEMP_LOGS_PREFIX = "checkpointless-logs-"
+"""Without ``--out``, a launcher's processes' logs go to ``<tmp>/checkpointless-logs-<pid>-<random>/``
+(``RunFolder.make_logdir``), ``<pid>`` the launcher's process."""
+
+
+def temp_logs_glob(pid: int) -> str:
+    """The temporary log folders of the launchers in process ``pid``, as a glob: what
+    ``checkpointless cluster``'s reaper removes when that process is SIGKILLed (``netns.py``)."""
+    return str(Path(tempfile.gettempdir()) / f"{TEMP_LOGS_PREFIX}{pid}-*")
 
 
 def write_control_file(out_dir: Path, addr: str, token: str, job_id: str, http: str | None = None) -> Path:

@@ -5,13 +5,16 @@ While the job runs, ``events.jsonl`` is appended and flushed every tick (the eve
 and ``control.json`` names the coordinator. At the end the file is rewritten in time order and
 ``report.json`` is written, both atomically (temporary file, then rename: ``outputs.py``). A
 previous run's files in ``out`` are moved aside first. Without ``out`` the processes' logs go to a
-temporary folder, made once the job can start and removed after a run that succeeded.
+temporary folder, made once the job can start and removed after a run that succeeded (and, on the
+hosts ``checkpointless cluster`` makes, where it holds nothing, with the hosts: by the reaper if the
+command is SIGKILLed).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -21,7 +24,12 @@ from checkpointless.control.coordinator import Coordinator
 from checkpointless.fault_grammar import FaultSpec
 from checkpointless.faults import unfired
 from checkpointless.launch.events import Rejections
-from checkpointless.launch.outputs import set_aside_previous_run, write_atomic, write_control_file
+from checkpointless.launch.outputs import (
+    TEMP_LOGS_PREFIX,
+    set_aside_previous_run,
+    write_atomic,
+    write_control_file,
+)
 from checkpointless.observe.event_log import EventLog
 from checkpointless.observe.report import build_report
 
@@ -40,9 +48,10 @@ class RunFolder:
 
     def make_logdir(self) -> None:
         """The temporary log folder, where there is no ``out``: made only once the job can start,
-        so a refused launch leaves nothing."""
+        so a refused launch leaves nothing; named after this process (``outputs.temp_logs_glob``),
+        so that ``checkpointless cluster``'s reaper finds it when the command is SIGKILLed."""
         if self.own_logdir:
-            self.logdir = Path(tempfile.mkdtemp(prefix="checkpointless-logs-"))
+            self.logdir = Path(tempfile.mkdtemp(prefix=f"{TEMP_LOGS_PREFIX}{os.getpid()}-"))
 
     def open(self, event_log: EventLog, addr: str, token: str, job_id: str, http: str | None = None) -> None:
         """``out`` made, a previous run's files moved aside, ``events.jsonl`` streamed by

@@ -413,6 +413,13 @@ def _hosts_of(pid: int) -> tuple[set[str], set[str]]:
     return {n for n in _netns() if n.startswith(f"cl{tag}h")}, {b for b in _bridges() if b == f"clbr{tag}"}
 
 
+def _reaper_of(pid: int) -> list[int]:
+    """The reaper of the ``cluster`` command ``pid`` (its argument names the command's bridge), while
+    it runs: once it has exited, everything it removes is gone."""
+    bridge = f'"clbr{pid % 100000:05d}"'
+    return pids_whose_command(lambda cmd: "checkpointless.launch.netns" in cmd and bridge in cmd)
+
+
 def _demo_pids(seed: int) -> list[int]:
     """Pids of this test's processes (their command lines carry its seed), agents included."""
     token = f'"seed": {seed},'
@@ -420,56 +427,74 @@ def _demo_pids(seed: int) -> list[int]:
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("signum", ["SIGKILL", "SIGINT"])
-def test_killing_the_cluster_command_leaves_nothing_behind(tmp_path: Path, signum: str) -> None:
+@pytest.mark.parametrize(
+    ("signum", "keep"), [("SIGKILL", True), ("SIGINT", True), ("SIGKILL", False)],
+    ids=["SIGKILL", "SIGINT", "SIGKILL-without-out"],
+)  # fmt: skip
+def test_killing_the_cluster_command_leaves_nothing_behind(tmp_path: Path, signum: str, keep: bool) -> None:
     """SIGKILL (or Ctrl-C) of ``checkpointless cluster`` mid-training: every agent and process on
     every host ends (the agents fence on their lease once the coordinator is gone), every network
     namespace and the bridge are removed (the reaper), and no shared-memory file is left; the
     events up to then are on disk. The job's secret file, its folder and the run folder's control
-    file (there, 0600, while the job ran) are removed too."""
+    file (there, 0600, while the job ran) are removed too. Without ``--out`` (killed as soon as its
+    workers are started), the hosts' logs and the launcher's own log folder in the temp directory
+    are removed as well."""
     import signal
     import stat
     import time
 
-    seed = 4242 + (signum == "SIGINT")
+    seed = 4242 + (signum == "SIGINT") + 2 * (not keep)
     shm_before = set(os.listdir("/dev/shm"))
     out = tmp_path / "cluster"
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     job = subprocess.Popen(
         [*CLI, "cluster", "--nodes", "2", "--nproc-per-node", "1", "--spare-nodes", "1", "demo", "--steps",
-         "100000", "--seed", str(seed), "--quiet", "--out", str(out)],
+         "100000", "--seed", str(seed), "--quiet", *(["--out", str(out)] if keep else [])],
         stdout=subprocess.DEVNULL, stderr=(tmp_path / "err").open("w"), env={**ENV, "TMPDIR": str(tmp)},
     )  # fmt: skip
     try:
         events = out / "events.jsonl"
         deadline = time.monotonic() + 300
-        while not COMMITTED.search(events.read_text() if events.exists() else ""):
+
+        def started() -> bool:
+            if keep:
+                return bool(COMMITTED.search(events.read_text() if events.exists() else ""))
+            return len(list(tmp.glob("checkpointless-cluster-*/logs/host*/w*.log"))) == 2  # both workers
+
+        while not started():
             assert job.poll() is None and time.monotonic() < deadline, (tmp_path / "err").read_text()[-3000:]
             time.sleep(0.2)
         assert len(_demo_pids(seed)) >= 3  # an agent per host, the workers, the spare
         assert _hosts_of(job.pid)[0], "the hosts are not named after the command's pid"
-        control = json.loads((out / "control.json").read_text())
-        assert stat.S_IMODE((out / "control.json").stat().st_mode) == 0o600
-        host, port = control["addr"].rsplit(":", 1)
-        assert control["pid"] == job.pid and port.isdigit() and host.startswith("10."), control  # the bridge
         (secret_dir,) = [d for d in tmp.iterdir() if d.name.startswith("checkpointless-cluster-")]
         assert (secret_dir / "secret").exists()
-        assert control["token"] != (secret_dir / "secret").read_text().strip()
+        if keep:
+            control = json.loads((out / "control.json").read_text())
+            assert stat.S_IMODE((out / "control.json").stat().st_mode) == 0o600
+            host, port = control["addr"].rsplit(":", 1)
+            assert control["pid"] == job.pid and port.isdigit(), control
+            assert host.startswith("10."), control  # the bridge
+            assert control["token"] != (secret_dir / "secret").read_text().strip()
+        else:  # the launcher's own log folder, named after its process
+            assert len(list(tmp.glob(f"checkpointless-logs-{job.pid}-*"))) == 1, sorted(tmp.iterdir())
         job.send_signal(getattr(signal, signum))
         job.wait(timeout=120)
         deadline = time.monotonic() + 60  # the agents' lease (4 s here) and a margin
-        while (_demo_pids(seed) or any(_hosts_of(job.pid))) and time.monotonic() < deadline:
+        while (
+            _demo_pids(seed) or any(_hosts_of(job.pid)) or _reaper_of(job.pid)
+        ) and time.monotonic() < deadline:
             time.sleep(0.5)
     finally:
         if job.poll() is None:
             job.kill()
             job.wait(timeout=30)
     assert _demo_pids(seed) == []
-    assert _hosts_of(job.pid) == (set(), set())
+    assert _hosts_of(job.pid) == (set(), set()) and _reaper_of(job.pid) == []
     assert not secret_dir.exists() and not (out / "control.json").exists(), sorted(tmp.rglob("*"))
+    assert [d.name for d in tmp.iterdir() if d.name.startswith("checkpointless-")] == []
     assert {f for f in set(os.listdir("/dev/shm")) - shm_before if "checkpointless" in f} == set()
-    assert COMMITTED.search((out / "events.jsonl").read_text())
+    assert not keep or COMMITTED.search((out / "events.jsonl").read_text())
 
 
 @pytest.mark.timeout(60)
