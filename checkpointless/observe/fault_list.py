@@ -265,7 +265,7 @@ def derive_faults(events: list[dict[str, Any]], step_time: float | None = None) 
             for one in each if firing.get("node") is not None else [firing]:
                 for inc in incidents:  # time order: the first detection of that process after the firing
                     if _matches(one, inc, t_inj):
-                        inc.claimed = True
+                        inc.claim()
                         claimed.append(inc)
                         break
         ident = f"injected {gkey[1]}" if gkey[0] == "index" else f"injected at {firings[0][0]!r}"

@@ -46,6 +46,10 @@ class Incident:
     error: str | None = None
     claimed: bool = field(default=False)
 
+    def claim(self) -> None:
+        """Mark it as an injected fault's detection (that fault's, not one of its own)."""
+        self.claimed = True
+
 
 def _error_text(e: dict[str, Any]) -> str | None:
     text = _str(e.get("error")) or _str(e.get("log_tail"))
