@@ -22,6 +22,7 @@ RUNTIME = [
     ":(exclude)checkpointless/recipes",
     ":(exclude)checkpointless/analysis",
     ":(exclude)checkpointless/observe/plot.py",
+    ":(exclude)checkpointless/observe/run_data.py",
 ]
 #: The runtime with the recipes (the benchmarks that train a recipe with ``checkpointless run``).
 RECIPES = [*RUNTIME[:2], *RUNTIME[3:]]

@@ -21,8 +21,8 @@ from checkpointless.observe.event_log import EventLog
 from checkpointless.observe.fields import commits
 from checkpointless.observe.live_metrics import MetricsFeed
 from checkpointless.observe.metrics import JobMetrics
-from checkpointless.observe.plot import RunData, _commits_by_rank, _train_loss
 from checkpointless.observe.report import build_report
+from checkpointless.observe.run_data import RunData, commits_by_rank, train_loss
 from checkpointless.protocol import keys
 from checkpointless.protocol.relay_wire import pack_commits
 from checkpointless.protocol.vocab import Event
@@ -135,9 +135,9 @@ def test_a_packed_run_reads_as_the_same_run_unpacked(build: Callable[[], list[di
     runs = [
         RunData(run_dir=Path("."), events=evs, report={}, skipped_lines=0, t0=0.0) for evs in (events, packed)
     ]
-    by_rank = [{r: sorted(c) for r, c in _commits_by_rank(run).items()} for run in runs]
+    by_rank = [{r: sorted(c) for r, c in commits_by_rank(run).items()} for run in runs]
     assert _close(by_rank[0], by_rank[1])
-    assert _train_loss(runs[0]) == _train_loss(runs[1])
+    assert train_loss(runs[0]) == train_loss(runs[1])
 
     # the Prometheus feed
     samples = []

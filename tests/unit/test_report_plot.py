@@ -1,4 +1,4 @@
-"""Tests for checkpointless.observe.plot: timeline.png + summary.txt from a synthetic run dir."""
+"""Tests for checkpointless.observe.plot and run_data: timeline.png + summary.txt from a synthetic run dir."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 
 from checkpointless.cli import report
 from checkpointless.observe import plot as report_plot
+from checkpointless.observe import run_data
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -150,19 +151,19 @@ def test_write_report_png_and_summary(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(60)
 def test_series_are_derived_from_events(tmp_path: Path) -> None:
-    run = report_plot.load_run(make_run_dir(tmp_path))
+    run = run_data.load_run(make_run_dir(tmp_path))
     assert run.t0 == 1_700_000_000.0
-    spans = report_plot._fault_spans(run)
+    spans = run_data.fault_spans(run)
     assert len(spans) == 1
     sp = spans[0]
     assert sp.kind == "kill" and sp.ranks == [1] and sp.step == 15
     assert sp.detected is not None and sp.end is not None
     assert sp.detected - sp.start == pytest.approx(0.5)
     assert sp.end - sp.start == pytest.approx(1.8)
-    commits = report_plot._commits_by_rank(run)
+    commits = run_data.commits_by_rank(run)
     assert set(commits) == {0, 1}
     assert len(commits[0]) == 31  # 30 steps + 1 replayed
-    train = report_plot._train_loss(run)
+    train = run_data.train_loss(run)
     assert [s for s, _ in train] == list(range(30))
     assert train[0][1] == pytest.approx(3.005)
 
@@ -259,7 +260,7 @@ def test_real_faults_are_shown_as_detected(tmp_path: Path) -> None:
     assert "note: events.jsonl yields" not in summary
     assert (run / "timeline.png").read_bytes()[:8] == PNG_MAGIC
 
-    spans = report_plot._fault_spans(report_plot.load_run(run))
+    spans = run_data.fault_spans(run_data.load_run(run))
     assert [(sp.kind, sp.injected, sp.replaced_by) for sp in spans] == [
         ("kill", True, "s0,s1"),
         ("hang", True, "s2"),
@@ -275,8 +276,8 @@ def test_real_faults_are_shown_as_detected(tmp_path: Path) -> None:
 def test_two_rank_fault_does_not_shift_the_next_faults_figures(tmp_path: Path) -> None:
     from tests.unit.test_report import two_rank_kill_then_one
 
-    run = report_plot.load_run(write_run(tmp_path, two_rank_kill_then_one()))
-    spans = report_plot._fault_spans(run)  # one span per fault, not one per fault_injected event
+    run = run_data.load_run(write_run(tmp_path, two_rank_kill_then_one()))
+    spans = run_data.fault_spans(run)  # one span per fault, not one per fault_injected event
     assert [(sp.ranks, sp.replaced_by) for sp in spans] == [([0, 2], "s0,s1"), ([0], "s2")]
     summary = report_plot.format_summary(run)
     assert "replaced by s0,s1" in summary and "replaced by s2" in summary
@@ -286,7 +287,7 @@ def test_two_rank_fault_does_not_shift_the_next_faults_figures(tmp_path: Path) -
 def test_summary_derives_faults_when_the_report_has_none(tmp_path: Path) -> None:
     from tests.unit.test_report import manual_kill
 
-    run = report_plot.load_run(write_run(tmp_path, manual_kill(-11)(), with_report=False))
+    run = run_data.load_run(write_run(tmp_path, manual_kill(-11)(), with_report=False))
     summary = report_plot.format_summary(run)
     assert "faults: 1" in summary
     assert "crash [detected, not injected] ranks [1] (w1)" in summary
@@ -299,14 +300,15 @@ def test_summary_notes_a_report_that_disagrees_with_the_events(tmp_path: Path) -
 
     run_dir = write_run(tmp_path, manual_kill(-9)())
     (run_dir / "report.json").write_text('{"faults": []}', encoding="utf-8")  # an old report: no real faults
-    summary = report_plot.format_summary(report_plot.load_run(run_dir))
+    summary = report_plot.format_summary(run_data.load_run(run_dir))
     assert "note: events.jsonl yields 1 fault(s), report.json lists 0" in summary
 
 
 def test_plotting_leaves_the_global_matplotlib_backend_alone(tmp_path: Path) -> None:
     import matplotlib
 
-    from checkpointless.observe.plot import RunData, _plot
+    from checkpointless.observe.plot import _plot
+    from checkpointless.observe.run_data import RunData
 
     before = matplotlib.get_backend()
     matplotlib.use("svg")  # a caller's choice, which a library must not change
@@ -335,8 +337,8 @@ def test_the_hosts_usage_is_a_panel_beside_the_steps(tmp_path: Path) -> None:
     ]  # fmt: skip
     with events.open("a") as f:
         f.writelines(json.dumps(e) + "\n" for e in usage)
-    run = report_plot.load_run(run_dir)
-    series = report_plot._usage_series(run)
+    run = run_data.load_run(run_dir)
+    series = run_data.usage_series(run)
     assert set(series) == {"host0 CPU", "rank 0 CPU", "rank 1 CPU", "host0 GPU0"}
     assert series["rank 0 CPU"][0] == (pytest.approx(1.0), pytest.approx(45.0))  # of the host's 2 cores
     assert [v for _, v in series["host0 GPU0"]].count(0.0) == 3
