@@ -299,14 +299,15 @@ def simulate_defaults() -> str:
     metadata), not from a result: the page says what the command does now."""
     from dataclasses import fields
 
+    from checkpointless.analysis import cluster_params as cp
     from checkpointless.analysis import goodput_model as gm
 
-    p = gm.ClusterParams()
+    p = cp.ClusterParams()
     cr, cl = gm.goodput_checkpoint_restart(p), gm.goodput_checkpointless(p)
     rows = [
         [f"`--{f.name.replace('_', '-')}`" if f.name != "n_accelerators" else "`--sizes` (reference size)",
          _num(getattr(p, f.name)), str(f.metadata.get("help", "")), str(f.metadata.get("source", ""))]
-        for f in fields(gm.ClusterParams)
+        for f in fields(cp.ClusterParams)
     ]  # fmt: skip
     return "\n".join(
         [
@@ -324,7 +325,7 @@ def simulate_defaults() -> str:
             f"{cr:.3f} of wall time as useful training (restart {p.restart_cost_s:.0f} s, checkpoint every "
             f"{gm.checkpoint_restart_interval(p):.0f} s of compute, job MTBF {p.mtbf_s / 3600:.2f} h) and "
             f"checkpointless {cl:.3f}. Llama 3 reports higher than "
-            f"{gm.LLAMA3_EFFECTIVE_TRAINING_TIME:.0%} effective training time with checkpoint-restart on that "
+            f"{cp.LLAMA3_EFFECTIVE_TRAINING_TIME:.0%} effective training time with checkpoint-restart on that "
             "cluster; a unit test keeps the calibrated checkpoint-restart figure above it "
             "(`tests/unit/test_simulate.py`). The model counts every one of the 419 unexpected interruptions "
             "as a failure and leaves out the 47 planned ones.",
@@ -333,7 +334,7 @@ def simulate_defaults() -> str:
             "",
             "Sources:",
             "",
-            *(f"- {ref}" for ref in gm.REFERENCES),
+            *(f"- {ref}" for ref in cp.REFERENCES),
             "",
         ]
     )

@@ -5,7 +5,7 @@ checkpoint-restart (segments of compute plus a blocking checkpoint, restarts tha
 starts over) or checkpointless recovery (FIFO hot spares replaced after a delay, overlapping down
 periods merged). It makes none of the independence approximations of
 :mod:`checkpointless.analysis.goodput_model`, whose assumptions and parameters
-(:class:`~checkpointless.analysis.goodput_model.ClusterParams`) it shares.
+(:class:`~checkpointless.analysis.cluster_params.ClusterParams`) it shares.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import math
 
 import numpy as np
 
-from checkpointless.analysis.goodput_model import ClusterParams, checkpoint_restart_interval, require_positive
+from checkpointless.analysis.cluster_params import ClusterParams
+from checkpointless.analysis.goodput_model import checkpoint_restart_interval, require_positive
 
 __all__ = ["SYSTEMS", "failure_times", "simulate_mc"]
 

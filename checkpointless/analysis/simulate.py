@@ -2,8 +2,8 @@
 
 What the ``checkpointless simulate`` command (``checkpointless/cli/simulate.py``) runs:
 :func:`sweep` evaluates both systems for each cluster size with the closed forms of
-:mod:`checkpointless.analysis.goodput_model` (model, assumptions and parameters are documented
-there) and optionally the Monte-Carlo of :mod:`checkpointless.analysis.montecarlo`;
+:mod:`checkpointless.analysis.goodput_model` (model and assumptions are documented there, the
+parameters in :mod:`checkpointless.analysis.cluster_params`) and optionally the Monte-Carlo of :mod:`checkpointless.analysis.montecarlo`;
 :func:`plot_sweep` draws the result; :func:`read_params_file` reads parameters from a JSON file.
 
 The model and Monte-Carlo names are re-exported here, so ``checkpointless.analysis.simulate`` remains
@@ -18,12 +18,14 @@ from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
-from checkpointless.analysis.goodput_model import (
+from checkpointless.analysis.cluster_params import (
     INTEGER_FIELDS,
     LLAMA3_EFFECTIVE_TRAINING_TIME,
     LLAMA3_FAILURES_PER_GPU_HOUR,
     REFERENCES,
     ClusterParams,
+)
+from checkpointless.analysis.goodput_model import (
     checkpoint_restart_interval,
     checkpoint_restart_waste_first_order,
     goodput_checkpoint_restart,
