@@ -327,7 +327,8 @@ def test_a_lost_host_of_a_sharded_job_is_replaced_bitwise(tmp_path: Path) -> Non
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("fault", ["kill:node=1@step=30"])  # the stranger through a recovery, and around it
+# the stranger through a recovery, and beside a job that loses nothing (both e2e: tests/e2e.txt)
+@pytest.mark.parametrize("fault", ["kill:node=1@step=30", "none"])
 def test_a_stranger_on_a_hosts_network_cannot_steer_the_job(tmp_path: Path, fault: str) -> None:
     """A process in the spare host's namespace without the job's secret (a process of another job,
     or an intruder on the cluster's network) reaches the coordinator's store on the hosts' network
@@ -397,6 +398,12 @@ def test_a_stranger_on_a_hosts_network_cannot_steer_the_job(tmp_path: Path, faul
     assert not any(r["joined"] for r in attack["pg"]), attack["pg"]
     report = json.loads((out / "report.json").read_text())
     assert report["rejected_messages"]["count"] > 0, report["rejected_messages"]
+    # and named on the console as messages from outside the job
+    said = " ".join(text.split())
+    assert (
+        f"ignored {report['rejected_messages']['count']} control message(s) not sealed with this job's "
+        "secret (someone else writes to the job's store)"
+    ) in said, text[-3000:]
     assert [e["host"] for e in events_ if e["kind"] == "host_lost"] == (["host1"] if fault != "none" else [])
     if fault == "none":
         assert report["generations"] == 0, report["generations"]
