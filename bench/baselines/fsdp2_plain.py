@@ -28,7 +28,8 @@ def worker(args: argparse.Namespace) -> int:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from checkpointless.corpus.shm_cache import CachedDataset, ShmBatchCache
+    from checkpointless.corpus.cached_dataset import CachedDataset
+    from checkpointless.corpus.shm_cache import ShmBatchCache
     from checkpointless.recipes.config import load_recipe
     from checkpointless.recipes.preflight import open_dataset
     from checkpointless.recipes.train import build_training

@@ -14,7 +14,8 @@ recipes, the demo and the benchmarks read it. Each stage lives in its own module
 * :mod:`checkpointless.corpus.sampling`: train/validation splits and batches that are a pure function of
   ``(seed, step, dp_rank, dp_size, split)`` (:class:`TokenDataset`);
 * :mod:`checkpointless.corpus.shm_cache`: the node's shared-memory cache of batches, which a
-  replacement reads first;
+  replacement reads first (one file per batch: :mod:`checkpointless.corpus.batch_files`), and
+  :mod:`checkpointless.corpus.cached_dataset`: a dataset served from it first;
 * :mod:`checkpointless.corpus.synthetic`: synthetic token batches (the demo's and the benchmarks').
 
 Import from here; the names below are re-exported unchanged.

@@ -135,7 +135,8 @@ def build_training(cfg: RecipeConfig, mesh: Any = None, device: torch.device | N
 def main(argv: list[str] | None = None) -> int:
     import checkpointless as cl
     from checkpointless.corpus import TokenDataset
-    from checkpointless.corpus.shm_cache import CachedDataset, ShmBatchCache
+    from checkpointless.corpus.cached_dataset import CachedDataset
+    from checkpointless.corpus.shm_cache import ShmBatchCache
     from checkpointless.recipes.config import load_recipe
     from checkpointless.recipes.preflight import open_dataset
 
@@ -202,7 +203,8 @@ def train_sharded(cfg: RecipeConfig) -> int:
     """
     import checkpointless as cl
     from checkpointless.corpus import TokenDataset
-    from checkpointless.corpus.shm_cache import CachedDataset, ShmBatchCache
+    from checkpointless.corpus.cached_dataset import CachedDataset
+    from checkpointless.corpus.shm_cache import ShmBatchCache
     from checkpointless.recipes.preflight import open_dataset
 
     steps, dc = cfg.train.steps, cfg.data

@@ -24,8 +24,9 @@ from checkpointless.corpus import (
     TokenizedCorpus,
     load_corpus,
 )
+from checkpointless.corpus.cached_dataset import CachedDataset
 from checkpointless.corpus.sampling import _permute, _round_keys
-from checkpointless.corpus.shm_cache import CachedDataset, ShmBatchCache
+from checkpointless.corpus.shm_cache import ShmBatchCache
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from checkpointless.corpus.shm_cache import CachedDataset, ShmBatchCache
+from checkpointless.corpus.cached_dataset import CachedDataset
+from checkpointless.corpus.shm_cache import ShmBatchCache
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 
