@@ -26,6 +26,10 @@ class Attempt:
     step: int
     committed: bool = False
 
+    def mark_committed(self) -> None:
+        """The block exited normally and the step was committed (the session's call)."""
+        self.committed = True
+
 
 @dataclass
 class Between:
@@ -38,6 +42,10 @@ class Between:
 
     after: int
     completed: bool = False
+
+    def mark_completed(self) -> None:
+        """The block ran to its end (the session's call)."""
+        self.completed = True
 
 
 class StepState:

@@ -531,7 +531,7 @@ class Session:
                 "per attempt, or its peers wait forever in the reduction"
             )
         self._commit(step, time.perf_counter() - t0)
-        current.committed = True
+        current.mark_committed()
 
     @contextlib.contextmanager
     def between_steps(self) -> Iterator[Between]:
@@ -558,7 +558,7 @@ class Session:
                 raise
             self._member.on_failure(exc, self._steps.next, peers=True, between_steps=True)
             return
-        block.completed = True
+        block.mark_completed()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -41,7 +41,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(argv: list[str]) -> int:
-    from checkpointless.launch.launcher import Launcher
     from checkpointless.observe.console import stderr_console
 
     p = build_parser()
@@ -74,8 +73,8 @@ def run(argv: list[str]) -> int:
         nodes=args.nodes, nproc_per_node=args.nproc_per_node, spare_nodes=args.spare_nodes,
         spares_per_node=args.spares_per_node, start_agents=listening, join_timeout_s=args.join_timeout,
     )  # fmt: skip
-    launcher = Launcher(job, [], total_steps=args.steps, host=args.bind, port=args.port, out_dir=args.out,
-                        cluster=spec, secret=secret, control_port=getattr(args, "control_port", None))  # fmt: skip
-    result = run_launcher(launcher, args, console, steps=args.steps, metrics_port=args.metrics_port)
+    result = run_launcher(job, [], args, console, steps=args.steps, metrics_port=args.metrics_port, host=args.bind,
+                          port=args.port, out_dir=args.out, cluster=spec, secret=secret,
+                          control_port=getattr(args, "control_port", None))  # fmt: skip
     print_result(console, result, "run")
     return exit_code(result)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 
@@ -14,6 +15,7 @@ from checkpointless.control.coordinator import Coordinator
 from checkpointless.errors import UsageError
 from checkpointless.launch.cluster import LocalCluster
 from checkpointless.launch.launcher import JobResult, Launcher
+from checkpointless.observe.event_log import EventLog
 
 
 def run_job(
@@ -29,38 +31,35 @@ def run_job(
 ) -> JobResult:
     """Run one job with the live progress line (unless --quiet) and, if asked, a metrics endpoint;
     ``topology``: on the hosts ``checkpointless cluster`` makes."""
+    control_port = getattr(args, "control_port", None)
     if topology is not None:
         with topology.hosts(command, out) as (addr, spec, secret):
-            launcher = Launcher(job, command, total_steps=steps, host=addr, port=args.port, out_dir=out,
-                                cluster=spec, secret=secret, control_port=getattr(args, "control_port", None))  # fmt: skip
-            return run_launcher(launcher, args, console, steps=steps, metrics_port=metrics_port)
-    launcher = Launcher(
-        job,
-        command,
-        total_steps=steps,
-        port=args.port,
-        out_dir=out,
-        control_port=getattr(args, "control_port", None),
-    )
-    return run_launcher(launcher, args, console, steps=steps, metrics_port=metrics_port)
+            return run_launcher(job, command, args, console, steps=steps, metrics_port=metrics_port, host=addr,
+                                port=args.port, out_dir=out, cluster=spec, secret=secret, control_port=control_port)  # fmt: skip
+    return run_launcher(job, command, args, console, steps=steps, metrics_port=metrics_port, port=args.port,
+                        out_dir=out, control_port=control_port)  # fmt: skip
 
 
 def run_launcher(
-    launcher: Launcher,
+    job: JobConfig,
+    command: list[str],
     args: argparse.Namespace,
     console: Console,
     *,
     steps: int | None,
     metrics_port: int | None,
+    **where: Any,
 ) -> JobResult:
-    """``launcher.run()`` with the progress line (unless ``args.quiet``) and the metrics endpoint
-    (a bad or taken ``--metrics-port``: a :class:`UsageError`)."""
+    """``Launcher(job, command, total_steps=steps, **where).run()`` with the progress line (unless
+    ``args.quiet``) and the metrics endpoint (a bad or taken ``--metrics-port``: a
+    :class:`UsageError`), both fed from the job's event log and called at every tick."""
     from checkpointless.observe.console import LiveProgress
 
+    log = EventLog()
     callbacks: list[Callable[[Coordinator], None]] = []
     if not args.quiet:
-        progress = LiveProgress(steps, launcher.events, console)
-        launcher.listen(progress.add)
+        progress = LiveProgress(steps, log.events, console)
+        log.listeners.append(progress.add)
         callbacks.append(progress)
     metrics = None
     if metrics_port is not None:
@@ -75,12 +74,11 @@ def run_launcher(
         except (OSError, ValueError) as e:
             raise UsageError(f"--metrics-port {metrics_port}: {e}") from e
         console.print(f"metrics: http://127.0.0.1:{metrics.port}/metrics", highlight=False)
-        feed = MetricsFeed(metrics, launcher.events)
-        launcher.listen(feed.add)
+        feed = MetricsFeed(metrics, log.events)
+        log.listeners.append(feed.add)
         callbacks.append(feed)
-    launcher.on_tick = callbacks
     try:
-        return launcher.run()
+        return Launcher(job, command, total_steps=steps, on_tick=callbacks, event_log=log, **where).run()
     finally:
         if metrics is not None:
             metrics.stop()

@@ -187,6 +187,10 @@ class SignedStore:
         use raises ``RuntimeError``, as a store that went away does."""
         self.raw = _ClosedStore()
 
+    def reconnected(self, store: Any) -> None:
+        """The underlying store is a new connection to the same server from now on."""
+        self.raw = store
+
     def name(self, key: str) -> str:
         """Where ``key`` lives in the underlying store."""
         return self.namespace + key

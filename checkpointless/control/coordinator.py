@@ -283,7 +283,7 @@ class Coordinator:
         for name, p, old in news:
             hb = p.hb
             if hb.get("phase") == Phase.SPARE and not p.was_ready:
-                p.was_ready = True
+                p.spare_ready()
                 self.spares.ready()
             if (
                 p.role == Role.WORKER
@@ -322,9 +322,8 @@ class Coordinator:
                 log.warning(
                     "%s did not join the job within %.0fs of its start; killing it", name, now - p.started
                 )
-                p.killed = True
-                p.handle.kill()
-            elif p.joined and not p.killed and hung(p, now, rc):
+                p.kill()
+            elif p.joined and not p.killed and self._hung(p, now):
                 silent = now - p.last_change
                 self._emit(Event.FAULT_DETECTED, rank=rank, reason=Reason.HEARTBEAT_TIMEOUT, target=name,
                            silent_s=round(silent, 3), busy=bool(p.busy))  # fmt: skip
@@ -344,14 +343,21 @@ class Coordinator:
                 seen = True
         return seen
 
+    def _hung(self, p: ProcessView, now: float) -> bool:
+        """The hang rule's verdict on a joined process (``detection.hung``), its CPU samples kept in
+        the view."""
+        verdict = hung(p, now, self.job.recovery)
+        p.sampled(verdict.cpu_mark, verdict.busy)
+        return verdict.hung
+
     def _on_exit(self, name: str, p: ProcessView, rank: int | None, now: float) -> None:
         """A process is gone: a fault to recover from, a spare to restart, or the end of the job."""
         if self.finished:
-            p.role = Role.GONE
+            p.retire()
             return
         if not p.joined:
             self._take_in(self.heartbeats.read_exited(name, p, now), now)
-        role, p.role = p.role, Role.GONE
+        role = p.retire()
         if self.exits.judge(name, p, role, rank, now) and rank is not None:
             self.fail(now).dead.add(rank)
 
@@ -360,8 +366,7 @@ class Coordinator:
         it and report while the kill is confirmed (on another host, by its agent's next status, or
         by the host's loss when the host is gone: seconds at 2,000 hosts), so the plan can follow
         the confirmation at once. The rank counts as dead once its exit is seen."""
-        p.killed = True
-        p.handle.kill()
+        p.kill()
         if rank is not None and p.role == Role.WORKER and not self.finished:
             self.fail(now)
 

@@ -309,8 +309,7 @@ class FailureCourse:
                 continue
             self._emit(Event.FAULT_DETECTED, rank=r, reason=Reason.NO_PROGRESS, target=p.handle.name,
                        silent_s=round(now - f.started, 3))  # fmt: skip
-            p.killed = True
-            p.handle.kill()
+            p.kill()
 
     def _durable_step(self, committed: dict[int, int]) -> int | None:
         """The durable snapshot a rollback may use: complete and intact for every shard, of this job's
@@ -336,16 +335,16 @@ class FailureCourse:
         published.publish(keys.plan(plan.gen), plan.to_json())
         published.publish(keys.LATEST_GEN, str(plan.gen))
         for rank, old in plan.replaced.items():
-            table[old].role = Role.GONE
+            table[old].retire()
             new = plan.members[rank]
-            table[new].role = Role.WORKER
+            table[new].assign()
             published.publish(keys.assign(new), str(plan.gen))
         for rank in plan.grown:
             new = plan.members[rank]
-            table[new].role = Role.WORKER
+            table[new].assign()
             published.publish(keys.assign(new), str(plan.gen))
         for old in plan.dropped:
-            table[old].role = Role.GONE
+            table[old].retire()
         for follower in plan.followers:
             published.publish(keys.assign(follower), str(plan.gen))
         before = self.plan.world_size if self.plan is not None else plan.world_size

@@ -4,7 +4,8 @@ return verdicts; the coordinator acts on them (``coordinator.py``). Who sees wha
 - process exit: the backend's handle reports the process dead (the coordinator's ``_on_exit``);
 - hang: a process whose heartbeat has not changed for ``hang_timeout_s`` is
   killed (a stopped process cannot release its peers' collectives, DESIGN.md),
-  unless it used CPU all along (a pause holding the GIL, see ``hung``);
+  unless it used CPU all along (a pause holding the GIL, see ``hung``, whose verdict carries the
+  CPU samples the coordinator keeps in the process's view);
 - collective error / exception: a worker reports the failure of its generation
   (read by the coordinator's ``_check_reports``);
 - no progress: a member computing a step for ``progress_timeout_s`` while a
@@ -22,6 +23,7 @@ return verdicts; the coordinator acts on them (``coordinator.py``). Who sees wha
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any
 
 from checkpointless.config import RecoveryConfig
@@ -46,8 +48,20 @@ def hint(tail: str) -> str:
     return ""
 
 
-def hung(p: ProcessView, now: float, rc: RecoveryConfig) -> bool:
-    """Whether a joined process's heartbeat has been silent too long.
+@dataclass(frozen=True)
+class Silence:
+    """The hang rule's verdict on a joined process (``hung``), and the CPU samples its view keeps
+    from now on (the coordinator applies them: ``ProcessView.sampled``)."""
+
+    hung: bool
+    cpu_mark: tuple[float, float] | None
+    """(when, CPU seconds) sampled while it is silent."""
+    busy: bool | None
+    """It used CPU in the last sampled window (None: not sampled)."""
+
+
+def hung(p: ProcessView, now: float, rc: RecoveryConfig) -> Silence:
+    """Whether a joined process's heartbeat has been silent too long (``Silence.hung``).
 
     Silent for ``hang_timeout_s``: hung, unless it used CPU in the last window sampled (windows of
     half the timeout, from half the timeout of silence on; the samples are kept in the view): a
@@ -56,24 +70,24 @@ def hung(p: ProcessView, now: float, rc: RecoveryConfig) -> bool:
     frozen host) or one blocked for good uses no CPU. A process silent but busy is declared hung
     after ``progress_timeout_s``."""
     hang, silent = rc.hang_timeout_s, now - p.last_change
+    mark, busy = p.cpu_mark, p.busy
     if silent <= hang / 2:
-        return False
+        return Silence(False, mark, busy)
     cpu = p.handle.cpu_seconds()
     if cpu is None:
-        return silent > hang
+        return Silence(silent > hang, mark, busy)
     # when that figure was read: now here, at its agent's last status for another host's
     # process (a window between two reads of one figure would see an idle process)
     at = now - p.handle.cpu_age()
-    if p.cpu_mark is None:
-        p.cpu_mark = (at, cpu)
-        return False
-    window = at - p.cpu_mark[0]
+    if mark is None:
+        return Silence(False, (at, cpu), busy)
+    window = at - mark[0]
     if window >= hang / 2 or (silent > hang and window >= hang / 4):
-        p.busy = cpu - p.cpu_mark[1] >= max(0.01, _BUSY_SHARE * window)
-        p.cpu_mark = (at, cpu)
+        busy = cpu - mark[1] >= max(0.01, _BUSY_SHARE * window)
+        mark = (at, cpu)
     if silent > max(rc.progress_timeout_s, hang):
-        return True
-    return silent > hang and p.busy is False
+        return Silence(True, mark, busy)
+    return Silence(silent > hang and busy is False, mark, busy)
 
 
 def stuck(members: list[ProcessView], now: float, rc: RecoveryConfig, limit: float) -> list[ProcessView]:

@@ -94,7 +94,7 @@ class HeartbeatReader:
         for name, p in direct:
             key = keys.heartbeat(name)
             raw = raws[name] if name in raws else self._store.get_sealed(key)
-            after, p.read_since = p.read_since, began  # a new heartbeat was written after ``after``
+            after = p.reading(began)  # a new heartbeat was written after ``after``
             if raw is not None and raw != p.raw_hb:
                 text = self._store.open(key, raw)
                 if text is None:
@@ -181,6 +181,4 @@ class HeartbeatReader:
             credit = min(stall, max(0.0, rc.hang_timeout_s - p.forgiven)) if current else stall
             if p.last_change >= now or credit <= 0.0:
                 continue  # heard in this read, or credited enough
-            p.last_change = min(now, p.last_change + credit)
-            p.forgiven += credit
-            p.cpu_mark, p.busy = None, None
+            p.forgive(credit, now)

@@ -161,7 +161,8 @@ class HeartbeatLink:
         except (RuntimeError, OSError):
             return
         with self._lock:
-            self._store.raw, self._broken = raw, False
+            self._store.reconnected(raw)
+            self._broken = False
             try:
                 for key, text in self._unacked:
                     self._store.set(key, text)

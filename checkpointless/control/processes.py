@@ -150,6 +150,41 @@ class ProcessView:
         self.raw_hb, self.last_change, self.hb = raw, now, hb
         self.cpu_mark, self.busy, self.forgiven = None, None, 0.0
 
+    def reading(self, began: float) -> float:
+        """A read of its heartbeat begins at ``began`` (the coordinator's wall clock); when the
+        previous one began (a new heartbeat was written after that)."""
+        after, self.read_since = self.read_since, began
+        return after
+
+    def sampled(self, cpu_mark: tuple[float, float] | None, busy: bool | None) -> None:
+        """The CPU samples of its silence, as the hang rule's verdict has them (``detection.hung``)."""
+        self.cpu_mark, self.busy = cpu_mark, busy
+
+    def forgive(self, credit: float, now: float) -> None:
+        """The coordinator's own stall: ``credit`` seconds of its silence are not counted (its CPU
+        samples start again)."""
+        self.last_change = min(now, self.last_change + credit)
+        self.forgiven += credit
+        self.cpu_mark, self.busy = None, None
+
+    def spare_ready(self) -> None:
+        """A spare reached its waiting phase (its heartbeat says so)."""
+        self.was_ready = True
+
+    def kill(self) -> None:
+        """The coordinator kills it: marked killed, and its backend asked to kill it."""
+        self.killed = True
+        self.handle.kill()
+
+    def assign(self) -> None:
+        """It holds a rank from now on (a spare that replaces a rank or grows the job)."""
+        self.role = Role.WORKER
+
+    def retire(self) -> Role:
+        """It is gone from the job (it exited, or a new plan replaced or dropped it): its role until now."""
+        role, self.role = self.role, Role.GONE
+        return role
+
 
 class ProcessTable:
     """Every process of the job by name (see the module docstring)."""

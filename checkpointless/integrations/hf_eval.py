@@ -59,6 +59,11 @@ class EvalPoint:
         """Every rank is here (the loop's call, after a commit or before the first step)."""
         self.aligned, self.count = True, 0
 
+    def left(self) -> None:
+        """The ranks are not at one point any more: the loop went on, or an exchange failed (the
+        group is released)."""
+        self.aligned = False
+
 
 def _batches(dataloader: Any) -> list[list[int]] | None:
     """The evaluation loader's batches as index lists (None when it has no batch sampler over a
@@ -181,7 +186,7 @@ class _Replay:
             got = exchange(group, seq, [self.outputs[b] for b in mine], plan_digest(self.batches))
         except (CollectiveError, ExchangeRefused) as e:
             if isinstance(e, CollectiveError):
-                point.aligned = False  # until the next step: the group is released
+                point.left()  # until the next step: the group is released
             log.warning("[rank %d] the evaluation's exchange failed (%s): this rank computes the other ranks' "
                         "batches", group.rank, e)  # fmt: skip
             got = []

@@ -335,7 +335,7 @@ class Trainer(_HFTrainer):
         if args.eval_on_start and not progress.received:  # (a replacement's peers did)
             self._eval_point.reached()  # every rank is here, before the first step
             hf.evaluate(self, trial, ignore_keys_for_eval, skip_scheduler=True)
-            self._eval_point.aligned = False
+            self._eval_point.left()
         plateau = isinstance(self.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
         assert self.optimizer is not None and self.lr_scheduler is not None  # made by _prepare_for_training
         warned_epoch_stop = False
@@ -420,7 +420,7 @@ class Trainer(_HFTrainer):
                 hf.maybe_log_save_evaluate(
                     self, grad_norm, model, trial, epoch, ignore_keys_for_eval, start_time, learning_rate
                 )
-            self._eval_point.aligned = False
+            self._eval_point.left()
             if self.control.should_training_stop:
                 break
         loader.close()

@@ -109,6 +109,7 @@ class Launcher:
         out_dir: Path | None = None,
         env: dict[str, str] | None = None,
         on_tick: Callable[[Coordinator], None] | list[Callable[[Coordinator], None]] | None = None,
+        event_log: EventLog | None = None,
         timeout_s: float = 3600.0,
         cluster: ClusterSpec | None = None,
         secret: bytes | None = None,
@@ -118,7 +119,9 @@ class Launcher:
         (``remote.py``); None: every process on this host. ``secret``: the job's (the agents read it
         from a file); None: a new one. ``control_port``: where the coordinator serves ``POST /scale``
         on every interface (``control_http.py``); None: a free port on loopback, named in
-        ``<out>/control.json`` (no ``out``: none)."""
+        ``<out>/control.json`` (no ``out``: none). ``event_log``: where the job's events are
+        recorded (a caller that reads them as they come, the live console, gives its own); None: a
+        new one."""
         self.job, self.command, self.total_steps = job, command, total_steps
         self.host, self.port = host, port
         self.folder = RunFolder(out_dir)  # <out>/ and the processes' logs
@@ -134,8 +137,11 @@ class Launcher:
         self._coord: Coordinator | None = None
         self._bell: ReportBell | None = None
         self._wakeups = Wakeups()
-        self._usage = UsageRecorder()
-        self._log = EventLog()
+        # a host's usage every 2 s, at most 100 hosts' a second: at 2,000 hosts one sample of
+        # each every 20 s (a Prometheus scrape's usual interval), not 1,000 events a second
+        hosts = 0 if cluster is None else cluster.nodes + cluster.spare_nodes
+        self._usage = UsageRecorder(every_s=max(2.0, hosts / USAGE_HOSTS_PER_S))
+        self._log = event_log if event_log is not None else EventLog()
         self._rejections = Rejections()  # values that failed their seal: the first of each key is an event
         self._collector = EventCollector(self._log, self._rejections)
         self._secret = secret or new_secret()
@@ -296,9 +302,6 @@ class Launcher:
                 kind, proc="coordinator", gen=self._coord.plan.gen if self._coord and self._coord.plan else 0, **f)),
             spec=c, addr=store_addr, drains=self._drains,
         )  # fmt: skip
-        # a host's usage every 2 s, at most 100 hosts' a second: at 2,000 hosts one sample of
-        # each every 20 s (a Prometheus scrape's usual interval), not 1,000 events a second
-        self._usage.every_s = max(self._usage.every_s, (c.nodes + c.spare_nodes) / USAGE_HOSTS_PER_S)
         return self.remote
 
     def _run(self, loop: TickLoop, stop: JobStop) -> None:

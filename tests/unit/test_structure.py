@@ -6,12 +6,21 @@ and the list may only shrink.
   an exception, a ``typing.Protocol``, a dataclass without methods, or on ``ALLOWED`` with its
   reason. Bases from outside the package (``nn.Module``, ``threading.Thread``, ``StrEnum``, HF,
   Lightning) are never flagged. Each base is resolved through its module's imports.
-* ``wiring``: no collaborator is wired by assigning a lambda, a local function or a bound method
-  onto an attribute of another object after its construction (collaborators are passed to
-  constructors). ``self.x = ...`` in its own class is fine; ``checkpointless/integrations/`` may
-  patch the host library's own objects.
-* ``private``: a private attribute ``_x`` is written only in the file of the class that owns it
-  (the class highest in the package's hierarchy that writes it on ``self`` or declares it).
+* ``wiring``: no collaborator is wired onto another object after its construction (collaborators
+  are passed to constructors): neither a lambda, a local function or a bound method assigned to an
+  attribute of another object, nor anything assigned to an attribute that the object's class takes
+  as a collaborator in its constructor (a callable, a list of them, an object of a package class
+  that is not a dataclass). ``self.x = ...`` in its own class is fine; ``checkpointless/integrations/``
+  may patch the host library's own objects.
+* ``attributes``: every attribute of a package class, public or private, is written only in the
+  file of the class that owns it (the class highest in the package's hierarchy that writes it on
+  ``self`` or declares it): through ``self`` in that file, or by its constructor. Elsewhere the
+  class's own methods make the change, named for what it means. A frozen dataclass or a
+  ``NamedTuple`` owns nothing here (its attributes cannot be written). The object written is typed
+  where the source says it (a parameter's annotation, a constructor call, ``self.x = X(...)``, an
+  annotated attribute, a function's return annotation, an import); one of another library's types
+  (``argparse.Namespace``, a ``torch`` parameter, ``threading.local``) is not the package's; an
+  object of unknown type is judged by the attribute's name (any package class that writes it).
 
 A violation not on the list fails (fix it, or list it with a reason as a stated decision); an
 entry that is no longer a violation fails too (delete it: the list only shrinks). Entries are
@@ -32,11 +41,13 @@ import pytest
 
 pytestmark = pytest.mark.timeout(60)
 
+Function = ast.FunctionDef | ast.AsyncFunctionDef
+
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = "checkpointless"
 EXEMPT_FROM_WIRING = ("checkpointless/integrations/",)
 """An integration patches the host library's own objects (its privates pinned by a test)."""
-EXEMPT_FROM_PRIVATE = ("checkpointless/_compat.py",)
+EXEMPT_FROM_WRITES = ("checkpointless/_compat.py",)
 """Every private torch name, gated by version (STYLE.md 18): what it writes is torch's."""
 
 ALLOWED: dict[tuple[str, str], str] = {
@@ -64,6 +75,33 @@ class ClassInfo:
     properties: set[str] = field(default_factory=set)
     types: dict[str, str] = field(default_factory=dict)
     """Attribute -> the qualified name of the class it is built from (``self.x = X(...)``)."""
+    annotations: dict[str, ast.expr] = field(default_factory=dict)
+    """Attribute -> its annotation where the class says it: a field, ``self.x: T = ...``, or
+    ``self.x = p`` for a parameter ``p: T`` of the method."""
+    functions: dict[str, Function] = field(default_factory=dict)
+    """Its methods and properties by name (their return annotations type what they give)."""
+
+    @property
+    def frozen(self) -> bool:
+        """Its instances cannot be written: a frozen dataclass or a ``NamedTuple``."""
+        if "typing.NamedTuple" in self.bases:
+            return True
+        return any(
+            isinstance(d, ast.Call)
+            and self.module.resolve(d.func) == "dataclasses.dataclass"
+            and any(
+                k.arg == "frozen" and isinstance(k.value, ast.Constant) and k.value.value for k in d.keywords
+            )
+            for d in self.node.decorator_list
+        )
+
+    def init_parameters(self) -> dict[str, ast.expr | None]:
+        """Its constructor's parameters (``__init__``'s, else a dataclass's fields) and their annotations."""
+        init = self.functions.get("__init__")
+        if init is None:
+            return dict(self.annotations) if _is_dataclass(self) else {}
+        args = [*init.args.posonlyargs, *init.args.args, *init.args.kwonlyargs][1:]
+        return {a.arg: a.annotation for a in args}
 
     @property
     def name(self) -> str:
@@ -83,6 +121,13 @@ class Module:
     names: dict[str, str] = field(default_factory=dict)
     """Local name -> qualified name, for every import in the module."""
     classes: dict[str, ClassInfo] = field(default_factory=dict)
+    functions: dict[str, Function] = field(default_factory=dict)
+    """Its top-level functions."""
+
+    @functools.cached_property
+    def scope(self) -> Scope:
+        """Its own statements, as a function's."""
+        return next(s for s in _functions(self.tree) if s.name == "<module>")
 
     def resolve(self, expr: ast.expr) -> str | None:
         """The qualified name ``expr`` refers to, through this module's imports and definitions."""
@@ -92,7 +137,7 @@ class Module:
             head = self.resolve(expr.value)
             return None if head is None else f"{head}.{expr.attr}"
         if isinstance(expr, ast.Name):
-            if expr.id in self.classes:
+            if expr.id in self.classes or expr.id in self.functions:
                 return f"{self.name}.{expr.id}"
             if expr.id in self.names:
                 return self.names[expr.id]
@@ -176,6 +221,8 @@ class Package:
             for node in module.tree.body:
                 if isinstance(node, ast.ClassDef):
                     module.classes[node.name] = ClassInfo(module, node)
+                elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                    module.functions[node.name] = node
         for module in self.modules.values():
             for info in module.classes.values():
                 self._read_class(info)
@@ -193,7 +240,13 @@ class Package:
                     info.properties.add(node.name)
                 else:
                     info.methods.add(node.name)
+                info.functions.setdefault(node.name, node)
                 me = _first_arg(node)
+                params = {
+                    a.arg: a.annotation
+                    for a in [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]
+                    if a.annotation is not None
+                }
                 for sub in ast.walk(node):
                     for t in _targets(sub):
                         if (
@@ -205,8 +258,13 @@ class Package:
                             value = getattr(sub, "value", None)
                             if isinstance(value, ast.Call) and (q := info.module.resolve(value.func)):
                                 info.types.setdefault(t.attr, q)
+                            if isinstance(sub, ast.AnnAssign):
+                                info.annotations.setdefault(t.attr, sub.annotation)
+                            elif isinstance(value, ast.Name) and value.id in params:
+                                info.annotations.setdefault(t.attr, params[value.id])
             elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
                 info.writes.add(node.target.id)
+                info.annotations.setdefault(node.target.id, node.annotation)
             elif isinstance(node, ast.Assign):
                 info.writes.update(t.id for t in node.targets if isinstance(t, ast.Name))
 
@@ -297,6 +355,8 @@ class Package:
                         if isinstance(target.value, ast.Name) and target.value.id == me:
                             continue  # self.x = ...: its own attribute
                         kind = self._callable_kind(value, local_defs, owner, me)
+                        if kind is None:
+                            kind = self._collaborator(module, scope, target)
                         if kind is not None:
                             yield module.file, f"{scope.name}: {ast.unparse(target)} = {kind}", ""
 
@@ -337,6 +397,49 @@ class Package:
             is_method = value.attr in self._method_names and value.attr not in self._data_names
         return f"bound method {ast.unparse(value)}" if is_method else None
 
+    def _collaborator(self, module: Module, scope: Scope, target: ast.Attribute) -> str | None:
+        """``Class(x=...)`` when ``target`` (``obj.x``) is a collaborator that the class of ``obj``
+        takes in its constructor, whatever the value assigned."""
+        kind = self.type_of(module, scope, target.value)
+        found = None if kind is None else self.find(kind)
+        for c in [] if found is None else [found, *self.ancestors(found)]:
+            params = c.init_parameters()
+            if target.attr in params and self._is_collaborator(c.module, params[target.attr]):
+                return f"{c.name}({target.attr}=...)"
+        return None
+
+    def _is_collaborator(self, module: Module, ann: ast.expr | None) -> bool:
+        """Whether an annotation names a collaborator: a callable, an object of a package class that
+        is not a value (a dataclass, an enum, an exception), or a list or an optional of them."""
+        if isinstance(ann, ast.Constant) and isinstance(ann.value, str):
+            ann = ast.parse(ann.value, mode="eval").body
+        if isinstance(ann, ast.BinOp) and isinstance(ann.op, ast.BitOr):
+            return self._is_collaborator(module, ann.left) or self._is_collaborator(module, ann.right)
+        if isinstance(ann, ast.Subscript):
+            q = module.resolve(ann.value)
+            if q in CALLABLE:
+                return True
+            if q in ("typing.Optional", *SEQUENCES):
+                inner = ann.slice.elts if isinstance(ann.slice, ast.Tuple) else [ann.slice]
+                return any(self._is_collaborator(module, x) for x in inner)
+            return False
+        q = None if ann is None else module.resolve(ann)
+        if q is None or q in CALLABLE:
+            return q is not None
+        found = self.find(q)
+        return found is not None and not self._is_value(found)
+
+    def _is_value(self, info: ClassInfo) -> bool:
+        """A class whose objects are values, not collaborators: a dataclass, a ``NamedTuple``, an
+        enum, an exception."""
+        chain = [info, *self.ancestors(info)]
+        bases = {b for c in chain for b in c.bases}
+        return (
+            any(_is_dataclass(c) or c.frozen for c in chain)
+            or any(b.startswith("enum.") for b in bases)
+            or any(self.is_exception(b) for b in info.bases)
+        )
+
     def _type_of(self, info: ClassInfo, attr: str) -> ClassInfo | None:
         for c in [info, *self.ancestors(info)]:
             if attr in c.types:
@@ -351,31 +454,182 @@ class Package:
     def _data_names(self) -> set[str]:
         return {a for info in self.classes() for a in (*info.writes, *info.properties)}
 
-    def private_writes(self) -> Iterator[tuple[str, str, str]]:
-        """(file, ``Owner._x``, detail) for each private attribute written outside its owner's file."""
-        declared: dict[str, list[ClassInfo]] = {}
-        for info in self.classes():
-            for attr in info.writes:
-                declared.setdefault(attr, []).append(info)
+    def attribute_writes(self) -> Iterator[tuple[str, str, str]]:
+        """(file, ``Owner.x``, detail) for each attribute written outside its owner's file."""
         for info in self.classes():
             chain = [info, *self.ancestors(info)]
-            for attr in sorted(a for a in info.writes if _private(a)):
+            for attr in sorted(info.writes):
                 owner = [c for c in chain if attr in c.writes][-1]
                 if owner.file != info.file:
                     yield info.file, f"{owner.name}.{attr}", f"written by {info.name}, owned in {owner.file}"
         for module in self.modules.values():
-            if module.file in EXEMPT_FROM_PRIVATE:
+            if module.file in EXEMPT_FROM_WRITES:
                 continue
             for scope, target in _foreign_writes(module):
-                attr = target.attr
-                if not _private(attr) or attr not in declared:
-                    continue  # not an attribute of a package class (the host library's own)
-                # the roots: the classes that write it and inherit none that does
-                owners = [c for c in declared[attr] if not any(attr in a.writes for a in self.ancestors(c))]
-                if any(o.file == module.file for o in declared[attr]):
-                    continue
-                names = "|".join(sorted({o.name for o in owners}))
-                yield module.file, f"{names}.{attr}", f"{scope} writes {ast.unparse(target)}"
+                owners = self._owners(module, scope, target)
+                if owners and all(o.file != module.file for o in owners):
+                    names = "|".join(sorted({o.name for o in owners}))
+                    yield module.file, f"{names}.{target.attr}", f"{scope.name} writes {ast.unparse(target)}"
+
+    def _owners(self, module: Module, scope: Scope, target: ast.Attribute) -> list[ClassInfo]:
+        """The package classes that own the attribute ``target`` writes (none: not a package
+        object's, or one that cannot be written)."""
+        attr = target.attr
+        kind = self.type_of(module, scope, target.value)
+        if kind is not None and not kind.startswith(f"{PACKAGE}."):
+            return []  # another library's object
+        found = None if kind is None else self.find(kind)
+        if found is not None:
+            chain = [found, *self.ancestors(found)]
+            writers = [c for c in chain if attr in c.writes]
+            if writers:
+                return [] if writers[-1].frozen else [writers[-1]]
+            if any(attr in c.properties for c in chain):
+                return []  # its setter: the class's own method
+        # an object of unknown type: the roots of the classes that write an attribute of that name
+        declared = [c for c in self._writers.get(attr, []) if not c.frozen]
+        if any(c.file == module.file for c in declared):
+            return []
+        return [c for c in declared if not any(attr in a.writes for a in self.ancestors(c))]
+
+    @functools.cached_property
+    def _writers(self) -> dict[str, list[ClassInfo]]:
+        out: dict[str, list[ClassInfo]] = {}
+        for info in self.classes():
+            for attr in info.writes:
+                out.setdefault(attr, []).append(info)
+        return out
+
+    # ------------------------------------------------------------------------- the types of values
+
+    def type_of(self, module: Module, scope: Scope, expr: ast.expr, depth: int = 0) -> str | None:
+        """The qualified name of the class of ``expr``'s value in ``scope``, where the source says
+        it; a name outside the package for another library's object (a function or a module of
+        it included); None when it is not known (a container, ``Any``, a value pulled out of one)."""
+        if depth > 8:
+            return None
+        if isinstance(expr, ast.Name):
+            return self._type_of_name(module, scope, expr.id, depth)
+        if isinstance(expr, ast.Call):
+            return self._type_of_call(module, scope, expr, depth)
+        if isinstance(expr, ast.Attribute):
+            if isinstance(expr.value, ast.Name) and expr.value.id in module.names:
+                return _known(module.resolve(expr))  # torch.nn.Module, threading.local, ...
+            of = self.type_of(module, scope, expr.value, depth + 1)
+            if of is None or not of.startswith(f"{PACKAGE}."):
+                return None if of is None else f"{of}.{expr.attr}"
+            found = self.find(of)
+            for c in [] if found is None else [found, *self.ancestors(found)]:
+                if expr.attr in c.types:
+                    return _known(c.types[expr.attr])
+                if expr.attr in c.annotations:
+                    return self._annotated(c.module, c.annotations[expr.attr])
+                if expr.attr in c.properties:
+                    return self._annotated(c.module, c.functions[expr.attr].returns)
+        return None
+
+    def _type_of_name(self, module: Module, scope: Scope, name: str, depth: int) -> str | None:
+        if name == scope.me and scope.cls is not None:
+            return f"{module.name}.{scope.cls}"
+        fn = scope.fn
+        params = {a.arg: a.annotation for a in [*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs]}
+        bound = _bindings(fn).get(name)
+        if name not in params and bound is None:
+            if ".<locals>." in scope.name or scope.name == "<module>":
+                return None  # a closure's (not followed), or a name bound nowhere here
+            if name in module.names:
+                return _known(module.names[name])
+            if name in module.classes:
+                return f"{module.name}.{name}"
+            return self._type_of_name(module, module.scope, name, depth + 1)
+        found: set[str | None] = set()
+        if name in params:
+            found.add(self._annotated(module, params[name]))
+        for how, expr in bound or []:
+            if how == "value":
+                found.add(self.type_of(module, scope, expr, depth + 1))
+            elif how == "annotation":
+                found.add(self._annotated(module, expr))
+            elif how == "import":
+                found.add(_known(module.names.get(name)))
+            elif how == "iterated":  # for x in <another library's object>: its items are its too
+                of = self.type_of(module, scope, expr, depth + 1)
+                found.add(None if of is None or of.startswith(f"{PACKAGE}.") else f"{of}[]")
+            else:
+                found.add(None)
+        return found.pop() if len(found) == 1 else None
+
+    def _type_of_call(self, module: Module, scope: Scope, call: ast.Call, depth: int) -> str | None:
+        func = call.func
+        fn = scope.fn
+        if isinstance(func, ast.Name):  # a parameter ``f: Callable[..., T]``
+            for a in [*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs]:
+                if a.arg == func.id:
+                    return self._returned_by(module, a.annotation)
+        head = func
+        while isinstance(head, ast.Attribute):
+            head = head.value
+        params = {a.arg for a in [*fn.args.posonlyargs, *fn.args.args, *fn.args.kwonlyargs]}
+        local = isinstance(head, ast.Name) and (
+            head.id == scope.me
+            or head.id in params
+            or any(how != "import" for how, _ in _bindings(fn).get(head.id, []))
+        )
+        q = None if local else module.resolve(func)  # a class, a function, an import's callable
+        if q is not None:
+            if self.find(q) is not None:
+                return q  # a package class: its constructor
+            if (f := self.find_function(q)) is not None:
+                return self._annotated(f[0], f[1].returns)
+            return _known(q)  # another library's callable gives another library's object
+        if isinstance(func, ast.Attribute):  # a method
+            of = self.type_of(module, scope, func.value, depth + 1)
+            if of is None:
+                return None
+            if not of.startswith(f"{PACKAGE}."):
+                return f"{of}.{func.attr}()"
+            found = self.find(of)
+            for c in [] if found is None else [found, *self.ancestors(found)]:
+                if func.attr in c.functions:
+                    return self._annotated(c.module, c.functions[func.attr].returns)
+        return None
+
+    def _annotated(self, module: Module, ann: ast.expr | None) -> str | None:
+        """The class an annotation names (``X | None`` is ``X``; a container, ``Any``: None)."""
+        if isinstance(ann, ast.Constant) and isinstance(ann.value, str):
+            ann = ast.parse(ann.value, mode="eval").body
+        if isinstance(ann, ast.BinOp):
+            return self._annotated(module, _optional(ann))
+        if isinstance(ann, ast.Subscript) and module.resolve(ann.value) == "typing.Optional":
+            return self._annotated(module, ann.slice)
+        return None if ann is None else _known(module.resolve(ann))
+
+    def _returned_by(self, module: Module, ann: ast.expr | None) -> str | None:
+        """What a callable annotated ``Callable[[...], T]`` returns: ``T``'s class."""
+        if isinstance(ann, ast.BinOp):
+            ann = _optional(ann)
+        if (
+            isinstance(ann, ast.Subscript)
+            and module.resolve(ann.value) in ("typing.Callable", "collections.abc.Callable")
+            and isinstance(ann.slice, ast.Tuple)
+            and len(ann.slice.elts) == 2
+        ):
+            return self._annotated(module, ann.slice.elts[1])
+        return None
+
+    def find_function(
+        self, qualified: str, seen: frozenset[str] = frozenset()
+    ) -> tuple[Module, Function] | None:
+        """The package's top-level function ``qualified`` names (following re-exports), or None."""
+        head, _, name = qualified.rpartition(".")
+        module = self.modules.get(head)
+        if module is None or qualified in seen:
+            return None
+        if name in module.functions:
+            return module, module.functions[name]
+        if name in module.names:
+            return self.find_function(module.names[name], seen | {qualified})
+        return None
 
 
 def _is_property(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
@@ -388,20 +642,72 @@ def _is_property(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
     return False
 
 
-def _private(attr: str) -> bool:
-    return attr.startswith("_") and not attr.startswith("__")
+def _is_dataclass(info: ClassInfo) -> bool:
+    return any(
+        info.module.resolve(d.func if isinstance(d, ast.Call) else d) == "dataclasses.dataclass"
+        for d in info.node.decorator_list
+    )
 
 
 def _plain_dataclass(info: ClassInfo) -> bool:
     """A dataclass whose body defines no method (nor property)."""
-    is_dataclass = False
-    for d in info.node.decorator_list:
-        q = info.module.resolve(d.func if isinstance(d, ast.Call) else d)
-        is_dataclass = is_dataclass or q == "dataclasses.dataclass"
-    return is_dataclass and not info.methods and not info.properties
+    return _is_dataclass(info) and not info.methods and not info.properties
 
 
-Function = ast.FunctionDef | ast.AsyncFunctionDef
+CALLABLE = ("typing.Callable", "collections.abc.Callable")
+SEQUENCES = ("builtins.list", "builtins.tuple", "typing.Sequence", "collections.abc.Sequence", "typing.List")
+
+GENERIC = ("builtins", "typing", "typing_extensions", "collections", "copy", "dataclasses", "functools",
+           "itertools", "contextlib", "queue", "weakref", "operator", "heapq")  # fmt: skip
+"""Modules whose types hold or pass on any object (a container, ``Any``, ``copy.copy``): what they
+give is of no known type."""
+
+
+def _optional(ann: ast.BinOp) -> ast.expr | None:
+    """``X`` of ``X | None`` (None for any other union)."""
+    parts = [x for x in (ann.left, ann.right) if not (isinstance(x, ast.Constant) and x.value is None)]
+    return parts[0] if isinstance(ann.op, ast.BitOr) and len(parts) == 1 else None
+
+
+def _known(qualified: str | None) -> str | None:
+    return None if qualified is None or qualified.split(".")[0] in GENERIC else qualified
+
+
+@functools.cache
+def _bindings(fn: Function) -> dict[str, list[tuple[str, ast.expr | None]]]:
+    """Each name ``fn``'s own statements bind -> how: (``value``, the value assigned), (``annotation``,
+    its annotation), (``iterated``, what a ``for`` loop iterates), (``import``, None), or (``other``,
+    None): a tuple unpacked, ``with ... as``, ``except ... as``."""
+    out: dict[str, list[tuple[str, ast.expr | None]]] = {}
+    for node in _own_statements(fn):
+        if isinstance(node, ast.Assign | ast.AnnAssign | ast.AugAssign | ast.NamedExpr):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for t in targets:
+                if isinstance(t, ast.Name) and isinstance(node, ast.AnnAssign):
+                    out.setdefault(t.id, []).append(("annotation", node.annotation))
+                elif isinstance(t, ast.Name) and isinstance(node, ast.Assign | ast.NamedExpr):
+                    out.setdefault(t.id, []).append(("value", node.value))
+                else:
+                    for n in ast.walk(t):
+                        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+                            out.setdefault(n.id, []).append(("other", None))
+        elif isinstance(node, ast.For | ast.AsyncFor):
+            if isinstance(node.target, ast.Name):
+                out.setdefault(node.target.id, []).append(("iterated", node.iter))
+            else:
+                for n in ast.walk(node.target):
+                    if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+                        out.setdefault(n.id, []).append(("other", None))
+        elif isinstance(node, ast.withitem) and node.optional_vars is not None:
+            for n in ast.walk(node.optional_vars):
+                if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store):
+                    out.setdefault(n.id, []).append(("other", None))
+        elif isinstance(node, ast.ExceptHandler) and node.name:
+            out.setdefault(node.name, []).append(("other", None))
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            for a in node.names:
+                out.setdefault((a.asname or a.name).split(".")[0], []).append(("import", None))
+    return out
 
 
 @dataclass
@@ -436,7 +742,8 @@ def _functions(tree: ast.Module) -> Iterator[Scope]:
 
     yield from visit(tree.body, "", None, None, False)
     top = [s for s in tree.body if not isinstance(s, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)]
-    fn = ast.FunctionDef(name="<module>", args=ast.arguments(), body=top, decorator_list=[])
+    args = ast.arguments(posonlyargs=[], args=[], kwonlyargs=[], kw_defaults=[], defaults=[])
+    fn = ast.FunctionDef(name="<module>", args=args, body=top, decorator_list=[])
     yield Scope("<module>", fn, None, None)
 
 
@@ -469,7 +776,7 @@ def _assigned(node: ast.AST) -> list[tuple[ast.expr, ast.expr]]:
     return []
 
 
-def _foreign_writes(module: Module) -> Iterator[tuple[str, ast.Attribute]]:
+def _foreign_writes(module: Module) -> Iterator[tuple[Scope, ast.Attribute]]:
     """Attribute writes ``obj.x = ...`` whose object is not the enclosing method's ``self``."""
     for scope in _functions(module.tree):
         for node in _own_statements(scope.fn):
@@ -477,7 +784,7 @@ def _foreign_writes(module: Module) -> Iterator[tuple[str, ast.Attribute]]:
                 if isinstance(t, ast.Attribute) and not (
                     isinstance(t.value, ast.Name) and t.value.id == scope.me
                 ):
-                    yield scope.name, t
+                    yield scope, t
 
 
 # ----------------------------------------------------------------------------- the ratchet
@@ -490,7 +797,7 @@ KNOWN: dict[tuple[str, str, str], str] = {
 RULES = {
     "inherit": Package.inheritance,
     "wiring": Package.wiring,
-    "private": Package.private_writes,
+    "attributes": Package.attribute_writes,
 }
 
 
@@ -686,9 +993,23 @@ def test_wiring_after_construction_is_flagged() -> None:
     }
 
 
-def test_private_attributes_written_outside_their_owners_file_are_flagged() -> None:
+def test_attributes_written_outside_their_owners_file_are_flagged() -> None:
     package = _crafted({
         "checkpointless/base.py": BASE,
+        "checkpointless/things.py": """
+            from dataclasses import dataclass
+
+            from checkpointless.base import Base
+
+
+            @dataclass(frozen=True)
+            class Record:
+                x: int
+
+
+            def make() -> Base:
+                return Base()
+        """,
         "checkpointless/tower.py": """
             from checkpointless.base import Base
 
@@ -697,7 +1018,7 @@ def test_private_attributes_written_outside_their_owners_file_are_flagged() -> N
                 def step(self) -> None:
                     self._x = 2          # flagged: Base owns _x
                     self._own = 3        # its own
-                    self.count = 4       # public
+                    self.count = 4       # flagged: Base owns count (public or not)
 
 
             def poke(obj, opts) -> None:
@@ -708,13 +1029,105 @@ def test_private_attributes_written_outside_their_owners_file_are_flagged() -> N
             def same_name_elsewhere(obj) -> None:
                 obj._own = 1             # flagged: Sub owns _own (in tower.py)
         """,
+        "checkpointless/users.py": """
+            import argparse
+            import threading
+
+            from torch import nn
+
+            from checkpointless.base import Base, Plain
+            from checkpointless.things import Record, make
+
+            _local = threading.local()
+
+
+            class Mine:
+                def __init__(self, part: Base) -> None:
+                    self.count = 0
+                    self.part = part
+                    self.built = Base()
+
+                def go(self, base: Base, other) -> None:
+                    base.count = 1           # flagged: typed Base's (though Mine has a count too)
+                    self.part.count = 2      # flagged: given as a Base
+                    self.built.count = 3     # flagged: built as Base()
+                    other.count = 4          # an unknown type, and Mine (this file) writes a count
+                    plain = Plain(x=1)       # a constructor's argument: fine
+                    plain.x = 2              # flagged: Plain's field
+                    record = Record(x=1)
+                    record.x = 2             # a frozen record: it cannot be written (it raises)
+                    made = make()
+                    made.count = 5           # flagged: make() gives a Base
+
+
+            def cli(parser: argparse.ArgumentParser, model: nn.Module) -> None:
+                args = parser.parse_args([])
+                args.count = 1               # another library's objects from here on
+                for p in model.parameters():
+                    p.x = 2
+                _local.count = 3
+        """,
     })  # fmt: skip
-    found = {(f, what) for f, what, _ in package.private_writes()}
+    found = {(f, what, detail) for f, what, detail in package.attribute_writes()}
     assert found == {
-        ("checkpointless/tower.py", "Base._x"),
-        ("checkpointless/tower.py", "Base._y"),
-        ("checkpointless/base_helpers.py", "Sub._own"),
+        ("checkpointless/tower.py", "Base._x", "written by Sub, owned in checkpointless/base.py"),
+        ("checkpointless/tower.py", "Base.count", "written by Sub, owned in checkpointless/base.py"),
+        ("checkpointless/tower.py", "Base._y", "poke writes obj._y"),
+        ("checkpointless/base_helpers.py", "Sub._own", "same_name_elsewhere writes obj._own"),
+        ("checkpointless/users.py", "Base.count", "Mine.go writes base.count"),
+        ("checkpointless/users.py", "Base.count", "Mine.go writes self.part.count"),
+        ("checkpointless/users.py", "Base.count", "Mine.go writes self.built.count"),
+        ("checkpointless/users.py", "Base.count", "Mine.go writes made.count"),
+        ("checkpointless/users.py", "Plain.x", "Mine.go writes plain.x"),
     }
+
+
+def test_a_collaborator_set_after_construction_is_flagged_whatever_its_value() -> None:
+    package = _crafted({
+        "checkpointless/base.py": BASE,
+        "checkpointless/runner.py": """
+            from collections.abc import Callable
+            from dataclasses import dataclass
+            from enum import Enum
+
+            from checkpointless.base import Base
+
+
+            class Kind(Enum):
+                A = 1
+
+
+            @dataclass
+            class View:
+                kind: Kind
+                n: int = 0
+
+
+            class Runner:
+                def __init__(
+                    self,
+                    part: Base,
+                    on_tick: Callable[[], None] | list[Callable[[], None]] | None = None,
+                    every: float = 1.0,
+                    view: View | None = None,
+                ) -> None:
+                    self.on_tick = on_tick
+                    self.part = part
+                    self.every = every
+                    self.view = view
+
+
+            def run(runner: Runner, callbacks: list, view: View) -> None:
+                runner.on_tick = callbacks   # flagged: a callback its constructor takes
+                runner.part = Base()         # flagged: a collaborator its constructor takes
+                runner.every = 2.0           # data
+                runner.view = view           # a value (a dataclass)
+                view.kind = Kind.A           # a value (an enum)
+                view.n = 1
+        """,
+    })  # fmt: skip
+    found = {what for _, what, _ in package.wiring()}
+    assert found == {"run: runner.on_tick = Runner(on_tick=...)", "run: runner.part = Runner(part=...)"}
 
 
 def test_the_ratchet_fails_both_ways() -> None:

@@ -54,6 +54,26 @@ class Collectives:
         self.in_window = False
         self.aligned = False
 
+    def align(self) -> None:
+        """Every rank is at the same point between steps (before the first one): over the group."""
+        self.aligned = True
+
+    def open_window(self) -> None:
+        """A step's attempt begins: every rank at the same point, and its window open until the commit."""
+        self.aligned = self.in_window = True
+
+    def close_window(self) -> None:
+        """The step committed: its window is closed."""
+        self.in_window = False
+
+    def enter_step(self) -> None:
+        """The strategy's step runs (its closures, the reduction, the update)."""
+        self.in_step = True
+
+    def leave_step(self) -> None:
+        """The strategy's step ended (committed, failed, or a micro-batch's part of it done)."""
+        self.in_step = False
+
     def _world_size(self) -> int:
         session = self._session()
         return session.world_size if session is not None else 1

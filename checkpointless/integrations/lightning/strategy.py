@@ -191,7 +191,7 @@ class CheckpointlessStrategy(ParallelStrategy):
         # real from now on. What Lightning broadcast before the group existed was each rank's own:
         # the checkpoint directory and the loggers' versions (from each rank's look at the log
         # directory) are rank 0's, as under DDP.
-        self._comm.aligned = True
+        self._comm.align()
         for cb in trainer.checkpoint_callbacks:
             if isinstance(getattr(cb, "dirpath", None), str):
                 cb.dirpath = self.broadcast(cb.dirpath)
@@ -317,7 +317,7 @@ class CheckpointlessStrategy(ParallelStrategy):
             again = [] if window.open else window.closures[:-1]  # after a recovery: the step's earlier ones
             if not window.open:
                 self._begin(window)
-            self._comm.in_step = True
+            self._comm.enter_step()
             try:
                 for earlier in again:
                     with session.no_sync():
@@ -335,10 +335,10 @@ class CheckpointlessStrategy(ParallelStrategy):
                 zero_grad.load_state_dict(window.zero_grad)  # recovered: the same step again
                 continue
             finally:
-                self._comm.in_step = False
+                self._comm.leave_step()
             window.commit()
             self._window = None
-            self._comm.in_window = False
+            self._comm.close_window()
             return result
 
     def _begin(self, window: Window) -> None:
@@ -351,7 +351,7 @@ class CheckpointlessStrategy(ParallelStrategy):
                 f"the Trainer runs step {self._trainer.global_step} beyond the job's total"
             ) from None
         assert step == self._trainer.global_step, (step, self._trainer.global_step)
-        self._comm.aligned = self._comm.in_window = True
+        self._comm.open_window()
         window.enter(self._require_session())
 
     def on_train_end(self) -> None:
