@@ -1,6 +1,7 @@
 """How a launched process joins its job: its member built from what the launcher put in the
 environment (control client, fault injector, durable writer), then, as a worker, generation 0, or,
-as a spare, the preparation of its model and the wait for a rank."""
+as a spare, the preparation of its model and the wait for a rank. A process with no launcher is a
+job of its own (``start_alone``)."""
 
 from __future__ import annotations
 
@@ -90,6 +91,14 @@ def member_of_the_job(
     )
     return Member(job, model, steps, device=device, client=client, secret=secret, faults=faults, seed=seed,
                   has_state=not spare)  # fmt: skip
+
+
+def start_alone(model: ModelHolder, steps: StepState, device: torch.device, seed: int) -> Member:
+    """A process with no launcher: a job of this process alone, with no coordinator (no control
+    client, no recovery). Its member enters a generation of one at once (``Member.enter_alone``)."""
+    member = Member(JobConfig(workers=1, spares=0, seed=seed), model, steps, device=device)
+    member.enter_alone()
+    return member
 
 
 def start_as_worker(member: Member) -> bool:

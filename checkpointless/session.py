@@ -47,8 +47,7 @@ from checkpointless.devices import local_device
 from checkpointless.ending import Ending
 from checkpointless.errors import FatalError, IntegrityError, StepRecovered
 from checkpointless.fsdp import Build
-from checkpointless.joining import member_of_the_job, start_as_spare, start_as_worker
-from checkpointless.member import Member
+from checkpointless.joining import member_of_the_job, start_alone, start_as_spare, start_as_worker
 from checkpointless.model_holder import ModelHolder, ReplicatedModel, ShardedModel
 from checkpointless.notice import Notice
 from checkpointless.progress import Attempt, Between, Progress, StepState
@@ -86,6 +85,21 @@ def scalar(name: str, value: Any) -> int | float | str | bool:
     if isinstance(value, torch.Tensor) and value.numel() == 1:
         return value.item()
     raise TypeError(f"{name}={value!r}: expected a number, a string or a one-element tensor")
+
+
+def _refusal(model: torch.nn.Module, device: torch.device, job: JobConfig) -> str | None:
+    """Why a replicated ``model`` cannot train in ``job`` on ``device`` (None: it can)."""
+    off = next(((n, t.device) for n, t in model.state_dict().items()
+                if isinstance(t, torch.Tensor) and t.device != device), None)  # fmt: skip
+    if off is not None:
+        return (f"{off[0]!r} is on {off[1]} but this process trains on {device} (session.device): "
+                "build the model on checkpointless.local_device()")  # fmt: skip
+    if job.elastic or job.share_count != job.workers:
+        synced = next((n for n, m in model.named_modules() if isinstance(m, torch.nn.SyncBatchNorm)), None)
+        if synced is not None:
+            return (f"{repr(synced) if synced else 'the model'} is a SyncBatchNorm: its statistics depend on how many "
+                    "replicas compute a step, which --shares, --min-workers and --max-workers change: use BatchNorm")  # fmt: skip
+    return None
 
 
 class Session:
@@ -177,42 +191,25 @@ class Session:
         self._per_share: dict[str, dict[int, float]] = {}
         self._reduced = False
         self._attempted = False
-        if ENV_STORE not in os.environ:
-            self.job = JobConfig(workers=1, spares=0, seed=seed)
-            self._shares = self._share_loop()
-            self._member = Member(self.job, self._model, self._steps, device=self.device)
-            self._takeover = TakeOver(self.job, self._member, self._model, self._steps)
-            self._check = ReplicaCheck(self._member, self._model, self._steps)
-            self._end = Ending(self._member, self._model, self._steps, self._check)
-            self._member.enter_alone()
-            return
-        die_with_parent()
-        self.job = JobConfig.from_json(os.environ[ENV_CONFIG])
+        alone = ENV_STORE not in os.environ  # no launcher: a job of this process alone
+        spare = not alone and os.environ.get(ENV_ROLE, Role.WORKER) == Role.SPARE
+        if alone:
+            self._member = start_alone(self._model, self._steps, self.device, seed)
+        else:
+            die_with_parent()
+            job = JobConfig.from_json(os.environ[ENV_CONFIG])
+            self._member = member_of_the_job(job, self._model, self._steps, self.device, seed, spare=spare)
+        self.job = self._member.job
         self._shares = self._share_loop()
-        spare = os.environ.get(ENV_ROLE, Role.WORKER) == Role.SPARE
-        self._member = member_of_the_job(self.job, self._model, self._steps, self.device, seed, spare=spare)
         self._takeover = TakeOver(self.job, self._member, self._model, self._steps)
         self._check = ReplicaCheck(self._member, self._model, self._steps)
         self._end = Ending(self._member, self._model, self._steps, self._check)
+        if alone:
+            return
         client = self._member.client
         assert client is not None
-        if model is not None:
-            off = next(((n, t.device) for n, t in model.state_dict().items()
-                        if isinstance(t, torch.Tensor) and t.device != self.device), None)  # fmt: skip
-            if off is not None:
-                self._member.fatal(
-                    f"{off[0]!r} is on {off[1]} but this process trains on {self.device} (session.device): "
-                    "build the model on checkpointless.local_device()"
-                )
-        if model is not None and (self.job.elastic or self.job.share_count != self.job.workers):
-            synced = next(
-                (n for n, m in model.named_modules() if isinstance(m, torch.nn.SyncBatchNorm)), None
-            )
-            if synced is not None:
-                self._member.fatal(
-                    f"{repr(synced) if synced else 'the model'} is a SyncBatchNorm: its statistics depend on how many replicas "
-                    "compute a step, which --shares, --min-workers and --max-workers change: use BatchNorm"
-                )
+        if model is not None and (refused := _refusal(model, self.device, self.job)) is not None:
+            self._member.fatal(refused)
         atexit.register(self._end.at_exit)
         joined = start_as_spare(self._member, self._model) if spare else start_as_worker(self._member)
         if not joined:  # the job ended while this spare waited
