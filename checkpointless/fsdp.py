@@ -154,7 +154,7 @@ class Generation:
             self.mesh: Any = DeviceMesh.from_group(
                 [mine[0], mine[1]], device, mesh=grid, mesh_dim_names=MESH_DIMS
             )
-            _reuse_or_clear_caches((world, shards, backend, mine[0].group_name, mine[1].group_name))
+            self._layout = (world, shards, backend, mine[0].group_name, mine[1].group_name)
             new = sockets_since(before)
             peers = exchange_listeners(pstore, rank, world, listeners(new), timeout)
             self._fds = group_connections(new, peers=peers)
@@ -164,6 +164,15 @@ class Generation:
             raise CollectiveError(f"gen {gen}: group formation failed: {e}") from None
         self.group = Group.wrap(dist.group.WORLD, gen, rank, world, backend=backend,
                                 released=lambda: self._released)  # fmt: skip
+
+    def use_caches(self) -> None:
+        """Keep or clear DTensor's caches for this generation (``_reuse_or_clear_caches``), on the
+        thread that calls it: they are per thread (``threading.local``, in Python and in C++), and
+        the generation forms on a helper thread while the model trains on the caller's. Cleared
+        on the formation's thread, the training thread kept entries whose meshes held the groups
+        of an earlier generation of the same shape: after a change of size, parameters built on
+        the new mesh came out of the cache on a mesh whose groups no longer exist."""
+        _reuse_or_clear_caches(self._layout)
 
     def release(self) -> None:
         """Fail every pending collective of the generation, here and on the peers (fast: no cleanup)."""

@@ -323,6 +323,7 @@ class Member:
     def _build(self) -> None:
         """Sharded: this generation's model built on its mesh."""
         assert self._generation is not None
+        self._generation.use_caches()  # this thread's: the training thread
         try:
             self._model.enter(self._generation.mesh)
         except Unrecoverable as e:

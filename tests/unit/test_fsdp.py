@@ -77,6 +77,47 @@ def test_shard_state_survives_a_new_generation_bit_for_bit() -> None:
         gen.close()
 
 
+def _formed_on_a_thread(gen: int) -> Generation:
+    """A 1 x 1 generation formed as ``Formation`` forms one: on a helper thread."""
+    out: dict[str, Generation] = {}
+    t = threading.Thread(
+        target=lambda: out.update(
+            g=Generation(dist.HashStore(), gen=gen, prefix=f"tc{gen}/", rank=0, world=1, shards=1)
+        )
+    )
+    t.start()
+    t.join(30)
+    return out["g"]
+
+
+def test_the_training_thread_keeps_or_clears_its_own_dtensor_caches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DTensor's caches are per thread. A generation of another layout clears those of the thread
+    that trains (``use_caches``), not of the one that formed it: else a model built on the new mesh
+    came out of the cache on an older mesh of the same shape, whose groups were gone (a sharded
+    job that shrank and grew back failed every step with 'Could not resolve the process group')."""
+    from checkpointless import fsdp
+
+    first = _formed_on_a_thread(0)
+    try:
+        first.use_caches()
+        model, opt = _build(first.mesh)
+        _train(model, opt, 1)  # fills this thread's caches on the first mesh
+        kept = next(model.parameters()).device_mesh
+        del model, opt
+    finally:
+        first.close()
+    second = _formed_on_a_thread(1)
+    try:
+        monkeypatch.setattr(fsdp, "_cache_signature", ("a generation of another layout",))
+        second.use_caches()
+        model, opt = _build(second.mesh)
+        _train(model, opt, 1)
+        assert next(model.parameters()).device_mesh is second.mesh
+        assert next(model.parameters()).device_mesh is not kept
+    finally:
+        second.close()
+
+
 def test_a_second_default_group_is_refused() -> None:
     gen = Generation(dist.HashStore(), gen=0, prefix="t2/", rank=0, world=1, shards=1)
     try:
