@@ -187,14 +187,19 @@ class JobConfig:
         if self.shards < 1 or self.workers % self.shards:
             raise ValueError(f"shards={self.shards} must divide workers={self.workers}")
         shares = self.recovery.shares
-        if shares and self.shards > 1:
-            raise ValueError(f"shares={shares} with shards={self.shards}: a sharded job runs one share per "
-                             "replica for now (leave shares at 0)")  # fmt: skip
+        if shares and shares % self.shards:
+            raise ValueError(f"shares={shares} must be a multiple of shards={self.shards}: each rank of a "
+                             "replica reads its own part of the replica's share")  # fmt: skip
         low = self.recovery.min_workers
         if low and not 1 <= low <= self.workers:
             raise ValueError(f"min_workers={low} must be between 1 and workers={self.workers}")
-        if low and low < self.workers and self.shards > 1:
-            raise ValueError(f"min_workers={low} with shards={self.shards}: a sharded job cannot shrink yet")
+        for name, n in (("min_workers", low), ("max_workers", self.recovery.max_workers)):
+            if n and n % self.shards:
+                raise ValueError(f"{name}={n} must be a multiple of shards={self.shards}: a sharded job "
+                                 "changes size by whole replicas")  # fmt: skip
+        if self.recovery.never_wait and self.shards > 1:
+            raise ValueError(f"never_wait with shards={self.shards}: a sharded job's spares receive the state "
+                             "in the recovery (leave never_wait off)")  # fmt: skip
         if shares and shares < self.workers:
             raise ValueError(f"shares={shares} must be at least workers={self.workers}: each replica holds "
                              "one share or more")  # fmt: skip
@@ -209,8 +214,6 @@ class JobConfig:
         if high and high > self.share_count:
             raise ValueError(f"max_workers={high} must be at most the shares ({self.share_count}): each replica "
                              "holds one share or more (raise --shares)")  # fmt: skip
-        if high and high > self.workers and self.shards > 1:
-            raise ValueError(f"max_workers={high} with shards={self.shards}: a sharded job cannot grow yet")
         if self.backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be gloo or nccl, got {self.backend!r}")
         if self.device not in (None, "cpu", "cuda"):

@@ -307,6 +307,7 @@ class ShardedModel:
         self.state: dict[str, Stateful] = {}
         self.registry = StateRegistry()
         self.buffers = BufferSync(torch.nn.Module())
+        self._summed = False
 
     def _module(self) -> torch.nn.Module:
         assert self.model is not None
@@ -326,6 +327,7 @@ class ShardedModel:
                 "Session(build=...): build(mesh) returned a model without fully_shard(..., mesh=mesh)"
             )
         self.model, self.optimizer, self.state = model, optimizer, extra
+        self._summed = False  # FSDP2's own division by the group's size, until begin_attempt
         self.registry = _registry_of({"model": ShardedState(model, optimizer)}, extra, self._progress)
         self.buffers = BufferSync(model)
         if self._saved is not None:
@@ -355,14 +357,29 @@ class ShardedModel:
         self, group: Group | None, step: int, agree: Agree, divisor: int | None = None,
         owners: list[range] | None = None,
     ) -> None:  # fmt: skip
-        """FSDP2 reduces inside ``backward()``: nothing to begin (a sharded job has one share per
-        replica: ``divisor`` is its size; no exact sum: ``JobConfig`` refuses it)."""
+        """FSDP2 reduces inside ``backward()``, dividing by the group's size. Where the job's
+        ``divisor`` (its shares) differs from it (an elastic job smaller or larger than at its
+        start), FSDP2 sums instead (reduce-scatter over the shard, all-reduce over the replicas)
+        and divides the sum by ``divisor``: the sum over the job's shares divided by their number.
+        Any hold a failed attempt left is let go. No exact sum: ``JobConfig`` refuses it."""
+        if self.model is None:
+            return
+        world = group.world_size if group is not None else 1
+        if divisor is not None and divisor != world and not self._summed:
+            for m in fsdp_modules(self.model):  # a generation's size is fixed: its model's once
+                m.set_force_sum_reduction_for_comms(True)
+                m.set_gradient_divide_factor(float(divisor))
+            self._summed = True
+        self.hold(False)
 
     def hold(self, on: bool) -> None:
-        """One share per replica (``JobConfig``): never asked."""
+        """While ``on``, backward passes accumulate this rank's unsharded gradients without any
+        reduction (FSDP2's ``set_requires_gradient_sync(False)``); the next pass after reduces."""
+        for m in fsdp_modules(self.model) if self.model is not None else ():
+            m.set_requires_gradient_sync(not on, recurse=False)
 
     def share_done(self, share: int) -> None:
-        """One share per replica, reduced by FSDP2: nothing to keep."""
+        """Reduced by FSDP2: nothing to keep."""
 
     def reduce(self, group: Group | None, step: int, agree: Agree) -> None:
         # FSDP2 reduced the gradients inside backward(), group by group, so a failure there may

@@ -308,8 +308,8 @@ class Session:
             )
 
     def _share_loop(self) -> ShareLoop:
-        return ShareLoop(self.job.share_count, hold=self._model.hold, reseed=self._seed_share,
-                         buffers=lambda: self._model.buffers, done=self._model.share_done,
+        return ShareLoop(self.job.share_count, shards=self.job.shards, hold=self._model.hold,
+                         reseed=self._seed_share, buffers=lambda: self._model.buffers, done=self._model.share_done,
                          end=lambda computed: self._takeover.end(computed))  # fmt: skip
 
     def _outside_shares(self) -> int:

@@ -17,6 +17,12 @@ session then broadcasts its buffers as usual).
 
 With one share per replica (S = N) nothing here changes a bit of the step: the share is the rank,
 its seed the one the attempt drew, and the division the one by the group's size.
+
+Sharded (HSDP, ``shards`` ranks per replica): every rank of a replica reads its own part of the
+replica's batch, so S counts ranks' parts and a replica's *share* is ``shards`` of them, one per
+shard index. The replicas take the S / shards replica shares between them as above, and each rank
+computes, of every replica share its replica holds, the part of its own shard index: the ranks of
+one replica run the same number of passes (FSDP2 gathers the parameters over them at each pass).
 """
 
 from __future__ import annotations
@@ -36,6 +42,12 @@ def assign(shares: int, replicas: int) -> list[range]:
     return [range(r * shares // replicas, (r + 1) * shares // replicas) for r in range(replicas)]
 
 
+def held_by(shares: int, rank: int, world: int, shards: int = 1) -> list[int]:
+    """The shares rank ``rank`` of ``world`` computes (``shards`` ranks per replica; module doc)."""
+    replica, shard = divmod(rank, shards)
+    return [p * shards + shard for p in assign(shares // shards, world // shards)[replica]]
+
+
 class ShareLoop:
     """The shares of the current step: which this replica holds, which it is computing.
 
@@ -53,13 +65,14 @@ class ShareLoop:
         self,
         shares: int,
         *,
+        shards: int = 1,
         hold: Callable[[bool], None],
         reseed: Callable[[int, int], None],
         buffers: Callable[[], BufferSync],
         done: Callable[[int], None] = lambda share: None,
         end: Callable[[list[int]], list[int]] = lambda computed: [],
     ) -> None:
-        self.shares = shares
+        self.shares, self.shards = shares, shards
         self._hold, self._reseed, self._buffers, self._done = hold, reseed, buffers, done
         self._end = end
         self.current: int | None = None  # the share being computed (inside the loop)
@@ -68,21 +81,17 @@ class ShareLoop:
     def begin_attempt(self) -> None:
         self.current, self.used = None, False
 
-    def held(self, replica: int, replicas: int) -> range:
-        """The shares ``replica`` holds while ``replicas`` live."""
-        return assign(self.shares, replicas)[replica]
+    def needed(self, world: int) -> bool:
+        """Whether a step must loop over its shares: some rank of the ``world`` holds more than one."""
+        return world != self.shares
 
-    def needed(self, replicas: int) -> bool:
-        """Whether a step must loop over its shares: some replica holds more than one."""
-        return replicas != self.shares
-
-    def run(self, step: int, replica: int, replicas: int) -> Iterator[int]:
+    def run(self, step: int, rank: int, world: int) -> Iterator[int]:
         """Yield each share this replica holds at ``step``, the RNG reseeded and the buffers set
         for it; the passes of all but the last held back from the reduction (module doc)."""
         if self.used:
             raise RuntimeError("session.shares() runs once per attempt")
         self.used = True
-        mine = list(self.held(replica, replicas))
+        mine = held_by(self.shares, rank, world, self.shards)
         buffers = self._buffers()
         first: list[torch.Tensor] | None = None
         i = 0

@@ -10,6 +10,10 @@ or as a single process (a 1 x 1 mesh), without fault tolerance, for debugging:
 
     python examples/sharded_loop.py --steps 30
 
+With ``--min-workers 2`` the job goes on with one replica when one is lost and no spare is ready
+(the loop over ``session.shares()`` then runs each rank's part of both replicas' shares), and
+grows back to 4 ranks when spares are ready again.
+
 FSDP2 binds a module to its process groups for good, so the session builds the model again in
 every generation (after each recovery) by calling ``build(mesh)``; the loop therefore uses
 ``session.model``, ``session.optimizer`` and ``session.state[...]``, never variables of its own
@@ -75,15 +79,16 @@ def main() -> None:
         with session.attempt() as attempt:
             model, optimizer = session.model, session.optimizer
             assert model is not None and optimizer is not None
-            x, y = batch(step, session.dp_rank, session.dp_size)
-            loss = nn.functional.mse_loss(model(x), y)
-            loss.backward()  # FSDP2 reduce-scatters within a replica, all-reduces across replicas
+            for _share in session.shares():  # one per rank, or more once an elastic job shrank
+                x, y = batch(step, session.dp_rank, session.dp_size)
+                loss = nn.functional.mse_loss(model(x), y)
+                loss.backward()  # FSDP2 reduce-scatters within a replica, all-reduces across replicas
+                session.log(loss=loss)  # the mean over this rank's shares, if this step commits
             session.reduce_gradients()  # a marker here: the step's reduction happened in backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             session.state["scheduler"].step()
             optimizer.zero_grad()
-            session.log(loss=loss)  # recorded only if this step commits
         if attempt.committed:
             final_loss = loss.item()
     digest = session.finish()

@@ -435,7 +435,7 @@ class Coordinator:
         if self.plan.gen != self._sized_gen:
             self._sized_gen = self.plan.gen
             self.sizing.changed(now)
-        size = self.plan.world_size // self.plan.shards
+        size = self.plan.world_size  # in ranks, as --workers counts them (whole replicas when sharded)
         self.sizing.refresh(size)
         if self.sizing.due(now):
             self.spares.top_up(self.sizing.spares_wanted(size), now, self.job.recovery.resize_interval_s)
@@ -494,7 +494,7 @@ class Coordinator:
         if step is None:
             return
         self.finished = True
-        self.sizing.finished(self.plan.world_size // self.plan.shards if self.plan else 0)
+        self.sizing.finished(self.plan.world_size if self.plan else 0)
         self.store.set(keys.JOB_STOP, "1")  # the launcher re-asserts it while the ranks exit
         self._emit(
             Event.JOB_FINISHED,

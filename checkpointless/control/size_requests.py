@@ -13,11 +13,11 @@ from typing import Any
 
 
 class SizeRequests:
-    """The job's bounds (``low``..``high`` replicas), the newest request not yet taken, and the
+    """The job's bounds (``low``..``high`` ranks, whole replicas of ``shards``), the newest request not yet taken, and the
     size and target the coordinator last reported. Every method may be called from any thread."""
 
-    def __init__(self, low: int, high: int, size: int) -> None:
-        self.low, self.high = low, high
+    def __init__(self, low: int, high: int, size: int, shards: int = 1) -> None:
+        self.low, self.high, self.shards = low, high, shards
         self._lock = threading.Lock()
         self._asked: int | None = None
         self._state: dict[str, Any] = {"replicas": size, "target": size, "finished": False}
@@ -33,6 +33,8 @@ class SizeRequests:
             )
         if not self.low <= workers <= self.high:
             return f"workers must be between --min-workers {self.low} and --max-workers {self.high}, got {workers}"
+        if workers % self.shards:
+            return f"workers must be whole replicas of --shards {self.shards} ranks, got {workers}"
         with self._lock:
             if self._state["finished"]:
                 return "the job has finished"

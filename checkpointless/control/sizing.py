@@ -59,6 +59,7 @@ class Sizing:
         if self._asked and starting:
             return None  # one change for the whole request, once the spares it started are ready
         usable = ready_spares if self._asked else ready_spares - self._job.spares
+        usable -= usable % self._job.shards  # whole replicas
         if usable <= 0:
             return None
         return min(self.target, size + usable), "request" if self._asked else "capacity"

@@ -145,7 +145,7 @@ class Launcher:
         self._rejections = Rejections()  # values that failed their seal: the first of each key is an event
         self._collector = EventCollector(self._log, self._rejections)
         self._secret = secret or new_secret()
-        self._sizes = SizeRequests(job.min_size, job.max_size, job.workers)
+        self._sizes = SizeRequests(job.min_size, job.max_size, job.workers, shards=job.shards)
         self._drains = DrainRequests(self._drain_refusal)
         self._control_port = control_port
         self._http: ControlServer | None = None
@@ -209,7 +209,7 @@ class Launcher:
         backend = self.backend = self._backend(table, store_addr)  # after open: it may write logs
         self._record(
             event(Event.JOB_STARTED, proc="launcher", gen=0, job_id=self.job_id, workers=self.job.workers,
-                  spares=self.job.spares, steps=self.total_steps, faults=[str(f) for f in self.job.faults])
+                  shards=self.job.shards, spares=self.job.spares, steps=self.total_steps, faults=[str(f) for f in self.job.faults])
         )  # fmt: skip
         try:
             self._bell = ReportBell(

@@ -29,7 +29,10 @@ def by_step(events: list[dict[str, Any]]) -> tuple[dict[str, float], dict[str, i
     """``loss_by_step`` (``{"<step>": loss}``: the mean of the ranks' logged ``loss`` over the step's
     whole global batch, each rank's value weighted by the shares it computed, its ``share_count``,
     1 without one; steps with no loss logged are left out) and ``replicas_by_step`` (``{"<step>":
-    the ranks that committed it}``), from the commits of the generation that committed each step."""
+    the replicas that committed it}``: its ranks, sharded in whole replicas of the job's ``shards``),
+    from the commits of the generation that committed each step."""
+    started = next((e for e in events if e.get("kind") == Event.JOB_STARTED), None)
+    shards = max(1, integer(started.get("shards")) or 1) if started is not None else 1
     newest: dict[int, tuple[int, list[dict[str, Any]]]] = {}  # step -> (gen, its commits in it)
     for ev in unpacked(events):
         step, gen = integer(ev.get("step")), integer(ev.get("gen")) or 0
@@ -44,7 +47,7 @@ def by_step(events: list[dict[str, Any]]) -> tuple[dict[str, float], dict[str, i
     replicas: dict[str, int] = {}
     for step in sorted(newest):
         rows = newest[step][1]
-        replicas[str(step)] = len({integer(r.get("rank")) for r in rows})
+        replicas[str(step)] = len({integer(r.get("rank")) for r in rows}) // shards
         weighted = [(value, integer(r.get("share_count")) or 1) for r in rows
                     if (value := number(r.get("loss"))) is not None]  # fmt: skip
         if weighted:

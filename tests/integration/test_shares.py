@@ -91,9 +91,9 @@ def test_shares_the_job_cannot_use_are_one_line(tmp_path: Path) -> None:
     assert fewer.returncode == 2, fewer.stderr
     assert fewer.stderr.strip().endswith("each replica holds one share or more"), fewer.stderr
     assert len(fewer.stderr.strip().splitlines()) == 1, fewer.stderr
-    sharded = subprocess.run([*cli, "--workers", "4", "--shards", "2", "--shares", "8", "--", "python", SCRIPT, "4",
+    sharded = subprocess.run([*cli, "--workers", "4", "--shards", "2", "--shares", "7", "--", "python", SCRIPT, "4",
                               str(tmp_path)], capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert sharded.returncode == 2 and "one share per replica for now" in sharded.stderr, sharded.stderr
+    assert sharded.returncode == 2 and "must be a multiple of shards=2" in sharded.stderr, sharded.stderr
     assert len(sharded.stderr.strip().splitlines()) == 1, sharded.stderr
     for low in ("0", "3"):  # --min-workers outside 1..workers
         elastic = subprocess.run([*cli, "--workers", "2", "--min-workers", low, "--", "python", SCRIPT, "4",

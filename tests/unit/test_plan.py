@@ -253,8 +253,37 @@ def test_a_shrink_numbers_the_survivors_anew_in_their_order_and_names_who_left()
     assert plan.replaced == {1: "w1"} and plan.sources == {1: 0, 2: 0}, plan
     with pytest.raises(PlanError, match="fewer than --min-workers 3"):
         shrink_plan(prev, {0: 5, 3: 5}, [], min_size=3)
-    with pytest.raises(PlanError, match="sharded job cannot shrink"):
-        shrink_plan(initial_plan(4, 2, ["w0", "w1", "w2", "w3"]), {0: 5, 1: 5}, [], min_size=1)
+
+
+def test_a_sharded_shrink_lets_whole_replicas_go_and_each_survivor_keeps_its_shard() -> None:
+    """HSDP 3 x 2: a lost rank takes its replica with it (its live rank leaves too, ``dropped``);
+    the others are numbered anew replica by replica, each on its own shard index; with a spare
+    ready, the replica that lost most leaves and the spare takes the other's lost rank."""
+    from checkpointless.control.plan import shrink_plan
+
+    prev = initial_plan(6, 2, [f"w{i}" for i in range(6)])
+    plan = shrink_plan(prev, {0: 5, 2: 5, 3: 5, 4: 5, 5: 5}, [], min_size=2)
+    assert plan.world_size == 4 and plan.shards == 2 and plan.resume_step == 6
+    assert plan.members == {0: "w2", 1: "w3", 2: "w4", 3: "w5"} and plan.dropped == ["w0", "w1"]
+    assert plan.sources == {} and plan.replaced == {}
+    assert all(new % 2 == int(name[1:]) % 2 for new, name in plan.members.items())  # its shard, kept
+    # replica 2 lost both ranks, replica 0 one: replica 2 leaves, the spare takes rank 1 from rank 3
+    plan = shrink_plan(prev, {0: 5, 2: 5, 3: 5}, ["s0"], min_size=2)
+    assert plan.members == {0: "w0", 1: "s0", 2: "w2", 3: "w3"} and plan.dropped == ["w4", "w5"]
+    assert plan.replaced == {1: "w1"} and plan.sources == {1: 3}, plan
+    with pytest.raises(PlanError, match=r"2 rank\(s\) would be left, fewer than --min-workers 4"):
+        shrink_plan(prev, {0: 5, 1: 5, 3: 5}, [], min_size=4)
+
+
+def test_the_replicas_to_drop_are_the_fewest_that_leave_the_spares_enough() -> None:
+    from checkpointless.control.plan import _replicas_to_drop
+
+    assert _replicas_to_drop([1, 3], 0, 1) == [1, 3]
+    assert _replicas_to_drop([1, 3], 1, 1) == [3]  # the lowest lost rank takes the spare
+    assert _replicas_to_drop([1, 4, 5], 1, 2) == [4, 5]  # replica 2 lost two: it goes
+    assert _replicas_to_drop([1, 4, 5], 2, 2) == [4, 5]  # one replica going is enough: the one that lost most
+    assert _replicas_to_drop([1, 4, 5], 3, 2) == []
+    assert _replicas_to_drop([0, 2], 0, 2) == [0, 1, 2, 3]
 
 
 def test_a_resize_gives_new_ranks_to_spares_or_lets_the_highest_go() -> None:
@@ -276,5 +305,16 @@ def test_a_resize_gives_new_ranks_to_spares_or_lets_the_highest_go() -> None:
         resize_plan(prev, {0: 9, 1: 9}, 4, ["s1"])
     with pytest.raises(PlanError, match=r"ranks \[1\] are lost"):
         resize_plan(prev, {0: 9}, 3, ["s1"])
-    with pytest.raises(PlanError, match="sharded job cannot change size"):
-        resize_plan(initial_plan(4, 2, ["w0", "w1", "w2", "w3"]), {r: 1 for r in range(4)}, 2, [])
+
+
+def test_a_sharded_resize_grows_and_shrinks_by_whole_replicas_each_new_rank_fed_from_its_shard() -> None:
+    from checkpointless.control.plan import resize_plan
+
+    prev = Plan(gen=2, world_size=2, shards=2, members={0: "w2", 1: "w3"}, resume_step=5)
+    plan = resize_plan(prev, {0: 9, 1: 9}, 4, ["s0", "s1"])
+    assert plan.world_size == 4 and plan.shards == 2 and plan.grown == [2, 3]
+    assert plan.members == {0: "w2", 1: "w3", 2: "s0", 3: "s1"} and plan.sources == {2: 0, 3: 1}
+    smaller = resize_plan(plan, {r: 12 for r in range(4)}, 2, [])
+    assert smaller.members == {0: "w2", 1: "w3"} and smaller.dropped == ["s0", "s1"]
+    with pytest.raises(PlanError, match="3 ranks are not whole replicas of 2 shards"):
+        resize_plan(prev, {0: 9, 1: 9}, 3, ["s0"])

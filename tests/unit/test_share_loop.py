@@ -13,7 +13,7 @@ from torch.distributed import TCPStore
 from checkpointless.comm import Group
 from checkpointless.ddp import GradientReducer
 from checkpointless.module_state import BufferSync
-from checkpointless.share_loop import ShareLoop, assign
+from checkpointless.share_loop import ShareLoop, assign, held_by
 from tests.unit.test_reducer import run_ranks
 
 pytestmark = pytest.mark.timeout(60)
@@ -27,6 +27,23 @@ def test_every_share_is_held_once_in_contiguous_blocks_that_differ_by_at_most_on
         sizes = {len(b) for b in blocks}
         assert min(sizes) >= 1 and max(sizes) - min(sizes) <= 1, (replicas, blocks)
     assert assign(shares, shares) == [range(s, s + 1) for s in range(shares)]  # one each: the rank
+
+
+@pytest.mark.parametrize(
+    ("shares", "shards", "world"), [(4, 2, 4), (4, 2, 2), (8, 2, 6), (6, 3, 3), (4, 1, 3)]
+)
+def test_sharded_each_rank_computes_its_own_part_of_its_replicas_shares(
+    shares: int, shards: int, world: int
+) -> None:
+    """Every share is computed once; a rank computes only parts of its own shard index, and the
+    ranks of one replica run as many passes each (FSDP2 gathers over them at every pass)."""
+    held = {r: held_by(shares, r, world, shards) for r in range(world)}
+    assert sorted(s for h in held.values() for s in h) == list(range(shares))
+    assert all(s % shards == r % shards for r, h in held.items() for s in h)
+    for replica in range(world // shards):
+        assert len({len(held[replica * shards + i]) for i in range(shards)}) == 1
+    if world == shares:  # the starting size: each rank its own share, as without the loop
+        assert held == {r: [r] for r in range(world)}
 
 
 @pytest.mark.parametrize(("shares", "replicas"), [(4, 0), (4, 5), (1, 2)])
@@ -43,7 +60,7 @@ def test_a_replica_holding_two_shares_reseeds_each_restores_the_buffers_and_hold
                      reseed=lambda step, share: calls.append(("seed", step, share)), buffers=lambda: buffers)  # fmt: skip
     loop.begin_attempt()
     seen = []
-    for share in loop.run(step=7, replica=1, replicas=2):  # shares 2 and 3
+    for share in loop.run(step=7, rank=1, world=2):  # shares 2 and 3
         seen.append((share, loop.current, bn.running_mean.clone()))
         bn(torch.randn(5, 3) + share)  # a training-mode forward moves the statistics
         if share == 2:
@@ -54,7 +71,7 @@ def test_a_replica_holding_two_shares_reseeds_each_restores_the_buffers_and_hold
     assert calls == [("seed", 7, 2), ("hold", True), ("seed", 7, 3), ("hold", False), ("hold", False)]
     assert loop.current is None and loop.used
     with pytest.raises(RuntimeError, match="once per attempt"):
-        next(iter(loop.run(step=7, replica=1, replicas=2)))
+        next(iter(loop.run(step=7, rank=1, world=2)))
 
 
 def test_the_reducer_held_back_until_the_last_share_sums_every_share_and_divides_by_s() -> None:
@@ -98,7 +115,7 @@ def test_the_reducer_held_back_until_the_last_share_sums_every_share_and_divides
     ("workers", "shards", "shares", "message"),
     [
         (4, 1, 3, "must be at least workers=4"),
-        (4, 2, 8, "one share per replica for now"),
+        (4, 2, 7, "must be a multiple of shards=2"),
         (2, 1, -1, "shares must be >= 0"),
     ],
 )
@@ -115,7 +132,7 @@ def test_shares_the_job_cannot_use_are_named(workers: int, shards: int, shares: 
     ("workers", "shards", "low", "message"),
     [
         (4, 1, 5, "between 1 and workers=4"),
-        (4, 2, 2, "a sharded job cannot shrink yet"),
+        (4, 2, 3, "must be a multiple of shards=2: a sharded job changes size by whole replicas"),
         (4, 1, -1, "min_workers must be >= 0"),
     ],
 )
