@@ -103,6 +103,20 @@ def heldout_loss(model: nn.Module, data: Any, batches: int, device: torch.device
     return sum(losses) / len(losses)
 
 
+def share_pass(
+    model: nn.Module, data: Any, at: tuple[int, int], share: tuple[int, int], device: torch.device | None
+) -> tuple[torch.Tensor, int]:
+    """One share's forward and backward pass: step ``at[0]`` of ``at[1]``, share ``share[0]`` of
+    ``share[1]`` (its next batches prefetched); the loss and the tokens it read."""
+    (step, steps), (index, shares) = at, share
+    data.prefetch(range(step + 1, min(steps, step + 3)), index, shares)
+    inputs, targets = data.batch(step, index, shares)
+    inputs, targets = inputs.to(device), targets.to(device)
+    loss = model(inputs, targets)
+    loss.backward()
+    return loss, inputs.numel()
+
+
 def build_training(cfg: RecipeConfig, mesh: Any = None, device: torch.device | None = None) -> Training:
     """Build the model, optimizer and LR schedule of recipe ``cfg`` (what every worker trains) on
     ``device`` (``checkpointless.local_device()``, which is ``session.device``; the CPU by default);
@@ -164,19 +178,18 @@ def main(argv: list[str] | None = None) -> int:
     data = CachedDataset(dataset, cache)
 
     session = cl.Session(model, optimizer, state={"scheduler": scheduler}, seed=cfg.train.seed)
-    session.require_one_share("a recipe's training loop")
     if session.rank == 0 and session.step == 0 and dc.eval_every:
         session.emit(Event.EVAL, heldout_loss=heldout_loss(model, data, dc.eval_batches, device))
     for step in session.steps(steps):
         with session.attempt() as attempt:
-            data.prefetch(range(step + 1, min(steps, step + 3)), session.dp_rank, session.dp_size)
-            inputs, targets = data.batch(step, session.dp_rank, session.dp_size)
-            inputs, targets = inputs.to(device), targets.to(device)
-            loss = model(inputs, targets)
-            loss.backward()
+            tokens = 0
+            for share in session.shares():  # one per replica, or more once an elastic job shrank
+                loss, n = share_pass(model, data, (step, steps), (share, session.dp_size), device)
+                session.log(loss=loss.item())
+                tokens += n
             session.reduce_gradients()
             lr = training.update()  # clip, optimizer step, LR schedule, zero grads; the rate it used
-            session.log(loss=loss.item(), tokens=inputs.numel(), lr=lr)
+            session.log(tokens=tokens, lr=lr)
         if not attempt.committed:
             continue  # failed and recovered: steps() yields the same step again
         if session.rank == 0 and cfg.train.log_every and (step + 1) % cfg.train.log_every == 0:
@@ -221,7 +234,6 @@ def train_sharded(cfg: RecipeConfig) -> int:
     data = CachedDataset(dataset, cache)
 
     session = cl.Session(build=build, seed=cfg.train.seed)
-    session.require_one_share("a recipe's training loop")
     for step in session.steps(steps):
         with session.attempt() as attempt:
             model, optimizer = session.model, session.optimizer
@@ -234,14 +246,14 @@ def train_sharded(cfg: RecipeConfig) -> int:
                 if dc.eval_every and step % dc.eval_every == 0
                 else None
             )
-            data.prefetch(range(step + 1, min(steps, step + 3)), session.dp_rank, session.dp_size)
-            inputs, targets = data.batch(step, session.dp_rank, session.dp_size)
-            inputs, targets = inputs.to(device), targets.to(device)
-            loss = model(inputs, targets)
-            loss.backward()
+            tokens = 0
+            for share in session.shares():  # one per rank, or more once an elastic job shrank
+                loss, n = share_pass(model, data, (step, steps), (share, session.dp_size), device)
+                session.log(loss=loss.item())
+                tokens += n
             session.reduce_gradients()
             lr = training.update()
-            session.log(loss=loss.item(), tokens=inputs.numel(), lr=lr)
+            session.log(tokens=tokens, lr=lr)
         if not attempt.committed:
             continue
         if session.rank == 0 and evaluated is not None:

@@ -63,6 +63,34 @@ def test_recipe_with_kill_equals_fault_free(recipe: str, shards: int, killed: in
     assert "step 10/12 loss" in (tmp_path / "c" / "logs" / "w0.log").read_text()  # train.log_every: 10
 
 
+@pytest.mark.parametrize(
+    ("recipe", "layout", "low", "killed"),
+    [("llama-tiny", [], 1, 1), ("gpt-oss-tiny", ["--workers", "4", "--set", "parallel.shards=2"], 2, 0)],
+    ids=["llama-tiny", "gpt-oss-tiny-hsdp2x2"],
+)
+def test_a_recipe_without_spares_goes_on_smaller_with_the_fault_free_losses(
+    recipe: str, layout: list[str], low: int, killed: int, tmp_path: Path
+) -> None:
+    """``recovery.min_workers``: the lost rank's replica leaves (sharded: with its other rank), the
+    survivors compute its shares, and every step's loss is the fault-free run's to rounding."""
+    path = str(ROOT / "recipes" / f"{recipe}.yaml")
+    spec = f"kill:rank={killed}@step=5"
+    smaller = run_cli(path, *SMALL, *layout, "--spares", "0", "--set", f"recovery.min_workers={low}",
+                      "--fault", spec, "--out", str(tmp_path / "f"))  # fmt: skip
+    assert smaller.returncode == 0, smaller.stderr
+    clean = run_cli(path, *SMALL, *layout, "--spares", "0", "--out", str(tmp_path / "c"))
+    assert clean.returncode == 0, clean.stderr
+    rf = json.loads((tmp_path / "f" / "report.json").read_text())
+    rc = json.loads((tmp_path / "c" / "report.json").read_text())
+    sizes = [rf["replicas_by_step"][s] for s in sorted(rf["replicas_by_step"], key=int)]
+    assert sizes == [2] * 5 + [1] * 7, sizes
+    (fault,) = rf["faults"]
+    assert fault["spec"] == spec and fault["lost_steps"] == 0 and fault["replaced_by"] is None
+    got, free = rf["loss_by_step"], rc["loss_by_step"]
+    assert sorted(got, key=int) == sorted(free, key=int)
+    assert max(abs(got[k] - free[k]) / abs(free[k]) for k in free) < 1e-4
+
+
 def test_metrics_scraped_during_a_run_with_a_fault(tmp_path: Path) -> None:
     path = str(ROOT / "recipes" / "llama-tiny.yaml")
     proc = subprocess.Popen(
