@@ -327,6 +327,41 @@ def test_a_lost_host_of_a_sharded_job_is_replaced_bitwise(tmp_path: Path) -> Non
 
 
 @pytest.mark.timeout(900)
+def test_a_lost_host_of_an_elastic_sharded_job_takes_its_replica_out_and_the_run_stays_the_same(
+    tmp_path: Path,
+) -> None:
+    """HSDP across hosts with ``--min-workers 2`` and no spare host: host 1 (one replica, both
+    shards) is killed; host 0's replica computes both replicas' shares; every step's loss is the
+    fault-free run's on one host to rounding."""
+    example = str(Path(__file__).resolve().parents[2] / "examples" / "sharded_loop.py")
+    job = ["--shards", "2", "--steps", "14", "--quiet"]
+    ref = subprocess.run(
+        [*CLI, "launch", "--workers", "4", "--spares", "0", *job, "--out", str(tmp_path / "ref"), "--", "python",
+         example, "--steps", "14"],
+        capture_output=True, text=True, timeout=400, env=ENV,
+    )  # fmt: skip
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    out = tmp_path / "cluster"
+    before = (_netns(), _bridges())
+    run = subprocess.run(
+        [*CLI, "cluster", "--nodes", "2", "--nproc-per-node", "2", "--spare-nodes", "0", "launch", *job,
+         "--min-workers", "2", "--fault", "kill:node=1@step=7", "--out", str(out), "--", "python", example,
+         "--steps", "14"],
+        capture_output=True, text=True, timeout=600, env=ENV,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert (_netns(), _bridges()) == before
+    report = json.loads((out / "report.json").read_text())
+    free = json.loads((tmp_path / "ref" / "report.json").read_text())["loss_by_step"]
+    sizes = [report["replicas_by_step"][s] for s in sorted(report["replicas_by_step"], key=int)]
+    assert sizes == [2] * 7 + [1] * 7, sizes
+    assert [(f["spec"], f["lost_steps"]) for f in report["faults"]] == [("kill:node=1@step=7", 0)]
+    got = report["loss_by_step"]
+    assert sorted(got, key=int) == sorted(free, key=int)
+    assert max(abs(got[k] - free[k]) / abs(free[k]) for k in free) < 1e-4
+
+
+@pytest.mark.timeout(900)
 # the stranger through a recovery, and beside a job that loses nothing (both e2e: tests/e2e.txt)
 @pytest.mark.parametrize("fault", ["kill:node=1@step=30", "none"])
 def test_a_stranger_on_a_hosts_network_cannot_steer_the_job(tmp_path: Path, fault: str) -> None:
