@@ -156,7 +156,7 @@ class HeartbeatReader:
         answer), no process's heartbeat could have been seen meanwhile: that time is credited to
         every silence clock, as a worker's lease loop forgives its own late runs. A stall of the
         launcher silences every process at once, and killing them all loses the job (seen on 2
-        cores: a 0.3 s stall during a recovery at 4 workers killed every rank).
+        cores: a short stall of the launcher during a recovery killed every rank).
 
         Unless the read after the stall brought news from most processes: then the processes ran
         meanwhile and what the store holds is current, so a process still silent gets at most one

@@ -41,7 +41,7 @@ def check_recipe_data(recipe: RecipeConfig, *, source: str = "") -> None:
 
     Builds :class:`~checkpointless.corpus.TokenDataset` with the recipe's corpus,
     tokenizer, ``seq_len``, ``global_batch`` and held-out fraction (tokenizing into the token
-    cache on first use, verifying the cache otherwise: about 0.2 s for the standard library).
+    cache on first use, verifying the cache otherwise).
     Catches, naming ``data.source``: a missing, unreadable or empty directory, an invalid
     JSONL line (``file:line``), a corpus too short for one ``seq_len + 1`` window in the
     train or held-out split (with the sizes), and out-of-vocabulary token ids.
