@@ -27,4 +27,4 @@ def run(argv: list[str]) -> int:
 
 
 def _said(control: dict[str, Any], reply: dict[str, Any], workers: int) -> str:
-    return f"asked job {control.get('job_id')} for {workers} worker(s) (it has {reply.get('replicas')} now)"
+    return f"asked job {control.get('job_id')} for {workers} worker(s) (it has {reply.get('size')} now)"

@@ -116,16 +116,16 @@ class FailureCourse:
         return self.failure
 
     def resize(self, size: int, why: str, now: float, newcomers: list[str] | None = None) -> None:
-        """Change the job's size to ``size`` replicas (``why``: ``request``, ``capacity``): the
+        """Change the job's size to ``size`` ranks (whole replicas; ``why``: ``request``, ``capacity``): the
         generation is aborted as for a failure, but planned (the members finish the step in flight
         and leave as the next one begins), every member reports, and ``resize_plan`` makes the next
         one, which the spares join or the highest ranks leave."""
         assert self.failure is None
         failure = self.fail(now, planned=True)
         failure.resize, failure.newcomers = (size, why), list(newcomers or [])
-        self._emit(
-            Event.RESIZE_STARTED, replicas=size, before=self.plan.world_size if self.plan else 0, why=why
-        )
+        shards = self.plan.shards if self.plan else 1
+        before = self.plan.world_size if self.plan else 0
+        self._emit(Event.RESIZE_STARTED, replicas=size // shards, before=before // shards, why=why)
 
     def hand_off(self, ranks: set[int], now: float) -> None:
         """Move ``ranks``, whose processes have notice, to ready spares (to the other replicas in an

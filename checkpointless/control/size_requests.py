@@ -20,7 +20,7 @@ class SizeRequests:
         self.low, self.high, self.shards = low, high, shards
         self._lock = threading.Lock()
         self._asked: int | None = None
-        self._state: dict[str, Any] = {"replicas": size, "target": size, "finished": False}
+        self._state: dict[str, Any] = self._stand(size, size, False)
 
     def ask(self, workers: object) -> str | None:
         """Ask for ``workers`` replicas; the reason it is refused (one line), or None."""
@@ -47,10 +47,14 @@ class SizeRequests:
             asked, self._asked = self._asked, None
         return asked
 
-    def observe(self, replicas: int, target: int, finished: bool = False) -> None:
-        """Where the job stands (the coordinator's, each tick)."""
+    def _stand(self, size: int, target: int, finished: bool) -> dict[str, Any]:
+        """The view of a job of ``size`` ranks aiming for ``target`` (``replicas``: whole replicas)."""
+        return {"size": size, "replicas": size // self.shards, "target": target, "finished": finished}
+
+    def observe(self, size: int, target: int, finished: bool = False) -> None:
+        """Where the job stands, in ranks (the coordinator's, each tick)."""
         with self._lock:
-            self._state = {"replicas": replicas, "target": target, "finished": finished}
+            self._state = self._stand(size, target, finished)
 
     def view(self) -> dict[str, Any]:
         """The job's size, its target and bounds, and whether it finished."""

@@ -68,6 +68,7 @@ def test_a_size_in_bounds_is_accepted_and_handed_to_the_coordinator(
     assert reply == {
         "ok": True,
         "workers": 3,
+        "size": 4,
         "replicas": 4,
         "target": 4,
         "finished": False,
@@ -153,7 +154,7 @@ def test_a_missing_or_invalid_content_length_is_refused(server: ControlServer, l
 
 def test_get_says_where_the_job_stands(server: ControlServer, requests: SizeRequests) -> None:
     requests.observe(3, 4)
-    assert call(server, "GET") == (200, {"replicas": 3, "target": 4, "finished": False, "min": 2, "max": 4})
+    assert call(server, "GET") == (200, {"size": 3, "replicas": 3, "target": 4, "finished": False, "min": 2, "max": 4})
 
 
 @pytest.mark.parametrize(

@@ -105,7 +105,7 @@ def test_a_request_shrinks_then_grows_the_job_within_its_bounds() -> None:
     grown = job.plan(2)
     assert grown is not None and grown.world_size == 4 and grown.grown == [2, 3], grown
     _train(job, grown.members, 2, 6)
-    assert sizes.view() == {"replicas": 4, "target": 4, "finished": False, "min": 2, "max": 4}
+    assert sizes.view() == {"size": 4, "replicas": 4, "target": 4, "finished": False, "min": 2, "max": 4}
     job.tick(40)
     assert len(job.spawned) == 2 and len(job.coord.ready_spares()) == 1  # the reserve
     assert sizes.ask(3) is None
