@@ -154,7 +154,10 @@ def test_a_missing_or_invalid_content_length_is_refused(server: ControlServer, l
 
 def test_get_says_where_the_job_stands(server: ControlServer, requests: SizeRequests) -> None:
     requests.observe(3, 4)
-    assert call(server, "GET") == (200, {"size": 3, "replicas": 3, "target": 4, "finished": False, "min": 2, "max": 4})
+    assert call(server, "GET") == (
+        200,
+        {"size": 3, "replicas": 3, "target": 4, "finished": False, "min": 2, "max": 4},
+    )
 
 
 @pytest.mark.parametrize(
