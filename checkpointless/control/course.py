@@ -20,10 +20,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from checkpointless.config import JobConfig
+from checkpointless.control.elastic_plans import resize_plan, shrink_plan
 from checkpointless.control.exits import ExitJudge
 from checkpointless.control.outcome import Outcome
 from checkpointless.control.pace import Pace
-from checkpointless.control.plan import Plan, PlanError, make_plan, resize_plan, shrink_plan
+from checkpointless.control.plan import Plan, PlanError, make_plan
 from checkpointless.control.processes import ProcessTable
 from checkpointless.control.published import Published
 from checkpointless.control.reports import FailureReports

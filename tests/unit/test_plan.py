@@ -239,7 +239,7 @@ def test_spares_placed_by_host_are_distinct_and_a_lost_host_moves_whole(data: st
 
 
 def test_a_shrink_numbers_the_survivors_anew_in_their_order_and_names_who_left() -> None:
-    from checkpointless.control.plan import shrink_plan
+    from checkpointless.control.elastic_plans import shrink_plan
 
     prev = initial_plan(4, 1, ["w0", "w1", "w2", "w3"])
     plan = shrink_plan(prev, {0: 5, 2: 5, 3: 5}, [], min_size=2)
@@ -259,7 +259,7 @@ def test_a_sharded_shrink_lets_whole_replicas_go_and_each_survivor_keeps_its_sha
     """HSDP 3 x 2: a lost rank takes its replica with it (its live rank leaves too, ``dropped``);
     the others are numbered anew replica by replica, each on its own shard index; with a spare
     ready, the replica that lost most leaves and the spare takes the other's lost rank."""
-    from checkpointless.control.plan import shrink_plan
+    from checkpointless.control.elastic_plans import shrink_plan
 
     prev = initial_plan(6, 2, [f"w{i}" for i in range(6)])
     plan = shrink_plan(prev, {0: 5, 2: 5, 3: 5, 4: 5, 5: 5}, [], min_size=2)
@@ -276,7 +276,7 @@ def test_a_sharded_shrink_lets_whole_replicas_go_and_each_survivor_keeps_its_sha
 
 
 def test_the_replicas_to_drop_are_the_fewest_that_leave_the_spares_enough() -> None:
-    from checkpointless.control.plan import _replicas_to_drop
+    from checkpointless.control.elastic_plans import _replicas_to_drop
 
     assert _replicas_to_drop([1, 3], 0, 1) == [1, 3]
     assert _replicas_to_drop([1, 3], 1, 1) == [3]  # the lowest lost rank takes the spare
@@ -287,7 +287,7 @@ def test_the_replicas_to_drop_are_the_fewest_that_leave_the_spares_enough() -> N
 
 
 def test_a_resize_gives_new_ranks_to_spares_or_lets_the_highest_go() -> None:
-    from checkpointless.control.plan import resize_plan
+    from checkpointless.control.elastic_plans import resize_plan
 
     prev = Plan(gen=3, world_size=2, shards=1, members={0: "w0", 1: "s0"}, resume_step=5)
     plan = resize_plan(prev, {0: 9, 1: 9}, 4, ["s1", "s2", "s3"])
@@ -308,7 +308,7 @@ def test_a_resize_gives_new_ranks_to_spares_or_lets_the_highest_go() -> None:
 
 
 def test_a_sharded_resize_grows_and_shrinks_by_whole_replicas_each_new_rank_fed_from_its_shard() -> None:
-    from checkpointless.control.plan import resize_plan
+    from checkpointless.control.elastic_plans import resize_plan
 
     prev = Plan(gen=2, world_size=2, shards=2, members={0: "w2", 1: "w3"}, resume_step=5)
     plan = resize_plan(prev, {0: 9, 1: 9}, 4, ["s0", "s1"])
