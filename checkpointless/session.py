@@ -48,7 +48,7 @@ from checkpointless.ending import Ending
 from checkpointless.errors import FatalError, IntegrityError, StepRecovered
 from checkpointless.fsdp import Build
 from checkpointless.joining import member_of_the_job, start_alone, start_as_spare, start_as_worker
-from checkpointless.model_holder import ModelHolder, ReplicatedModel, ShardedModel
+from checkpointless.model_holder import ModelHolder, ReplicatedModel
 from checkpointless.notice import Notice
 from checkpointless.progress import Attempt, Between, Progress, StepState
 from checkpointless.protocol.env import (
@@ -58,6 +58,7 @@ from checkpointless.protocol.env import (
 )
 from checkpointless.protocol.vocab import Event, Phase, Role
 from checkpointless.share_loop import ShareLoop, assign
+from checkpointless.sharded_model import ShardedModel
 from checkpointless.state import Stateful
 from checkpointless.takeover import TakeOver
 

@@ -74,6 +74,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "session",
             "progress",
             "model_holder",
+            "sharded_model",
             "share_loop",
             "member",
             "takeover",

@@ -60,7 +60,7 @@ def test_progress_moves_the_position_and_the_rng_but_never_loads_a_lineage() -> 
 
 def test_a_build_that_returns_no_sharded_model_is_refused_in_words() -> None:
     from checkpointless.errors import Unrecoverable
-    from checkpointless.model_holder import ShardedModel
+    from checkpointless.sharded_model import ShardedModel
 
     mesh = object()  # the build never gets to use it
     for built, words in [("nope", r"must return \(model, optimizer\)"),
