@@ -3,19 +3,20 @@
 It runs in the launcher process (never in a worker, so any worker may die) and talks to the
 processes only through the control store and the process backend (``ProcessHandle``). One
 ``tick`` reads every heartbeat and failure report, decides, and publishes; the launcher calls it
-in a loop. It applies the detection rules, acts on exits, and holds its parts, each in its own
-file and each the only writer of its state:
+in a loop. It holds its parts, each in its own file and each the only writer of its state:
 
 - ``ProcessTable`` (``processes.py``): every process's view (role, verified heartbeat, silence);
 - ``HeartbeatReader`` (``heartbeats.py``): the heartbeats, direct and relayed, into the table;
-- the detection rules (``detection.py``): functions of the views, the clock and the settings;
+- ``ProcessWatch`` (``watch.py``): the exits acted on, and the detection rules (``detection.py``:
+  functions of the views, the clock and the settings) applied to the live processes;
 - ``ExitJudge`` (``exits.py``): what an exit means;
 - ``FailureCourse`` (``course.py``): the plan, and a failure's course from the abort to the
   recovery's end, with the members' ``FailureReports`` (``reports.py``);
 - ``SparePool`` (``spares.py``): spare starts, refills and their back-off;
 - ``Published`` and ``IntruderWatch`` (``published.py``): what it keeps written on the store;
 - ``Pace`` (``pace.py``): step times and the step count; ``Outcome`` (``outcome.py``): the end;
-- ``Sizing`` (``sizing.py``): an elastic job's target size, and when to change size.
+- ``Sizing`` (``sizing.py``): an elastic job's target size, and when to change size;
+  ``Resizing`` (``resizing.py``): the changes of size it starts between recoveries.
 
 Every value read from the store is verified against the job's secret (``control/auth.py``);
 forgeries are ignored and recorded as ``message_rejected`` events.
@@ -27,7 +28,6 @@ in a dead group.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -36,7 +36,6 @@ from checkpointless.config import JobConfig
 from checkpointless.control.auth import SignedStore
 from checkpointless.control.clock import ClockOffsets
 from checkpointless.control.course import CourseParts, Failure, FailureCourse
-from checkpointless.control.detection import early_finish, hung, stuck
 from checkpointless.control.exits import ExitJudge
 from checkpointless.control.heartbeats import HeartbeatReader, News
 from checkpointless.control.outcome import Outcome
@@ -45,17 +44,16 @@ from checkpointless.control.plan import Plan, initial_plan
 from checkpointless.control.processes import ProcessHandle, ProcessTable, ProcessView
 from checkpointless.control.published import IntruderWatch, Published
 from checkpointless.control.reports import FailureReports
+from checkpointless.control.resizing import Resizing
 from checkpointless.control.size_requests import SizeRequests
 from checkpointless.control.sizing import Sizing
 from checkpointless.control.spares import SparePool
+from checkpointless.control.watch import ProcessWatch
 from checkpointless.errors import JobFailed
 from checkpointless.protocol import keys
-from checkpointless.protocol.vocab import Event, Phase, Reason, Role, event
-
-log = logging.getLogger(__name__)
+from checkpointless.protocol.vocab import Event, Phase, Role, event
 
 _SWEEP_S = 1.0  # steady state: how often the keys behind the wake-ups are read anyway
-CATCH_UP_GRACE_STEPS = 2  # committed steps the first caught-up follower waits for the others
 INTRUDER_CHECK_S = 5.0  # how often the plain (un-namespaced) key names are checked for strangers' writes
 
 __all__ = ["Coordinator", "Failure", "JobFailed", "ProcessHandle"]
@@ -104,14 +102,15 @@ class Coordinator:
         self.course = FailureCourse(
             job, parts, self._emit, self._clock, probe, target=lambda: self.sizing.target
         )
-        self._sized_gen = 0  # the generation the sizing last saw start
-        self._first_caught: tuple[int, int] | None = None  # (generation, step) a follower first caught up
+        self.watch = ProcessWatch(job, self.table, self.heartbeats, self.exits, self.course, self.pace,
+                                  self._emit, take_in=self._take_in, finished=lambda: self.finished)  # fmt: skip
+        self.resizing = Resizing(job, self.table, self.sizing, self.spares, self.pace, self.course,
+                                 ending=lambda: self.finished or self._any_done())  # fmt: skip
         self.notices: set[str] = set()  # members whose process has notice, not handed off yet
         self._last_notice = float("-inf")  # when the newest notice was seen
         self._last_poll = float("-inf")
         self._last_sweep = float("-inf")
         self._last_intruder_check = float("-inf")
-        self._ranks_of: tuple[Plan | None, dict[str, int]] = (None, {})  # (plan, process -> rank)
         self.finished = False
 
     # -- setup --------------------------------------------------------------------
@@ -183,15 +182,6 @@ class Coordinator:
     def median_step_time(self) -> float:
         return self.pace.median()
 
-    def _rank_of(self, name: str) -> int | None:
-        """A process's rank in the current plan (a map built once per plan: every tick asks it of
-        every worker, a scan of the members each time was quadratic in the ranks)."""
-        if self.plan is None:
-            return None
-        if self._ranks_of[0] is not self.plan:
-            self._ranks_of = (self.plan, {p: r for r, p in self.plan.members.items()})
-        return self._ranks_of[1].get(name)
-
     # -- the loop -----------------------------------------------------------------
     def next_tick_s(self, tick_s: float = 0.01) -> float:
         """How long the caller may wait before the next ``tick`` if nothing wakes it earlier: one
@@ -238,7 +228,7 @@ class Coordinator:
         )
         if sweep:
             self._last_sweep = now
-        if not steady and self._check_exits(now):
+        if not steady and self.watch.check_exits(now):
             # a failure waits for these ranks: its plan at once, before this tick's reads (reading
             # every host's value is most of a tick at scale, bench/control_scale.py: the plan came
             # a tick late)
@@ -253,11 +243,11 @@ class Coordinator:
         if now - self._last_intruder_check >= INTRUDER_CHECK_S:
             self._last_intruder_check = now
             self.intruders.check(self.plan)
-        self._check_processes(now)
+        self.watch.check_processes(now)
         self.spares.start_due(now)
         if course.failure is None and poll:
-            self._check_progress(now)
-            self._check_early_finish()
+            self.watch.check_progress(now)
+            self.watch.check_early_finish()
         if sweep or self.reports.waiting:
             course.check_reports(direct=sweep)
         if course.failure is not None:
@@ -267,7 +257,7 @@ class Coordinator:
         if course.failure is None and course.recovering is None and poll and self.notices:
             self._check_notices(now)
         if course.failure is None and course.recovering is None and poll and self.job.elastic:
-            self._check_size(now)
+            self.resizing.check(now)
         if course.failure is None and course.recovering is None and (sweep or (poll and self._any_done())):
             self.check_done()
             if self.finished:
@@ -306,107 +296,6 @@ class Coordinator:
             self.procs[n].hb.get("phase") == Phase.DONE for n in self.members.values() if n in self.procs
         )
 
-    # -- detection ----------------------------------------------------------------
-    def _check_processes(self, now: float) -> None:
-        rc = self.job.recovery
-        for name, p in list(self.procs.items()):
-            if p.role == Role.GONE:
-                continue
-            rank = self._rank_of(name) if p.role == Role.WORKER else None
-            if not p.handle.alive():
-                self._on_exit(name, p, rank, now)
-                continue
-            if not p.joined and not p.killed and now - p.started > rc.start_timeout_s:
-                self._emit(Event.FAULT_DETECTED, rank=rank, reason=Reason.START_TIMEOUT, target=name, role=p.role,
-                           silent_s=round(now - p.started, 3))  # fmt: skip
-                log.warning(
-                    "%s did not join the job within %.0fs of its start; killing it", name, now - p.started
-                )
-                p.kill()
-            elif p.joined and not p.killed and self._hung(p, now):
-                silent = now - p.last_change
-                self._emit(Event.FAULT_DETECTED, rank=rank, reason=Reason.HEARTBEAT_TIMEOUT, target=name,
-                           silent_s=round(silent, 3), busy=bool(p.busy))  # fmt: skip
-                log.warning(
-                    "%s (rank %s): no heartbeat for %.1fs%s, killing it", name, rank, silent,
-                    " (using CPU all along: a thread holding the GIL, or stuck in native code)" if p.busy else "",
-                )  # fmt: skip
-                self.kill_member(p, rank, now)
-
-    def _check_exits(self, now: float) -> bool:
-        """The exits alone (``_check_processes`` without the hang rules, which need the heartbeats
-        read first): whether there were any."""
-        seen = False
-        for name, p in list(self.procs.items()):
-            if p.role != Role.GONE and not p.handle.alive():
-                self._on_exit(name, p, self._rank_of(name) if p.role == Role.WORKER else None, now)
-                seen = True
-        return seen
-
-    def _hung(self, p: ProcessView, now: float) -> bool:
-        """The hang rule's verdict on a joined process (``detection.hung``), its CPU samples kept in
-        the view."""
-        verdict = hung(p, now, self.job.recovery)
-        p.sampled(verdict.cpu_mark, verdict.busy)
-        return verdict.hung
-
-    def _on_exit(self, name: str, p: ProcessView, rank: int | None, now: float) -> None:
-        """A process is gone: a fault to recover from, a spare to restart, or the end of the job."""
-        if self.finished:
-            p.retire()
-            return
-        if not p.joined:
-            self._take_in(self.heartbeats.read_exited(name, p, now), now)
-        role = p.retire()
-        if self.exits.judge(name, p, role, rank, now) and rank is not None:
-            self.fail(now).dead.add(rank)
-
-    def kill_member(self, p: ProcessView, rank: int | None, now: float) -> None:
-        """Kill a process judged hung. A member's generation is aborted at once: its peers leave
-        it and report while the kill is confirmed (on another host, by its agent's next status, or
-        by the host's loss when the host is gone: seconds at 2,000 hosts), so the plan can follow
-        the confirmation at once. The rank counts as dead once its exit is seen."""
-        p.kill()
-        if rank is not None and p.role == Role.WORKER and not self.finished:
-            self.fail(now)
-
-    def _check_progress(self, now: float) -> None:
-        """A member stuck computing a step while a peer already waits in that step's reduction is
-        hung (``detection.stuck``). The allowance is ``progress_timeout_s`` or five normal steps,
-        whichever is longer; no step committed yet: none (the first step is slow)."""
-        if not self.pace.started:
-            return
-        rc = self.job.recovery
-        limit = max(rc.progress_timeout_s, 5 * self.median_step_time())
-        gen = self.plan.gen if self.plan else 0
-        members = [self.procs[n] for n in self.members.values() if self.procs[n].hb.get("gen") == gen]
-        for p in stuck(members, now, rc, limit):
-            rank = self._rank_of(p.handle.name)
-            step = p.hb.get("step")
-            self._emit(Event.FAULT_DETECTED, rank=rank, reason=Reason.NO_PROGRESS, target=p.handle.name,
-                       step=step, silent_s=round(now - p.phase_since, 3))  # fmt: skip
-            log.warning("%s (rank %s): no progress in step %s for %.1fs, killing it",
-                        p.handle.name, rank, step, now - p.phase_since)  # fmt: skip
-            self.kill_member(p, rank, now)
-
-    def _check_early_finish(self) -> None:
-        """Loops of different lengths end the job naming both ranks (``detection.early_finish``)."""
-        assert self.plan is not None
-        gen = self.plan.gen
-        live = {
-            r: p.hb for r, n in self.members.items()
-            if (p := self.procs.get(n)) is not None and not p.killed and p.role == Role.WORKER
-            and p.hb.get("gen") == gen and p.hb.get("rank") == r
-        }  # fmt: skip
-        found = early_finish(live, self.members)
-        if found is not None:
-            rank, error = found
-            self._emit(
-                Event.FAULT_DETECTED, rank=rank, reason=Reason.FATAL, target=self.members[rank], error=error
-            )
-            log.error("%s", error)
-            raise JobFailed(error)
-
     # -- preemption notices ------------------------------------------------------------
     def _check_notices(self, now: float) -> None:
         """Between recoveries: the members with notice handed off, to ready spares or, in an
@@ -427,62 +316,15 @@ class Coordinator:
         if self.course.can_hand_off(leaving, len(self.table.ready_spares())):
             self.course.hand_off(leaving, self._clock())  # kept in ``notices`` until they left the plan
 
-    # -- an elastic job's size --------------------------------------------------------
-    def _check_size(self, now: float) -> None:
-        """Between recoveries: the spare pool topped up to what the target size needs, and a change
-        of size started when ``Sizing`` says (never before the first commit or once a rank is done)."""
-        assert self.plan is not None
-        if self.plan.gen != self._sized_gen:
-            self._sized_gen = self.plan.gen
-            self.sizing.changed(now)
-        size = self.plan.world_size  # in ranks, as --workers counts them (whole replicas when sharded)
-        self.sizing.refresh(size)
-        if self.sizing.due(now):
-            self.spares.top_up(self.sizing.spares_wanted(size), now, self.job.recovery.resize_interval_s)
-        if not self.pace.started or self.finished or self._any_done():
-            return
-        if self.job.recovery.never_wait and self._check_catch_up(size, now):
-            return
-        ready = len(self.table.ready_spares())
-        alive = len(self.table.live_spares())
-        change = self.sizing.decide(size, ready, alive - ready + len(self.spares.due), now)
-        if change is not None and self.job.recovery.never_wait and change[0] > size:
-            # a grow without a wait: the spares follow a rank first (same size), then join
-            self.course.resize(size, "follow", now)
-        elif change is not None:
-            self.course.resize(*change, now)
-
-    def _check_catch_up(self, size: int, now: float) -> bool:
-        """``recovery.never_wait``: followers that caught up (at most a step behind the members)
-        grow the job, all in one join: the first to catch up waits up to ``CATCH_UP_GRACE_STEPS``
-        committed steps for the others (each join stops the members once), then goes with those
-        caught up (the others follow again later). Whether a catch-up is under way (no other
-        change of size then)."""
-        assert self.plan is not None
-        following = [
-            n for n in self.plan.followers
-            if (p := self.table.procs.get(n)) is not None and p.handle.alive() and not p.handle.leaving
-            and p.hb.get("phase") == Phase.FOLLOWING
-        ]  # fmt: skip
-        if not following:
-            return False
-        highest = max(int(self.table[n].hb.get("committed", -1)) for n in self.plan.members.values())
-        caught = [n for n in following if int(self.table[n].hb.get("applied", -1)) >= max(0, highest - 1)]
-        if not caught:
-            return True
-        if self._first_caught is None or self._first_caught[0] != self.plan.gen:
-            self._first_caught = (self.plan.gen, highest)
-        if len(caught) < len(following) and highest - self._first_caught[1] < CATCH_UP_GRACE_STEPS:
-            return True
-        if size < self.sizing.target:
-            self.course.resize(size + len(caught), "catch_up", now, newcomers=caught)
-        return True
-
     # -- the failure course ---------------------------------------------------------
     def fail(self, now: float) -> Failure:
         """The current generation's failure (``FailureCourse.fail``): also what a lost host's
         detection calls while its members' collectives still work."""
         return self.course.fail(now)
+
+    def kill_member(self, p: ProcessView, rank: int | None, now: float) -> None:
+        """Kill a process judged hung; a member's generation is aborted at once (``ProcessWatch.kill_member``)."""
+        self.watch.kill_member(p, rank, now)
 
     # -- the end --------------------------------------------------------------------
     def check_done(self) -> None:

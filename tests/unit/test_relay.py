@@ -244,7 +244,7 @@ def test_a_relayed_process_that_exits_before_a_read_brought_its_heartbeat_had_jo
     view.set(keys.node_relay("h1"), json.dumps({"seq": 1, "t": time.time(), "chunks": 0, "procs": procs}))
     w1.alive = lambda: False  # type: ignore[method-assign]
     w1.exitcode = lambda: 1  # type: ignore[method-assign]
-    coord._check_processes(time.monotonic())  # no read of the heartbeats before it
+    coord.watch.check_processes(time.monotonic())  # no read of the heartbeats before it
     (exited,) = [e for e in seen if e["kind"] == Event.PROCESS_EXITED]
     assert (exited["target"], exited["joined"]) == ("w1", True)
     assert [(e["reason"], e["target"]) for e in seen if e["kind"] == Event.FAULT_DETECTED] == [
