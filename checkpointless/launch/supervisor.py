@@ -32,7 +32,7 @@ from typing import IO, Any, Protocol
 
 from checkpointless.config import JobConfig
 from checkpointless.errors import LaunchError
-from checkpointless.launch.forkserver import ForkServer, forkable
+from checkpointless.launch.forkserver_client import ForkServer, forkable
 from checkpointless.protocol.env import (
     ENV_CONFIG,
     ENV_FORK_SERVER,
@@ -120,7 +120,7 @@ def _tree_cpu_seconds(pid: int) -> float | None:
 
 
 class Started(Protocol):
-    """A started process as ``subprocess.Popen`` or ``forkserver.Forked`` gives it."""
+    """A started process as ``subprocess.Popen`` or ``forkserver_client.Forked`` gives it."""
 
     @property
     def pid(self) -> int: ...

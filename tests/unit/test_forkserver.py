@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from checkpointless.launch.forkserver import ForkServer, forkable
+from checkpointless.launch.forkserver_client import ForkServer, forkable
 from checkpointless.protocol.env import ENV_PROC, ENV_SECRET_FD
 
 pytestmark = pytest.mark.timeout(120)
