@@ -20,14 +20,7 @@ from typing import Any
 
 import torch
 
-from checkpointless.catch_up import (
-    CatchUpSource,
-    copy_state,
-    fill_light,
-    follow,
-    light_state,
-    optimizer_storages,
-)
+from checkpointless.catch_up import CatchUpSource, fill_light, follow, light_state
 from checkpointless.comm import Group
 from checkpointless.control.auth import pg_token
 from checkpointless.control.client import ControlClient
@@ -38,6 +31,7 @@ from checkpointless.model_holder import ModelHolder, compared_state
 from checkpointless.protocol import keys
 from checkpointless.protocol.vocab import Event, Phase
 from checkpointless.state import TransferStats, combined_digest, entry_digests, recv_state, send_state
+from checkpointless.step_log import copy_state, optimizer_storages
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from checkpointless.catch_up import StepLog, apply_step, copy_state, fill_light, light_state
+from checkpointless.catch_up import fill_light, light_state
+from checkpointless.step_log import StepLog, apply_step, copy_state
 
 
 def _model() -> nn.Module:

@@ -84,6 +84,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "consistency",
             "joining",
             "catch_up",
+            "step_log",
             "following",
             "ending",
             "notice",
