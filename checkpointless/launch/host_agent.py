@@ -34,7 +34,8 @@ from checkpointless.control.client import SLOW_STORE_CAP, redial, store_accepts
 from checkpointless.errors import LaunchError
 from checkpointless.launch.relay import Relay
 from checkpointless.launch.remote import host_timeout, status_interval
-from checkpointless.launch.supervisor import LocalSupervisor, Wakeups
+from checkpointless.launch.supervisor import LocalSupervisor
+from checkpointless.launch.wakeups import Wakeups
 from checkpointless.observe.usage import UsageSampler
 from checkpointless.protocol import keys
 from checkpointless.protocol.env import ENV_AGENT_PID, ENV_CLOCK_SKEW, ENV_HOST_ADDR, ENV_NODE, ENV_RELAY

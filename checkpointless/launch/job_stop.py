@@ -26,7 +26,7 @@ from checkpointless.control.coordinator import Coordinator, JobFailed
 from checkpointless.control.processes import ProcessBackend
 from checkpointless.errors import JobInterrupted
 from checkpointless.launch.runtime import stop_signals
-from checkpointless.launch.supervisor import Wakeups
+from checkpointless.launch.wakeups import Wakeups
 from checkpointless.protocol import keys
 
 log = logging.getLogger(__name__)

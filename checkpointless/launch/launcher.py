@@ -60,8 +60,9 @@ from checkpointless.launch.remote import ClusterSpec, RemoteNodes
 from checkpointless.launch.run_folder import RunFolder, job_report
 from checkpointless.launch.runtime import steady_gc
 from checkpointless.launch.store import open_store
-from checkpointless.launch.supervisor import LocalSupervisor, Wakeups
+from checkpointless.launch.supervisor import LocalSupervisor
 from checkpointless.launch.tick_loop import TickLoop
+from checkpointless.launch.wakeups import Wakeups
 from checkpointless.observe.event_log import EventLog
 from checkpointless.observe.usage import UsageRecorder
 from checkpointless.protocol import keys
@@ -153,7 +154,7 @@ class Launcher:
     # -- processes ------------------------------------------------------------------
     @property
     def children(self) -> Mapping[str, Any]:
-        """Every process started so far, by name: a ``ProcessHandle`` each (``_Child`` here, a
+        """Every process started so far, by name: a ``ProcessHandle`` each (``Child`` here, a
         ``RemoteProcess`` on another host). A read-only view, not a copy (16,000 entries at 2,000
         hosts): not to be iterated across a call that starts a process."""
         return MappingProxyType(self.backend.children) if self.backend is not None else {}

@@ -20,11 +20,9 @@ import ctypes
 import logging
 import os
 import re
-import selectors
 import signal
 import socket
 import subprocess
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,6 +31,7 @@ from typing import IO, Any, Protocol
 from checkpointless.config import JobConfig
 from checkpointless.errors import LaunchError
 from checkpointless.launch.forkserver_client import ForkServer, forkable
+from checkpointless.launch.wakeups import Wakeups
 from checkpointless.protocol.env import (
     ENV_CONFIG,
     ENV_FORK_SERVER,
@@ -129,7 +128,7 @@ class Started(Protocol):
     def kill(self) -> None: ...
 
 
-class _Child:
+class Child:
     """A started process, as the coordinator sees it."""
 
     relayed = False  # on the coordinator's host, it beats into the control store itself
@@ -190,77 +189,6 @@ class _Child:
         return ""
 
 
-class Wakeups:
-    """What ends the launcher's wait between two ticks besides the clock: a child's exit (its
-    pidfd becomes readable) or a failure report (the report bell writes a byte to a pipe). In
-    steady state the launcher then ticks at the heartbeat pace, not every 10 ms: each wake-up on a
-    machine the workers keep busy delays one of them (``bench/control_load.py`` counts them). Without
-    pidfds (Linux < 5.3) it ticks every 10 ms as before."""
-
-    def __init__(self) -> None:
-        self._selector: selectors.BaseSelector | None = None  # opened with the first child
-        self._read = self._write = -1
-        self._exits: dict[str, int] = {}
-        self._lock = threading.Lock()  # ``ring`` comes from the bell's thread
-        self.complete = True  # every child's exit ends a wait
-
-    def open(self) -> selectors.BaseSelector:
-        """Start listening for rings (before the first child: a launcher or agent with no local
-        process yet is woken by the bell too)."""
-        if self._selector is None:
-            self._selector = selectors.DefaultSelector()
-            self._read, self._write = os.pipe()
-            os.set_blocking(self._read, False)
-            os.set_blocking(self._write, False)
-            self._selector.register(self._read, selectors.EVENT_READ)
-        return self._selector
-
-    def watch(self, child: _Child) -> None:
-        selector = self.open()
-        fd = child.exit_fd()
-        if fd is None:
-            self.complete = False
-            return
-        self._exits[child.name] = fd
-        selector.register(fd, selectors.EVENT_READ)
-
-    def watched(self) -> list[str]:
-        return list(self._exits)
-
-    def forget(self, name: str) -> None:
-        """Stop watching a child whose exit was handled (its pidfd stays readable)."""
-        fd = self._exits.pop(name, None)
-        if fd is not None and self._selector is not None:
-            self._selector.unregister(fd)
-            os.close(fd)
-
-    def ring(self) -> None:
-        with self._lock:
-            if self._selector is not None:
-                with contextlib.suppress(BlockingIOError):  # the pipe is full: a wake-up is pending
-                    os.write(self._write, b"x")
-
-    def wait(self, timeout: float) -> None:
-        if self._selector is None:
-            time.sleep(timeout)
-            return
-        for key, _ in self._selector.select(timeout):
-            if key.fd == self._read:
-                with contextlib.suppress(BlockingIOError):
-                    while os.read(self._read, 4096):
-                        pass
-
-    def close(self) -> None:
-        with self._lock:
-            for name in list(self._exits):
-                self.forget(name)
-            if self._selector is not None:
-                self._selector.close()
-                os.close(self._read)
-                os.close(self._write)
-                self._selector = None
-
-
 class LocalSupervisor:
     """Starts, watches and stops the job's processes on this host (see the module docstring)."""
 
@@ -279,7 +207,7 @@ class LocalSupervisor:
     ) -> None:
         self.job, self.command, self.job_id, self.env = job, command, job_id, env
         self._secret, self.store_addr, self._logdir, self.wakeups = secret, store_addr, logdir, wakeups
-        self.children: dict[str, _Child] = {}
+        self.children: dict[str, Child] = {}
         self.host = host or socket.gethostname()  # this host's name in the job's topology
         self._next_spare = 0
         self.spares: list[str] = []  # every spare started, in order
@@ -295,7 +223,7 @@ class LocalSupervisor:
             _before_fork(0)
             self._forks.start()  # its imports overlap the rest of the launcher's start
 
-    def spawn(self, name: str, role: str) -> _Child:
+    def spawn(self, name: str, role: str) -> Child:
         """Start ``name`` (``w<rank>`` or ``s<n>``) in ``role`` with the job's environment and secret."""
         nice = self.job.recovery.spare_start_nice if role == Role.SPARE else 0
         _before_fork(nice if nice and can_restore_priority() else 0)
@@ -329,7 +257,7 @@ class LocalSupervisor:
         finally:
             os.close(read_end)
             os.close(write_end)
-        child = _Child(name, popen, log_file, log_path, slot, self.host)
+        child = Child(name, popen, log_file, log_path, slot, self.host)
         self.children[name] = child
         self.wakeups.watch(child)
         return child
@@ -363,21 +291,21 @@ class LocalSupervisor:
         held = {c.slot for c in self.children.values() if c.alive()}
         return next(i for i in range(len(held) + 1) if i not in held)
 
-    def spawn_spare(self) -> _Child:
+    def spawn_spare(self) -> Child:
         name = f"s{self._next_spare}"
         self._next_spare += 1
         self.spares.append(name)
         return self.spawn(name, Role.SPARE)
 
     # -- the process backend (``control.processes.ProcessBackend``) on one host ----------------
-    def start_job(self) -> tuple[list[_Child], list[_Child]]:
+    def start_job(self) -> tuple[list[Child], list[Child]]:
         workers = [self.spawn(f"w{r}", Role.WORKER) for r in range(self.job.workers)]
         return workers, [self.spawn_spare() for _ in range(self.job.spares)]
 
     def probe(self, names: list[str]) -> None:
         """Nothing to ask: an exit here is seen at once (its pidfd)."""
 
-    def refresh(self) -> list[_Child]:
+    def refresh(self) -> list[Child]:
         return []
 
     def wait_exit(self, handle: Any, timeout_s: float) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 from checkpointless.control.coordinator import Coordinator, JobFailed
 from checkpointless.control.processes import ProcessBackend
-from checkpointless.launch.supervisor import Wakeups
+from checkpointless.launch.wakeups import Wakeups
 from checkpointless.observe.usage import UsageRecorder
 from checkpointless.protocol.vocab import Event, Role, event
 
