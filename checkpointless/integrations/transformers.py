@@ -37,7 +37,7 @@ a ``Session``'s step loop:
   before or after ``train`` runs on each rank over the whole set. Only rank 0 writes checkpoints and the model
   (``save_steps``, ``save_model``). A checkpoint rank 0 was writing when it died (after the step's
   commit: nobody executes that again) is written whole by the replacement that takes rank 0
-  (``Trainer._complete_checkpoint``; the private members of HF's it calls, overrides or sets are
+  (``hf_checkpoints.complete_checkpoint``; the private members of HF's it calls, overrides or sets are
   listed and pinned in ``_hf_compat``). What accelerate's gathers gave the step under ``torchrun`` the
   step does over the session's group instead: ``num_items_in_batch`` summed over the ranks (with
   ``average_tokens_across_devices``; the loss then scaled by the ranks, ``compute_loss``) and the
@@ -102,8 +102,8 @@ if under_launcher():
 
 from transformers import Seq2SeqTrainer as _HFSeq2SeqTrainer  # noqa: E402  (after the variables are hidden)
 from transformers import Trainer as _HFTrainer  # noqa: E402
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR  # noqa: E402
 
+from checkpointless.integrations.hf_checkpoints import best_checkpoint_dir, complete_checkpoint  # noqa: E402
 from checkpointless.integrations.hf_parts import (  # noqa: E402
     TrainerProgress,
     dataset_length,
@@ -192,48 +192,7 @@ class Trainer(_HFTrainer):
         if not under_launcher() or self._rank() == 0:
             super()._save_checkpoint(model, trial)
         elif self.args.save_strategy in ("steps", "epoch", "best"):
-            self.state.best_model_checkpoint = self._best_checkpoint_dir(trial)
-
-    def _best_checkpoint_dir(self, trial: Any = None) -> str | None:
-        """Rank 0's checkpoint of the best step so far (None before one)."""
-        step = self.state.best_global_step
-        run_dir = hf.output_dir(self, trial)
-        return os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{step}") if step else None
-
-    def _complete_checkpoint(self, step: int, per_epoch: int, max_steps: int, model: Any, trial: Any) -> None:
-        """Rank 0 taken over after the commit of the step before ``step``: the checkpoint of
-        ``step`` that the old rank 0 may have been writing when it died (after that commit, outside
-        any step: nobody executes that work again) is written now if it is due and not whole.
-
-        A checkpoint is whole once its ``trainer_state.json`` is there (``Trainer._save_checkpoint``
-        writes it after the model, optimizer, scheduler and RNG states). Due: a directory begun for
-        it, the save schedule (``DefaultFlowCallback``: ``save_steps``, an epoch's end, the last
-        step) or the best step so far. The model, optimizer and scheduler written are those the
-        rank received, equal to the old rank 0's; the per-process parts (RNG state, ``log_history``,
-        the FLOs counted) are this process's."""
-        from transformers.trainer_callback import DefaultFlowCallback, TrainerControl
-        from transformers.trainer_utils import SaveStrategy
-
-        if step <= 0 or self.args.save_strategy == SaveStrategy.NO:
-            return
-        folder = os.path.join(hf.output_dir(self, trial), f"{PREFIX_CHECKPOINT_DIR}-{step}")
-        if os.path.exists(os.path.join(folder, "trainer_state.json")):
-            return  # written whole before the rank was lost
-        # as of that step (the loop's start stays the job's: every rank passes the same)
-        kept = self.state.global_step, self.state.epoch
-        self.state.global_step, self.state.epoch = step, step / per_epoch
-        try:
-            flow, control = DefaultFlowCallback(), TrainerControl()
-            control = flow.on_step_end(self.args, self.state, control)
-            if step % per_epoch == 0 or step >= max_steps:
-                control = flow.on_epoch_end(self.args, self.state, control)
-            if os.path.isdir(folder) or control.should_save or self.state.best_global_step == step:
-                log.warning(
-                    "[rank 0] writing %s again: the rank's last process died before it was whole", folder
-                )
-                self._save_checkpoint(model, trial)
-        finally:
-            self.state.global_step, self.state.epoch = kept
+            self.state.best_model_checkpoint = best_checkpoint_dir(self, trial)
 
     def _finalize_training(self, trial: Any, num_train_samples: int, start_time: float) -> Any:
         """As ``transformers.Trainer``'s, but rank 0 alone deletes checkpoints (``save_total_limit``
@@ -308,14 +267,14 @@ class Trainer(_HFTrainer):
         hf.init_training_state(self, max_steps, per_epoch, epochs, resume_from_checkpoint, trial)
         model, _ = hf.prepare_for_training(self, max_steps, None, resume_from_checkpoint)
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper
-        progress = TrainerProgress(self, self._best_checkpoint_dir)
+        progress = TrainerProgress(self, lambda: best_checkpoint_dir(self))
         state: dict[str, Any] = {"lr_scheduler": self.lr_scheduler, "trainer": progress}
         if getattr(self.accelerator, "scaler", None) is not None:
             state["grad_scaler"] = self.accelerator.scaler
         session = self._session = Session(self.model, optimizer, state=state, seed=args.seed)
         session.require_one_share("the Hugging Face Trainer integration")
         if progress.received and session.rank == 0:
-            self._complete_checkpoint(session.step, per_epoch, max_steps, model, trial)
+            complete_checkpoint(self, session.step, per_epoch, max_steps, model, trial)
         sampling = "stream" if stream else getattr(args, "train_sampling_strategy", "random")
         if own_order is not None:
             sampling = "own"  # the order of the script's _get_train_sampler
