@@ -14,7 +14,7 @@ from checkpointless.comm import Group
 from checkpointless.control.client import ControlClient
 from checkpointless.control.plan import Plan
 from checkpointless.durable import DurableWriter
-from checkpointless.durable import load as load_durable
+from checkpointless.durable_snapshots import load as load_durable
 from checkpointless.errors import IntegrityError, Unrecoverable
 from checkpointless.model_holder import ModelHolder
 from checkpointless.protocol.vocab import Event
@@ -60,7 +60,7 @@ def restore_durable(
     that every rank can load; returns the plan as followed (resuming after that snapshot).
 
     Each rank loads the newest snapshot of its shard that verifies at or before the bound
-    (``durable.load``: a flipped byte, a file gone or another run's are skipped, with a warning
+    (``durable_snapshots.load``: a flipped byte, a file gone or another run's are skipped, with a warning
     line and, from dp-rank 0 of the shard, a ``durable_failed`` event); one all-gather of the
     steps loaded, and the smallest becomes the bound, until every rank loaded the same step.
     None left: ``Unrecoverable``.

@@ -29,7 +29,7 @@ from checkpointless.control.processes import ProcessTable
 from checkpointless.control.published import Published
 from checkpointless.control.reports import FailureReports
 from checkpointless.control.spares import SparePool
-from checkpointless.durable import job_key, latest_complete
+from checkpointless.durable_snapshots import job_key, latest_complete
 from checkpointless.errors import JobFailed
 from checkpointless.protocol import keys
 from checkpointless.protocol.vocab import Event, Phase, Reason, Role

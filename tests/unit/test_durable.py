@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from checkpointless import durable
+from checkpointless import durable, durable_snapshots
 from checkpointless.config import JobConfig
 from checkpointless.control.plan import PlanError, initial_plan, make_plan
 from checkpointless.errors import IntegrityError
@@ -25,7 +25,7 @@ from checkpointless.state import digest_state
 
 pytestmark = pytest.mark.timeout(60)
 
-RUN = durable.RunId.of(JobConfig(workers=1, spares=0), seed=0, argv=["train.py"])
+RUN = durable_snapshots.RunId.of(JobConfig(workers=1, spares=0), seed=0, argv=["train.py"])
 
 
 def _trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -38,7 +38,7 @@ def _trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 
 
 def _save(
-    root: Path, step: int, state: dict[str, object], shard: int = 0, run: durable.RunId = RUN
+    root: Path, step: int, state: dict[str, object], shard: int = 0, run: durable_snapshots.RunId = RUN
 ) -> durable.DurableWriter:
     w = durable.DurableWriter(root, every=1, run=run, shard=shard)
     assert w.save(step, state)
@@ -69,8 +69,8 @@ def test_round_trip_is_exact(tmp_path: Path) -> None:
     _save(
         tmp_path, 9, {"model": m.state_dict(), "optimizer": o.state_dict(), "progress": {"committed_step": 9}}
     )
-    assert durable.latest_complete(tmp_path) == 9
-    state = durable.load(tmp_path, 9, 0, RUN)
+    assert durable_snapshots.latest_complete(tmp_path) == 9
+    state = durable_snapshots.load(tmp_path, 9, 0, RUN)
     m2, o2 = _trained()
     with torch.no_grad():
         for p in m2.parameters():
@@ -85,17 +85,17 @@ def test_a_snapshot_without_its_manifest_is_never_chosen(tmp_path: Path) -> None
     _save(tmp_path, 4, {"x": torch.ones(3)})
     _save(tmp_path, 9, {"x": torch.ones(3)})
     (RUN.dir(tmp_path) / "step-000000009" / "shard-0.json").unlink()  # a write cut short
-    assert durable.latest_complete(tmp_path) == 4
+    assert durable_snapshots.latest_complete(tmp_path) == 4
     with pytest.raises(IntegrityError, match="step 9"):
-        durable.load(tmp_path, 9, 0, RUN)
+        durable_snapshots.load(tmp_path, 9, 0, RUN)
 
 
 def test_every_shard_must_be_complete(tmp_path: Path) -> None:
     _save(tmp_path, 4, {"x": torch.ones(3)}, shard=0)
     _save(tmp_path, 4, {"x": torch.ones(3)}, shard=1)
     _save(tmp_path, 9, {"x": torch.ones(3)}, shard=0)
-    assert durable.latest_complete(tmp_path, shards=2) == 4
-    assert durable.latest_complete(tmp_path / "missing") is None
+    assert durable_snapshots.latest_complete(tmp_path, shards=2) == 4
+    assert durable_snapshots.latest_complete(tmp_path / "missing") is None
 
 
 def test_a_corrupt_snapshot_is_refused_in_one_line(tmp_path: Path) -> None:
@@ -105,15 +105,15 @@ def test_a_corrupt_snapshot_is_refused_in_one_line(tmp_path: Path) -> None:
     raw[len(raw) // 2] ^= 1
     data.write_bytes(bytes(raw))
     with pytest.raises(IntegrityError) as corrupt:
-        durable.load(tmp_path, 3, 0, RUN)
+        durable_snapshots.load(tmp_path, 3, 0, RUN)
     assert "\n" not in str(corrupt.value), corrupt.value
     # its files gone: the coordinator sees it without reading the data, and load says which
     data.unlink()
     damaged: list[tuple[int, str]] = []
-    assert durable.latest_complete(tmp_path, damaged=damaged) is None
+    assert durable_snapshots.latest_complete(tmp_path, damaged=damaged) is None
     assert damaged == [(3, f"shard 0: {data.name} is missing")]
     with pytest.raises(IntegrityError, match="is missing") as gone:
-        durable.load(tmp_path, 3, 0, RUN)
+        durable_snapshots.load(tmp_path, 3, 0, RUN)
     assert "\n" not in str(gone.value)
 
 
@@ -125,7 +125,7 @@ def test_the_writer_keeps_the_two_newest(tmp_path: Path) -> None:
         w.wait()
     assert not w.due(5)
     assert sorted(p.name for p in RUN.dir(tmp_path).iterdir()) == ["step-000000014", "step-000000019"]
-    assert torch.equal(durable.load(tmp_path, 14, 0, RUN)["x"], torch.full((2,), 14.0))
+    assert torch.equal(durable_snapshots.load(tmp_path, 14, 0, RUN)["x"], torch.full((2,), 14.0))
 
 
 def test_pruning_keeps_the_newest_snapshot_complete_for_every_shard(tmp_path: Path) -> None:
@@ -136,7 +136,7 @@ def test_pruning_keeps_the_newest_snapshot_complete_for_every_shard(tmp_path: Pa
     for step in (9, 14, 19):
         w.save(step, {"x": torch.ones(2)})
         w.wait()
-    assert durable.latest_complete(tmp_path, shards=2) == 4
+    assert durable_snapshots.latest_complete(tmp_path, shards=2) == 4
     assert sorted(p.name for p in RUN.dir(tmp_path).iterdir()) == [
         "step-000000004", "step-000000014", "step-000000019",
     ]  # fmt: skip
@@ -146,9 +146,9 @@ def test_runs_sharing_a_directory_never_restore_nor_prune_each_other(tmp_path: P
     """Issue 19 (2): each run writes under its own key; the coordinator's choice is bounded by the
     job's shape and seed and by its committed step; a run never loads nor prunes another's files."""
     job = JobConfig(workers=1, spares=0)
-    mine = durable.RunId.of(job, seed=0, argv=["train.py", "--lr", "1e-3"])
-    theirs = durable.RunId.of(job, seed=0, argv=["train.py", "--lr", "3e-3"])
-    other_seed = durable.RunId.of(JobConfig(workers=1, spares=0, seed=1), seed=1, argv=["train.py"])
+    mine = durable_snapshots.RunId.of(job, seed=0, argv=["train.py", "--lr", "1e-3"])
+    theirs = durable_snapshots.RunId.of(job, seed=0, argv=["train.py", "--lr", "3e-3"])
+    other_seed = durable_snapshots.RunId.of(JobConfig(workers=1, spares=0, seed=1), seed=1, argv=["train.py"])
     assert len({mine.run, theirs.run, other_seed.run}) == 3 and mine.job == theirs.job != other_seed.job
     t = durable.DurableWriter(tmp_path, every=5, run=theirs)
     for step in (29, 39):
@@ -159,14 +159,14 @@ def test_runs_sharing_a_directory_never_restore_nor_prune_each_other(tmp_path: P
     for step in (4, 9, 14):
         m.save(step, {"x": torch.full((2,), float(step))})
         m.wait()
-    assert durable.complete_steps(theirs.dir(tmp_path)) == [39, 29]  # not pruned by the other run
+    assert durable_snapshots.complete_steps(theirs.dir(tmp_path)) == [39, 29]  # not pruned by the other run
     assert m.candidates(1, at_most=100) == [14, 9]
     # the coordinator: the newest of this job's shape and seed, at most the step the job committed
-    assert durable.latest_complete(tmp_path, job=mine.job, at_most=20) == 14
-    assert durable.latest_complete(tmp_path, job=other_seed.job, at_most=100) == 24
+    assert durable_snapshots.latest_complete(tmp_path, job=mine.job, at_most=20) == 14
+    assert durable_snapshots.latest_complete(tmp_path, job=other_seed.job, at_most=100) == 24
     with pytest.raises(IntegrityError):
-        durable.load(tmp_path, 39, 0, mine)
-    assert torch.equal(durable.load(tmp_path, 14, 0, mine)["x"], torch.full((2,), 14.0))
+        durable_snapshots.load(tmp_path, 39, 0, mine)
+    assert torch.equal(durable_snapshots.load(tmp_path, 14, 0, mine)["x"], torch.full((2,), 14.0))
 
 
 def test_a_failed_rewrite_keeps_the_step_intact(tmp_path: Path) -> None:
@@ -178,8 +178,8 @@ def test_a_failed_rewrite_keeps_the_step_intact(tmp_path: Path) -> None:
         assert w.save(9, {"x": torch.zeros(1_000_000)})
         w.wait()
     assert w.error is not None and w.saved == []
-    assert durable.latest_complete(tmp_path) == 9
-    assert torch.equal(durable.load(tmp_path, 9, 0, RUN)["x"], torch.full((4,), 9.0))
+    assert durable_snapshots.latest_complete(tmp_path) == 9
+    assert torch.equal(durable_snapshots.load(tmp_path, 9, 0, RUN)["x"], torch.full((4,), 9.0))
 
 
 def test_a_write_failing_inside_dcp_is_reported_and_leaves_no_files(tmp_path: Path) -> None:
@@ -199,7 +199,7 @@ def test_a_write_failing_inside_dcp_is_reported_and_leaves_no_files(tmp_path: Pa
     assert "\n" not in str(failed["error"]) and "Traceback" not in str(failed["error"]), failed
     assert w.error == failed["error"] and w.saved == [4]
     assert _files(tmp_path) == before  # no partial snapshot of step 9
-    assert durable.latest_complete(tmp_path) == 4
+    assert durable_snapshots.latest_complete(tmp_path) == 4
 
 
 def test_the_writer_reports_each_outcome(tmp_path: Path) -> None:
@@ -230,18 +230,18 @@ def test_the_writer_reports_each_outcome(tmp_path: Path) -> None:
 
 _FULL_DISK = """
 import json, sys, torch
-from checkpointless import durable
+from checkpointless import durable, durable_snapshots
 from checkpointless.config import JobConfig
 heard = []
-run = durable.RunId.of(JobConfig(workers=1, spares=0), seed=0, argv=["train.py"])
+run = durable_snapshots.RunId.of(JobConfig(workers=1, spares=0), seed=0, argv=["train.py"])
 w = durable.DurableWriter(sys.argv[1], every=1, run=run, on_event=lambda kind, f: heard.append([kind, f["step"]]))
 for step in range(4):  # 2 MiB each on a 5 MiB disk: the third has no room unless the first goes
     w.save(step, {"x": torch.full((512 * 1024,), float(step))})
     w.wait()
 w.save(4, {"x": torch.zeros(2 * 1024 * 1024)})  # 8 MiB: never fits
 w.wait()
-print(json.dumps({"heard": heard, "error": w.error, "complete": durable.complete_steps(run.dir(sys.argv[1])),
-                  "x": durable.load(sys.argv[1], 3, 0, run)["x"][0].item()}))
+print(json.dumps({"heard": heard, "error": w.error, "complete": durable_snapshots.complete_steps(run.dir(sys.argv[1])),
+                  "x": durable_snapshots.load(sys.argv[1], 3, 0, run)["x"][0].item()}))
 """
 
 
