@@ -32,6 +32,7 @@ from checkpointless.config import JobConfig
 from checkpointless.control.auth import SignedStore, job_namespace
 from checkpointless.control.client import SLOW_STORE_CAP, redial, store_accepts
 from checkpointless.errors import LaunchError
+from checkpointless.launch.agent_join import join_job
 from checkpointless.launch.relay import Relay
 from checkpointless.launch.remote import host_timeout, status_interval
 from checkpointless.launch.supervisor import LocalSupervisor
@@ -45,52 +46,10 @@ log = logging.getLogger(__name__)
 
 AGENT_NICE = -10  # where the agent may raise its priority (root, or RLIMIT_NICE)
 EXIT_LOST = 3  # the coordinator stopped answering: this host fenced itself
-HELLO_SETTLE_S = 3.0  # a hello that does not open is "another secret" once it stays so this long
 _ORDER_WAIT = timedelta(hours=1)  # a timed-out wait logs two c10d warnings: wait long
 _RETRY_S = 0.1  # a status that could not be sent is tried again this soon
 _REDIAL_S = 0.5  # a connection that failed is dialled again this often (a fenced host: as often)
 _STOP_GRACE_S = 5.0  # a stopped job's processes may exit by themselves this long, then are killed
-
-
-def _dial(addr: str, timeout_s: float) -> Any:
-    """A store connection to the coordinator, retried until ``timeout_s`` (it may start later).
-
-    The whole dial is bounded: c10d's handshake has no deadline of its own, so a port that accepts
-    connections but is not a store (another service) would hold the client for ever. Each attempt
-    runs in a daemon thread that is given up on at the deadline (the agent then exits)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        result: list[Any] = []
-
-        def attempt(result: list[Any] = result) -> None:
-            try:
-                result.append(redial(addr, deadline - time.monotonic(), timedelta(seconds=10)))
-            except (RuntimeError, OSError) as e:
-                result.append(e)
-
-        t = threading.Thread(target=attempt, name="agent-dial", daemon=True)
-        t.start()
-        t.join(max(deadline - time.monotonic(), 0.0) + 0.5)
-        if not result:
-            raise LaunchError(f"the coordinator at {addr} accepted the connection but did not answer as a "
-                              f"checkpointless coordinator within {timeout_s:g}s (is it its port?)")  # fmt: skip
-        if not isinstance(result[0], BaseException):
-            return result[0]
-        if time.monotonic() > deadline:
-            raise LaunchError(
-                f"cannot reach the coordinator at {addr} within {timeout_s:g}s: {result[0]}"
-            ) from None
-        time.sleep(0.2)
-
-
-def _wait_value(store: SignedStore, key: str, timeout_s: float) -> str | None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        text = store.get(key)
-        if text is not None:
-            return text
-        time.sleep(0.05)
-    return None
 
 
 class HostAgent:
@@ -142,47 +101,12 @@ class HostAgent:
     # -- joining ------------------------------------------------------------------------
     def join(self) -> tuple[JobConfig, str, int]:
         """(job, job id, this host's node index); ``LaunchError`` in one line if it cannot join."""
-        raw = _dial(self.coordinator, self.join_timeout_s)
-        self.addr = self.addr or _own_addr(self.coordinator)  # the route to it exists now
-        plain = SignedStore(raw, self._secret)
-        deadline = time.monotonic() + self.join_timeout_s
-        mismatch: float | None = None  # since when the hello there does not open with this secret
-        while True:
-            sealed = plain.get_sealed(keys.CLUSTER_HELLO)
-            if sealed is not None and plain.open(keys.CLUSTER_HELLO, sealed) is not None:
-                break
-            now = time.monotonic()
-            if sealed is not None:
-                # another secret, or a stranger's value the coordinator writes over within a second
-                mismatch = now if mismatch is None else mismatch
-                if now > min(deadline, mismatch + HELLO_SETTLE_S):
-                    raise LaunchError(
-                        f"the coordinator at {self.coordinator} has another secret (wrong --secret-file?)"
-                    )
-            elif now > deadline:
-                raise LaunchError(f"{self.coordinator} is not a checkpointless coordinator (no hello within "
-                                  f"{self.join_timeout_s:g}s)")  # fmt: skip
-            time.sleep(0.1)
-        self.store = SignedStore(raw, self._secret, namespace=job_namespace(self._secret))
-        text = _wait_value(self.store, keys.JOB_CONFIG, self.join_timeout_s)
-        if text is None:
-            raise LaunchError(f"the coordinator at {self.coordinator} published no job")
-        d = json.loads(text)
-        job, job_id = JobConfig.from_json(d["job"]), str(d["job_id"])
-        hello = {"host": self.host, "addr": self.addr, "nproc": self.nproc, "spare": self.spare,
-                 "pid": os.getpid()}  # fmt: skip
-        if self.node_rank is not None:
-            hello["node_rank"] = self.node_rank
-        ticket = self.store.add(keys.AGENTS_COUNT, 1) - 1
-        self.store.set(keys.agent_hello(ticket), json.dumps(hello))
-        answer = _wait_value(self.store, keys.node_accept(self.host, os.getpid()), self.join_timeout_s)
-        if answer is None:
-            raise LaunchError(f"the coordinator at {self.coordinator} did not accept host {self.host} within "
-                              f"{self.join_timeout_s:g}s")  # fmt: skip
-        reply = json.loads(answer)
-        if "error" in reply:
-            raise LaunchError(str(reply["error"]))
-        return job, job_id, int(reply["node"])
+        joined = join_job(
+            self.coordinator, self._secret, host=self.host, addr=self.addr, nproc=self.nproc, spare=self.spare,
+            node_rank=self.node_rank, timeout_s=self.join_timeout_s,
+        )  # fmt: skip
+        self.store, self.addr = joined.store, joined.addr
+        return joined.job, joined.job_id, joined.node
 
     # -- running --------------------------------------------------------------------------
     def run(self) -> int:
@@ -436,18 +360,6 @@ class HostAgent:
             status["reset"] = self._reset_done
         store.set(keys.node_status(self.host), json.dumps(status))
         return stopped
-
-
-def _own_addr(coordinator: str) -> str:
-    """The address this host reaches the coordinator from (the route's source address)."""
-    host, port = coordinator.rsplit(":", 1)
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect((host.strip("[]"), int(port)))
-            return str(s.getsockname()[0])
-        except OSError as e:  # reached a moment ago: only a vanished route lands here
-            raise LaunchError(f"no route to the coordinator at {coordinator} ({e}); give this host's "
-                              "address with --addr") from None  # fmt: skip
 
 
 def _stop_on_signals(agent: HostAgent) -> None:
