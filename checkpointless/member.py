@@ -4,7 +4,9 @@ coordinator's plan says (the holders comparing theirs first), and the step re-ex
 
 ``Member`` is the only writer of the process's place in the job (rank, world size, generation),
 of its group and, for a sharded model, of the generation's mesh, which the model holder receives;
-the state it takes on the way in is its ``StateArrival``'s (``arrival.py``).
+the state it takes on the way in is its ``StateArrival``'s (``arrival.py``), moved as the plan
+says by its ``GenerationEntry`` (``entry.py``); its ``AbortWatch`` (``aborts.py``) is what the
+heartbeat thread saw of a generation's abort.
 """
 
 from __future__ import annotations
@@ -12,8 +14,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import threading
-import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
@@ -21,31 +21,26 @@ from typing import Any, NoReturn
 
 import torch
 
+from checkpointless.aborts import AbortWatch
 from checkpointless.arrival import StateArrival
 from checkpointless.comm import CollectiveError, Group, is_collective_failure
 from checkpointless.config import JobConfig
-from checkpointless.consistency import (
-    TrainableAgreement,
-    compare_holders,
-    holders_can_disagree,
-    layouts_differ,
-)
+from checkpointless.consistency import TrainableAgreement
 from checkpointless.control.client import ControlClient
 from checkpointless.control.plan import Plan
 from checkpointless.durable import DurableWriter
+from checkpointless.entry import GenerationEntry
 from checkpointless.errors import Dismissed, FatalError, IntegrityError, Unrecoverable
 from checkpointless.fault_grammar import FaultSpec
 from checkpointless.faults import FaultInjector
-from checkpointless.following import CatchUps, send_light
+from checkpointless.following import CatchUps
 from checkpointless.formation import Formation
 from checkpointless.fsdp import Generation
 from checkpointless.model_holder import ModelHolder
 from checkpointless.progress import StepState
-from checkpointless.protocol import keys
 from checkpointless.protocol.vocab import Event, Phase, Reason
-from checkpointless.recovery_source import transfer_out
 from checkpointless.replicas import own_lineage
-from checkpointless.state import TransferStats, combined_digest
+from checkpointless.state import TransferStats
 
 log = logging.getLogger(__name__)
 
@@ -89,11 +84,14 @@ class Member:
         self.group: Group | None = None
         self._generation: Generation | None = None  # sharded: this generation's groups and mesh
         self.fatal_sent = False  # this process reported a mistake no recovery can fix
-        self.abort_seen = -1  # the generation whose abort the heartbeat thread saw
-        self.planned_leave = -1  # the generation whose planned end the heartbeat thread saw
         self._host_ranks: list[int] = []  # the ranks on this process's host (a host fault hits them all)
         self.trainable = TrainableAgreement(self)
         self._arrival = StateArrival(model, steps, self.trainable, secret, has_state=has_state)
+        self._aborts = None if client is None else AbortWatch(client)  # what the heartbeat thread saw
+        #: the state's part of entering a generation (``entry.py``)
+        self._entry = (
+            None if client is None else GenerationEntry(self, client, model, steps, self._arrival, secret)
+        )
         timeout = timedelta(seconds=rc.collective_timeout_s)
         #: the spares this process feeds in the background, or its own catch-up (``following``)
         self.catch_ups = None if client is None else CatchUps(client, secret, model, timeout)
@@ -177,24 +175,13 @@ class Member:
             self.client.emit(kind, sync=True, rank=self.rank, gen=self.generation, **fields)
 
     # -- waits that a peer's failure cuts short ---------------------------------------
-    def poll_abort(self, seconds: float, until: str | None = None) -> bool | None:
-        """Poll the store until this generation is aborted (True), ``until`` is published (False)
-        or ``seconds`` pass (None)."""
-        client, deadline = self._client(), time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            if until is not None and client.is_set(until):
-                return False
-            if client.is_set(keys.abort(self.generation)):
-                return True
-            time.sleep(0.005)
-        return None
-
     def wait_peer_json(self, key: str) -> Any:
         """A value a peer of this generation publishes, or ``CollectiveError`` as soon as the
         coordinator aborts the generation (a peer died): every wait inside a step becomes a
         normal recovery, never a wait for ``plan_timeout_s``."""
         seconds = self.plan_timeout.total_seconds()
-        outcome = self.poll_abort(seconds, until=key)
+        assert self._aborts is not None, "a process alone has no control plane"
+        outcome = self._aborts.poll(self.generation, seconds, until=key)
         if outcome is None:
             raise TimeoutError(f"{key} was not published within {seconds:g} s")
         if outcome:
@@ -210,10 +197,10 @@ class Member:
         Anything else the step raised is the user's exception, re-executed a bounded number of times."""
         if isinstance(exc, CollectiveError):
             return True
-        if not is_collective_failure(exc) or self.client is None:
+        if not is_collective_failure(exc) or self._aborts is None:
             return False
         rc = self.job.recovery
-        return self.poll_abort(rc.hang_timeout_s + 4 * rc.heartbeat_interval_s) is True
+        return self._aborts.poll(self.generation, rc.hang_timeout_s + 4 * rc.heartbeat_interval_s) is True
 
     def verify_join(self) -> None:
         """A spare that caught up and joined checks its state against its source's before any
@@ -354,83 +341,33 @@ class Member:
             )
         if plan.gen == 0:
             self._steps.descend(own_lineage(0, rank))
-        # where a recovery copies state, the holders compare theirs first (corruption since the
-        # last check must not be copied): hashed here, overlapping the group's formation
-        compare = (
-            plan.gen > 0 and bool(plan.sources) and plan.restore is None and plan.world_size > 1
-            and self.job.recovery.consistency_every > 0 and holders_can_disagree(plan)
-        )  # fmt: skip
-        holder = self.has_state and rank not in plan.sources
-        hashing: dict[str, bytes] = {}
-        hasher = None
-        if compare and holder and not self._model.sharded:
-            hasher = threading.Thread(target=lambda: hashing.update(d=combined_digest(self._model.entries())),
-                                      daemon=True)  # fmt: skip
-            hasher.start()
+        assert self._entry is not None and self._aborts is not None
+        ahead = self._entry.hash_ahead(plan, rank)  # the holders' digests, while the group forms
         self._form(plan)
         assert self.group is not None
         # leave the generation as soon as the coordinator aborts it, even while its collectives
         # still work (a peer cut off from the coordinator only): the heartbeat thread releases it
         release = self._generation.release if self._generation is not None else self.group.release
-        client.watch_abort(plan.gen, lambda: self._aborted(plan.gen, release))
+        aborts = self._aborts
+        client.watch_abort(plan.gen, lambda: aborts.aborted(plan.gen, release))
         if self._generation is not None:
             self._build()
-        if plan.world_size > 1:
-            self._check_layout(plan)
-        if plan.restore is not None:
-            plan = self._restore_durable(plan)
-        sources = dict(plan.sources)
-        if compare:
-            if hasher is not None:
-                hasher.join()
-            elif holder:
-                hashing["d"] = combined_digest(self._model.entries())
-            sources, lineages = compare_holders(self, plan, hashing.get("d"), holder, self._steps)
-            self._arrival.exchanged(lineages)
-        if rank in sources:
-            self._receive(plan, sources[rank], light=rank in plan.caught_up)
-        for dst in sorted(r for r, s in sources.items() if s == rank):
-            if self.faults is not None:
-                self.faults.at_recovery(rank, plan.resume_step, self.fault_fired, at="source")
-            if dst in plan.caught_up:
-                assert self.catch_ups is not None
-                send_light(
-                    self.group, dst, self._model, self._secret, self.catch_ups.digest(fresh=rank in sources)
-                )
-                continue
-            transfer_out(self.group, dst, self._model, self._secret, gen=plan.gen, rank=rank)
-        self._arrival.relayout(plan.resume_step)
-        if plan.world_size > 1 and self._steps.committed < 0 and plan.restore is None:
-            # nothing committed yet (generation 0, or a recovery before the first commit): every
-            # replica starts from rank 0's parameters and buffers, as DDP's do
-            replicas = self._generation.mesh.get_group("replicate") if self._generation is not None else None
-            self._model.start_from_replica_0(self.group, replicas, plan.gen)
+        plan = self._entry.move(plan, rank, ahead, self._generation)  # layouts, rollback, transfers
         assert self._steps.committed == plan.resume_step - 1, (self._steps.committed, plan.resume_step)
         self._steps.resume(plan.resume_step, recovered=plan.gen > 0)
         client.update(phase=Phase.IDLE, committed=self._steps.committed)
         if self.catch_ups is not None and plan.followers:
             self.catch_ups.start(plan, rank, self._steps.committed)
 
-    def _aborted(self, gen: int, release: Callable[[], None]) -> None:
-        """The heartbeat thread saw generation ``gen`` aborted: its collectives released, unless
-        the change is planned (``keys.planned``): then the step in flight goes on, and the member
-        leaves as the next attempt begins (``leave_if_planned``); a peer that left first fails the
-        next step's collectives, which is a recovery from the same committed step."""
-        if self._client().is_set(keys.planned(gen)):
-            self.planned_leave = gen
-            return
-        self.abort_seen = gen
-        release()
-
     def check_abort(self) -> None:
         """A generation of one has no collective to fail: its member leaves an aborted one at the
         reduction."""
-        if self.world_size == 1 and self.client is not None and self.abort_seen == self.generation:
+        if self.world_size == 1 and self._aborts is not None and self._aborts.seen == self.generation:
             raise CollectiveError(f"gen {self.generation}: aborted by the coordinator")
 
     def leave_if_planned(self) -> None:
         """As an attempt begins: leave a generation whose planned end this process saw."""
-        if self.client is not None and self.planned_leave == self.generation:
+        if self._aborts is not None and self._aborts.planned == self.generation:
             self.recover(Reason.PLANNED)
 
     def _form(self, plan: Plan) -> None:
@@ -444,18 +381,6 @@ class Member:
         else:
             self.group = formed
 
-    def _receive(self, plan: Plan, src: int, *, light: bool = False) -> None:
-        """This rank's state from ``src`` (``StateArrival.receive``)."""
-        assert self.group is not None
-        rank = self.rank
-
-        def hook() -> None:
-            # kill:spare@recovery hits a spare taking a rank only, never a lagging survivor that receives
-            if self.faults is not None and plan.newcomer(rank):
-                self.faults.at_recovery(rank, plan.resume_step, self.fault_fired)
-
-        self._arrival.receive(self.group, self._client(), plan, rank, src, light=light, hook=hook)
-
     def resync_to(self, dst: int) -> None:
         """The consistency check: send this rank's state to a replica that differs from the majority."""
         assert self.group is not None
@@ -465,21 +390,3 @@ class Member:
         """The consistency check: this replica takes ``ref``'s state (``StateArrival.resync_from``)."""
         assert self.group is not None
         return self._arrival.resync_from(self.group, ref, lineage, step)
-
-    def _restore_durable(self, plan: Plan) -> Plan:
-        """The rollback to the durable tier (``StateArrival.restore_durable``); the plan as followed."""
-        assert (
-            self.group is not None and self.durable is not None
-        )  # a rollback is planned only with the tier on
-        try:
-            return self._arrival.restore_durable(plan, self.group, self.durable, self._client(), rank=self.rank,
-                                                 shard=self.shard, replica=self.replica)  # fmt: skip
-        except Unrecoverable as e:
-            self.fatal(str(e))
-
-    def _check_layout(self, plan: Plan) -> None:
-        """Every rank's parameters must have the same names, shapes and dtypes (``layouts_differ``)."""
-        assert self.group is not None and self._model.model is not None
-        difference = layouts_differ(self.group, self._client(), self._model.model, plan.gen, self.rank)
-        if difference is not None:
-            self.fatal(difference)

@@ -90,6 +90,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "sharded_model",
             "share_loop",
             "member",
+            "aborts",
+            "entry",
             "takeover",
             "arrival",
             "formation",
