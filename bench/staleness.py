@@ -32,6 +32,7 @@ MEASURES: dict[str, list[str]] = {
     "transfer": [
         "checkpointless/state",
         "checkpointless/comm.py",
+        "checkpointless/group_works.py",
         "checkpointless/sockets.py",
         "checkpointless/control/auth.py",
     ],

@@ -28,32 +28,14 @@ it while its collectives still work (a host cut off from the coordinator but not
 a member declared dead that is not): the session's heartbeat thread sees the abort and releases
 the group, and the blocked collective raises ``CollectiveError`` in the main thread.
 
-Shutting the sockets down is not enough on its own for gloo: a send whose bytes did not all fit
-in the socket when the peer stopped reading (a peer cut off or stopped mid-transfer) waits for
-gloo's timeout (its pair notifies the pending receives, not an unbound buffer's queued write).
-So a wait on a gloo collective never blocks for long: it waits in slices of ``RELEASE_POLL_S``
-and gives up as soon as its group is released (``_wait``); and a group aborted while one of its
-collectives still runs in gloo's worker thread is not destroyed (its destructor would join that
-thread, holding the GIL, until the timeout): it is kept aside, its sockets shut down, and dropped
-once that work has ended (``abort``, ``_sweep``). A point-to-point transfer's wait (a state
-transfer's) cannot wait in slices (a timed wait on a gloo send ends the send, and torch does not
-expose its abort): its plain wait runs in a thread of the group's own, from the moment the
-transfer is posted, while the caller looks every ``RELEASE_POLL_S`` whether the group was released
-(``_Waiter``). A wait given up leaves its work
-and tensor to that thread until gloo's timeout ends them; the work holds the group's context, so the
-group may go meanwhile. A sharded generation's group, which this module only wraps, gives up the
-same way when its owner releases it.
+How a wait on a collective gives up once its group is released, what an abort keeps aside until
+its collectives have ended, and the groups aborted at the interpreter's exit: ``group_works.py``.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import logging
-import queue
-import threading
-import time
-import weakref
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -62,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from checkpointless.errors import CollectiveError
+from checkpointless.group_works import Works, graveyard, live, sweep
 from checkpointless.sockets import (
     exchange_listeners,
     group_connections,
@@ -73,35 +56,6 @@ from checkpointless.sockets import (
 
 log = logging.getLogger(__name__)
 
-RELEASE_POLL_S = 0.05  # how often a gloo wait looks whether its group was released
-_graveyard: list[tuple[Any, list[Any]]] = []  # (aborted gloo group, its collectives still running)
-
-
-_live: weakref.WeakSet[Group] = weakref.WeakSet()  # the groups this module formed, until aborted
-EXIT_WAIT_S = 2.0  # how long the exit waits for aborted groups' collectives to end
-
-
-def _sweep() -> None:
-    """Drop the aborted groups whose last collective has ended (their destructors are quick now)."""
-    _graveyard[:] = [(pg, works) for pg, works in _graveyard if not all(w.is_completed() for w in works)]
-
-
-@atexit.register
-def _abort_at_exit() -> None:
-    """Abort the groups still formed when the interpreter exits, while it can still run their
-    destructors: a gloo group destroyed during finalization, with work still holding tensors,
-    can abort the process (``terminate called without an active exception``). Runs after the
-    non-daemon threads have ended; a daemon thread blocked in one of them sees it fail."""
-    for group in list(_live):
-        with contextlib.suppress(Exception):
-            group.release()
-            group.abort()
-    deadline = time.monotonic() + EXIT_WAIT_S
-    while _graveyard and time.monotonic() < deadline:
-        _sweep()
-        time.sleep(RELEASE_POLL_S)
-
-
 _BACKEND_MARKS = ("gloo", "NCCL", "ProcessGroup", "Connection reset", "Connection closed")
 
 
@@ -112,54 +66,6 @@ def is_collective_failure(exc: BaseException) -> bool:
     if isinstance(exc, CollectiveError | dist.DistError):
         return True
     return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _BACKEND_MARKS)
-
-
-_Ticket = tuple[threading.Event, list[str]]  # a submitted wait: set once it ended, and its error
-
-
-class _Waiter:
-    """Waits a group's point-to-point works one at a time, in submission order, in a daemon thread
-    of its own, while the caller looks whether the group was released (module doc). A transfer's
-    works are submitted as they are posted, so the thread runs ahead of the caller, who then finds
-    most of them ended (no thread switch per message). A wait given up leaves the thread inside it
-    until gloo's timeout ends the work; the group is unusable by then."""
-
-    def __init__(self, name: str) -> None:
-        self._queue: queue.SimpleQueue[tuple[Any, threading.Event, list[str]] | None] = queue.SimpleQueue()
-        threading.Thread(target=self._run, name=name, daemon=True).start()
-
-    def submit(self, work: Any) -> _Ticket:
-        """Wait for ``work`` in the thread, after those submitted before it."""
-        done, failed = threading.Event(), list[str]()
-        self._queue.put((work, done, failed))
-        return done, failed
-
-    @staticmethod
-    def wait(ticket: _Ticket, released: Callable[[], bool], gen: int) -> None:
-        """Until the ticket's work ended; ``CollectiveError`` once ``released()``, a gloo error as
-        ``RuntimeError``."""
-        done, failed = ticket
-        while not done.wait(RELEASE_POLL_S):
-            if released():
-                raise CollectiveError(f"gen {gen}: the group was released while a transfer waited")
-        if failed:
-            raise RuntimeError(failed[0])
-
-    def close(self) -> None:
-        """The thread ends after the waits submitted so far."""
-        self._queue.put(None)
-
-    def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            work, done, failed = item
-            del item
-            try:
-                work.wait()
-            except RuntimeError as e:
-                failed.append(str(e))  # its message only: no frame of this thread, which holds the work
-            finally:
-                del work
-                done.set()
 
 
 class Group:
@@ -207,10 +113,9 @@ class Group:
         self.gen, self.rank, self.world_size = gen, rank, world_size
         self.backend = backend
         self.control: Group = self
-        self._pending: dict[int, tuple[Any, bool]] = {}  # works not yet waited for: (work, p2p), by id
-        self._orphans: list[Any] = []  # the collectives still running when it was aborted
+        self._works = Works(gen, backend, owned=True, released=self._is_released)
         self._default = default
-        _sweep()
+        sweep()
         prefix = prefix or f"pg/{gen}/"
         prefixed = dist.PrefixStore(prefix, store)
         if default and dist.is_initialized():
@@ -260,10 +165,8 @@ class Group:
             raise CollectiveError(f"gen {gen}: group formation failed: {e}") from None
         self._owned = True
         self._released = False
-        _live.add(self)
+        live.add(self)
         self._owner_released: Callable[[], bool] | None = None
-        self._waiter: _Waiter | None = None  # started at the first point-to-point transfer
-        self._tickets: dict[int, _Ticket] = {}  # transfers posted, their waits submitted: by id
         if backend != "gloo":
             try:
                 self.control = Group(store, gen, rank, world_size, prefix=prefix + "ctl/", timeout=timeout)
@@ -296,9 +199,7 @@ class Group:
         self._fds = {}
         self._released = False
         self._owner_released = released
-        self._waiter = None
-        self._tickets = {}
-        self._pending = {}
+        self._works = Works(gen, backend, owned=False, released=self._is_released)
         return self
 
     def _settle(self) -> None:
@@ -307,55 +208,8 @@ class Group:
         if self.backend == "nccl":
             torch.cuda.current_stream(self.device).synchronize()
 
-    def _track(self, work: Any, p2p: bool = False) -> Any:
-        self._pending[id(work)] = (work, p2p)
-        if p2p and self.backend == "gloo":  # its wait starts now, in the waiter's thread
-            self._tickets[id(work)] = self._submit(work)
-        return work
-
-    def _submit(self, work: Any) -> _Ticket:
-        if self._waiter is None:
-            self._waiter = _Waiter(f"cpl-p2p-gen{self.gen}")
-        return self._waiter.submit(work)
-
     def _is_released(self) -> bool:
         return self._released or (self._owner_released is not None and self._owner_released())
-
-    def _wait(self, work: Any, what: str, *, p2p: bool | None = None) -> None:
-        """Wait for one of this group's works, giving up as soon as the group is released (see the
-        module doc): a gloo collective in slices, a gloo transfer in a thread of its own. NCCL (whose
-        abort ends its works) or a collective of a group this one only wraps: the plain wait."""
-        if p2p is None:
-            p2p = self._pending.get(id(work), (None, False))[1]
-        try:
-            if self.backend == "gloo" and p2p:
-                self._wait_p2p(work)
-            elif self.backend == "gloo" and self._owned:
-                self._wait_gloo(work)
-            else:
-                work.wait()
-        except CollectiveError:
-            raise
-        except RuntimeError as e:  # gloo and NCCL errors (torch.distributed.DistError is one)
-            raise CollectiveError(f"gen {self.gen}: {what} failed: {e}") from None
-        self._pending.pop(id(work), None)
-
-    def _wait_gloo(self, work: Any) -> None:
-        poll = timedelta(seconds=RELEASE_POLL_S)
-        while True:
-            try:
-                work.wait(poll)
-                return
-            except RuntimeError:
-                if work.is_completed():
-                    work.wait()  # ended just now, or failed: its own outcome
-                    return
-            if self._released:
-                raise CollectiveError(f"gen {self.gen}: the group was released while a collective waited")
-
-    def _wait_p2p(self, work: Any) -> None:
-        ticket = self._tickets.pop(id(work), None) or self._submit(work)
-        _Waiter.wait(ticket, self._is_released, self.gen)
 
     def allreduce_(self, tensors: list[torch.Tensor]) -> None:
         """Sum each tensor in place across the group (all issued, then all awaited)."""
@@ -373,24 +227,21 @@ class Group:
         Members must start their collectives in the same order.
         """
         try:
-            return self._track(self.pg.allreduce([tensor]))
+            return self._works.track(self.pg.allreduce([tensor]))
         except RuntimeError as e:  # gloo and NCCL errors (torch.distributed.DistError is one)
             raise CollectiveError(f"gen {self.gen}: allreduce failed: {e}") from None
 
     def writing(self) -> bool:
         """Whether a collective of this group may still write into its tensors: one not yet
         waited for, or one still running when the group was aborted, that has not ended."""
-        self._orphans = [w for w in self._orphans if not w.is_completed()]  # no Work kept past its end
-        return bool(self._orphans) or not all(
-            w.is_completed() for w, p2p in list(self._pending.values()) if not p2p
-        )
+        return self._works.writing()
 
     def wait_all(self, works: list[Any]) -> None:
         """Wait for ``works`` (from ``allreduce_start``) in order. Empties the list, failed or not:
         a live Work keeps the group's sockets open (see the module doc)."""
         try:
             for w in works:
-                self._wait(w, "allreduce")
+                self._works.wait(w, "allreduce")
             self._settle()
         finally:
             works.clear()
@@ -402,13 +253,13 @@ class Group:
             for t in tensors:
                 opts = dist.BroadcastOptions()
                 opts.rootRank = root
-                works.append(self._track(self.pg.broadcast([t], opts)))
+                works.append(self._works.track(self.pg.broadcast([t], opts)))
         except RuntimeError as e:  # gloo and NCCL errors (torch.distributed.DistError is one)
             works.clear()  # a live Work keeps the group's sockets open (see module doc)
             raise CollectiveError(f"gen {self.gen}: broadcast failed: {e}") from None
         try:
             for w in works:
-                self._wait(w, "broadcast")
+                self._works.wait(w, "broadcast")
             self._settle()
         finally:
             works.clear()
@@ -417,10 +268,10 @@ class Group:
         """Every member's ``tensor`` (same shape and dtype on all), in rank order."""
         out = [torch.empty_like(tensor) for _ in range(self.world_size)]
         try:
-            work = self._track(self.pg.allgather([out], [tensor]))
+            work = self._works.track(self.pg.allgather([out], [tensor]))
         except RuntimeError as e:  # gloo and NCCL errors (torch.distributed.DistError is one)
             raise CollectiveError(f"gen {self.gen}: allgather failed: {e}") from None
-        self._wait(work, "allgather")
+        self._works.wait(work, "allgather")
         del work
         self._settle()
         return out
@@ -431,30 +282,32 @@ class Group:
         """Send ``inp``'s ``in_splits[j]`` elements (in order) to member j; receive member i's into
         ``out``'s ``out_splits[i]`` elements, in rank order."""
         try:
-            work = self._track(self.pg.alltoall_base(out, inp, out_splits, in_splits, dist.AllToAllOptions()))
+            work = self._works.track(
+                self.pg.alltoall_base(out, inp, out_splits, in_splits, dist.AllToAllOptions())
+            )
         except RuntimeError as e:  # gloo and NCCL errors (torch.distributed.DistError is one)
             raise CollectiveError(f"gen {self.gen}: alltoall failed: {e}") from None
-        self._wait(work, "alltoall")
+        self._works.wait(work, "alltoall")
         del work
         self._settle()
 
     def isend(self, tensor: torch.Tensor, dst: int, tag: int) -> Any:
         """Start sending ``tensor`` to ``dst``; finish with ``wait``. Messages match by tag."""
         try:
-            return self._track(self.pg.send([tensor], dst, tag), p2p=True)
+            return self._works.track(self.pg.send([tensor], dst, tag), p2p=True)
         except RuntimeError as e:  # gloo and NCCL errors (torch.distributed.DistError is one)
             raise CollectiveError(f"gen {self.gen}: send to rank {dst} failed: {e}") from None
 
     def irecv(self, tensor: torch.Tensor, src: int, tag: int) -> Any:
         """Start receiving into ``tensor`` from ``src``; finish with ``wait``."""
         try:
-            return self._track(self.pg.recv([tensor], src, tag), p2p=True)
+            return self._works.track(self.pg.recv([tensor], src, tag), p2p=True)
         except RuntimeError as e:  # gloo and NCCL errors (torch.distributed.DistError is one)
             raise CollectiveError(f"gen {self.gen}: recv from rank {src} failed: {e}") from None
 
     def wait(self, work: Any) -> None:
         """Wait for an ``isend``/``irecv``."""
-        self._wait(work, "point-to-point transfer")
+        self._works.wait(work, "point-to-point transfer")
         self._settle()
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
@@ -463,7 +316,7 @@ class Group:
             work = self.pg.send([tensor], dst, 0)
         except RuntimeError as e:  # gloo and NCCL errors (torch.distributed.DistError is one)
             raise CollectiveError(f"gen {self.gen}: send to rank {dst} failed: {e}") from None
-        self._wait(work, f"send to rank {dst}", p2p=True)
+        self._works.wait(work, f"send to rank {dst}", p2p=True)
         del work
         self._settle()
 
@@ -473,7 +326,7 @@ class Group:
             work = self.pg.recv([tensor], src, 0)
         except RuntimeError as e:  # gloo and NCCL errors (torch.distributed.DistError is one)
             raise CollectiveError(f"gen {self.gen}: recv from rank {src} failed: {e}") from None
-        self._wait(work, f"recv from rank {src}", p2p=True)
+        self._works.wait(work, f"recv from rank {src}", p2p=True)
         del work
         self._settle()
 
@@ -518,15 +371,9 @@ class Group:
         ctl, self.control = self.control, self
         if ctl is not self:
             ctl.abort()
-        waiter, self._waiter = self._waiter, None
-        self._tickets = {}
-        if waiter is not None:
-            waiter.close()
-        _live.discard(self)
+        running = self._works.abandon()
+        live.discard(self)
         pg, self.pg = self.pg, None
-        running = [w for w, p2p in self._pending.values() if not p2p and not w.is_completed()]
-        self._pending = {}
-        self._orphans = running
         if pg is None or not self._owned:
             return
         try:
@@ -537,7 +384,7 @@ class Group:
             # its destructor would wait for them (see the module doc): the peers see the
             # connections shut down instead, and the group goes once they have ended
             n = shutdown_sockets(self._fds)
-            _graveyard.append((pg, running))
+            graveyard.append((pg, running))
             log.debug("gen %d rank %d: aborted with %d collectives running, %d connections shut down",
                       self.gen, self.rank, len(running), n)  # fmt: skip
         if (
@@ -546,4 +393,4 @@ class Group:
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
         del pg  # the last reference (unless kept aside): ~ProcessGroupGloo closes the sockets
-        _sweep()
+        sweep()

@@ -63,7 +63,7 @@ def _no_default_group_left() -> Iterator[None]:
 # GIL once the interpreter is finalizing is ended by CPython (pthread_exit) inside a noexcept
 # destructor: "terminate called without an active exception", exit 134, after every test passed
 # (pytorch/pytorch#190489; seen once in CI and once in a fresh clone here). The session ends
-# torch.distributed's default group, runs the exit handlers (the library's ``comm._abort_at_exit``
+# torch.distributed's default group, runs the exit handlers (the library's ``group_works._abort_at_exit``
 # among them), then leaves with pytest's status without finalizing the interpreter, as the fork
 # server's children do (``launch/forkserver.py``).
 _EXIT_STATUS: list[int] = []

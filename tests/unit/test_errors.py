@@ -82,9 +82,7 @@ def test_a_collective_failure_is_a_collective_error_and_a_bug_is_not() -> None:
 
     from checkpointless.comm import Group
 
-    group = object.__new__(Group)
-    group.gen = 3
-    group.pg = _BrokenGroup(RuntimeError("Connection closed by peer"))
+    group = Group.wrap(_BrokenGroup(RuntimeError("Connection closed by peer")), 3, 0, 1)
     with pytest.raises(errors.CollectiveError, match="gen 3: allreduce failed: Connection closed"):
         group.allreduce_([torch.zeros(1)])
     group.pg = _BrokenGroup(TypeError("allreduce(): incompatible function arguments"))

@@ -62,7 +62,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     # them ("" is the package's own __init__, the session's public face); every module is placed.
     ("protocol", ("protocol",)),
     ("config", ("errors", "_compat", "config", "devices", "fault_grammar")),
-    ("comm", ("comm", "sockets")),
+    ("comm", ("comm", "group_works", "sockets")),
     (
         "state",
         (
