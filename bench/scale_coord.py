@@ -350,7 +350,7 @@ def coordinator_main(a: argparse.Namespace) -> int:
 
     from checkpointless.config import JobConfig, RecoveryConfig
     from checkpointless.launch import launcher as launcher_mod
-    from checkpointless.launch.remote import ClusterSpec
+    from checkpointless.launch.cluster_spec import ClusterSpec
 
     raise_nofile()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -75,7 +75,7 @@ def raise_nofile() -> None:
 def intervals(hang: float) -> tuple[float, float, float]:
     """(heartbeat interval, a rank's lease check interval, an agent's status interval) of a job with
     ``hang_timeout_s`` ``hang``, as the coordinator command sets them (``heartbeat_interval_s``, the
-    ``ack_every`` that ``ControlClient`` gives its ``HeartbeatThread``, ``remote.status_interval``).
+    ``ack_every`` that ``ControlClient`` gives its ``HeartbeatThread``, ``cluster_spec.status_interval``).
     A relay beats and renews its host's lease at the heartbeat interval."""
     hb_s = min(0.1, hang / 4)
     return hb_s, min(hb_s, 0.5 * hang / 4), max(hb_s, 4 * hang / 5)

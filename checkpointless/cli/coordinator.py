@@ -12,7 +12,7 @@ from checkpointless.cli.job_run import exit_code, print_result, run_launcher
 from checkpointless.control.auth import read_secret_file
 from checkpointless.errors import UsageError
 from checkpointless.launch.cluster import LocalCluster
-from checkpointless.launch.remote import ClusterSpec
+from checkpointless.launch.cluster_spec import ClusterSpec
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import IO
 
 from checkpointless.control.auth import new_secret, write_secret_file
+from checkpointless.launch.cluster_spec import ClusterSpec
 from checkpointless.launch.outputs import CONTROL_FILE, temp_logs_glob
-from checkpointless.launch.remote import ClusterSpec
 
 
 @dataclass

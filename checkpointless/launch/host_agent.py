@@ -33,8 +33,8 @@ from checkpointless.control.auth import SignedStore, job_namespace
 from checkpointless.control.client import SLOW_STORE_CAP, redial, store_accepts
 from checkpointless.errors import LaunchError
 from checkpointless.launch.agent_join import join_job
+from checkpointless.launch.cluster_spec import host_timeout, status_interval
 from checkpointless.launch.relay import Relay
-from checkpointless.launch.remote import host_timeout, status_interval
 from checkpointless.launch.supervisor import LocalSupervisor
 from checkpointless.launch.wakeups import Wakeups
 from checkpointless.observe.usage import UsageSampler

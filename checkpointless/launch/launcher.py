@@ -52,11 +52,12 @@ from checkpointless.control.coordinator import Coordinator
 from checkpointless.control.processes import ProcessBackend, ProcessTable
 from checkpointless.control.size_requests import SizeRequests
 from checkpointless.errors import LaunchError
+from checkpointless.launch.cluster_spec import ClusterSpec
 from checkpointless.launch.control_http import ControlServer
 from checkpointless.launch.drains import DrainRequests
 from checkpointless.launch.events import EventCollector, Rejections
 from checkpointless.launch.job_stop import JobStop
-from checkpointless.launch.remote import ClusterSpec, RemoteNodes
+from checkpointless.launch.remote import RemoteNodes
 from checkpointless.launch.run_folder import RunFolder, job_report
 from checkpointless.launch.runtime import steady_gc
 from checkpointless.launch.store import open_store

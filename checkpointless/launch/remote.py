@@ -2,10 +2,11 @@
 through the control store only.
 
 The coordinator never touches a process on another host. It sees each one through a
-``RemoteProcess`` (the ``ProcessHandle`` of ``control/processes.py``), whose state is what the
-process's agent last reported; a kill is an order to that agent, confirmed when the agent reports
-the exit. Per tick the coordinator reads one status key per host (one round trip for all hosts),
-never one per process.
+``RemoteProcess`` (the ``ProcessHandle`` of ``control/processes.py``, in ``remote_host.py``), whose
+state is what the process's agent last reported; a kill is an order to that agent, confirmed when
+the agent reports the exit. Per tick the coordinator reads one status key per host (one round trip
+for all hosts), never one per process. The agents join through ``host_admission.py``; the hosts'
+timings and ``ClusterSpec`` are ``cluster_spec.py``.
 
 The protocol (every value sealed with the job's secret, ``protocol/keys.py``):
 
@@ -31,144 +32,20 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from checkpointless.config import JobConfig
 from checkpointless.control.auth import SignedStore
 from checkpointless.control.processes import ProcessTable
-from checkpointless.errors import JobFailed
+from checkpointless.launch.cluster_spec import ClusterSpec, answer_window, host_timeout, status_interval
 from checkpointless.launch.drains import DrainRequests
+from checkpointless.launch.host_admission import HostAdmission
+from checkpointless.launch.remote_host import Host, RemoteProcess
 from checkpointless.protocol import keys
 from checkpointless.protocol.vocab import Event, Role
 
 log = logging.getLogger(__name__)
-
-_ARRIVAL = 10**6
-"""A hello without a node rank is placed by arrival: after every host that asked for one."""
-HELLO_CHECK_S = 0.5  # how often the hello is looked at while agents join (``RemoteNodes.accept``)
-
-
-@dataclass
-class ClusterSpec:
-    """A job's hosts: ``nodes`` worker hosts and ``spare_nodes`` spare hosts, ``nproc_per_node``
-    processes each, one ``checkpointless agent`` per host."""
-
-    nodes: int
-    nproc_per_node: int
-    spare_nodes: int = 0
-    spares_per_node: int = 0  # warm spare processes on each worker host (a process fault stays on its host)
-    start_agents: Callable[[str], None] | None = None  # given the store's HOST:PORT (``cluster``)
-    join_timeout_s: float = 120.0  # every agent must have joined by then
-    log_dir_of: Callable[[str], Path] | None = None  # where a host's agent writes its processes' logs
-
-
-def host_timeout(job: JobConfig) -> float:
-    """How long a host's agent (and every process on it) may stay silent before the host is lost:
-    four times a process's hang timeout (2 s by default). An agent does little, but losing a host
-    costs all of its ranks, and a host whose cores its ranks keep busy starves it: on 2 cores with 9
-    processes its beats came more than a hang timeout apart while 6 of them imported torch."""
-    return 4 * job.recovery.hang_timeout_s
-
-
-def answer_window(job: JobConfig) -> float:
-    """How long an agent may take to answer an order (a kill, a ping) before its host is lost: a
-    process's hang timeout (0.5 s by default). A live agent answers within milliseconds (its order
-    thread waits on the order's key, then it beats); one that does not cannot carry out the kill
-    of a hung process either. The coordinator asks when it needs to know: a rank of the host went
-    silent and is killed, or it waits for the host's ranks to report a failure."""
-    return job.recovery.hang_timeout_s
-
-
-def status_interval(job: JobConfig) -> float:
-    """How often an agent publishes its host's status (its heartbeat): five times per host timeout."""
-    return max(job.recovery.heartbeat_interval_s, host_timeout(job) / 5)
-
-
-@dataclass
-class _Host:
-    name: str
-    node: int  # its index: worker hosts 0..N-1 (rank order), spare hosts after them
-    addr: str
-    nproc: int
-    spare: bool
-    pid: int
-    seq: int = -1
-    heard: float = 0.0  # the coordinator's clock when the status last moved
-    lost: str = ""  # why the host is lost ("" while it lives)
-    orders: int = 0
-    status: dict[str, Any] = field(default_factory=dict)
-    raw: bytes = b""
-    asked: float | None = None  # when an order the agent has not answered yet was sent (kill, ping)
-    asked_seq: int = -1  # its status's sequence number then: any later status is the answer
-    last_ping: float = float("-inf")
-    reset: int | None = None  # lost: the index of the order that resets its agent (``rejoin``)
-    lost_at: float = 0.0  # the coordinator's clock when it was lost
-
-
-class RemoteProcess:
-    """A process on another host, as its agent last reported it (a ``ProcessHandle``)."""
-
-    relayed = True  # its heartbeats and events come through its agent's relay (launch/relay.py)
-
-    def __init__(self, name: str, host: _Host, nodes: RemoteNodes) -> None:
-        self.name, self._host, self._nodes = name, host, nodes
-        self.host = host.name
-        self.lost = ""  # why its host was lost: dead to the job for good, even if the host comes back
-
-    @property
-    def leaving(self) -> bool:
-        """Its host is being drained."""
-        return bool(self._host.status.get("draining"))
-
-    @property
-    def pid(self) -> int:
-        """Its pid on its host (0 until its agent reported it)."""
-        report = self._report()
-        return int(report.get("pid") or 0) if report else 0
-
-    def _report(self) -> dict[str, Any] | None:
-        procs = self._host.status.get("procs", {})
-        report = procs.get(self.name)
-        return report if isinstance(report, dict) else None
-
-    def alive(self) -> bool:
-        if self._host.lost or self.lost:
-            return False
-        report = self._report()
-        return report is None or bool(report.get("alive"))  # not reported yet: being started
-
-    def kill(self) -> None:
-        """A request: the agent kills it and reports the exit."""
-        if not self._host.lost and not self.lost:
-            self._nodes.order(self._host, {"op": "kill", "name": self.name})
-
-    def exitcode(self) -> int | None:
-        report = self._report()
-        if report is None or report.get("exit") is None:
-            return None
-        return int(report["exit"])
-
-    def log_tail(self) -> str:
-        if self._host.lost or self.lost:
-            h = self._host
-            return f"host {h.name} lost (its agent: pid {h.pid} at {h.addr}): {h.lost or self.lost}"
-        report = self._report()
-        return str(report.get("tail", "")) if report else ""
-
-    def cpu_seconds(self) -> float | None:
-        """The CPU time its agent last reported; None once that report is older than two of the
-        agent's beats (a busy process must not look idle because its agent's news is late)."""
-        report = self._report()
-        if self._host.lost or self.lost or report is None or report.get("cpu") is None:
-            return None
-        if self._nodes.age(self._host) > 2 * self._nodes.beat_s:
-            return None
-        return float(report["cpu"])
-
-    def cpu_age(self) -> float:
-        return self._nodes.age(self._host)
 
 
 class RemoteNodes:
@@ -209,10 +86,10 @@ class RemoteNodes:
         self._emit, self._clock = emit, clock
         self._table = table if table is not None else ProcessTable()
         self._spec, self._addr = spec, addr
-        self.hosts: dict[str, _Host] = {}
+        self.hosts: dict[str, Host] = {}
+        self._admission = HostAdmission(store, job, job_id, nodes=nodes, nproc=nproc_per_node,
+                                        spare_nodes=spare_nodes, hosts=self.hosts, clock=clock)  # fmt: skip
         self.children: dict[str, RemoteProcess] = {}
-        self._tickets = 0  # agents' hellos read so far
-        self._plain: SignedStore | None = None  # the store without the job's namespace (the hello)
         self._next_spare = 0
         self.spares: list[str] = []
         self._timeout = host_timeout(job)
@@ -220,111 +97,18 @@ class RemoteNodes:
         self.beat_s = status_interval(job)
         self._drains = drains
 
-    # -- registration ----------------------------------------------------------------
+    # -- registration (``host_admission.py``) ------------------------------------------------
     def publish_job(self) -> None:
         """What an agent reads first: the job's configuration and id."""
-        self.store.set(keys.JOB_CONFIG, json.dumps({"job": self.job.to_json(), "job_id": self.job_id}))
+        self._admission.publish_job()
 
     def publish_hello(self, plain: SignedStore) -> None:
-        """The hello an agent reads first, under a plain key name (``keys.CLUSTER_HELLO``), sealed:
-        ``plain`` is the job's secret on the store without the job's namespace. ``accept`` writes it
-        again whenever it does not open (a stranger overwrote it: agents joining then would think
-        the coordinator had another secret, and the agent waits ``HELLO_SETTLE_S`` for this)."""
-        self._plain = plain
-        plain.set(keys.CLUSTER_HELLO, "checkpointless")
-
-    def _keep_hello(self) -> None:
-        plain = self._plain
-        if plain is None:
-            return
-        sealed = plain.get_sealed(keys.CLUSTER_HELLO)
-        if sealed is None or plain.open(keys.CLUSTER_HELLO, sealed) is None:
-            log.warning(
-                "the cluster hello was overwritten by a writer without this job's secret: written again"
-            )
-            plain.set(keys.CLUSTER_HELLO, "checkpointless")
+        """The hello an agent reads first, sealed (``HostAdmission.publish_hello``)."""
+        self._admission.publish_hello(plain)
 
     def accept(self, timeout_s: float, alive: Callable[[], None] | None = None) -> None:
-        """Wait until every worker and spare host has an agent; raise ``JobFailed`` after
-        ``timeout_s`` naming what is missing. ``alive`` is called between polls (the launcher's
-        own checks)."""
-        want = self.nodes + self.spare_nodes
-        deadline = time.monotonic() + timeout_s
-        next_hello = 0.0
-        while len(self.hosts) < want:
-            if time.monotonic() >= next_hello:
-                self._keep_hello()
-                next_hello = time.monotonic() + HELLO_CHECK_S
-            self._read_hellos()
-            if len(self.hosts) >= want:
-                break
-            if time.monotonic() > deadline:
-                have = ", ".join(sorted(self.hosts)) or "none"
-                raise JobFailed(
-                    f"only {len(self.hosts)} of {want} host agent(s) joined within {timeout_s:.0f}s "
-                    f"(joined: {have}): is `checkpointless agent` running on every host, with this job's "
-                    "coordinator address and secret?"
-                )
-            if alive is not None:
-                alive()
-            time.sleep(0.05)
-        # node indices: the worker hosts in the order they asked for (--node-rank, else arrival),
-        # then the spare hosts
-        now = self._clock()
-        workers = sorted((h for h in self.hosts.values() if not h.spare), key=lambda h: h.node)
-        spares = sorted((h for h in self.hosts.values() if h.spare), key=lambda h: h.node)
-        for i, h in enumerate(workers + spares):
-            h.node, h.heard = i, now
-            self.store.set(keys.node_accept(h.name, h.pid), json.dumps({"node": i}))
-
-    def _read_hellos(self) -> None:
-        count = self.store.add(keys.AGENTS_COUNT, 0)
-        while self._tickets < count:
-            i = self._tickets
-            text = self.store.get(keys.agent_hello(i))
-            if text is None:
-                return  # not written yet (or forged: the real one overwrites it)
-            self._tickets += 1
-            try:
-                d = json.loads(text)
-                host = _Host(
-                    name=str(d["host"]), node=int(d.get("node_rank", _ARRIVAL + i)), addr=str(d["addr"]),
-                    nproc=int(d["nproc"]), spare=bool(d["spare"]), pid=int(d["pid"]),
-                )  # fmt: skip
-            except (ValueError, KeyError, TypeError) as e:
-                log.warning("ignored a malformed agent hello (%s)", e)
-                continue
-            error = self._refusal(host)
-            if error:
-                log.warning("refused the agent of %s: %s", host.name, error)
-                self.store.set(keys.node_accept(host.name, host.pid), json.dumps({"error": error}))
-                continue
-            self.hosts[host.name] = host
-
-    def _refusal(self, host: _Host) -> str:
-        """Why an agent cannot join ("" if it can)."""
-        if host.name in self.hosts:
-            other = self.hosts[host.name]
-            return f"host {host.name} already has an agent in this job (pid {other.pid} at {other.addr})"
-        if host.nproc != self.nproc:
-            return f"the job runs {self.nproc} process(es) per node, the agent of {host.name} offers {host.nproc}"
-        if host.node < _ARRIVAL and not host.spare:  # it asked for a node rank (``agent --node-rank``)
-            if host.node >= self.nodes:
-                return f"node rank {host.node} is not one of this job's {self.nodes} node(s) (0 to {self.nodes - 1})"
-            taken = next((h for h in self.hosts.values() if h.node == host.node), None)
-            if taken is not None:
-                return (f"node rank {host.node} is taken by the agent of {taken.name} (pid {taken.pid} at "
-                        f"{taken.addr}): give each host its own --node-rank")  # fmt: skip
-        workers = sum(not h.spare for h in self.hosts.values())
-        spares = len(self.hosts) - workers
-        if host.spare and spares >= self.spare_nodes:
-            return f"the job has its {self.spare_nodes} spare node(s) already"
-        if not host.spare and workers >= self.nodes:
-            if spares < self.spare_nodes:
-                host.spare = True  # one worker host too many: it serves as a spare host
-                return ""
-            return f"the job has its {self.nodes} node(s) and {self.spare_nodes} spare node(s) already"
-        return ""
+        """Wait until every worker and spare host has an agent (``HostAdmission.accept``)."""
+        self._admission.accept(timeout_s, alive)
 
     # -- processes --------------------------------------------------------------------
     def start(self) -> tuple[list[RemoteProcess], list[RemoteProcess]]:
@@ -336,13 +120,13 @@ class RemoteNodes:
         spares += [self.spawn_spare_on(h) for h in by_node if not h.spare for _ in range(self.local_spares)]
         return workers, spares
 
-    def spawn(self, name: str, role: str, host: _Host) -> RemoteProcess:
+    def spawn(self, name: str, role: str, host: Host) -> RemoteProcess:
         self.order(host, {"op": "spawn", "name": name, "role": str(role), "node": host.node})
         proc = RemoteProcess(name, host, self)
         self.children[name] = proc
         return proc
 
-    def spawn_spare_on(self, host: _Host) -> RemoteProcess:
+    def spawn_spare_on(self, host: Host) -> RemoteProcess:
         name = f"s{self._next_spare}"
         self._next_spare += 1
         self.spares.append(name)
@@ -354,8 +138,8 @@ class RemoteNodes:
         after a spare host took a lost host's ranks). A worker host keeps no spares: its lost
         process is replaced by a spare host's."""
 
-        def procs(h: _Host) -> list[RemoteProcess]:
-            return [p for p in self.children.values() if p._host is h and p.alive()]
+        def procs(h: Host) -> list[RemoteProcess]:
+            return [p for p in self.children.values() if p.on_host is h and p.alive()]
 
         if self.local_spares:  # a worker host short of its own spares first (it used one, or is new)
             short = [
@@ -374,12 +158,9 @@ class RemoteNodes:
         spare_hosts.sort(key=lambda h: (h.nproc - len(procs(h)), h.node))
         return self.spawn_spare_on(spare_hosts[0]) if spare_hosts else None
 
-    def order(self, host: _Host, order: dict[str, Any]) -> None:
+    def order(self, host: Host, order: dict[str, Any]) -> None:
         self.store.set(keys.node_order(host.name, host.orders), json.dumps(order))
-        host.orders += 1
-        if order["op"] in ("kill", "ping") and host.asked is None:
-            # a live agent answers at once (its order thread wakes on the key, then it beats)
-            host.asked, host.asked_seq = self._clock(), host.seq
+        host.ordered(order["op"], self._clock)
 
     def drain_refusal(self, node: int) -> str | None:
         """Why host ``node`` cannot be drained now (one line), or None. Reads only: any thread."""
@@ -414,18 +195,18 @@ class RemoteNodes:
         window is lost, long before its silence reaches the host timeout. Once per window."""
         now = self._clock()
         for host in {
-            self.children[n]._host.name: self.children[n]._host for n in names if n in self.children
+            self.children[n].on_host.name: self.children[n].on_host for n in names if n in self.children
         }.values():
             if not host.lost and host.asked is None and now - host.last_ping > self._answer_s:
-                host.last_ping = now
+                host.pinged(now)
                 self.order(host, {"op": "ping"})
 
     # -- statuses -----------------------------------------------------------------------
-    def age(self, host: _Host) -> float:
+    def age(self, host: Host) -> float:
         """Seconds since ``host``'s status last moved (the coordinator's clock)."""
         return self._clock() - host.heard
 
-    def poll(self) -> list[_Host]:
+    def poll(self) -> list[Host]:
         """Read every host's status in one round trip; declare silent hosts lost. The lost hosts
         that came back (their processes gone): each serves as a spare host now, for the caller
         to fill (``spawn_spare_on``)."""
@@ -433,7 +214,7 @@ class RemoteNodes:
         now = self._clock()
         live = [h for h in self.hosts.values() if not h.lost]
         back = [h for h in self.hosts.values() if h.lost and h.reset is not None]  # may come back
-        rejoined: list[_Host] = []
+        rejoined: list[Host] = []
         if not live and not back:
             return rejoined
         names = [keys.node_status(h.name) for h in live + back]
@@ -452,9 +233,7 @@ class RemoteNodes:
             if int(status.get("seq", -1)) <= h.seq:
                 continue  # a replay of an older status must not hide a lost host
             draining = status.get("draining") and not h.status.get("draining")
-            h.raw, h.status, h.seq, h.heard = raw, status, int(status["seq"]), now
-            if h.asked is not None and h.seq > h.asked_seq:
-                h.asked = None  # answered
+            h.hear(raw, status, now)
             if h.lost and status.get("reset") == h.reset:
                 self._rejoin(h, now)
                 rejoined.append(h)
@@ -478,37 +257,36 @@ class RemoteNodes:
                 )
         return rejoined
 
-    def _release_spares(self, h: _Host) -> None:
+    def _release_spares(self, h: Host) -> None:
         """A host being drained: its spares (no rank, none given from now on: ``leaving``) are told
         to leave now, as at the job's end; each exits with status 0, which is no fault. A spare
         waiting on the store would see its own SIGTERM only when its wait ends."""
         for name, p in self.children.items():
-            if p._host is h and not self._table.is_worker(name):
+            if p.on_host is h and not self._table.is_worker(name):
                 with contextlib.suppress(RuntimeError, OSError):
                     self.store.set(keys.assign(name), keys.STOP)
 
-    def _drained(self, h: _Host) -> None:
+    def _drained(self, h: Host) -> None:
         """A host drained on a notice (its agent's SIGTERM) has no process left and its agent exits:
         it is gone from the job, not lost (no fault)."""
-        h.lost, h.lost_at = "drained on a notice", self._clock()
+        h.leave("drained on a notice", self._clock())
         log.warning("host %s drained: its ranks were handed over, its agent exits", h.name)
         self._emit(Event.HOST_DRAINED, host=h.name, node=h.node)
 
-    def _lose(self, h: _Host, why: str, silent: float) -> None:
-        h.lost, h.lost_at = why, self._clock()
+    def _lose(self, h: Host, why: str, silent: float) -> None:
+        h.leave(why, self._clock())
         log.warning("host %s lost: %s", h.name, why)
-        procs = sorted(n for n, p in self.children.items() if p._host is h and not p.lost)
+        procs = sorted(n for n, p in self.children.items() if p.on_host is h and not p.lost)
         for n in procs:
-            self.children[n].lost = why
+            self.children[n].lose(why)
         self._emit(Event.HOST_LOST, host=h.name, node=h.node, silent_s=round(silent, 3), why=why, procs=procs)
         # an agent cut off for less than its lease reads this once it is back: it kills what is
         # left of its processes (they gave up their ranks by their own lease) and says so; the
         # host then rejoins as a spare host (``_rejoin``). One that fenced itself is gone for good.
         with contextlib.suppress(RuntimeError, OSError):
-            h.reset = h.orders  # the index this order gets
-            self.order(h, {"op": "reset", "index": h.reset})
+            self.order(h, {"op": "reset", "index": h.reset_order()})
 
-    def _rejoin(self, h: _Host, now: float) -> None:
+    def _rejoin(self, h: Host, now: float) -> None:
         """A lost host's agent answered its reset: none of its old processes lives (their ranks
         went to others, nothing of theirs is accepted: they are no longer members), so the host
         takes spares as a spare host does."""
@@ -516,7 +294,7 @@ class RemoteNodes:
         log.warning(
             "host %s is back after %.1fs, its processes gone: it serves as a spare host", h.name, away
         )
-        h.lost, h.reset, h.spare, h.asked, h.heard = "", None, True, None, now
+        h.rejoin(now)
         self._emit(Event.HOST_REJOINED, host=h.name, node=h.node, away_s=round(away, 3))
 
     # -- the process backend (``control.processes.ProcessBackend``) on several hosts -----------

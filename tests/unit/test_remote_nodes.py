@@ -11,7 +11,8 @@ import torch.distributed as dist
 from checkpointless.config import JobConfig
 from checkpointless.control.auth import SignedStore, new_secret
 from checkpointless.control.processes import ProcessTable
-from checkpointless.launch.remote import RemoteNodes, host_timeout
+from checkpointless.launch.cluster_spec import host_timeout
+from checkpointless.launch.remote import RemoteNodes
 from checkpointless.protocol import keys
 from checkpointless.protocol.vocab import Role
 
@@ -156,7 +157,7 @@ def test_a_host_that_does_not_answer_an_order_is_lost_within_the_answer_window()
     """A kill or a ping the agent does not answer (no newer status) within the answer window loses
     the host, long before its silence reaches the host timeout; a live agent's answer clears it,
     and a probe is sent once per window per host."""
-    from checkpointless.launch.remote import answer_window
+    from checkpointless.launch.cluster_spec import answer_window
 
     r, store, clock, lost = _nodes()
     for h, p, spare in (("a", 1, False), ("b", 2, False), ("c", 3, True)):
@@ -208,7 +209,7 @@ def test_a_lost_host_whose_agent_comes_back_and_resets_rejoins_as_a_spare_host()
     """Lost (silent), its agent is ordered to reset; a status answering that order (its processes
     dead) makes it a spare host again, reported once; a status without it (an agent still cut off,
     or a replay) does not."""
-    from checkpointless.launch.remote import host_timeout
+    from checkpointless.launch.cluster_spec import host_timeout
 
     r, store, clock, events = _nodes()
     for h, p, spare in (("a", 1, False), ("b", 2, False), ("c", 3, True)):
