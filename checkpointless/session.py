@@ -20,7 +20,9 @@ the session recovers; ``steps()`` then yields the same step again, with the same
 spare blocks in ``Session(...)`` until it is given a rank. Mistakes no recovery can fix end the job
 with a ``FatalError`` naming the rank. Without a launcher the script runs alone, without fault
 tolerance. The user guide's session page says the rules; ``Session`` holds the parts that keep
-them (``progress.py``, ``model_holder.py``, ``member.py``, ``consistency.py``, ``ending.py``).
+them (``progress.py``, ``model_holder.py``, ``member.py``, ``consistency.py``, ``ending.py``), and
+those that run its loop (``step_loop.py``: the steps, their attempts and the reduction;
+``commit.py``: the commit and what was logged for it; ``seeds.py``: the RNG of a step).
 """
 
 from __future__ import annotations
@@ -28,24 +30,20 @@ from __future__ import annotations
 import atexit
 import contextlib
 import gc
-import hashlib
 import logging
 import os
-import random
-import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, overload
 
-import numpy as np
 import torch
 
-from checkpointless.comm import CollectiveError, Group
+from checkpointless.comm import Group
+from checkpointless.commit import StepCommit, scalar
 from checkpointless.config import JobConfig
 from checkpointless.consistency import ReplicaCheck
 from checkpointless.control.client import die_with_parent
 from checkpointless.devices import local_device
 from checkpointless.ending import Ending
-from checkpointless.errors import FatalError, IntegrityError, StepRecovered
 from checkpointless.fsdp import Build
 from checkpointless.joining import member_of_the_job, start_alone, start_as_spare, start_as_worker
 from checkpointless.model_holder import ModelHolder, ReplicatedModel
@@ -56,10 +54,12 @@ from checkpointless.protocol.env import (
     ENV_ROLE,
     ENV_STORE,
 )
-from checkpointless.protocol.vocab import Event, Phase, Role
-from checkpointless.share_loop import ShareLoop, assign
+from checkpointless.protocol.vocab import Role
+from checkpointless.seeds import Seeds
 from checkpointless.sharded_model import ShardedModel
+from checkpointless.share_loop import ShareLoop
 from checkpointless.state import Stateful
+from checkpointless.step_loop import StepLoop
 from checkpointless.takeover import TakeOver
 
 if TYPE_CHECKING:
@@ -69,23 +69,6 @@ if TYPE_CHECKING:
     from checkpointless.loaders.loader import StepLoader
 
 log = logging.getLogger(__name__)
-
-
-def step_seed(seed: int, step: int, rank: int) -> int:
-    """The RNG seed of one (step, rank): per-rank RNG is derived, never transferred."""
-    h = hashlib.sha256(f"{seed}/{step}/{rank}".encode()).digest()
-    return int.from_bytes(h[:8], "little") & (2**63 - 1)
-
-
-def scalar(name: str, value: Any) -> int | float | str | bool:
-    """A metric or event value as a JSON scalar (Python, NumPy and one-element tensors convert)."""
-    if isinstance(value, bool | int | float | str):
-        return value
-    if isinstance(value, np.generic):
-        return value.item()  # type: ignore[no-any-return]
-    if isinstance(value, torch.Tensor) and value.numel() == 1:
-        return value.item()
-    raise TypeError(f"{name}={value!r}: expected a number, a string or a one-element tensor")
 
 
 def _refusal(model: torch.nn.Module, device: torch.device, job: JobConfig) -> str | None:
@@ -187,11 +170,6 @@ class Session:
             # which scans every object of the process: keep what exists before the first
             # build (torch, transformers, the user's data) out of those scans.
             gc.freeze()
-        self._current: Attempt | None = None  # the attempt whose block is running
-        self._metrics: dict[str, Any] = {}
-        self._per_share: dict[str, dict[int, float]] = {}
-        self._reduced = False
-        self._attempted = False
         alone = ENV_STORE not in os.environ  # no launcher: a job of this process alone
         spare = not alone and os.environ.get(ENV_ROLE, Role.WORKER) == Role.SPARE
         if alone:
@@ -201,10 +179,14 @@ class Session:
             job = JobConfig.from_json(os.environ[ENV_CONFIG])
             self._member = member_of_the_job(job, self._model, self._steps, self.device, seed, spare=spare)
         self.job = self._member.job
+        self._seeds = Seeds(seed, reseed_rng)
         self._shares = self._share_loop()
         self._takeover = TakeOver(self.job, self._member, self._model, self._steps)
         self._check = ReplicaCheck(self._member, self._model, self._steps)
         self._end = Ending(self._member, self._model, self._steps, self._check)
+        self._record = StepCommit(self._member, self._model, self._steps)
+        self._loop = StepLoop(self.job, self._member, self._model, self._steps, shares=self._shares, seeds=self._seeds,
+                              takeover=self._takeover, check=self._check, end=self._end, record=self._record)  # fmt: skip
         if alone:
             return
         client = self._member.client
@@ -293,7 +275,7 @@ class Session:
         would hold them; only the last share's backward pass reduces, and the gradient is the sum
         over all the job's shares divided by their number (``checkpointless.share_loop``). With one
         share per replica (the default) it yields this rank and changes nothing."""
-        if self._current is None:
+        if self._loop.current is None:
             self._member.fatal("session.shares() used outside `with session.attempt():`")
         # every rank reads its own part of the batch, sharded or not (``dp_rank``)
         return self._shares.run(self._steps.next, self.rank, self.world_size)
@@ -310,31 +292,8 @@ class Session:
 
     def _share_loop(self) -> ShareLoop:
         return ShareLoop(self.job.share_count, shards=self.job.shards, hold=self._model.hold,
-                         reseed=self._seed_share, buffers=lambda: self._model.buffers, done=self._model.share_done,
+                         reseed=self._seeds.reseed, buffers=lambda: self._model.buffers, done=self._model.share_done,
                          end=lambda computed: self._takeover.end(computed))  # fmt: skip
-
-    def _outside_shares(self) -> int:
-        """What an attempt's draws outside the share loop are seeded from, besides (seed, step): the
-        rank, where every replica holds one share for the whole job (the share is the rank: the
-        draws are the same as inside the loop); else S, no share's index: the same on every replica
-        and at any size (a job whose replicas may hold several shares runs the loop)."""
-        if self.job.elastic or self._shares.needed(self.job.workers):
-            return self._shares.shares
-        return self.rank
-
-    def _seed_share(self, step: int, share: int) -> None:
-        if self.reseed_rng:
-            self._seed_rng(step_seed(self.seed, step, share))
-
-    @staticmethod
-    def _seed_rng(s: int) -> None:
-        # the CPU generator and CUDA's (torch.manual_seed also looks for other accelerators'
-        # at 100x the cost, every step)
-        torch.default_generator.manual_seed(s)
-        if torch.cuda.is_available():
-            torch.cuda.manual_seed_all(s)
-        np.random.seed(s % 2**32)
-        random.seed(s)
 
     @property
     def process_group(self) -> Group | None:
@@ -356,30 +315,7 @@ class Session:
         """
         if not 0 <= start <= total:
             raise ValueError(f"session.steps({total}, start={start}): start must be between 0 and {total}")
-        first = self._steps.start_at(start)
-        if self._member.client is not None:
-            # the coordinator checks --fault steps against the total, and the ranks' starts
-            self._member.client.update(
-                total=total, **({"start": start, "committed": self._steps.committed} if first else {})
-            )
-        while True:
-            if self._check.due():  # due before the last step too: checked, then the loop ends
-                try:
-                    self._check.run()
-                except (CollectiveError, IntegrityError, TimeoutError) as e:
-                    self._member.on_failure(e, self._steps.next)
-                    continue
-            if self._steps.next >= total:
-                break
-            self._end.leave_if_stopped()
-            self._attempted = False
-            yield self._steps.next
-            if not self._attempted:
-                message = "the body of `for step in session.steps(n)` must use `with session.attempt():`"
-                if self._member.client is None:
-                    raise RuntimeError(message)
-                self._member.fatal(message)  # the same in every replacement: no spare can fix it
-        self._steps.end_loop()
+        yield from self._loop.steps(total, start)
 
     @overload
     def loader(  # type: ignore[overload-overlap]  # an IterableDataset is a Dataset: told apart at run time
@@ -486,50 +422,8 @@ class Session:
     @contextlib.contextmanager
     def attempt(self) -> Iterator[Attempt]:
         """One try of the current step; commits on normal exit, recovers on any exception."""
-        # a planned change (a resize, a handoff) seen during the last step starts at this boundary,
-        # once the script's code after that step's block ran
-        self._member.leave_if_planned()
-        step = self._steps.next
-        current = Attempt(step)
-        self._attempted = True
-        self._current, self._metrics, self._reduced = current, {}, False
-        self._per_share = {}  # metrics logged inside shares, by share
-        if self.reseed_rng:
-            self._seed_rng(step_seed(self.seed, step, self._outside_shares()))
-        self._shares.begin_attempt()
-        reexecuted = self._steps.begin_attempt()
-        client = self._member.client
-        if client is not None:
-            client.update(phase=Phase.COMPUTE, step=step, attempt=self._steps.attempts)
-            if reexecuted:
-                client.emit(Event.STEP_REEXECUTED, rank=self.rank, gen=self.generation, step=step)
-        # the sum over the job's shares, whatever the live replicas (at one share each: the group's size)
-        owners = assign(self._shares.shares, self.world_size) if self.job.recovery.exact_resize else None
-        self._model.begin_attempt(
-            self._member.group, step, self._member.trainable.agree, self._shares.shares, owners
-        )
-        t0 = time.perf_counter()
-        try:
+        with self._loop.attempt() as current:
             yield current
-        except FatalError:
-            raise
-        except StepRecovered:  # the member is in the next generation already (``takeover``)
-            return
-        except Exception as exc:
-            if self._member.client is None:
-                raise
-            self._current = None
-            self._member.on_failure(exc, step)
-            return
-        finally:
-            self._current = None
-        if self._member.client is not None and not self._reduced:
-            self._member.fatal(
-                f"step {step} ended without session.reduce_gradients(): every rank must reduce once "
-                "per attempt, or its peers wait forever in the reduction"
-            )
-        self._commit(step, time.perf_counter() - t0)
-        current.mark_committed()
 
     @contextlib.contextmanager
     def between_steps(self) -> Iterator[Between]:
@@ -544,19 +438,8 @@ class Session:
         training state). An exception of the block's own is raised as usual. Inside the step,
         collectives need no block: a failed attempt is executed again.
         """
-        if self._current is not None:
-            self._member.fatal("session.between_steps() used inside `with session.attempt():`")
-        block = Between(self._steps.committed)
-        try:
+        with self._loop.between() as block:
             yield block
-        except FatalError:
-            raise
-        except Exception as exc:
-            if self._member.client is None or not self._member.caused_by_peers(exc):
-                raise
-            self._member.on_failure(exc, self._steps.next, peers=True, between_steps=True)
-            return
-        block.mark_completed()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -564,7 +447,7 @@ class Session:
         ``DistributedDataParallel.no_sync()``): for gradient accumulation, one reduction per
         optimizer step, by the backward pass after the block. Bitwise the same with the overlapped
         reduction on and off. Sharded: FSDP2's ``set_requires_gradient_sync(False)``."""
-        if self._current is None:
+        if self._loop.current is None:
             self._member.fatal("session.no_sync() used outside `with session.attempt():`")
         with self._model.no_sync():
             yield
@@ -576,32 +459,7 @@ class Session:
 
         Raises ``CollectiveError`` if a peer failed; ``attempt`` handles it.
         """
-        if self._current is None:
-            self._member.fatal("session.reduce_gradients() called outside `with session.attempt():`")
-        if self._shares.current is not None:
-            self._member.fatal("session.reduce_gradients() called inside `for share in session.shares():`: "
-                               "call it once, after the loop")  # fmt: skip
-        if (self._shares.needed(self.world_size) or self.job.elastic) and not self._shares.used:
-            fewer = (
-                ", and another number after a resize (--min-workers, --max-workers)"
-                if self.job.elastic
-                else ""
-            )
-            self._member.fatal(
-                f"the job's {self._shares.shares} shares (--shares) are computed by {self.world_size} replica(s){fewer}: "
-                "each step must compute its replica's shares, `for share in session.shares():` around the forward "
-                "and backward passes"
-            )
-        if self._member.faults is not None and not self._takeover.fired(self._steps.next):
-            self._member.faults.at_step(
-                self.rank, self._steps.next, self._member.fault_fired, corrupt=self._model.flip_bit
-            )
-        self._member.check_abort()
-        self._member.verify_join()
-        if self._member.client is not None:
-            self._member.client.update(phase=Phase.REDUCE)
-        self._model.reduce(self._member.group, self._steps.next, self._member.trainable.agree)
-        self._reduced = True
+        self._loop.reduce()
 
     def log(self, **metrics: Any) -> None:
         """Attach metrics (``loss``, ``tokens``, ...) to the current step's commit record.
@@ -612,7 +470,7 @@ class Session:
         and the commit records the mean over this replica's shares, with ``share_count``: the
         report's ``loss_by_step`` weighs each rank's ``loss`` by it.
         """
-        if self._current is None:
+        if self._loop.current is None:
             self._member.fatal(
                 "session.log() called outside `with session.attempt():` (after a failed attempt it "
                 "would record the values of a step that did not commit); move it into the block"
@@ -621,15 +479,7 @@ class Session:
             values = {k: scalar(k, v) for k, v in metrics.items()}
         except TypeError as e:
             self._member.fatal(f"session.log(): {e}")
-        share = self._shares.current
-        if share is None:
-            self._metrics.update(values)
-            return
-        for k, v in values.items():  # inside a share: averaged over the replica's shares at the commit
-            if isinstance(v, int | float) and not isinstance(v, bool):
-                self._per_share.setdefault(k, {})[share] = float(v)
-            else:
-                self._metrics[k] = v
+        self._record.log(values, self._shares.current)
 
     def emit(self, kind: str, **fields: Any) -> None:
         """Record a custom event (for example ``eval`` with ``heldout_loss``) at the committed step."""
@@ -652,31 +502,3 @@ class Session:
         Every rank must call it after the loop. Returns the final state digest.
         """
         return self._end.finish()
-
-    # -- commit and failure ----------------------------------------------------
-    def _commit(self, step: int, seconds: float) -> None:
-        if self._per_share:  # the replica's mean over its shares, and how many it computed
-            for k, by_share in self._per_share.items():
-                self._metrics[k] = sum(by_share.values()) / len(by_share)
-            self._metrics["share_count"] = max(len(v) for v in self._per_share.values())
-        self._model.commit()
-        self._steps.commit(step)
-        if self._member.catch_ups is not None:
-            self._member.catch_ups.committed(step)  # the step's optimizer records, to the followers
-        if self._member.client is not None:
-            self._member.client.update(phase=Phase.IDLE, committed=step, step_time_s=seconds, **self._metrics)
-            # shipped by the heartbeat thread's next beat (within ``heartbeat_interval``), not here:
-            # a store write of the main thread wakes the launcher on the cores the ranks train on,
-            # and the step waited for it (bench/integrations.py measures it). Every event
-            # emitted with ``sync`` (a fault's, a failure's) ships the commits before it.
-            self._member.client.emit(
-                Event.STEP_COMMITTED, rank=self.rank, gen=self.generation, step=step,
-                step_time_s=seconds, **self._metrics,
-            )  # fmt: skip
-            durable = self._member.durable
-            if durable is None or not durable.due(step) or self.replica != 0:  # one writer per shard
-                return
-            if durable.save(step, self._model.registry.state_dict(), shard=self.shard):
-                self._member.client.emit(
-                    Event.DURABLE_SAVED, rank=self.rank, gen=self.generation, step=step, shard=self.shard
-                )

@@ -85,6 +85,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         (
             "",
             "session",
+            "step_loop",
+            "commit",
+            "seeds",
             "progress",
             "model_holder",
             "sharded_model",

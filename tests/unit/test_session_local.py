@@ -48,7 +48,7 @@ def test_attempt_reseeds_per_step_and_rank() -> None:
 
     import numpy as np
 
-    from checkpointless.session import step_seed
+    from checkpointless.seeds import step_seed
 
     def draws(rank: int) -> list[tuple[float, float, float]]:
         session = cl.Session(torch.nn.Linear(1, 1), seed=7)

@@ -16,7 +16,8 @@ from checkpointless.loaders.sample_seeds import (
     restore_generators,
     seed_all,
 )
-from checkpointless.session import Session, step_seed
+from checkpointless.seeds import step_seed
+from checkpointless.session import Session
 
 if TYPE_CHECKING:
     from checkpointless.integrations.lightning.strategy import CheckpointlessStrategy
