@@ -44,6 +44,7 @@ from checkpointless.consistency import ReplicaCheck
 from checkpointless.control.client import die_with_parent
 from checkpointless.devices import local_device
 from checkpointless.ending import Ending
+from checkpointless.errors import FatalError
 from checkpointless.fsdp import Build
 from checkpointless.joining import member_of_the_job, start_alone, start_as_spare, start_as_worker
 from checkpointless.model_holder import ModelHolder, ReplicatedModel
@@ -55,7 +56,7 @@ from checkpointless.protocol.env import (
     ENV_STORE,
 )
 from checkpointless.protocol.vocab import Role
-from checkpointless.seeds import Seeds
+from checkpointless.seeds import Seeds, step_seed
 from checkpointless.sharded_model import ShardedModel
 from checkpointless.share_loop import ShareLoop
 from checkpointless.state import Stateful
@@ -69,6 +70,9 @@ if TYPE_CHECKING:
     from checkpointless.loaders.loader import StepLoader
 
 log = logging.getLogger(__name__)
+
+# FatalError and step_seed: their old import paths, kept
+__all__ = ["Attempt", "FatalError", "Session", "step_seed"]
 
 
 def _refusal(model: torch.nn.Module, device: torch.device, job: JobConfig) -> str | None:
