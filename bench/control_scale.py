@@ -1158,7 +1158,7 @@ def _findings_common(res: dict[str, Any], first: int) -> list[str]:
     lines.append(
         f"{n}. **The hang rule's CPU exemption does not hold for a remote process** (from the code; a development "
         "run of the per-rank protocol at 100 hosts and the 0.5 s default, with the simulators' heartbeats up to "
-        "0.6 s late, lost 16 healthy ranks and the job this way). `Detection._hung` spares a silent process that "
+        "0.6 s late, lost 16 healthy ranks and the job this way). `ProcessWatch` spares a silent process that "
         "used CPU in a window of `hang_timeout_s / 2`; a remote process's CPU time changes only when its agent's "
         "status does, every `0.8 x hang_timeout_s`, so a window often sees none and a busy process whose "
         "heartbeats are late is killed as stopped."
@@ -1419,7 +1419,7 @@ def _findings_per_rank(res: dict[str, Any]) -> str:
     lines.append(
         "4. **Two O(n^2) scans in every loop iteration, before any store call.** `RemoteNodes.poll`, for each "
         "host, scans every process (`[... for n, p in self.children.items() if p._host is h]`): 2,001 x 16,008 "
-        "= 32 million steps at 2,000 hosts. `Detection._check_processes` asks `Plan.rank_of` the rank of every "
+        "= 32 million steps at 2,000 hosts. `ProcessWatch.check_processes` asks `Plan.rank_of` the rank of every "
         "worker each tick, and `rank_of` scans every member: 16,000 x 16,000 = 256 million steps per tick "
         f"({_pct(_share(mid, 'rank_of')) if mid else '–'} of the loop's time already at 100 hosts)."
     )

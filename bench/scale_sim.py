@@ -142,7 +142,7 @@ def json_template(obj: dict[str, Any], formats: dict[str, str]) -> str:
     return text
 
 
-# a rank's step_committed event as ``Session._commit`` emits it (``vocab.event``, one line of a chunk)
+# a rank's step_committed event as ``StepCommit.commit`` emits it (``vocab.event``, one line of a chunk)
 # with the demo's one metric, and its row in a host's packed event (``relay_wire.pack_commits``)
 _COMMIT = event(Event.STEP_COMMITTED, proc="", rank=0, gen=0, step=0, step_time_s=0.0, loss=0.0)
 _COMMIT_FORMATS = {"t": "%r", "proc": '"%s"', "rank": "%d", "gen": "%d", "step": "%d", "step_time_s": "%r",
@@ -920,7 +920,7 @@ class Simulator:
                     self.pending_commits += 1
 
     def _commit(self, ag: SimAgent, p: SimProc, gen: int) -> None:
-        """``Session._commit``: the heartbeat fields, a ``step_committed`` event, a sync flush (relayed:
+        """``StepCommit.commit``: the heartbeat fields, a ``step_committed`` event, a sync flush (relayed:
         into its agent's store, which the host's next relay value forwards)."""
         if ag.dead or not p.alive or p.gen != gen or self.gen_running != gen or p.phase == Phase.RECOVERING:
             return

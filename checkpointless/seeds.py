@@ -20,7 +20,7 @@ def step_seed(seed: int, step: int, rank: int) -> int:
 def seed_rng(s: int) -> None:
     """Every generator a step draws from, seeded with ``s``."""
     # the CPU generator and CUDA's (torch.manual_seed also looks for other accelerators'
-    # at 100x the cost, every step)
+    # at a far higher cost, every step)
     torch.default_generator.manual_seed(s)
     if torch.cuda.is_available():
         torch.cuda.manual_seed_all(s)

@@ -1,7 +1,7 @@
 """Failure detection rules: functions of the process views, the clock and the job's settings that
 return verdicts; the coordinator acts on them (``coordinator.py``). Who sees what:
 
-- process exit: the backend's handle reports the process dead (the coordinator's ``_on_exit``);
+- process exit: the backend's handle reports the process dead (``ProcessWatch._on_exit``);
 - hang: a process whose heartbeat has not changed for ``hang_timeout_s`` is
   killed (a stopped process cannot release its peers' collectives, DESIGN.md),
   unless it used CPU all along (a pause holding the GIL, see ``hung``, whose verdict carries the

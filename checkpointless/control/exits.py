@@ -1,6 +1,6 @@
 """What a process's exit means: a fault to recover from, a spare to restart, or a mistake that ends
 the job (a bad command, a loop that ends early, the same error twice, a worker's fatal report).
-The coordinator asks (``Coordinator._on_exit``) and acts on the answer."""
+The coordinator asks (``ProcessWatch._on_exit``, ``control/watch.py``) and acts on the answer."""
 
 from __future__ import annotations
 

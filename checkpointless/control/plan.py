@@ -238,7 +238,7 @@ def make_plan(
     ``PlanError``: the job never silently restarts from scratch.
 
     ``durable_on``: whether the durable tier is configured; ``durable_step``: the step of its
-    newest complete snapshot (``durable.latest_complete``), None if none. When some shard has no
+    newest complete snapshot (``durable_snapshots.latest_complete``), None if none. When some shard has no
     holder and there is a snapshot, every rank rolls back to it: a plan with ``restore`` set,
     resuming after the snapshot's step, with no transfers.
 

@@ -133,7 +133,7 @@ def link() -> Iterator[tuple[HeartbeatLink, SignedStore]]:
 def test_a_simulated_commit_is_the_line_a_rank_writes(link: tuple[HeartbeatLink, SignedStore]) -> None:
     """The simulator writes a rank's ``step_committed`` event from a template (``scale_sim``'s
     ``json_template`` of ``vocab.event``): the bytes a real heartbeat link writes of the event
-    ``Session._commit`` emits (the demo's one metric, ``loss``), alone and packed."""
+    ``StepCommit.commit`` emits (the demo's one metric, ``loss``), alone and packed."""
     hb, store = link
     hb.update(rank=3, gen=1)
     hb.emit(Event.STEP_COMMITTED, rank=3, gen=1, step=7, step_time_s=0.987654, loss=2.123456)
