@@ -54,8 +54,8 @@ def test_sources_unchanged_when_holders_agree_and_per_shard() -> None:
 
 
 def test_the_holders_compare_only_where_two_of_them_could_disagree() -> None:
-    from checkpointless.control.plan import initial_plan, make_plan
     from checkpointless.consistency import holders_can_disagree
+    from checkpointless.control.plan import initial_plan, make_plan
 
     def plan(world: int, shards: int, alive: list[int]) -> bool:
         prev = initial_plan(world, shards, [f"w{r}" for r in range(world)])
