@@ -95,10 +95,20 @@ def _children(pid: int) -> list[int]:
     return [int(c) for c in text.split()]
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process under ``pid``: the workers are the fork server's children, not the launcher's."""
+    out, todo = [], _children(pid)
+    while todo:
+        child = todo.pop()
+        out.append(child)
+        todo.extend(_children(child))
+    return out
+
+
 def _snapshot(root: int) -> dict[str, dict[int, tuple[str, float, int]]]:
-    """Threads of the root process (``launcher``) and of every child with a role."""
+    """Threads of the root process (``launcher``) and of every process under it with a role."""
     snap = {"launcher": _threads(root)}
-    for child in _children(root):
+    for child in _descendants(root):
         role = _role(child)
         if role is not None:
             snap[role] = {**_threads(child), 0: ("pid", float(child), 0)}
