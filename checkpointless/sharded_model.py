@@ -40,6 +40,7 @@ class ShardedModel:
         self.registry = StateRegistry()
         self.buffers = BufferSync(torch.nn.Module())
         self._summed = False
+        self._sharded: list[Any] = []  # the model's FSDP2 modules (found once per generation)
 
     def _module(self) -> torch.nn.Module:
         assert self.model is not None
@@ -54,11 +55,12 @@ class ShardedModel:
             )
         model, optimizer = built[0], built[1]
         extra: dict[str, Stateful] = dict(built[2]) if len(built) == 3 else {}  # type: ignore[misc]
-        if not fsdp_modules(model):
+        sharded = fsdp_modules(model)
+        if not sharded:
             raise Unrecoverable(
                 "Session(build=...): build(mesh) returned a model without fully_shard(..., mesh=mesh)"
             )
-        self.model, self.optimizer, self.state = model, optimizer, extra
+        self.model, self.optimizer, self.state, self._sharded = model, optimizer, extra, sharded
         self._summed = False  # FSDP2's own division by the group's size, until begin_attempt
         self.registry = registry_of({"model": ShardedState(model, optimizer)}, extra, self._progress)
         self.buffers = BufferSync(model)
@@ -98,7 +100,7 @@ class ShardedModel:
             return
         world = group.world_size if group is not None else 1
         if divisor is not None and divisor != world and not self._summed:
-            for m in fsdp_modules(self.model):  # a generation's size is fixed: its model's once
+            for m in self._sharded:  # a generation's size is fixed: its model's once
                 m.set_force_sum_reduction_for_comms(True)
                 m.set_gradient_divide_factor(float(divisor))
             self._summed = True
@@ -107,7 +109,7 @@ class ShardedModel:
     def hold(self, on: bool) -> None:
         """While ``on``, backward passes accumulate this rank's unsharded gradients without any
         reduction (FSDP2's ``set_requires_gradient_sync(False)``); the next pass after reduces."""
-        for m in fsdp_modules(self.model) if self.model is not None else ():
+        for m in self._sharded:
             m.set_requires_gradient_sync(not on, recurse=False)
 
     def share_done(self, share: int) -> None:
@@ -152,12 +154,13 @@ class ShardedModel:
         model, whose FSDP2 groups are the generation's."""
         if self.model is None:
             return
-        for m in fsdp_modules(self.model):
+        for m in self._sharded:
             reshard_failed(m)  # a failed forward or backward may have left parameters gathered
         self.buffers.restore()
         if keep:
             self._saved = self.registry.state_dict()
         self.model = self.optimizer = None
+        self._sharded = []
         self.state = {}
         self.registry = StateRegistry()
 
