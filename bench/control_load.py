@@ -27,6 +27,7 @@ import argparse
 import itertools
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -73,7 +74,19 @@ def _threads(pid: int) -> dict[int, tuple[str, float, int]]:
 
 
 def _role(pid: int) -> str | None:
-    """``w0``.. / ``s0``.. for a checkpointless process, ``r0``.. for a plain rank, else None."""
+    """``w0``.. / ``s0``.. for a checkpointless process, ``r0``.. for a plain rank, else None.
+
+    A process forked by the fork server keeps the fork server's ``/proc/PID/environ`` (the child
+    sets ``os.environ``, which the kernel's copy does not follow), but the fork server names it
+    ``cpl-w3``, ``cpl-s0``.. (``/proc/PID/comm``); one started the usual way has its role in its
+    environment."""
+    try:
+        comm = Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return None
+    named = re.fullmatch(r"cpl-([ws]\d+)", comm)
+    if named:
+        return named.group(1)
     try:
         env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     except OSError:
@@ -118,18 +131,21 @@ def _snapshot(root: int) -> dict[str, dict[int, tuple[str, float, int]]]:
 def _delta(
     a: dict[int, tuple[str, float, int]], b: dict[int, tuple[str, float, int]]
 ) -> dict[str, list[float]]:
-    """Per thread kind (``main``, ``python``: other Python threads, ``gloo``, ``store``): CPU s, wake-ups."""
-    pid = int(b[0][1]) if 0 in b else None
+    """Per thread kind (``main``, ``python``: other Python threads, ``gloo``, ``store``): CPU s, wake-ups.
+
+    A thread is named as the thread that started it, unless it names itself: the Python threads
+    carry the main thread's name (``python``, or ``cpl-w3``.. in a process the fork server named)."""
+    main = int(b[0][1]) if 0 in b else min((t for t in b if t), default=0)
+    main_name = b[main][0] if main in b else "python"
     kinds: dict[str, list[float]] = {}
     for tid, (name, cpu, vol) in b.items():
         if tid == 0 or tid not in a:
             continue
         kind = (
-            "main"
-            if tid == pid or (pid is None and tid == min(t for t in b if t))
+            "main" if tid == main
             else "gloo" if "gloo" in name
             else "store" if "tcpstore" in name
-            else "python" if name == "python"
+            else "python" if name == main_name
             else "other"
         )  # fmt: skip
         acc = kinds.setdefault(kind, [0.0, 0.0])
