@@ -234,8 +234,9 @@ def test_an_unsupported_feature_is_refused_in_one_line(
 
 def test_collectives_run_over_the_sessions_group_and_fall_back_to_the_ranks_own_after_a_failure() -> None:
     """Two ranks (threads, real gloo group): ``reduce`` (mean, sum, max), ``all_gather``, ``broadcast``
-    (scalars only: nothing received is unpickled) and ``barrier`` between steps; the group dropped
-    by a peer makes every collective this rank's own until the next step."""
+    (scalars only: nothing received is unpickled) and ``barrier`` between steps; inside a share's
+    pass a collective is this rank's own; the group dropped by a peer makes every collective this
+    rank's own until the next step."""
 
     class _Session:  # what the strategy reads of its session: the group and the rank
         def __init__(self, group: Group) -> None:
@@ -255,6 +256,10 @@ def test_collectives_run_over_the_sessions_group_and_fall_back_to_the_ranks_own_
             "flag": s.broadcast(rank == 0),
             "object": s.broadcast([rank]),  # not a scalar: each rank's own
         }
+        if rank == 0:  # a share's pass that rank 1 does not run (it holds fewer shares): rank 0's own
+            s._comm.in_step = s._comm.in_share = True
+            out["share"] = s.reduce(t, reduce_op="sum").tolist()
+            s._comm.in_step = s._comm.in_share = False
         s.barrier()
         if rank == 1:
             group.abort()  # a peer leaves between steps
@@ -269,6 +274,7 @@ def test_collectives_run_over_the_sessions_group_and_fall_back_to_the_ranks_own_
         assert r["gather"] == [[1.0, 0.0], [2.0, 10.0]]
         assert r["path"] == "/runs/version_0" and r["flag"] is True
     assert (r0["object"], r1["object"]) == ([0], [1])
+    assert r0["share"] == [1.0, 0.0]
     assert r0["after"] == [1.0, 0.0] and r0["aligned"] is False
 
 

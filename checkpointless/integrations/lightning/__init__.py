@@ -5,7 +5,8 @@
     trainer = lightning.Trainer(strategy=CheckpointlessStrategy(), max_epochs=3, ...)
     trainer.fit(model)
 
-launched with ``checkpointless launch --workers N --spares K -- python script.py``. Run with plain
+launched with ``checkpointless launch --workers N --spares K -- python script.py`` (or an elastic
+size: ``--min-workers``, ``--max-workers``, ``--shares``). Run with plain
 ``python script.py`` (no launcher) it trains on one process, with no fault tolerance.
 
 The package: ``strategy`` (``CheckpointlessStrategy``, the step), ``progress`` (Lightning's own
@@ -37,6 +38,21 @@ What the strategy does (automatic optimization only):
   reproduced. A ``LightningModule.optimizer_step`` of the user's own would run at every
   micro-batch (refused with accumulation), and so would validation falling inside a step
   (``val_check_interval`` not a multiple of ``k``: refused).
+- shares and an elastic size (``--shares S``, ``--min-workers``, ``--max-workers``, ``checkpointless
+  scale``: ``checkpointless.share_loop``): the global batch is S parts of the ``DataLoader``'s
+  ``batch_size`` whatever the number of replicas, and the Trainer's epochs count S parts. Where a
+  replica may compute several shares, the closure runs once per share it holds
+  (``Session.shares``: the RNG reseeded for the share, BatchNorm's buffers put back, the reduction
+  held until the last pass's backward), in the step's one attempt. Each pass's ``training_step``
+  gets its share's batch, read by the strategy and moved to the device as Lightning moves a batch
+  it fetched (the batch Lightning fetched is not used then). Only the first pass zeroes the
+  gradients; the gradient is the sum over the S shares divided by S. A replica lost with no spare
+  ready shrinks the job: the survivors take its shares and ``fit`` goes on. Per share, not per
+  step: ``training_step`` and its ``self.log`` calls (a value logged each step is the last
+  share's), ``on_before_backward``, ``on_after_backward``, the batch transfer hooks; collectives
+  inside a pass are the replica's own (replicas holding different numbers of shares would not
+  pair them). ``on_before_optimizer_step``, clipping and the update run once. With one share per
+  replica and a fixed size nothing changes.
 - the state a replacement receives: the LightningModule (parameters and buffers), the optimizer,
   every LR scheduler, the gradient scaler (fp16), the session's step and RNG states, and Lightning's
   own progress as it was when the step under way began (its loops' counters and its callbacks'
@@ -104,7 +120,9 @@ weighted, a subset, a class of its own, read as ``checkpointless.loaders.sampler
 that gives one rank's share), or over an ``IterableDataset`` (``checkpointless.loaders.iterable_loader``'s contract) read by
 at most one worker process and, without ``__len__``, with ``max_steps`` (one endless epoch, or the
 Trainer's epochs of ``limit_train_batches`` batches one after the other in the stream),
-``all_gather(sync_grads=True)``. Tested with the Lightning versions in
+``all_gather(sync_grads=True)``; where a replica may compute several shares,
+``accumulate_grad_batches > 1``, a ``training_step(dataloader_iter)`` and an ``optimizer_step``
+closure other than Lightning's. Tested with the Lightning versions in
 ``pyproject.toml``'s ``lightning`` extra (``SUPPORTED``).
 """
 

@@ -13,7 +13,8 @@ is used.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from checkpointless._compat import Pin
@@ -43,6 +44,9 @@ PINS: tuple[Pin, ...] = (
         where="lightning.pytorch.trainer.setup:_init_debugging_flags"),
     Pin("lightning.fabric.loggers.csv_logs:CSVLogger", "_version", "attribute",
         where="lightning.fabric.loggers.csv_logs:CSVLogger.__init__"),
+    Pin(f"{_LOOPS}.optimization.automatic:Closure", "_zero_grad_fn", "attribute",
+        where=f"{_LOOPS}.optimization.automatic:Closure.__init__"),
+    Pin("lightning.pytorch:LightningModule", "_on_before_batch_transfer", "call", ("batch", "dataloader_idx")),
 )  # fmt: skip
 """``_CheckpointConnector.dump_checkpoint`` is public on a private class (reached through
 ``Trainer._checkpoint_connector``)."""
@@ -110,3 +114,27 @@ def set_logger_version(logger: Any, version: Any) -> None:
     """Set a logger's version (``_version``), where it has one."""
     if version is not None and hasattr(logger, "_version"):
         logger._version = version
+
+
+def zero_grad_inside(closure: Any) -> bool:
+    """Whether ``closure`` is Lightning's automatic-optimization ``Closure`` (its ``zero_grad``
+    can be left out: ``without_zero_grad``), not a wrapper of a ``LightningModule.optimizer_step``
+    of the script's own."""
+    return hasattr(closure, "_zero_grad_fn")
+
+
+@contextlib.contextmanager
+def without_zero_grad(closure: Any) -> Iterator[None]:
+    """Lightning's ``Closure`` runs without its ``zero_grad`` inside (``Closure._zero_grad_fn``
+    None, put back after): a later share's pass adds its gradients to the earlier ones'."""
+    zero_grad, closure._zero_grad_fn = closure._zero_grad_fn, None
+    try:
+        yield
+    finally:
+        closure._zero_grad_fn = zero_grad
+
+
+def before_batch_transfer(module: Any, batch: Any) -> Any:
+    """``LightningModule._on_before_batch_transfer``: the ``on_before_batch_transfer`` hook (the
+    module's or the DataModule's), as the training loop calls it on a batch it fetched."""
+    return module._on_before_batch_transfer(batch, dataloader_idx=0)

@@ -46,13 +46,19 @@ class Collectives:
       point any more, and the next step's reduction recovers).
 
     With none of them (one process, before the session exists, a replacement before its first
-    step, whose peers are inside that step) every collective is this rank's own."""
+    step, whose peers are inside that step) every collective is this rank's own.
+
+    ``in_share``: a share's pass of a job whose replicas may hold several shares
+    (``training_step``, the backward pass and their hooks): this rank's own, whatever the others.
+    Replicas holding different numbers of shares run different numbers of passes, and a
+    collective in a pass would not pair."""
 
     def __init__(self, session: Callable[[], Session | None]) -> None:
         self._session = session
         self.in_step = False
         self.in_window = False
         self.aligned = False
+        self.in_share = False
 
     def align(self) -> None:
         """Every rank is at the same point between steps (before the first one): over the group."""
@@ -83,7 +89,7 @@ class Collectives:
         collectives are its own."""
         session = self._session()
         group = session.process_group if session is not None else None
-        if group is None or group.world_size < 2:
+        if group is None or group.world_size < 2 or self.in_share:
             return None
         if not (self.in_step or (self.aligned and not self.in_window)):
             return None

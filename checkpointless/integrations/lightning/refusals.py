@@ -9,19 +9,36 @@ from typing import Any
 
 from lightning.pytorch import LightningModule
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from torch.utils.data import DataLoader, IterableDataset
 
 from checkpointless.integrations.lightning import _compat as host
 from checkpointless.loaders.from_dataloader import loader_settings
 
 
-def refused_settings(strategy: Any, trainer: Any, *, launched: bool) -> list[str]:
-    """The Trainer's settings the strategy does not support (``launched``: under the launcher)."""
+def refused_settings(strategy: Any, trainer: Any, *, launched: bool, sharing: bool = False) -> list[str]:
+    """The Trainer's settings the strategy does not support (``launched``: under the launcher;
+    ``sharing``: a replica may compute several shares, ``--shares`` above the workers or an
+    elastic size)."""
     out = []
     module = strategy.lightning_module
     if module is not None and not module.automatic_optimization:
         out.append("manual optimization (LightningModule.automatic_optimization = False)")
     accumulate = trainer.accumulate_grad_batches
+    if sharing and accumulate > 1:
+        out.append(
+            f"accumulate_grad_batches={accumulate} where a replica may compute several shares "
+            "(--shares, --min-workers or --max-workers other than --workers; give 1)"
+        )
+    if (
+        sharing
+        and module is not None
+        and is_param_in_hook_signature(module.training_step, "dataloader_iter", explicit=True)
+    ):
+        out.append(
+            "a training_step(dataloader_iter) where a replica may compute several shares (each share's "
+            "pass takes its own batch: give training_step(batch, batch_idx))"
+        )
     if (
         accumulate > 1
         and module is not None

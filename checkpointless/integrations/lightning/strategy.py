@@ -14,6 +14,7 @@ from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning_utilities.core.rank_zero import rank_zero_only  # Lightning's, re-exported
 from torch.utils.data import DataLoader
 
+from checkpointless.config import JobConfig
 from checkpointless.devices import local_device
 from checkpointless.integrations.lightning import _compat as host
 from checkpointless.integrations.lightning.checkpoints import complete_saves, note_links
@@ -26,20 +27,21 @@ from checkpointless.integrations.lightning.refusals import (
     validation_inside_a_step,
 )
 from checkpointless.integrations.lightning.window import Window
-from checkpointless.protocol.env import ENV_STORE
+from checkpointless.protocol.env import ENV_CONFIG, ENV_STORE
 from checkpointless.session import Session
 
 log = logging.getLogger(__name__)
 
 
-def _job_workers() -> int:
-    """The job's data-parallel ranks before this process's session exists (1 without a launcher)."""
-    if not under_launcher():
-        return 1
-    from checkpointless.config import JobConfig
-    from checkpointless.protocol.env import ENV_CONFIG
+def _job() -> JobConfig | None:
+    """The job's settings before this process's session exists (None without a launcher)."""
+    return JobConfig.from_json(os.environ[ENV_CONFIG]) if under_launcher() else None
 
-    return JobConfig.from_json(os.environ[ENV_CONFIG]).workers
+
+def _sharing(job: JobConfig | None) -> bool:
+    """Whether a replica of ``job`` may compute several shares (``--shares`` above the workers, or
+    an elastic size): every step then runs the session's share loop (the session's own rule)."""
+    return job is not None and (job.elastic or job.share_count != job.workers)
 
 
 class _SigtermNoted:
@@ -88,6 +90,8 @@ class CheckpointlessStrategy(ParallelStrategy):
         self._batches: TrainBatches | None = None
         self._finished = False
         self._joining = False  # a replacement, before its first step: its loop counters are aligned then
+        self._sharing = False  # a replica may compute several shares: every step runs the share loop
+        self._share: int | None = None  # the share whose pass runs (with ``_sharing``)
         self.digest: str | None = None
         """The final state's SHA-256 (``Session.finish``), once ``fit`` has ended."""
 
@@ -155,7 +159,7 @@ class CheckpointlessStrategy(ParallelStrategy):
     def setup(self, trainer: Any) -> None:
         self._trainer = trainer
         if trainer.state.fn == TrainerFn.FITTING:
-            self._refuse(refused_settings(self, trainer, launched=under_launcher()))
+            self._refuse(refused_settings(self, trainer, launched=under_launcher(), sharing=_sharing(_job())))
         super().setup(trainer)
         if trainer.state.fn != TrainerFn.FITTING:
             return  # validate, test, predict: this process alone (see the package docstring)
@@ -175,7 +179,7 @@ class CheckpointlessStrategy(ParallelStrategy):
         self._session = Session(
             self.lightning_module, self.optimizers[0], state=state, seed=self.seed, **self._session_kwargs
         )
-        self._session.require_one_share("the Lightning strategy")
+        self._sharing = _sharing(self._session.job)
         # Lightning's rank-zero-only output: set at import from LOCAL_RANK (the slot), now the rank
         rank_zero_only.rank = self._session.rank  # type: ignore[attr-defined]
         # Before each batch Lightning broadcasts a SIGTERM flag over the default group, which the
@@ -240,13 +244,18 @@ class CheckpointlessStrategy(ParallelStrategy):
         """The train loader, read as a function of the step (``TrainBatches``); others as they are.
         Lightning may ask for the train loader before the session exists (``estimated_stepping_batches``
         in ``configure_optimizers``, stage not set yet) and keep what it got for the whole ``fit``: it
-        is wrapped then too, its length that of the job's ranks, as a ``DistributedSampler`` gives DDP."""
+        is wrapped then too, its length that of the job's shares (``--shares``, by default its workers),
+        as a ``DistributedSampler`` gives DDP."""
         trainer = self._trainer
         if trainer is None or trainer.state.fn != TrainerFn.FITTING:
             return dataloader
         if trainer.state.stage not in (None, RunningStage.TRAINING):
             return dataloader  # validation (or its sanity check) during fit
-        ranks = self._session.dp_size if self._session is not None else _job_workers()
+        if self._session is not None:
+            ranks = self._session.dp_size
+        else:
+            job = _job()
+            ranks = job.share_count if job is not None else 1
         refused = refused_loader(dataloader, ranks, trainer.max_steps)
         self._refuse([refused] if refused else [])
         assert isinstance(dataloader, DataLoader)
@@ -291,7 +300,9 @@ class CheckpointlessStrategy(ParallelStrategy):
         ``backward``), its gradients accumulated locally; at the step's last micro-batch (every
         batch without accumulation) the gradient reduction, Lightning's ``on_before_optimizer_step``
         and clipping, and the update. The step's micro-batches are one session attempt: after a
-        recovery its closures so far run again, from the first, before this returns."""
+        recovery its closures so far run again, from the first, before this returns. Where a
+        replica may compute several shares (no accumulation then) the closure runs once per share
+        this replica holds (``_share_passes``)."""
         session = self._require_session()
         trainer = self._trainer
         model = model or self.lightning_module
@@ -301,6 +312,9 @@ class CheckpointlessStrategy(ParallelStrategy):
             # passes it too, and holds its own later position)
             self._steps = session.steps(self._total, start=self._start)
         last = not host.should_accumulate(trainer)  # Lightning's own test
+        if self._sharing and not host.zero_grad_inside(closure):
+            self._refuse([f"several shares a replica with an optimizer_step closure of type {type(closure).__name__} "
+                          "(hand Lightning's closure to optimizer.step)"])  # fmt: skip
         # a failed attempt's first closure ran zero_grad: its count stays what one attempt makes it
         zero_grad = trainer.fit_loop.epoch_loop.automatic_optimization.optim_progress.optimizer.zero_grad
         if self._window is None:
@@ -309,7 +323,7 @@ class CheckpointlessStrategy(ParallelStrategy):
         window.closures.append(closure)
 
         def closure_and_reduction() -> Any:
-            loss = closure()
+            loss = self._share_passes(closure) if self._sharing else closure()
             session.reduce_gradients()
             return loss  # then Lightning's on_before_optimizer_step and clipping, then the update
 
@@ -340,6 +354,41 @@ class CheckpointlessStrategy(ParallelStrategy):
             self._window = None
             self._comm.close_window()
             return result
+
+    def _share_passes(self, closure: Callable[[], Any]) -> Any:
+        """The closure once per share this replica holds (``Session.shares``: the RNG reseeded for
+        the share, BatchNorm's buffers set, the reduction held until the last pass's backward),
+        ``training_step`` given the share's batch (``training_step``); only the first pass zeroes
+        the gradients, the later ones add theirs. The collectives inside a pass are this rank's
+        own (``Collectives.in_share``). Returns the last pass's loss (Lightning's outputs of the
+        batch are the last share's)."""
+        session = self._require_session()
+        loss = None
+        for i, share in enumerate(session.shares()):
+            self._share, self._comm.in_share = share, True
+            try:
+                if i == 0:
+                    loss = closure()
+                else:
+                    with host.without_zero_grad(closure):
+                        loss = closure()
+            finally:
+                self._share, self._comm.in_share = None, False
+        return loss
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Lightning's, given the batch of the share whose pass runs where a replica may compute
+        several shares: that share's part of the step's global batch (read by ``TrainBatches``),
+        transferred as the training loop transfers a batch it fetched (``convert_input``,
+        ``on_before_batch_transfer``, ``batch_to_device``: those hooks run at every pass). The
+        batch Lightning fetched (this rank's part when it was fetched) is not used then."""
+        if self._share is not None and args:
+            assert self._batches is not None, "the train loader is wrapped when Lightning asks for it"
+            batch = self._batches.share_batch(self._trainer.global_step, self._share)
+            batch = self.precision_plugin.convert_input(batch)
+            batch = host.before_batch_transfer(self.lightning_module, batch)
+            args = (self.batch_to_device(batch, dataloader_idx=0), *args[1:])
+        return super().training_step(*args, **kwargs)
 
     def _begin(self, window: Window) -> None:
         """The next attempt of the step under way (the replicas' consistency check runs first when due)."""
