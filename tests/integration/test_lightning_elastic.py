@@ -129,3 +129,21 @@ def test_a_rank_holding_two_shares_replaced_by_a_spare_recovers_bitwise(tmp_path
     assert faulted.digest == reference.digest
     assert faulted.report["final_registered_sha256"] == reference.report["final_registered_sha256"]
     assert _losses(tmp_path / "ref") == _losses(tmp_path / "f")
+
+
+def test_under_never_wait_a_survivor_takes_the_lost_share_in_the_same_step_bit_for_bit(
+    tmp_path: Path,
+) -> None:
+    """``--never-wait --exact-resize``, rank 1 killed at step 5 with a spare: rank 0 computes the lost
+    share in the same attempt (the share loop yields it after its own), the spare catches up and
+    the job grows back to two; losses and final state are the fault-free run's, bit for bit."""
+    full = _job(tmp_path / "full", workers=2, epochs=2, exact_resize=True)
+    assert full.ok, f"{full.error}\n{logs_of(full)}"
+    job = _job(tmp_path / "nw", workers=2, epochs=2, min_workers=1, spares=1, never_wait=True, exact_resize=True,
+               faults=["kill:rank=1@step=5"], extra=("--pause", "0.1"))  # fmt: skip
+    assert job.ok, f"{job.error}\n{logs_of(job)}"
+    kinds = [str(e["kind"]) for e in job.events]
+    assert "shares_taken_over" in kinds, kinds
+    assert [e["replicas"] for e in job.events if e["kind"] == "resized"] == [1, 2]
+    assert _losses(tmp_path / "full") == _losses(tmp_path / "nw")
+    assert job.digest == full.digest
