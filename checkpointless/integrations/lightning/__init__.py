@@ -47,12 +47,13 @@ What the strategy does (automatic optimization only):
   gets its share's batch, read by the strategy and moved to the device as Lightning moves a batch
   it fetched (the batch Lightning fetched is not used then). Only the first pass zeroes the
   gradients; the gradient is the sum over the S shares divided by S. A replica lost with no spare
-  ready shrinks the job: the survivors take its shares and ``fit`` goes on. Per share, not per
-  step: ``training_step`` and its ``self.log`` calls (a value logged each step is the last
-  share's), ``on_before_backward``, ``on_after_backward``, the batch transfer hooks; collectives
-  inside a pass are the replica's own (replicas holding different numbers of shares would not
-  pair them). ``on_before_optimizer_step``, clipping and the update run once. With one share per
-  replica and a fixed size nothing changes.
+  ready shrinks the job: the survivors take its shares and ``fit`` goes on (under
+  ``--never-wait`` in the same step, after their own). Per share, not per step: ``training_step``
+  and its ``self.log`` calls (a value logged each step is the last share's),
+  ``on_before_backward``, ``on_after_backward``, the batch transfer hooks; collectives inside a
+  pass are the replica's own (replicas holding different numbers of shares would not pair them).
+  ``on_before_optimizer_step``, clipping and the update run once. With one share per replica and
+  a fixed size nothing changes.
 - the state a replacement receives: the LightningModule (parameters and buffers), the optimizer,
   every LR scheduler, the gradient scaler (fp16), the session's step and RNG states, and Lightning's
   own progress as it was when the step under way began (its loops' counters and its callbacks'
