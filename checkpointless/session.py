@@ -58,7 +58,7 @@ from checkpointless.protocol.env import (
 from checkpointless.protocol.vocab import Role
 from checkpointless.seeds import Seeds, step_seed
 from checkpointless.sharded_model import ShardedModel
-from checkpointless.share_loop import ShareLoop
+from checkpointless.share_loop import ShareLoop, held_by
 from checkpointless.state import Stateful
 from checkpointless.step_loop import StepLoop
 from checkpointless.takeover import TakeOver
@@ -271,6 +271,12 @@ class Session:
         per worker), whatever the number of live replicas."""
         return self._shares.shares
 
+    @property
+    def held_shares(self) -> list[int]:
+        """The shares this replica computes at the current step, in the order ``shares()`` yields
+        them (under ``--never-wait`` a lost peer's may follow in the same attempt)."""
+        return held_by(self.dp_size, self.rank, self.world_size, self.job.shards)
+
     def shares(self) -> Iterator[int]:
         """The shares this replica computes in the current step, each as ``dp_rank`` while its pass
         runs: ``for share in session.shares(): loss = model(loader.batch(step))...; loss.backward()``,
@@ -283,16 +289,6 @@ class Session:
             self._member.fatal("session.shares() used outside `with session.attempt():`")
         # every rank reads its own part of the batch, sharded or not (``dp_rank``)
         return self._shares.run(self._steps.next, self.rank, self.world_size)
-
-    def require_one_share(self, what: str) -> None:
-        """End the job in one line unless every replica computes one share, now and after any
-        resize (``what``: a loop that cannot compute several yet, named in the message)."""
-        if self.dp_size != self.world_size or self.job.elastic:
-            self._member.fatal(
-                f"{what} computes one share per replica for now: --shares {self.dp_size}, --min-workers "
-                f"{self.job.min_size} and --max-workers {self.job.max_size} with {self.world_size} workers "
-                "(leave them at the number of workers)"
-            )
 
     def _share_loop(self) -> ShareLoop:
         return ShareLoop(self.job.share_count, shards=self.job.shards, hold=self._model.hold,

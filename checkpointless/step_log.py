@@ -126,7 +126,8 @@ class StepLog:
         self, optimizer: torch.optim.Optimizer, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> None:
         self._before()
-        if len(args) > 1 or kwargs.get("closure") is not None:  # args[0] is the optimizer
+        closure = args[1] if len(args) > 1 else kwargs.get("closure")  # args[0] is the optimizer
+        if closure is not None:  # (accelerate's wrapper passes its closure on, None, by position)
             self.closure = True
         params = [p for g in optimizer.param_groups for p in g["params"]]
         if len(params) != self.buffers.count:

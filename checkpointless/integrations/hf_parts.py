@@ -168,3 +168,25 @@ def length_grouped_order(trainer: Any, dataset: Any, batch: int, seed: int) -> C
         return list(get_length_grouped_indices(lengths, batch, generator=g))
 
     return order
+
+
+def read_step(
+    trainer: Trainer, loader: Any, step: int, accumulation: int
+) -> tuple[dict[int, list[Any]], dict[Any, Any], int]:
+    """The micro-batches of each share the replica holds at ``step``; the items
+    (``num_items_in_batch``) each share's loss is over: with ``average_tokens_across_devices``
+    every share's, summed over the replicas as accelerate's gather sums them over the ranks (under
+    the key None), else each share's own; and the number ``compute_loss`` scales the loss by (the
+    shares, whose number the reduction divides by, when the items are every share's; else 1)."""
+    session, args = trainer.session, trainer.args
+    micro = {p: [loader.batch(step * accumulation + i, share=p) for i in range(accumulation)]
+             for p in session.held_shares}  # fmt: skip
+    session.log(tokens=sum(step_tokens(m, trainer.model) for m in micro.values()))  # the live tok/s
+    items: dict[Any, Any] = {p: hf.num_items_in_batch(trainer, m, args.device) for p, m in micro.items()}
+    if not args.average_tokens_across_devices or not all(torch.is_tensor(n) for n in items.values()):
+        return micro, items, 1
+    total = sum(items.values())
+    group = session.process_group
+    if group is not None and group.world_size > 1:
+        group.allreduce_([total])
+    return micro, {None: total}, session.dp_size

@@ -24,10 +24,13 @@ a ``Session``'s step loop:
   scheduler, gradient scaler, the ``Trainer``'s best metric and the callbacks' exportable state:
   ``TrainerProgress``) moves to a replacement peer-to-peer.
 - the data: micro-batch ``m`` of the job (``m = step * gradient_accumulation_steps + i``) is this
-  rank's part of a global batch of ``per_device_train_batch_size x ranks`` samples drawn by
+  share's part of a global batch of ``per_device_train_batch_size x S`` samples (S the job's
+  shares: ``--shares``, by default the starting workers; one share a rank at that size) drawn by
   ``session.loader`` (an epoch's order is a permutation from the seed and the epoch, ``data_seed``
   or ``seed``): a function of the step, so a replacement and a re-executed step read what the failed
   attempt read, and a resumed run (``resume_from_checkpoint``) starts at its step with no skipping.
+- elastic sizes: a replica holding several shares runs each share's micro-batches in turn
+  (``session.shares()``, ``hf_parts.read_step``), ``num_items_in_batch`` counting every share's.
 - ``accelerate`` runs in its single-process mode on every rank: it never starts an ``env://`` process
   group of its own (the gradients are reduced by the session, over the job's generation). The
   evaluations of the evaluation strategy (and ``eval_on_start``) are shared between the ranks:
@@ -109,8 +112,8 @@ from checkpointless.integrations.hf_parts import (  # noqa: E402
     dataset_length,
     length_grouped_order,
     own_sampler_order,
+    read_step,
     refusals,
-    step_tokens,
 )
 
 if not hasattr(_HFTrainer, "_prepare_for_training"):  # the 5.x loop's pieces this class is built of
@@ -226,6 +229,20 @@ class Trainer(_HFTrainer):
             pass
         return dataset, hf.collator_with_removed_columns(self, collator, "training")
 
+    def _share_pass(self, model: Any, micro: list[Any], items: Any) -> list[Any]:
+        """One share's micro-batches, forward and backward (all but the last under ``no_sync``): the
+        losses ``training_step`` returns."""
+        args, losses = self.args, []
+        self.current_gradient_accumulation_steps = len(micro)
+        for i, inputs in enumerate(micro):
+            last = i == len(micro) - 1
+            hf.set_sync_gradients(self, last)
+            with contextlib.nullcontext() if last else self._session.no_sync():
+                losses.append(self.training_step(model, inputs, items))
+            if not last:  # between two micro-batches, as HF's loop calls it
+                self.control = self.callback_handler.on_substep_end(args, self.state, self.control)
+        return losses
+
     def _inner_training_loop(
         self,
         batch_size: int | None = None,
@@ -243,10 +260,10 @@ class Trainer(_HFTrainer):
 
         args = args or self.args
         self.accelerator.free_memory()
-        ranks = JobConfig.from_json(os.environ[ENV_CONFIG]).workers
+        shares = JobConfig.from_json(os.environ[ENV_CONFIG]).share_count  # session.dp_size, before it exists
         accumulation = args.gradient_accumulation_steps
         dataset, collator = self._train_data()
-        micro_global = hf.train_batch_size(self) * ranks  # samples per micro-batch, over every rank
+        micro_global = hf.train_batch_size(self) * shares  # samples per micro-batch, over every share
         stream = isinstance(dataset, torch.utils.data.IterableDataset)  # its order is its own
         seed = args.data_seed if args.data_seed is not None else args.seed
         own_order, own_samples = (None, None) if stream else own_sampler_order(self, dataset, seed)
@@ -259,7 +276,7 @@ class Trainer(_HFTrainer):
                 raise ValueError(
                     f"the train set has {samples} samples: fewer than one optimizer step of "
                     f"{accumulation} x {micro_global} (gradient_accumulation_steps x "
-                    f"per_device_train_batch_size x {ranks} ranks)"
+                    f"per_device_train_batch_size x {shares} shares)"
                 )
             per_epoch = micro_per_epoch // accumulation
         max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs * per_epoch)
@@ -272,7 +289,6 @@ class Trainer(_HFTrainer):
         if getattr(self.accelerator, "scaler", None) is not None:
             state["grad_scaler"] = self.accelerator.scaler
         session = self._session = Session(self.model, optimizer, state=state, seed=args.seed)
-        session.require_one_share("the Hugging Face Trainer integration")
         if progress.received and session.rank == 0:
             complete_checkpoint(self, session.step, per_epoch, max_steps, model, trial)
         sampling = "stream" if stream else getattr(args, "train_sampling_strategy", "random")
@@ -311,32 +327,24 @@ class Trainer(_HFTrainer):
             learning_rate = None
             with session.attempt() as attempt:
                 self.control = self.callback_handler.on_step_begin(args, self.state, self.control)
-                micro = [loader.batch(step * accumulation + i) for i in range(accumulation)]
-                session.log(tokens=step_tokens(micro, self.model))  # the live tok/s and the report's
-                items = hf.num_items_in_batch(self, micro, args.device)
-                group = session.process_group
-                if group is None or group.world_size == 1:
-                    group = None
-                if group is not None and args.average_tokens_across_devices and torch.is_tensor(items):
-                    group.allreduce_([items])  # every rank's items, as accelerate's gather counts them
-                    self._items_ranks = group.world_size
-                self.current_gradient_accumulation_steps = accumulation
+                micro, items, self._items_ranks = read_step(self, loader, step, accumulation)
                 losses = []
                 try:
-                    for i, inputs in enumerate(micro):
-                        last = i == accumulation - 1
-                        hf.set_sync_gradients(self, last)
-                        with contextlib.nullcontext() if last else session.no_sync():
-                            losses.append(self.training_step(model, inputs, items))
-                        if not last:  # between two micro-batches, as HF's loop calls it
-                            self.control = self.callback_handler.on_substep_end(
-                                args, self.state, self.control
-                            )
+                    for share in session.shares():  # one per replica, or more once an elastic job shrank
+                        if share not in micro:  # a lost peer's, taken over (--never-wait)
+                            micro[share] = [
+                                loader.batch(step * accumulation + i) for i in range(accumulation)
+                            ]
+                            if None not in items:  # (else its items are in the sum already)
+                                items[share] = hf.num_items_in_batch(self, micro[share], args.device)
+                        losses += self._share_pass(model, micro[share], items.get(share, items.get(None)))
                 finally:
                     self._items_ranks = 1
                 step_loss = torch.stack(losses).sum()
-                # the logged loss: the ranks' mean, as HF's gather makes it, summed behind the
-                # gradients' reduction (no sync point of its own)
+                # the logged loss: the shares' mean, as HF's gather makes it over the ranks, summed
+                # behind the gradients' reduction (no sync point of its own)
+                group = session.process_group  # read again: a take-over enters a new generation
+                group = None if group is None or group.world_size == 1 else group
                 works = [] if group is None else [group.allreduce_start(step_loss)]
                 try:
                     session.reduce_gradients()
@@ -345,7 +353,7 @@ class Trainer(_HFTrainer):
                     raise
                 if group is not None:
                     group.wait_all(works)
-                    step_loss /= group.world_size
+                step_loss /= session.dp_size
                 if args.max_grad_norm > 0:
                     grad_norm = hf.clip_grad_norm(self, model)
                 grad_norm = hf.grad_norm(self, model, grad_norm)
@@ -359,7 +367,9 @@ class Trainer(_HFTrainer):
             if not attempt.committed:
                 continue  # recovered: the same step again
             hf.add_train_loss(self, step_loss)
-            for inputs in micro:
+            for inputs in next(
+                iter(micro.values())
+            ):  # one share's: what a replica computes at the starting size
                 self.current_flos += float(self.floating_point_ops(inputs))  # type: ignore[assignment]
                 hf.track_num_input_tokens(self, inputs)
             self.state.global_step = step + 1

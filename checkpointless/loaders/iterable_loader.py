@@ -276,11 +276,12 @@ class IterableStepLoader:
             raise ValueError(f"step must be >= 0, got {step}")
         return self._layout(0, 1).span(step)
 
-    def batch(self, step: int) -> Any:
-        """This rank's part of step ``step``'s global batch, collated (``collate_fn``)."""
+    def batch(self, step: int, share: int | None = None) -> Any:
+        """This rank's part of step ``step``'s global batch, collated (``collate_fn``); ``share``:
+        another data-parallel part than the current one (``StepLoader.batch``)."""
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
-        shape = (self._rank(), self._size())
+        shape = (self._rank() if share is None else share, self._size())
         if self.global_batch_size % shape[1]:
             raise ValueError(
                 f"global_batch_size {self.global_batch_size} cannot be shared evenly by {shape[1]} "

@@ -79,16 +79,22 @@ def own_generator(step: int) -> torch.Generator:
     return torch.Generator().manual_seed(step)
 
 
-class _StepBatches:
-    """A batch sampler: this rank's part of steps ``start, start + 1, ...`` (read by ``SeededSamples``)."""
+_KEPT = 4
+"""Parts whose loaders (and worker processes) a ``StepLoader`` keeps: a replica of an elastic job
+that shrank holds two shares, rarely more."""
 
-    def __init__(self, loader: StepLoader, start: int) -> None:
-        self.loader, self.start = loader, start
+
+class _StepBatches:
+    """A batch sampler: data-parallel part ``shape = (rank, size)`` of steps ``start, start + 1, ...``
+    (read by ``SeededSamples``)."""
+
+    def __init__(self, loader: StepLoader, start: int, shape: tuple[int, int]) -> None:
+        self.loader, self.start, self.shape = loader, start, shape
 
     def __iter__(self) -> Iterator[Part]:
         step = self.start
         while True:
-            yield self.loader.part(step)
+            yield self.loader.part(step, *self.shape)
             step += 1
 
 
@@ -143,8 +149,8 @@ class StepLoader:
         self.steps_per_epoch = samples // global_batch_size if drop_last else -(-samples // global_batch_size)
         self._order: tuple[int, torch.Tensor] | None = None  # (epoch, its sample order)
         self._iter: Iterator[Any] | None = None
-        self._loader: DataLoader[Any] | None = None  # kept with worker processes (``_restart``)
-        self._batches: _StepBatches | None = None
+        # with worker processes, the loaders of the last parts read, by (rank, size) (``_restart``)
+        self._kept: dict[tuple[int, int], tuple[DataLoader[Any], _StepBatches]] = {}
         self._next = -1  # the step the kept iterator yields next
         self._shape = (-1, -1)  # (rank, size) the kept iterator was made for
 
@@ -215,9 +221,11 @@ class StepLoader:
         n = len(batch) // size
         return Part(step, rank * n, batch[rank * n : (rank + 1) * n])
 
-    def batch(self, step: int) -> Any:
-        """This rank's part of step ``step``'s global batch, collated (``collate_fn``)."""
-        shape = (self._rank(), self._size())
+    def batch(self, step: int, share: int | None = None) -> Any:
+        """This rank's part of step ``step``'s global batch, collated (``collate_fn``); ``share``:
+        another data-parallel part than the current one (``session.dp_rank``), read ahead of its
+        share's pass (the Hugging Face ``Trainer`` counts a step's items before its first pass)."""
+        shape = (self._rank() if share is None else share, self._size())
         if self._iter is None or step != self._next or shape != self._shape:
             self._restart(step, shape)
         assert self._iter is not None
@@ -230,24 +238,27 @@ class StepLoader:
         return out
 
     def _restart(self, step: int, shape: tuple[int, int]) -> None:
-        """Read on from ``step``. Worker processes are kept (``persistent_workers``): a step read
-        again after a recovery resets them to it (what they prefetched is dropped) instead of
-        starting new ones, which took a second of the recovery."""
+        """Read part ``shape`` on from ``step``. Worker processes are kept (``persistent_workers``):
+        a step read again after a recovery resets them to it (what they prefetched is dropped)
+        instead of starting new ones, which took a second of the recovery; so are those of the
+        last ``_KEPT`` parts read (a replica holding several shares reads each in turn)."""
         self._iter = None
-        if self._loader is not None and self._batches is not None and shape == self._shape:
-            self._batches.start = step
+        kept = self._kept.pop(shape, None)
+        if kept is not None:
+            loader, batches = kept
+            batches.start = step
             try:
-                self._iter = iter(self._loader)  # the persistent workers' iterator, reset
+                self._iter = iter(loader)  # the persistent workers' iterator, reset
+                self._kept[shape] = kept  # the most recent last
             except Exception:  # a worker died, say: start afresh
-                self.close()
+                pass
         if self._iter is None:
-            self.close()
-            self._batches = _StepBatches(self, step)
+            batches = _StepBatches(self, step, shape)
             options = self.options
             workers = worker_processes(options.num_workers, options.worker_init_fn)
             loader = DataLoader(
                 SeededSamples(self.dataset, self.seed),
-                batch_sampler=self._batches,  # type: ignore[arg-type]  # Parts: SeededSamples reads them
+                batch_sampler=batches,  # type: ignore[arg-type]  # Parts: SeededSamples reads them
                 collate_fn=options.collate_fn,
                 num_workers=options.num_workers,
                 pin_memory=options.pin_memory,
@@ -256,13 +267,16 @@ class StepLoader:
             )
             self._iter = iter(loader)
             if workers:
-                self._loader = loader
+                self._kept[shape] = (loader, batches)
+                while len(self._kept) > _KEPT:  # the least recent ends, its workers with it
+                    del self._kept[next(iter(self._kept))]
         self._next, self._shape = step, shape
 
     def close(self) -> None:
-        """Drop the kept iterator and loader: their worker processes end with them (the DataLoader's
-        own cleanup)."""
-        self._iter = self._loader = self._batches = None
+        """Drop the kept iterator and loaders: their worker processes end with them (the
+        DataLoader's own cleanup)."""
+        self._iter = None
+        self._kept.clear()
 
     def __len__(self) -> int:
         """Steps per epoch."""

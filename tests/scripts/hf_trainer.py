@@ -5,6 +5,7 @@ accumulation, clipping, a cosine schedule with warm-up, logging, evaluation and 
 Usage: hf_trainer.py OUTPUT_DIR STEPS [--bf16] [--resume CHECKPOINT] [--iterable] [--workers N]
                      [--raise-at STEP:MICRO:RANK] [--padded] [--per-device N] [--lora]
                      [--die-in-save STEP] [--eval-check] [--eval-fault KIND:STEP:RANK] [--group-by-length]
+                     [--pause SECONDS]
 (``--iterable``: the train set as an endless stream, an ``IterableDataset`` without ``__len__``
 whose passes are shuffled from its own seed; ``--workers``: ``dataloader_num_workers``;
 ``--raise-at``: the model's forward raises once, on that rank, at that micro-batch of that step;
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import time
 
 import torch
 from evalcheck import EvalCheck, EvalFault
@@ -136,6 +138,16 @@ class CallbackOrder(TrainerCallback):
         print("CALLBACKS " + " ".join(self.seen), flush=True)
 
 
+class Pace(TrainerCallback):
+    """Sleeps ``seconds`` after each step (a step as long as a real model's, on a tiny one)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
+        time.sleep(self.seconds)
+
+
 class WeightedTrainer(Trainer):
     """A ``Trainer`` subclass with a train order of its own (``_get_train_sampler``, as scripts that
     even out an imbalanced set write it): every fourth sample drawn 3 times as often, with
@@ -177,6 +189,7 @@ def main() -> None:
     p.add_argument("--eval-check", action="store_true")
     p.add_argument("--eval-fault", default=None, metavar="KIND:STEP:RANK")
     p.add_argument("--group-by-length", action="store_true")
+    p.add_argument("--pause", type=float, default=0.0, help="seconds slept after each step")
     p.add_argument("--weighted", action="store_true", help="WeightedTrainer: a sampler of its own")
     a = p.parse_args()
     torch.manual_seed(0)
@@ -225,6 +238,8 @@ def main() -> None:
     if a.iterable:
         train = Stream(train, seed=11)
     callbacks: list[TrainerCallback] = [CallbackOrder()]
+    if a.pause:
+        callbacks.append(Pace(a.pause))
     if a.raise_at:
         step, micro, rank = (int(v) for v in a.raise_at.split(":"))
         callbacks.append(RaiseOnce(model, step, micro, rank))

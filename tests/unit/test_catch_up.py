@@ -82,6 +82,8 @@ def test_a_failed_step_s_records_are_dropped_and_a_closure_is_seen() -> None:
     assert log.take() == ([], []) and not log.closure
     opt.step()
     assert len(log.take()[0]) == 1 and not log.closure
+    opt.step(None)  # accelerate's optimizer wrapper passes its closure on by position: None
+    assert len(log.take()[0]) == 1 and not log.closure
     opt.step(lambda: torch.tensor(0.0))
     assert log.closure
     log.close()

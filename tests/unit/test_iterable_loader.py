@@ -104,6 +104,16 @@ def test_a_step_is_its_slice_of_the_stream_and_the_ranks_parts_concatenate_to_it
                 assert all(len(p) == 4 // size for p in parts)
 
 
+def test_a_share_asked_by_name_is_that_ranks_part_whatever_the_current_rank() -> None:
+    """``batch(step, share=p)``: part ``p`` of the step, read by a loader whose current rank is 0
+    (a replica reading its shares ahead of their passes), in turn with its own part."""
+    loader = _loader(Stream(20, seed=3), 4, 0, 2)
+    for step in (0, 1, 5):
+        for share in (1, 0):
+            expected = _loader(Stream(20, seed=3), 4, share, 2).batch(step).tolist()
+            assert loader.batch(step, share=share).tolist() == expected, (step, share)
+
+
 def test_consecutive_steps_keep_the_iterator_and_a_step_asked_again_is_the_same() -> None:
     ds = Stream()
     loader = _loader(ds, 8, 1, 2)

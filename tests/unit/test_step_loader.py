@@ -379,3 +379,28 @@ def _alive(pid: int) -> bool:
         return False
     status = Path(f"/proc/{pid}/status")
     return status.exists() and "zombie" not in status.read_text()
+
+
+def test_a_replica_holding_several_shares_reads_each_and_keeps_their_workers() -> None:
+    """``batch(step, share=p)`` reads part ``p`` whatever the current ``dp_rank`` (the rank's 0
+    here), as a rank ``p`` loader does; reading two shares in turn, step after step, keeps both
+    parts' worker processes instead of starting new ones at each switch; ``close`` ends them all."""
+    loader = _loader(WorkerPids(), 8, rank=0, size=2, seed=3, num_workers=1)
+    other = _loader(WorkerPids(), 8, rank=1, size=2, seed=3)
+    try:
+        seen: dict[int, set[int]] = {0: set(), 1: set()}
+        for step in range(4):
+            for share in (0, 1):
+                got = loader.batch(step, share=share)
+                want = (other if share else _loader(WorkerPids(), 8, rank=0, size=2, seed=3)).batch(step)
+                assert torch.equal(got[:, 0], want[:, 0]), (step, share)
+                seen[share] |= {int(p) for p in got[:, 1]}
+        assert len(seen[0]) == len(seen[1]) == 1 and seen[0] != seen[1]  # one worker each, kept
+        assert torch.equal(loader.batch(1)[:, 0], loader.batch(1, share=0)[:, 0])  # the current one: 0
+    finally:
+        loader.close()
+    pids = seen[0] | seen[1]
+    deadline = time.monotonic() + 30
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in pids)

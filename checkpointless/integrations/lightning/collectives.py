@@ -80,6 +80,14 @@ class Collectives:
         """The strategy's step ended (committed, failed, or a micro-batch's part of it done)."""
         self.in_step = False
 
+    def enter_share(self) -> None:
+        """A share's pass begins (``in_share``)."""
+        self.in_share = True
+
+    def leave_share(self) -> None:
+        """A share's pass ended."""
+        self.in_share = False
+
     def _world_size(self) -> int:
         session = self._session()
         return session.world_size if session is not None else 1

@@ -14,7 +14,6 @@ from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 from lightning_utilities.core.rank_zero import rank_zero_only  # Lightning's, re-exported
 from torch.utils.data import DataLoader
 
-from checkpointless.config import JobConfig
 from checkpointless.devices import local_device
 from checkpointless.integrations.lightning import _compat as host
 from checkpointless.integrations.lightning.checkpoints import complete_saves, note_links
@@ -26,22 +25,12 @@ from checkpointless.integrations.lightning.refusals import (
     refused_settings,
     validation_inside_a_step,
 )
+from checkpointless.integrations.lightning.shares import SharePasses, launched_job, sharing
 from checkpointless.integrations.lightning.window import Window
-from checkpointless.protocol.env import ENV_CONFIG, ENV_STORE
+from checkpointless.protocol.env import ENV_STORE
 from checkpointless.session import Session
 
 log = logging.getLogger(__name__)
-
-
-def _job() -> JobConfig | None:
-    """The job's settings before this process's session exists (None without a launcher)."""
-    return JobConfig.from_json(os.environ[ENV_CONFIG]) if under_launcher() else None
-
-
-def _sharing(job: JobConfig | None) -> bool:
-    """Whether a replica of ``job`` may compute several shares (``--shares`` above the workers, or
-    an elastic size): every step then runs the session's share loop (the session's own rule)."""
-    return job is not None and (job.elastic or job.share_count != job.workers)
 
 
 class _SigtermNoted:
@@ -91,7 +80,7 @@ class CheckpointlessStrategy(ParallelStrategy):
         self._finished = False
         self._joining = False  # a replacement, before its first step: its loop counters are aligned then
         self._sharing = False  # a replica may compute several shares: every step runs the share loop
-        self._share: int | None = None  # the share whose pass runs (with ``_sharing``)
+        self._passes = SharePasses(self._comm)  # the share whose pass runs (with ``_sharing``)
         self.digest: str | None = None
         """The final state's SHA-256 (``Session.finish``), once ``fit`` has ended."""
 
@@ -159,7 +148,9 @@ class CheckpointlessStrategy(ParallelStrategy):
     def setup(self, trainer: Any) -> None:
         self._trainer = trainer
         if trainer.state.fn == TrainerFn.FITTING:
-            self._refuse(refused_settings(self, trainer, launched=under_launcher(), sharing=_sharing(_job())))
+            self._refuse(
+                refused_settings(self, trainer, launched=under_launcher(), sharing=sharing(launched_job()))
+            )
         super().setup(trainer)
         if trainer.state.fn != TrainerFn.FITTING:
             return  # validate, test, predict: this process alone (see the package docstring)
@@ -179,7 +170,7 @@ class CheckpointlessStrategy(ParallelStrategy):
         self._session = Session(
             self.lightning_module, self.optimizers[0], state=state, seed=self.seed, **self._session_kwargs
         )
-        self._sharing = _sharing(self._session.job)
+        self._sharing = sharing(self._session.job)
         # Lightning's rank-zero-only output: set at import from LOCAL_RANK (the slot), now the rank
         rank_zero_only.rank = self._session.rank  # type: ignore[attr-defined]
         # Before each batch Lightning broadcasts a SIGTERM flag over the default group, which the
@@ -254,7 +245,7 @@ class CheckpointlessStrategy(ParallelStrategy):
         if self._session is not None:
             ranks = self._session.dp_size
         else:
-            job = _job()
+            job = launched_job()
             ranks = job.share_count if job is not None else 1
         refused = refused_loader(dataloader, ranks, trainer.max_steps)
         self._refuse([refused] if refused else [])
@@ -302,7 +293,7 @@ class CheckpointlessStrategy(ParallelStrategy):
         and clipping, and the update. The step's micro-batches are one session attempt: after a
         recovery its closures so far run again, from the first, before this returns. Where a
         replica may compute several shares (no accumulation then) the closure runs once per share
-        this replica holds (``_share_passes``)."""
+        this replica holds (``SharePasses.run``)."""
         session = self._require_session()
         trainer = self._trainer
         model = model or self.lightning_module
@@ -323,7 +314,7 @@ class CheckpointlessStrategy(ParallelStrategy):
         window.closures.append(closure)
 
         def closure_and_reduction() -> Any:
-            loss = self._share_passes(closure) if self._sharing else closure()
+            loss = self._passes.run(session, closure) if self._sharing else closure()
             session.reduce_gradients()
             return loss  # then Lightning's on_before_optimizer_step and clipping, then the update
 
@@ -355,36 +346,15 @@ class CheckpointlessStrategy(ParallelStrategy):
             self._comm.close_window()
             return result
 
-    def _share_passes(self, closure: Callable[[], Any]) -> Any:
-        """The closure once per share this replica holds (``Session.shares``: the RNG reseeded for
-        the share, BatchNorm's buffers set, the reduction held until the last pass's backward),
-        ``training_step`` given the share's batch (``training_step``); only the first pass zeroes
-        the gradients, the later ones add theirs. The collectives inside a pass are this rank's
-        own (``Collectives.in_share``). Returns the last pass's loss (Lightning's outputs of the
-        batch are the last share's)."""
-        session = self._require_session()
-        loss = None
-        for i, share in enumerate(session.shares()):
-            self._share, self._comm.in_share = share, True
-            try:
-                if i == 0:
-                    loss = closure()
-                else:
-                    with host.without_zero_grad(closure):
-                        loss = closure()
-            finally:
-                self._share, self._comm.in_share = None, False
-        return loss
-
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """Lightning's, given the batch of the share whose pass runs where a replica may compute
         several shares: that share's part of the step's global batch (read by ``TrainBatches``),
         transferred as the training loop transfers a batch it fetched (``convert_input``,
         ``on_before_batch_transfer``, ``batch_to_device``: those hooks run at every pass). The
         batch Lightning fetched (this rank's part when it was fetched) is not used then."""
-        if self._share is not None and args:
+        if self._passes.current is not None and args:
             assert self._batches is not None, "the train loader is wrapped when Lightning asks for it"
-            batch = self._batches.share_batch(self._trainer.global_step, self._share)
+            batch = self._batches.share_batch(self._trainer.global_step, self._passes.current)
             batch = self.precision_plugin.convert_input(batch)
             batch = host.before_batch_transfer(self.lightning_module, batch)
             args = (self.batch_to_device(batch, dataloader_idx=0), *args[1:])
