@@ -94,7 +94,8 @@ class RecoveryConfig:
     """Sum each step's gradient over the shares in share order (``exact_sum``): the result is then
     the same bit for bit whatever the number of replicas, so a job that changes size stays bitwise
     the run it would have been. Off (the default): an all-reduce, whose rounding depends on the
-    number of replicas (the losses then match to rounding across a resize)."""
+    number of replicas (the losses then match to rounding across a resize). Sharded: the
+    replicas' stage of FSDP2's reduction (``sharded_exact``)."""
     never_wait: bool = False
     """A lost replica's shares go to the survivors at once (a shrink: no transfer to wait for), and a
     ready spare receives the state in the background (``catch_up``): a copy taken at a step
@@ -206,8 +207,6 @@ class JobConfig:
         if self.recovery.never_wait and not (low and low < self.workers):
             raise ValueError("never_wait needs min_workers below workers: the survivors take a lost replica's "
                              "shares while a spare catches up")  # fmt: skip
-        if self.recovery.exact_resize and self.shards > 1:
-            raise ValueError(f"exact_resize with shards={self.shards}: a sharded job's reduction is FSDP2's")
         high = self.recovery.max_workers
         if high and high < self.workers:
             raise ValueError(f"max_workers={high} must be at least workers={self.workers}")

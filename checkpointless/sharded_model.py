@@ -20,6 +20,7 @@ from checkpointless.fsdp import Build, Generation, ShardedState, forget_dtensor_
 from checkpointless.model_holder import Agree, broadcast_bytes, compared_entries, registry_of
 from checkpointless.module_state import BufferSync
 from checkpointless.progress import Progress
+from checkpointless.sharded_exact import ExactShardSum
 from checkpointless.state import Stateful, StateRegistry, combined_digest, entry_digests
 
 
@@ -41,6 +42,8 @@ class ShardedModel:
         self.buffers = BufferSync(torch.nn.Module())
         self._summed = False
         self._sharded: list[Any] = []  # the model's FSDP2 modules (found once per generation)
+        self._mesh: Any = None
+        self._exact: ExactShardSum | None = None  # --exact-resize: the replica stage of the reduction
 
     def _module(self) -> torch.nn.Module:
         assert self.model is not None
@@ -61,6 +64,7 @@ class ShardedModel:
                 "Session(build=...): build(mesh) returned a model without fully_shard(..., mesh=mesh)"
             )
         self.model, self.optimizer, self.state, self._sharded = model, optimizer, extra, sharded
+        self._mesh, self._exact = mesh, None
         self._summed = False  # FSDP2's own division by the group's size, until begin_attempt
         self.registry = registry_of({"model": ShardedState(model, optimizer)}, extra, self._progress)
         self.buffers = BufferSync(model)
@@ -95,8 +99,17 @@ class ShardedModel:
         ``divisor`` (its shares) differs from it (an elastic job smaller or larger than at its
         start), FSDP2 sums instead (reduce-scatter over the shard, all-reduce over the replicas)
         and divides the sum by ``divisor``: the sum over the job's shares divided by their number.
-        Any hold a failed attempt left is let go. No exact sum: ``JobConfig`` refuses it."""
+        Any hold a failed attempt left is let go. ``owners`` (``--exact-resize``): the replicas'
+        stage of the reduction is the exact sum over shares instead (``sharded_exact``)."""
         if self.model is None:
+            return
+        if owners is not None and divisor is not None:
+            if self._exact is None:
+                if self._mesh.size(1) == 1:
+                    raise Unrecoverable("--exact-resize with a sharded model needs --shards above 1")
+                self._exact = ExactShardSum(self._mesh.get_group("replicate"), self._mesh.size(1))
+                self._exact.install(self._sharded, divisor)
+            self._exact.begin(divisor)
             return
         world = group.world_size if group is not None else 1
         if divisor is not None and divisor != world and not self._summed:
@@ -108,12 +121,18 @@ class ShardedModel:
 
     def hold(self, on: bool) -> None:
         """While ``on``, backward passes accumulate this rank's unsharded gradients without any
-        reduction (FSDP2's ``set_requires_gradient_sync(False)``); the next pass after reduces."""
+        reduction (FSDP2's ``set_requires_gradient_sync(False)``); the next pass after reduces.
+        With the exact sum every pass reduce-scatters, and only the last all-reduces."""
+        if self._exact is not None:
+            self._exact.last(not on)
+            return
         for m in self._sharded:
             m.set_requires_gradient_sync(not on, recurse=False)
 
     def share_done(self, share: int) -> None:
-        """Reduced by FSDP2: nothing to keep."""
+        """Reduced by FSDP2: nothing to keep (the exact sum keeps each pass's reduce-scatter)."""
+        if self._exact is not None:
+            self._exact.done()
 
     def reduce(self, group: Group | None, step: int, agree: Agree) -> None:
         # FSDP2 reduced the gradients inside backward(), group by group, so a failure there may
@@ -124,6 +143,8 @@ class ShardedModel:
         # whether any rank's buffers moved since the last commit: rank 0's are broadcast then (and
         # at a generation's first step), not for a model whose buffers are constant (a
         # transformer's rotary table), every rank agreeing either way.
+        if self._exact is not None:
+            self._exact.check()
         if group is None or group.world_size < 2:
             return
         buffers = self.buffers
@@ -160,7 +181,7 @@ class ShardedModel:
         if keep:
             self._saved = self.registry.state_dict()
         self.model = self.optimizer = None
-        self._sharded = []
+        self._sharded, self._mesh, self._exact = [], None, None
         self.state = {}
         self.registry = StateRegistry()
 

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+from checkpointless.launch.launcher import JobResult
 from tests.integration.test_shares import SCRIPT, _losses
 from tests.jobs import logs_of, run_job
 
@@ -79,3 +81,26 @@ def test_draws_before_the_share_loop_are_the_same_at_any_size(tmp_path: Path) ->
         runs[name] = result
     assert [e["replicas"] for e in runs["shrunk"].events if e["kind"] == "resized"] == [3]
     _bitwise(tmp_path / "full", tmp_path / "shrunk")
+
+
+SHARDED = str(Path(__file__).resolve().parents[2] / "examples" / "sharded_loop.py")
+
+
+def _sharded(**kw: Any) -> JobResult:
+    result = run_job(shards=2, steps=STEPS, exact_resize=True, timeout_s=240,
+                     command=[sys.executable, SHARDED, "--steps", str(STEPS)], **kw)  # fmt: skip
+    assert result.ok, f"{result.error}\n{logs_of(result)}"
+    return result
+
+
+def test_a_sharded_job_is_the_same_run_bit_for_bit_at_any_number_of_replicas() -> None:
+    """FSDP2 HSDP, 3 replicas x 2 shards: the fault-free run, 1 replica computing the 3 replicas'
+    shares, and a job that loses a replica at step 4 (3 -> 2 replicas: one holds two replica shares)
+    end with the same state and the same losses, bit for bit (the replicas' stage of the reduction
+    is the exact sum over shares; each share's reduce-scatter over its replica's ranks is FSDP2's)."""
+    full = _sharded(workers=6, spares=0)
+    alone = _sharded(workers=2, spares=0, shares=6)
+    shrunk = _sharded(workers=6, spares=0, min_workers=2, faults=["kill:rank=3@step=4"])
+    assert [(e["before"], e["replicas"]) for e in shrunk.events if e["kind"] == "resized"] == [(3, 2)]
+    assert full.digest == alone.digest == shrunk.digest
+    assert full.report["loss_by_step"] == alone.report["loss_by_step"] == shrunk.report["loss_by_step"]

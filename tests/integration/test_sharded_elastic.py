@@ -83,6 +83,20 @@ def test_a_newcomer_killed_as_it_receives_its_shard_shrinks_again_then_grows() -
     assert all(f["lost_steps"] == 0 for f in result.report["faults"])
 
 
+def test_with_exact_resize_a_sharded_job_that_shrinks_and_grows_back_is_the_fault_free_run() -> None:
+    """``--exact-resize``: a hang takes a replica out, the newcomer of the grow is killed as it
+    receives its shard, and the job grows back: the same state and losses as the fault-free run
+    with exact resize, bit for bit."""
+    free = _run(spares=0, exact_resize=True)
+    assert free.ok, logs_of(free)
+    result = _run(spares=0, min_workers=2, resize_interval_s=0.5, exact_resize=True, hang_timeout_s=2.0,
+                  faults=["hang:rank=2@step=3", "kill:spare@recovery"])  # fmt: skip
+    assert result.ok, f"{result.error}\n{logs_of(result)}"
+    assert result.digest == free.digest
+    assert result.report["loss_by_step"] == free.report["loss_by_step"]
+    assert _sizes(result)[0] == (2, 1, "lost") and _sizes(result)[-1][1] == 2, _sizes(result)
+
+
 def test_scale_takes_a_sharded_job_down_a_replica_and_back_and_refuses_part_of_one() -> None:
     asked: list[int] = []
     refused: list[str | None] = []

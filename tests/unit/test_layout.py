@@ -91,6 +91,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "progress",
             "model_holder",
             "sharded_model",
+            "sharded_exact",
             "share_loop",
             "member",
             "aborts",
