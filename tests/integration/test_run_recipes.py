@@ -65,14 +65,16 @@ def test_recipe_with_kill_equals_fault_free(recipe: str, shards: int, killed: in
 
 @pytest.mark.parametrize(
     ("recipe", "layout", "low", "killed"),
-    [("llama-tiny", [], 1, 1), ("gpt-oss-tiny", ["--workers", "4", "--set", "parallel.shards=2"], 2, 0)],
-    ids=["llama-tiny", "gpt-oss-tiny-hsdp2x2"],
-)
+    [("llama-tiny", [], 1, 1), ("gpt-oss-tiny", ["--workers", "4", "--set", "parallel.shards=2"], 2, 0),
+     ("gpt-oss-tiny", ["--workers", "4", "--set", "parallel.shards=2", "--set", "recovery.exact_resize=true"], 2, 0)],
+    ids=["llama-tiny", "gpt-oss-tiny-hsdp2x2", "gpt-oss-tiny-hsdp2x2-exact"],
+)  # fmt: skip
 def test_a_recipe_without_spares_goes_on_smaller_with_the_fault_free_losses(
     recipe: str, layout: list[str], low: int, killed: int, tmp_path: Path
 ) -> None:
     """``recovery.min_workers``: the lost rank's replica leaves (sharded: with its other rank), the
-    survivors compute its shares, and every step's loss is the fault-free run's to rounding."""
+    survivors compute its shares, and every step's loss is the fault-free run's to rounding (the
+    same bits with ``recovery.exact_resize``)."""
     path = str(ROOT / "recipes" / f"{recipe}.yaml")
     spec = f"kill:rank={killed}@step=5"
     smaller = run_cli(path, *SMALL, *layout, "--spares", "0", "--set", f"recovery.min_workers={low}",
@@ -89,6 +91,8 @@ def test_a_recipe_without_spares_goes_on_smaller_with_the_fault_free_losses(
     got, free = rf["loss_by_step"], rc["loss_by_step"]
     assert sorted(got, key=int) == sorted(free, key=int)
     assert max(abs(got[k] - free[k]) / abs(free[k]) for k in free) < 1e-4
+    if "recovery.exact_resize=true" in layout:  # the sum over shares in share order: the same bits
+        assert got == free
 
 
 def test_metrics_scraped_during_a_run_with_a_fault(tmp_path: Path) -> None:
