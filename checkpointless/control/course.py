@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from checkpointless.config import JobConfig
-from checkpointless.control.elastic_plans import resize_plan, shrink_plan
+from checkpointless.control.elastic_plans import replicas_to_drop, resize_plan, shrink_plan
 from checkpointless.control.exits import ExitJudge
 from checkpointless.control.outcome import Outcome
 from checkpointless.control.pace import Pace
@@ -244,15 +244,14 @@ class FailureCourse:
         )  # fmt: skip
 
     def can_hand_off(self, leaving: set[int], spares: int) -> bool:
-        """Whether ``leaving`` ranks can go: to ``spares`` ready spares, or (an elastic replicated
-        job) to the other replicas, while at least ``min_workers`` stay."""
+        """Whether ``leaving`` ranks can go: to ``spares`` ready spares, or (an elastic job) to the
+        other replicas, while at least ``min_workers`` stay. Sharded, a leaving rank's replica
+        leaves with it unless a spare takes its place (``replicas_to_drop``, as after a loss)."""
         assert self.plan is not None
         if len(leaving) <= spares:
             return True
-        size = self.plan.world_size // self.plan.shards
-        return (
-            self.plan.shards == 1 and self._job.elastic and size - len(leaving) + spares >= self._job.min_size
-        )
+        going = replicas_to_drop(sorted(leaving), spares, self.plan.shards)
+        return self._job.elastic and self.plan.world_size - len(going) >= self._job.min_size
 
     def _resize(self, f: Failure, committed: dict[int, int], spares: list[str]) -> None:
         """The plan of a change of size; as many new ranks as spares are still ready."""

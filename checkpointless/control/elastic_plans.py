@@ -25,12 +25,12 @@ def shrink_plan(
 ) -> Plan:
     """The next generation of an elastic job that lost more ranks than it has ready spares: whole
     replicas leave the job (``dropped``: a sharded replica's live ranks too), as few as leave the
-    spares enough to take the other lost ranks (``_replicas_to_drop``), and the members are
+    spares enough to take the other lost ranks (``replicas_to_drop``), and the members are
     numbered anew in their old order, each keeping its shard (the survivors' shares are reassigned
     by rank: ``share_loop.assign``). Then as ``make_plan``. Fewer than ``min_size`` ranks left:
     ``PlanError``."""
     dead = sorted(set(prev.members) - set(committed))
-    drop = _replicas_to_drop(dead, len(spares), prev.shards)
+    drop = replicas_to_drop(dead, len(spares), prev.shards)
     size = prev.world_size - len(drop)
     if size < min_size:
         raise PlanError(
@@ -51,7 +51,7 @@ def shrink_plan(
     return replace(plan, dropped=[prev.members[r] for r in drop])
 
 
-def _replicas_to_drop(dead: list[int], spares: int, shards: int) -> list[int]:
+def replicas_to_drop(dead: list[int], spares: int, shards: int) -> list[int]:
     """The ranks of the fewest replicas whose leaving lets ``spares`` take every other lost rank:
     those with the most lost ranks first, the highest first among equals (one rank per replica:
     the highest lost ranks, the lowest taking the spares)."""

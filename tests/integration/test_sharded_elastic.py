@@ -40,6 +40,13 @@ def _fault_free() -> dict[str, float]:
     return dict(r.report["loss_by_step"])
 
 
+@functools.cache
+def _fault_free_exact() -> Any:
+    r = _run(spares=0, exact_resize=True)
+    assert r.ok, logs_of(r)
+    return r
+
+
 def _same_losses(result: Any) -> None:
     free, got = _fault_free(), result.report["loss_by_step"]
     assert sorted(got, key=int) == sorted(free, key=int)
@@ -87,14 +94,25 @@ def test_with_exact_resize_a_sharded_job_that_shrinks_and_grows_back_is_the_faul
     """``--exact-resize``: a hang takes a replica out, the newcomer of the grow is killed as it
     receives its shard, and the job grows back: the same state and losses as the fault-free run
     with exact resize, bit for bit."""
-    free = _run(spares=0, exact_resize=True)
-    assert free.ok, logs_of(free)
+    free = _fault_free_exact()
     result = _run(spares=0, min_workers=2, resize_interval_s=0.5, exact_resize=True, hang_timeout_s=2.0,
                   faults=["hang:rank=2@step=3", "kill:spare@recovery"])  # fmt: skip
     assert result.ok, f"{result.error}\n{logs_of(result)}"
     assert result.digest == free.digest
     assert result.report["loss_by_step"] == free.report["loss_by_step"]
     assert _sizes(result)[0] == (2, 1, "lost") and _sizes(result)[-1][1] == 2, _sizes(result)
+
+
+def test_a_preempted_rank_with_no_spare_hands_its_replica_over_with_no_lost_step() -> None:
+    """A notice (SIGTERM, 30 s before the kill) to rank 1 and no spare: its replica (ranks 0 and 1)
+    leaves at a step boundary, the other replica takes its shares, and no step is lost: the exact
+    fault-free run, bit for bit."""
+    result = _run(spares=0, min_workers=2, exact_resize=True, faults=["preempt:rank=1@step=4,notice=30"])
+    assert result.ok, f"{result.error}\n{logs_of(result)}"
+    assert result.digest == _fault_free_exact().digest
+    assert _sizes(result) == [(2, 1, "handoff")], _sizes(result)
+    (fault,) = result.report["faults"]
+    assert fault["lost_steps"] == 0 and fault["replaced_by"] is None, fault
 
 
 def test_scale_takes_a_sharded_job_down_a_replica_and_back_and_refuses_part_of_one() -> None:

@@ -275,15 +275,15 @@ def test_a_sharded_shrink_lets_whole_replicas_go_and_each_survivor_keeps_its_sha
         shrink_plan(prev, {0: 5, 1: 5, 3: 5}, [], min_size=4)
 
 
-def test_the_replicas_to_drop_are_the_fewest_that_leave_the_spares_enough() -> None:
-    from checkpointless.control.elastic_plans import _replicas_to_drop
+def test_thereplicas_to_drop_are_the_fewest_that_leave_the_spares_enough() -> None:
+    from checkpointless.control.elastic_plans import replicas_to_drop
 
-    assert _replicas_to_drop([1, 3], 0, 1) == [1, 3]
-    assert _replicas_to_drop([1, 3], 1, 1) == [3]  # the lowest lost rank takes the spare
-    assert _replicas_to_drop([1, 4, 5], 1, 2) == [4, 5]  # replica 2 lost two: it goes
-    assert _replicas_to_drop([1, 4, 5], 2, 2) == [4, 5]  # one replica going is enough: the one that lost most
-    assert _replicas_to_drop([1, 4, 5], 3, 2) == []
-    assert _replicas_to_drop([0, 2], 0, 2) == [0, 1, 2, 3]
+    assert replicas_to_drop([1, 3], 0, 1) == [1, 3]
+    assert replicas_to_drop([1, 3], 1, 1) == [3]  # the lowest lost rank takes the spare
+    assert replicas_to_drop([1, 4, 5], 1, 2) == [4, 5]  # replica 2 lost two: it goes
+    assert replicas_to_drop([1, 4, 5], 2, 2) == [4, 5]  # one replica going is enough: the one that lost most
+    assert replicas_to_drop([1, 4, 5], 3, 2) == []
+    assert replicas_to_drop([0, 2], 0, 2) == [0, 1, 2, 3]
 
 
 def test_a_resize_gives_new_ranks_to_spares_or_lets_the_highest_go() -> None:
