@@ -110,3 +110,14 @@ def test_under_never_wait_the_survivor_takes_the_lost_share_and_the_spare_catche
     assert [e["ok"] for e in job.events if e["kind"] == "catch_up_ended"] == [True]
     (fault,) = job.report["faults"]
     assert fault["lost_steps"] == 0, fault
+
+
+def test_four_trainers_that_lose_two_ranks_one_by_one_end_bit_for_bit_the_fault_free_run(tmp_path: Path) -> None:
+    """4 -> 3 -> 2 replicas with no spare, a kill and then a hang: at 3 replicas one holds two of the
+    4 shares (a step about twice as long for it), and the run stays the exact fault-free run."""
+    free = _run(tmp_path / "free", workers=4, spares=0, exact_resize=True)
+    job = _run(tmp_path / "shrunk", workers=4, spares=0, min_workers=2, exact_resize=True, hang_timeout_s=3.0,
+               faults=["kill:rank=2@step=3", "hang:rank=1@step=7"])  # fmt: skip
+    assert _sizes(job) == [(4, 3, "lost"), (3, 2, "lost")], _sizes(job)
+    assert job.digest == free.digest
+    assert _logged(tmp_path / "shrunk") == _logged(tmp_path / "free")
