@@ -112,7 +112,9 @@ def test_under_never_wait_the_survivor_takes_the_lost_share_and_the_spare_catche
     assert fault["lost_steps"] == 0, fault
 
 
-def test_four_trainers_that_lose_two_ranks_one_by_one_end_bit_for_bit_the_fault_free_run(tmp_path: Path) -> None:
+def test_four_trainers_that_lose_two_ranks_one_by_one_end_bit_for_bit_the_fault_free_run(
+    tmp_path: Path,
+) -> None:
     """4 -> 3 -> 2 replicas with no spare, a kill and then a hang: at 3 replicas one holds two of the
     4 shares (a step about twice as long for it), and the run stays the exact fault-free run."""
     free = _run(tmp_path / "free", workers=4, spares=0, exact_resize=True)
