@@ -141,3 +141,20 @@ def test_scale_takes_a_sharded_job_down_a_replica_and_back_and_refuses_part_of_o
     assert _sizes(result) == [(2, 1, "request"), (1, 2, "request")], _sizes(result)
     _same_losses(result)
     assert result.report["faults"] == [] and result.report["steps_completed"] == STEPS
+
+
+def test_eight_sharded_ranks_through_a_kill_a_corruption_and_a_hang_stay_the_exact_fault_free_run() -> None:
+    """4 replicas x 2 shards, exact resize, no spare: a kill takes replica 1 out (4 -> 3), a bit
+    flipped on rank 4 is found by the consistency check and repaired from its shard's other copy
+    (no resize), a hang takes replica 0 out (3 -> 2): bit for bit the fault-free run."""
+    command = [sys.executable, str(EXAMPLE), "--steps", "12"]
+    common: dict[str, Any] = dict(workers=8, shards=2, spares=0, steps=12, exact_resize=True, consistency_every=2,
+                                  command=command, timeout_s=280)  # fmt: skip
+    free = run_job(**common)
+    assert free.ok, logs_of(free)
+    result = run_job(**common, min_workers=4, hang_timeout_s=3.0,
+                     faults=["kill:rank=3@step=3", "corrupt:rank=4@step=6", "hang:rank=0@step=8"])  # fmt: skip
+    assert result.ok, f"{result.error}\n{logs_of(result)}"
+    assert result.digest == free.digest
+    assert _sizes(result) == [(4, 3, "lost"), (3, 2, "lost")], _sizes(result)
+    assert [f["lost_steps"] for f in result.report["faults"]] == [0, 0, 0], result.report["faults"]
