@@ -14,7 +14,8 @@ return verdicts; the coordinator acts on them (``coordinator.py``). Who sees wha
   replaced (a member that is still starting is not: it reports when it gets there);
 - start failure: a process that exits on its own before joining ends the job
   with its exit code and the last line of its log (a bad command or script,
-  not a machine fault); one that never joins within ``start_timeout_s`` is
+  not a machine fault; one whose script started a process group of its own is told so,
+  ``own_group``); one that never joins within ``start_timeout_s`` is
   killed. Spares that die at start-up are restarted with backoff, up to a cap;
 - fatal: a worker that found a mistake no recovery can fix (``FatalError``)
   ends the job with its message; so do loops of different lengths (``early_finish``).
@@ -34,6 +35,20 @@ from checkpointless.protocol.vocab import Phase
 #: one 10 ms tick of /proc's) is busy, not hung: a stopped process uses none, a blocked one next to
 #: none (a runtime's watchdog thread), one collecting garbage on a loaded host still gets its share
 _BUSY_SHARE = 0.1
+
+
+def own_group(tail: str) -> str:
+    """What a script that starts a ``torch.distributed`` process group of its own did, for a process
+    whose last log line is ``tail`` ("" when that line is not the sign of it). Such a script
+    (``init_process_group()``, or accelerate's ``Accelerator`` seeing ``LOCAL_RANK``) asks for an
+    ``env://`` rendezvous, whose variables (``MASTER_ADDR``, ``RANK``, ...) the launcher does not
+    set: under it the session forms the groups."""
+    if "env:// rendezvous" not in tail:
+        return ""
+    return ("started a torch.distributed process group of its own (init_process_group, or accelerate's "
+            "Accelerator): under checkpointless launch the Session forms the groups: port the loop "
+            "(docs/guide/porting.md) or use an integration (checkpointless.integrations.transformers / "
+            ".lightning)")  # fmt: skip
 
 
 def hint(tail: str) -> str:

@@ -9,7 +9,7 @@ import signal
 from collections.abc import Callable
 
 from checkpointless.control.auth import SignedStore
-from checkpointless.control.detection import hint, same_error
+from checkpointless.control.detection import hint, own_group, same_error
 from checkpointless.control.processes import ProcessTable, ProcessView
 from checkpointless.control.spares import SparePool
 from checkpointless.errors import JobFailed
@@ -44,7 +44,9 @@ class ExitJudge:
             self._emit(Event.FAULT_DETECTED, rank=rank, reason=Reason.START_FAILURE, target=name, role=role,
                        exitcode=code, log_tail=tail)  # fmt: skip
             what = f"{name} exited with code {code} before joining the job"
-            if code == 0:
+            if own_group(tail):  # the script's own process group: say so first, its error after
+                what = f"{name} {own_group(tail)}; it exited with code {code}"
+            elif code == 0:
                 what += " (does the command create a checkpointless.Session?)"
             if role == Role.SPARE:
                 self._spares.died_starting(name, f"{what}; last log line: {tail or '(empty)'}", now)

@@ -618,6 +618,14 @@ def test_rank_lost_after_its_peer_finished_is_replaced_and_the_job_finishes() ->
          r"ModuleNotFoundError: No module named 'foo'$"),
         (False, 0, "", r"^w1 exited with code 0 before joining the job \(does the command create a "
                        r"checkpointless\.Session\?\); last log line: \(empty\)$"),
+        # an unported script's own process group (init_process_group, accelerate's Accelerator)
+        (False, 1, "Traceback (most recent call last):\nValueError: Error initializing torch.distributed using "
+                   "env:// rendezvous: environment variable MASTER_ADDR expected, but not set\n",
+         r"^w1 started a torch\.distributed process group of its own \(init_process_group, or accelerate's "
+         r"Accelerator\): under checkpointless launch the Session forms the groups: port the loop "
+         r"\(docs/guide/porting\.md\) or use an integration \(checkpointless\.integrations\.transformers / "
+         r"\.lightning\); it exited with code 1; last log line: ValueError: Error initializing "
+         r"torch\.distributed using env:// rendezvous: environment variable MASTER_ADDR expected, but not set$"),
     ],
 )  # fmt: skip
 def test_worker_exit_that_ends_the_job(joined: bool, code: int, log: str, match: str) -> None:
@@ -1170,6 +1178,21 @@ def test_a_sampler_built_before_the_session_is_named_in_the_error() -> None:
     )
     assert "session.between_steps()" in _hint(closed)
     assert _hint("ZeroDivisionError: division by zero") == ""
+
+
+def test_a_process_group_of_the_scripts_own_is_recognised_by_its_rendezvous_error() -> None:
+    """torch's ``env://`` rendezvous error, whichever variable it misses, is an unported script's
+    own process group; other errors are not."""
+    from checkpointless.control.detection import own_group
+
+    for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
+        line = (
+            "ValueError: Error initializing torch.distributed using env:// rendezvous: "
+            f"environment variable {var} expected, but not set"
+        )
+        assert "docs/guide/porting.md" in own_group(line), var
+    assert own_group("ValueError: Default process group has not been initialized") == ""
+    assert own_group("ZeroDivisionError: division by zero") == ""
 
 
 def test_a_failure_waiting_for_a_killed_members_exit_plans_as_the_exit_is_seen_before_reading_heartbeats() -> (
