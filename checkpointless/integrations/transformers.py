@@ -105,6 +105,7 @@ if under_launcher():
 
 from transformers import Seq2SeqTrainer as _HFSeq2SeqTrainer  # noqa: E402  (after the variables are hidden)
 from transformers import Trainer as _HFTrainer  # noqa: E402
+from transformers.utils import logging as hf_logging  # noqa: E402
 
 from checkpointless.integrations.hf_checkpoints import best_checkpoint_dir, complete_checkpoint  # noqa: E402
 from checkpointless.integrations.hf_parts import (  # noqa: E402
@@ -289,6 +290,12 @@ class Trainer(_HFTrainer):
         if getattr(self.accelerator, "scaler", None) is not None:
             state["grad_scaler"] = self.accelerator.scaler
         session = self._session = Session(self.model, optimizer, state=state, seed=args.seed)
+        if session.rank == 0:  # what HF's startup lines get wrong here, where the Trainer logs them
+            hf_logging.get_logger("transformers.trainer").info(
+                "checkpointless: rank %d of %d; accelerate runs in its single-process mode on each rank, so "
+                "the Trainer's world size 1 (\"distributed training: False\") is this process's: the session "
+                "reduces the gradients over the job's %d shares", session.rank, session.world_size, session.dp_size,
+            )  # fmt: skip
         if progress.received and session.rank == 0:
             complete_checkpoint(self, session.step, per_epoch, max_steps, model, trial)
         sampling = "stream" if stream else getattr(args, "train_sampling_strategy", "random")

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning_utilities.core.rank_zero import rank_zero_only  # Lightning's, re-exported
 from torch.utils.data import DataLoader
 
@@ -173,6 +174,12 @@ class CheckpointlessStrategy(ParallelStrategy):
         self._sharing = sharing(self._session.job)
         # Lightning's rank-zero-only output: set at import from LOCAL_RANK (the slot), now the rank
         rank_zero_only.rank = self._session.rank  # type: ignore[attr-defined]
+        # next to Lightning's own startup lines (its rank-zero output), what they get wrong here
+        rank_zero_info(
+            f"checkpointless: rank {self._session.rank} of {self._session.world_size}; Lightning's own "
+            "lines on devices and ranks are this process's: the session forms the job's groups and "
+            f"reduces the gradients over its {self._session.dp_size} shares"
+        )
         # Before each batch Lightning broadcasts a SIGTERM flag over the default group, which the
         # session's generation is: outside the step, where a replacement entering the loop would
         # pair it with its peers' next collective. The launcher stops a job itself (Ctrl-C, SIGTERM).
