@@ -4,6 +4,7 @@ others refused in one line (exit 2), ``SCRIPT.py ARGS`` without ``--``; and one 
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.timeout(60)
 REPO = Path(__file__).resolve().parents[2]
 
 
-def parsed(*argv: str) -> tuple[object, list[str]]:
+def parsed(*argv: str) -> tuple[argparse.Namespace, list[str]]:
     """The launch options and the command that ``launch ARGV`` would run (checked, nothing started)."""
     split = argv.index("--") if "--" in argv else len(argv)
     args = launch.build_parser().parse_args(list(argv[:split]))
@@ -38,18 +39,18 @@ def script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
 @pytest.mark.parametrize("flag", ["--nproc-per-node", "--nproc_per_node"])
 def test_nproc_per_node_is_workers_and_no_spare(flag: str, script: str) -> None:
     args, command = parsed(flag, "3", script, "--lr", "3")
-    assert (args.workers, args.spares) == (3, 0)  # type: ignore[attr-defined]
+    assert (args.workers, args.spares) == (3, 0)
     assert command == [sys.executable, "train.py", "--lr", "3"]
     args, _ = parsed(f"{flag}=4", "--spares", "1", script)
-    assert (args.workers, args.spares) == (4, 1)  # type: ignore[attr-defined]
+    assert (args.workers, args.spares) == (4, 1)
 
 
 def test_launch_s_own_form_and_defaults_are_unchanged() -> None:
     args, command = parsed("--", "python", "train.py", "--lr", "3")
-    assert (args.workers, args.spares, args.port) == (2, 1, 0)  # type: ignore[attr-defined]
+    assert (args.workers, args.spares, args.port) == (2, 1, 0)
     assert command == [sys.executable, "train.py", "--lr", "3"]
     args, _ = parsed("--workers", "3", "--", "python", "-c", "0")
-    assert (args.workers, args.spares) == (3, 1)  # type: ignore[attr-defined]
+    assert (args.workers, args.spares) == (3, 1)
 
 
 def test_what_launch_does_anyway_is_taken(script: str, tmp_path: Path) -> None:
@@ -58,7 +59,7 @@ def test_what_launch_does_anyway_is_taken(script: str, tmp_path: Path) -> None:
         "localhost:29400", "--master-addr", "127.0.0.1", "--master_port", "29400", "--redirects", "3",
         "--log-dir", str(tmp_path / "run"), "--run-path", "--nproc-per-node", "2", script, "-m", "x", "--", "y",
     )  # fmt: skip
-    assert (args.workers, args.spares, args.port, args.out) == (2, 0, 29400, tmp_path / "run")  # type: ignore[attr-defined]
+    assert (args.workers, args.spares, args.port, args.out) == (2, 0, 29400, tmp_path / "run")
     assert command == [sys.executable, "train.py", "-m", "x", "--", "y"]  # after SCRIPT.py: the script's
 
 
@@ -73,10 +74,10 @@ def test_cpu_and_auto_count_as_torchrun_does() -> None:
     import torch
 
     args, _ = parsed("--nproc-per-node", "cpu", "--", "python", "-c", "0")
-    assert args.workers == os.cpu_count()  # type: ignore[attr-defined]
+    assert args.workers == os.cpu_count()
     args, _ = parsed("--nproc-per-node", "auto", "--", "python", "-c", "0")
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    assert args.workers == (gpus or os.cpu_count())  # type: ignore[attr-defined]
+    assert args.workers == (gpus or os.cpu_count())
 
 
 @pytest.mark.parametrize(
