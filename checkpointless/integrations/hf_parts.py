@@ -190,3 +190,12 @@ def read_step(
     if group is not None and group.world_size > 1:
         group.allreduce_([total])
     return micro, {None: total}, session.dp_size
+
+
+def startup_line(session: Any) -> str:
+    """Rank 0's line beside the Trainer's startup lines, which count this process alone."""
+    return (
+        f"checkpointless: rank {session.rank} of {session.world_size}; accelerate runs in its single-process "
+        "mode on each rank, so the Trainer's world size 1 (\"distributed training: False\") is this process's: "
+        f"the session reduces the gradients over the job's {session.dp_size} shares"
+    )

@@ -115,6 +115,7 @@ from checkpointless.integrations.hf_parts import (  # noqa: E402
     own_sampler_order,
     read_step,
     refusals,
+    startup_line,
 )
 
 if not hasattr(_HFTrainer, "_prepare_for_training"):  # the 5.x loop's pieces this class is built of
@@ -291,11 +292,7 @@ class Trainer(_HFTrainer):
             state["grad_scaler"] = self.accelerator.scaler
         session = self._session = Session(self.model, optimizer, state=state, seed=args.seed)
         if session.rank == 0:  # what HF's startup lines get wrong here, where the Trainer logs them
-            hf_logging.get_logger("transformers.trainer").info(
-                "checkpointless: rank %d of %d; accelerate runs in its single-process mode on each rank, so "
-                "the Trainer's world size 1 (\"distributed training: False\") is this process's: the session "
-                "reduces the gradients over the job's %d shares", session.rank, session.world_size, session.dp_size,
-            )  # fmt: skip
+            hf_logging.get_logger("transformers.trainer").info(startup_line(session))
         if progress.received and session.rank == 0:
             complete_checkpoint(self, session.step, per_epoch, max_steps, model, trial)
         sampling = "stream" if stream else getattr(args, "train_sampling_strategy", "random")

@@ -294,12 +294,12 @@ def test_lightnings_sigterm_broadcasts_over_the_default_group_are_off(
     """The session's generation is the default group: Lightning's per-batch SIGTERM broadcast and
     its handler's broadcast would run outside the step (where a replacement pairs them with its
     peers' next collective). The handler only notes the signal."""
-    from checkpointless.integrations.lightning.strategy import _SigtermNoted
+    from checkpointless.integrations.lightning.launched import SigtermNoted
 
     trainer = _fit(tmp_path)._trainer
     assert trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor() is None
     noted = trainer._signal_connector._sigterm_notifier_fn
-    assert isinstance(noted, _SigtermNoted)
+    assert isinstance(noted, SigtermNoted)
     noted(15, None)
     assert trainer._signal_connector.received_sigterm  # alone, Lightning stops at the next batch
     trainer._signal_connector.received_sigterm = False

@@ -142,9 +142,7 @@ if not SUPPORTED[0] <= Version(lightning.__version__) < SUPPORTED[1]:
         f"(found {lightning.__version__}): pip install 'checkpointless[lightning]'"
     )
 
-from checkpointless.integrations.lightning.strategy import (  # noqa: E402  # after the version check
-    CheckpointlessStrategy,
-    under_launcher,
-)
+from checkpointless.integrations.lightning.launched import under_launcher  # noqa: E402  # after the version check
+from checkpointless.integrations.lightning.strategy import CheckpointlessStrategy  # noqa: E402
 
 __all__ = ["SUPPORTED", "CheckpointlessStrategy", "under_launcher"]

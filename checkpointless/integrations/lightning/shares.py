@@ -4,26 +4,12 @@ replica holds, ``training_step`` given that share's batch (the package docstring
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
-from checkpointless.config import JobConfig
 from checkpointless.integrations.lightning import _compat as host
 from checkpointless.integrations.lightning.collectives import Collectives
-from checkpointless.protocol.env import ENV_CONFIG, ENV_STORE
 from checkpointless.session import Session
-
-
-def launched_job() -> JobConfig | None:
-    """The job's settings before this process's session exists (None without a launcher)."""
-    return JobConfig.from_json(os.environ[ENV_CONFIG]) if ENV_STORE in os.environ else None
-
-
-def sharing(job: JobConfig | None) -> bool:
-    """Whether a replica of ``job`` may compute several shares: every step then runs the session's
-    share loop (the session's own rule)."""
-    return job is not None and (job.elastic or job.share_count != job.workers)
 
 
 class SharePasses:

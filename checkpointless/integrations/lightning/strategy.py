@@ -20,39 +20,24 @@ from checkpointless.integrations.lightning import _compat as host
 from checkpointless.integrations.lightning.checkpoints import complete_saves, note_links
 from checkpointless.integrations.lightning.collectives import Collectives
 from checkpointless.integrations.lightning.data import TrainBatches
+from checkpointless.integrations.lightning.launched import (
+    SigtermNoted,
+    launched_job,
+    sharing,
+    startup_line,
+    under_launcher,
+)
 from checkpointless.integrations.lightning.progress import Metrics, Progress
 from checkpointless.integrations.lightning.refusals import (
     refused_loader,
     refused_settings,
     validation_inside_a_step,
 )
-from checkpointless.integrations.lightning.shares import SharePasses, launched_job, sharing
+from checkpointless.integrations.lightning.shares import SharePasses
 from checkpointless.integrations.lightning.window import Window
-from checkpointless.protocol.env import ENV_STORE
 from checkpointless.session import Session
 
 log = logging.getLogger(__name__)
-
-
-class _SigtermNoted:
-    """Lightning's SIGTERM notifier without its broadcast over the default group. Under the
-    launcher a SIGTERM is a preemption notice that checkpointless's own handler (which Lightning
-    calls too) turns into a handoff of the rank: Lightning must not end the loop early then."""
-
-    def __init__(self, connector: Any) -> None:
-        self.connector = connector
-
-    def __call__(self, signum: int, frame: Any) -> None:
-        if under_launcher():
-            log.info("received signal %d: a preemption notice, this rank is handed over", signum)
-            return
-        log.info("received signal %d: Lightning stops at the next batch", signum)
-        self.connector.received_sigterm = True
-
-
-def under_launcher() -> bool:
-    """Whether this process was started by ``checkpointless launch`` (or ``run``, ``cluster``)."""
-    return ENV_STORE in os.environ
 
 
 class CheckpointlessStrategy(ParallelStrategy):
@@ -175,17 +160,13 @@ class CheckpointlessStrategy(ParallelStrategy):
         # Lightning's rank-zero-only output: set at import from LOCAL_RANK (the slot), now the rank
         rank_zero_only.rank = self._session.rank  # type: ignore[attr-defined]
         # next to Lightning's own startup lines (its rank-zero output), what they get wrong here
-        rank_zero_info(
-            f"checkpointless: rank {self._session.rank} of {self._session.world_size}; Lightning's own "
-            "lines on devices and ranks are this process's: the session forms the job's groups and "
-            f"reduces the gradients over its {self._session.dp_size} shares"
-        )
+        rank_zero_info(startup_line(self._session))
         # Before each batch Lightning broadcasts a SIGTERM flag over the default group, which the
         # session's generation is: outside the step, where a replacement entering the loop would
         # pair it with its peers' next collective. The launcher stops a job itself (Ctrl-C, SIGTERM).
         # Its SIGTERM handler (registered after this) broadcasts too, from wherever the signal
         # lands: it notes the signal only (Lightning then stops at the next batch).
-        host.mute_sigterm_broadcast(trainer, _SigtermNoted)
+        host.mute_sigterm_broadcast(trainer, SigtermNoted)
         if self._progress.received and self._progress.snapshot["step"] >= 0:
             self._join(trainer)
             return
