@@ -80,7 +80,9 @@ def accumulated_reference(lightning_dir: Path, tmp_path_factory: pytest.TempPath
         ["kill:rank=1@step=6"],  # the first step of epoch 1
         ["exception:rank=0@step=5"],
         ["kill:rank=1@step=17"],  # the last step
-        ["preempt:rank=1@step=4,notice=30"],  # a notice: Lightning's own SIGTERM handling must not stop the loop
+        [
+            "preempt:rank=1@step=4,notice=30"
+        ],  # a notice: Lightning's own SIGTERM handling must not stop the loop
     ],
     ids=["kill-then-exception", "kill-at-epoch-start", "exception", "kill-at-last-step", "preempt"],
 )
