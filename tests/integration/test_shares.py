@@ -109,20 +109,6 @@ def test_shares_the_job_cannot_use_are_one_line(tmp_path: Path) -> None:
     )
 
 
-def test_the_trainer_integration_refuses_several_shares_a_replica_in_one_line(tmp_path: Path) -> None:
-    """Until the integrations compute several shares, ``--shares`` beyond the workers ends an HF
-    ``Trainer`` job at once, in one line naming it, no spare used."""
-    script = str(Path(__file__).resolve().parents[1] / "scripts" / "hf_trainer.py")
-    result = run_job(
-        workers=2, spares=1, steps=4, shares=4, command=[sys.executable, script, str(tmp_path), "4"]
-    )
-    assert not result.ok
-    assert result.error is not None and "Hugging Face Trainer integration computes one share per replica" in (
-        result.error
-    ), result.error
-    assert not [e for e in result.events if e["kind"] == "transfer_begun"]
-
-
 @pytest.mark.parametrize(("workers", "shares"), [(4, 8), (8, 16)])
 def test_kill_hang_exception_corruption_and_a_spare_killed_in_recovery_at_several_shares_a_replica(
     tmp_path: Path, workers: int, shares: int
