@@ -12,7 +12,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from checkpointless.cli.job_flags import Parser, add_job_args, job_config, topology_args
+from checkpointless.cli.job_flags import Parser, add_job_args, job_config, positive, topology_args
 from checkpointless.cli.job_run import exit_code, print_result, run_job
 from checkpointless.errors import UsageError
 from checkpointless.launch.cluster import LocalCluster
@@ -110,8 +110,7 @@ def _count(value: str) -> int:
         n = int(value)
     except ValueError:
         raise UsageError(f"--nproc-per-node {value!r}: expected a number, gpu, cpu or auto") from None
-    if n < 1:
-        raise UsageError(f"--nproc-per-node must be >= 1, got {n}")
+    positive("nproc-per-node", n)
     return n
 
 

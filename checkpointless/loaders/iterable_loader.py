@@ -64,7 +64,7 @@ from typing import Any, Protocol
 
 from torch.utils.data import DataLoader, IterableDataset, default_collate
 
-from checkpointless.loaders.loader import own_generator, worker_processes
+from checkpointless.loaders.loader import KEPT, own_generator, worker_processes
 from checkpointless.loaders.options import LoaderOptions
 
 _END = object()
@@ -258,9 +258,8 @@ class IterableStepLoader:
         self.steps_per_epoch: int | None = None
         if n is not None:
             self.steps_per_epoch = n // global_batch_size if drop_last else -(-n // global_batch_size)
-        self._iter: Iterator[Any] | None = None
-        self._next = -1  # the step the kept iterator yields next
-        self._shape = (-1, -1)  # (rank, size) the kept iterator was made for
+        # the iterators of the last parts read, by (rank, size): (the iterator, the step it yields next)
+        self._kept: dict[tuple[int, int], tuple[Iterator[Any], int]] = {}
 
     def _layout(self, rank: int, size: int) -> _Layout:
         return _Layout(self.global_batch_size, self.samples_per_pass, self.steps_per_epoch, rank, size)
@@ -287,22 +286,24 @@ class IterableStepLoader:
                 f"global_batch_size {self.global_batch_size} cannot be shared evenly by {shape[1]} "
                 "data-parallel ranks (make it a multiple of the ranks)"
             )
-        if self._iter is None or step != self._next or shape != self._shape:
-            self._restart(step, shape)
-        assert self._iter is not None
+        kept = self._kept.pop(shape, None)
+        it = kept[0] if kept is not None and kept[1] == step else self._restart(step, shape)
         try:
-            out = next(self._iter)
+            out = next(it)
         except BaseException:
             self.close()  # the step executed again (the dataset's exception is the attempt's) restarts
             raise
         if isinstance(out, _Failure):
             self.close()
             raise ValueError(out.message)
-        self._next = step + 1
+        self._kept[shape] = (it, step + 1)  # the most recent last
+        while len(self._kept) > KEPT:  # the least recent ends (its worker process with it)
+            del self._kept[next(iter(self._kept))]
         return out
 
-    def _restart(self, step: int, shape: tuple[int, int]) -> None:
-        self.close()
+    def _restart(self, step: int, shape: tuple[int, int]) -> Iterator[Any]:
+        """Part ``shape``'s iterator from ``step`` (a replica holding several shares keeps one per
+        share it reads: a stream read again from a step may have to be read from its pass's start)."""
         loader = DataLoader(
             _Steps(self.dataset, self._layout(*shape), step),
             batch_size=None,
@@ -312,11 +313,11 @@ class IterableStepLoader:
             generator=own_generator(step),
             **worker_processes(self.options.num_workers, self.options.worker_init_fn),
         )
-        self._iter, self._next, self._shape = iter(loader), step, shape
+        return iter(loader)
 
     def close(self) -> None:
-        """Drop the kept iterator (and its worker process, or the dataset's iterator with it)."""
-        self._iter = None
+        """Drop the kept iterators (and their worker processes, or the dataset's iterators with them)."""
+        self._kept.clear()
 
     def __len__(self) -> int:
         """Steps per epoch (a pass); a ``TypeError`` for a stream without ``__len__``."""

@@ -79,7 +79,7 @@ def own_generator(step: int) -> torch.Generator:
     return torch.Generator().manual_seed(step)
 
 
-_KEPT = 4
+KEPT = 4
 """Parts whose loaders (and worker processes) a ``StepLoader`` keeps: a replica of an elastic job
 that shrank holds two shares, rarely more."""
 
@@ -241,7 +241,7 @@ class StepLoader:
         """Read part ``shape`` on from ``step``. Worker processes are kept (``persistent_workers``):
         a step read again after a recovery resets them to it (what they prefetched is dropped)
         instead of starting new ones, which took a second of the recovery; so are those of the
-        last ``_KEPT`` parts read (a replica holding several shares reads each in turn)."""
+        last ``KEPT`` parts read (a replica holding several shares reads each in turn)."""
         self._iter = None
         kept = self._kept.pop(shape, None)
         if kept is not None:
@@ -268,7 +268,7 @@ class StepLoader:
             self._iter = iter(loader)
             if workers:
                 self._kept[shape] = (loader, batches)
-                while len(self._kept) > _KEPT:  # the least recent ends, its workers with it
+                while len(self._kept) > KEPT:  # the least recent ends, its workers with it
                     del self._kept[next(iter(self._kept))]
         self._next, self._shape = step, shape
 

@@ -114,6 +114,18 @@ def test_a_share_asked_by_name_is_that_ranks_part_whatever_the_current_rank() ->
             assert loader.batch(step, share=share).tolist() == expected, (step, share)
 
 
+def test_a_replica_reading_two_shares_in_turn_keeps_an_iterator_for_each() -> None:
+    """Shares 0 and 1 read in turn, step after step, from an endless stream that cannot seek: each
+    part's iterator is kept, so the stream is read once per part, not again from its start at
+    every switch."""
+    ds = Stream()
+    loader = _loader(ds, 4, 0, 2)
+    for step in range(6):
+        for share in (0, 1):
+            loader.batch(step, share=share)
+    assert ds.reads <= 2 * (6 * 4 + 4), ds.reads  # each part's iterator read on (a batch ahead at most)
+
+
 def test_consecutive_steps_keep_the_iterator_and_a_step_asked_again_is_the_same() -> None:
     ds = Stream()
     loader = _loader(ds, 8, 1, 2)
